@@ -1,0 +1,27 @@
+// The public op schemas of the `static_moe` namespace, defined once (SPEC.md §4).
+// Backends only implement them: csrc/cpu/<op>.cpp registers the CPU kernels, csrc/cuda/<op>_binding.cpp the CUDA
+// ones; fake (meta) kernels live in Python beside each op's wrapper (python/static_moe/ops/<op>.py).
+// Later arguments may be added only with defaults, at the end.
+#include <torch/extension.h>
+
+TORCH_LIBRARY(static_moe, m) {
+  m.def("pack_rows(Tensor[] parts, int capacity) -> Tensor");
+  m.def("unpack_rows(Tensor packed, int offset, int nbytes, ScalarType dtype, int[] row_shape) -> Tensor");
+  m.def(
+      "swiglu_and_cast(Tensor gate_up, Tensor? row_weight, float? swiglu_limit, str out_format=\"fp8\", "
+      "int group_size=128, float fp8_max=448., bool pow2_scale=True) -> (Tensor, Tensor)");
+  m.def("expert_gemm(Tensor a, Tensor? a_scale, Tensor b, Tensor? b_scale, Tensor row_mask, int expert) -> Tensor");
+  m.def(
+      "local_experts(Tensor x, Tensor? x_scale, Tensor topk_idx, Tensor topk_weights, Tensor w13, "
+      "Tensor? w13_scale, Tensor w2, Tensor? w2_scale, int expert_offset, float? swiglu_limit, "
+      "float fp8_max=448.) -> Tensor");
+  m.def(
+      "forward(Tensor x, Tensor? x_scale, Tensor topk_idx, Tensor topk_weights, Tensor w13, Tensor? w13_scale, "
+      "Tensor w2, Tensor? w2_scale, Tensor? shared_output, int num_experts, int capacity, float? swiglu_limit, "
+      "str group_name, int ep_rank, int ep_size) -> Tensor");
+}
+
+// `import static_moe._C` loads this library, which runs the registrations above and in every backend file.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "static_moe C++ extension: op registrations for the CPU (and, when built, CUDA) backends";
+}

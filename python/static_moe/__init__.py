@@ -1,0 +1,33 @@
+"""static_moe: static-shape expert-parallel MoE decode ops for NKI (Trainium), CUDA and CPU.
+
+``import static_moe`` loads the C++ extension (which registers every ``torch.ops.static_moe.*`` schema and its
+CPU/CUDA kernels) and the Python side of each op (fake kernels for tracing, the forward's composite body).
+"""
+
+import torch  # noqa: F401  (libtorch must be loaded before the extension)
+
+from . import _C  # noqa: F401  (loads the library: schemas + backend kernels)
+from . import ops  # noqa: F401  (fake kernels, Python-side op bodies)
+from .formats import (
+    dequantize_activation,
+    dequantize_weight,
+    quantize_activation,
+    quantize_weight,
+    quantize_weight_fp4,
+    quantize_weight_fp8,
+)
+from .ops import expert_gemm, local_experts, pack_rows, swiglu_and_cast, unpack_rows
+
+__all__ = [
+    "pack_rows",
+    "unpack_rows",
+    "swiglu_and_cast",
+    "expert_gemm",
+    "local_experts",
+    "quantize_activation",
+    "dequantize_activation",
+    "quantize_weight",
+    "quantize_weight_fp8",
+    "quantize_weight_fp4",
+    "dequantize_weight",
+]

@@ -1,0 +1,38 @@
+"""Reference expert_gemm (SPEC §1.6): per-expert masked GEMM with a shared A operand."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import dequantize_activation, dequantize_weight
+
+
+def dequantize_a(a: torch.Tensor, a_scale: torch.Tensor | None) -> torch.Tensor:
+    """A operand (bf16, or fp8 with float32 [R, K/g] scales) → float32 [R, K]."""
+    if a.dtype == torch.float8_e4m3fn:
+        return dequantize_activation(a, a_scale)
+    return a.float()
+
+
+def expert_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b: torch.Tensor,
+    b_scale: torch.Tensor | None,
+    row_mask: torch.Tensor,
+    expert: int,
+) -> torch.Tensor:
+    """``D[m, n] = bf16(Σ_k A[m, k]·B_e[n, k])`` on dequantized values, fp32 accumulation.
+
+    a [R, K] bf16 / float8_e4m3fn (+ a_scale float32 [R, K/g]); b [L, N, K] bf16 / float8_e4m3fn (+ float32
+    [L, N, K/128]) or uint8 [L, N, K/2] fp4 (+ UE8M0 uint8 [L, N, K/32]); row_mask bool [R].
+    Returns bf16 [R, N], exact zeros on masked rows; masked rows are never read.
+    """
+    rows = row_mask.nonzero().squeeze(1)
+    out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
+    if rows.numel() == 0:
+        return out
+    a_rows = dequantize_a(a.index_select(0, rows), None if a_scale is None else a_scale.index_select(0, rows))
+    w = dequantize_weight(b[expert], None if b_scale is None else b_scale[expert])
+    out[rows] = (a_rows @ w.T).to(torch.bfloat16)
+    return out

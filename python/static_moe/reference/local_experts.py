@@ -1,0 +1,62 @@
+"""Reference local_experts (SPEC §1.7): the fused step 2 of the forward, in the SPEC's reference order."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import FP8_E4M3FN_MAX
+from .expert_gemm import expert_gemm
+from .swiglu_and_cast import swiglu_and_cast
+
+
+def routed_weight(topk_idx: torch.Tensor, topk_weights: torch.Tensor, expert_id: int) -> torch.Tensor:
+    """float32 [R]: the sum, in slot order, of each row's top-k weights whose id is ``expert_id`` (0 elsewhere).
+
+    Slots that do not name the expert contribute nothing, so NaN weights in padded rows cannot leak."""
+    hit = topk_idx == expert_id
+    w = topk_weights.float()
+    acc = torch.zeros(topk_idx.shape[0], dtype=torch.float32, device=topk_idx.device)
+    for j in range(topk_idx.shape[1]):
+        acc = acc + torch.where(hit[:, j], w[:, j], torch.zeros_like(acc))
+    return acc
+
+
+def local_experts(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    expert_offset: int,
+    swiglu_limit: float | None,
+    fp8_max: float = FP8_E4M3FN_MAX,
+) -> torch.Tensor:
+    """Run the L local experts (global ids expert_offset … expert_offset+L−1) over the rows routed to them.
+
+    x [R, H] bf16 or float8_e4m3fn (+ x_scale float32 [R, H/g]); topk_idx int32/int64 [R, k] (−1 = empty);
+    topk_weights float32/bf16 [R, k]; w13 [L, 2I, H], w2 [L, H, I] in one weight format. Returns float32 [R, H]:
+    ``acc[rows_e] += bf16(GEMM2(swiglu_and_cast(bf16(GEMM1(x, W13_e)), w_e), W2_e))``, experts in increasing id.
+    """
+    r = x.shape[0]
+    num_local = w13.shape[0]
+    fp8_act = x.dtype == torch.float8_e4m3fn
+    group = x.shape[1] // x_scale.shape[1] if fp8_act else 128
+    acc = torch.zeros((r, w2.shape[1]), dtype=torch.float32, device=x.device)
+    for e in range(num_local):
+        w_e = routed_weight(topk_idx, topk_weights, expert_offset + e)
+        hit = (topk_idx == expert_offset + e).any(dim=1)
+        rows = hit.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue  # no row selects this expert: no work, no weight reads
+        xs = None if x_scale is None else x_scale.index_select(0, rows)
+        sub_mask = torch.ones(rows.numel(), dtype=torch.bool, device=x.device)
+        h = expert_gemm(x.index_select(0, rows), xs, w13, w13_scale, sub_mask, e)
+        z, z_s = swiglu_and_cast(
+            h, w_e.index_select(0, rows), swiglu_limit, "fp8" if fp8_act else "bf16", group, fp8_max, True
+        )
+        d = expert_gemm(z, z_s if fp8_act else None, w2, w2_scale, sub_mask, e)
+        acc.index_add_(0, rows, d.float())
+    return acc

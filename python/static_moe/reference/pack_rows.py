@@ -1,0 +1,53 @@
+"""Reference pack_rows / unpack_rows (SPEC §1.8): pure torch, the executable spec of the pack layout."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ALIGN = 16
+PAD_BYTE = 0xFF
+
+
+def part_nbytes(part: torch.Tensor) -> int:
+    """Bytes of one row of ``part`` [T, ...]."""
+    return math.prod(part.shape[1:]) * part.element_size()
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def pack_layout(row_nbytes: list[int]) -> tuple[list[tuple[int, int]], int]:
+    """Spans ``(offset, nbytes)`` of each part and the total row width W; each part starts 16-byte aligned."""
+    spans, width = [], 0
+    for n in row_nbytes:
+        spans.append((width, n))
+        width += aligned(n)
+    return spans, width
+
+
+def pack_rows(parts: list[torch.Tensor], capacity: int) -> torch.Tensor:
+    """Pack parts ``[T, ...]`` (any dtypes) into uint8 ``[capacity, W]``.
+
+    Part i's bytes sit at columns ``[offset_i, offset_i + nbytes_i)``; alignment gaps and rows T … capacity−1
+    are 0xFF, so padded int32 ids read −1 and padded fp32 weights NaN.
+    """
+    t = parts[0].shape[0]
+    spans, width = pack_layout([part_nbytes(p) for p in parts])
+    out = torch.full((capacity, width), PAD_BYTE, dtype=torch.uint8, device=parts[0].device)
+    for p, (off, n) in zip(parts, spans):
+        if n and t:
+            out[:t, off : off + n] = p.contiguous().view(torch.uint8).reshape(t, n)
+    return out
+
+
+def unpack_rows(
+    packed: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, row_shape: list[int]
+) -> torch.Tensor:
+    """Copy the span ``[offset, offset + nbytes)`` of every row of uint8 ``packed`` [R, W] out as
+    ``dtype [R, *row_shape]``."""
+    rows = packed.shape[0]
+    span = packed[:, offset : offset + nbytes].contiguous()
+    return span.view(dtype).reshape(rows, *row_shape).clone()

@@ -1,0 +1,46 @@
+"""Reference swiglu_and_cast (SPEC §1.4–1.5)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import AMAX_FLOOR, FP8_E4M3FN_MAX, quantize_activation, round_up_pow2
+
+
+def swiglu(gate_up: torch.Tensor, row_weight: torch.Tensor | None, swiglu_limit: float | None) -> torch.Tensor:
+    """``g·sigmoid(g)·u·w`` in float32 for gate_up [R, 2I] → [R, I]; the clamp is upper-only on g, both sides on u."""
+    gu = gate_up.float()
+    i = gu.shape[1] // 2
+    g, u = gu[:, :i], gu[:, i:]
+    if swiglu_limit is not None:
+        g = g.clamp(max=swiglu_limit)
+        u = u.clamp(-swiglu_limit, swiglu_limit)
+    v = g * torch.sigmoid(g) * u
+    if row_weight is not None:
+        v = v * row_weight.float()[:, None]
+    return v
+
+
+def swiglu_and_cast(
+    gate_up: torch.Tensor,
+    row_weight: torch.Tensor | None,
+    swiglu_limit: float | None,
+    out_format: str = "fp8",
+    group_size: int = 128,
+    fp8_max: float = FP8_E4M3FN_MAX,
+    pow2_scale: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up bf16/fp32 [R, 2I], row_weight float32 [R] or None → ``("fp8")`` (float8_e4m3fn [R, I],
+    float32 [R, I/group_size]) or ``("bf16")`` (bf16 [R, I], float32 [R, 0])."""
+    v = swiglu(gate_up, row_weight, swiglu_limit)
+    if out_format == "bf16":
+        return v.to(torch.bfloat16), v.new_empty((v.shape[0], 0))
+    return quantize_activation(v, group_size, fp8_max, pow2_scale)
+
+
+def floor_scale(fp8_max: float, pow2_scale: bool) -> float:
+    """The scale of an all-zero group: ``1e-4 / fp8_max``, rounded up to a power of two with pow2_scale."""
+    s = torch.tensor([AMAX_FLOOR], dtype=torch.float32) / fp8_max
+    if pow2_scale:
+        s = round_up_pow2(s)
+    return float(s)

@@ -1,0 +1,81 @@
+"""Input generators shared by tests and benchmarks: real model shapes and builders for activations, routing and
+expert weights in every format (SPEC §1). Deterministic from a seed; everything on the CPU unless ``device`` says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import quantize_activation, quantize_weight
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Per-layer MoE dims of a real model (decode)."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    num_experts: int
+    topk: int
+
+
+MODEL_SHAPES = {
+    "v4_flash": ModelShape("DeepSeek-V4-Flash", 4096, 2048, 256, 6),
+    "v3": ModelShape("DeepSeek-V3", 7168, 2048, 256, 8),
+    "qwen3_30b_a3b": ModelShape("Qwen3-30B-A3B", 2048, 768, 128, 8),
+}
+
+# Activation × weight pairs the SPEC supports (§1.2), as (act_format, weight_format).
+FORMAT_PAIRS = [("bf16", "bf16"), ("bf16", "fp8"), ("bf16", "fp4"), ("fp8", "fp8"), ("fp8", "fp4")]
+
+
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def make_weights(num_local: int, hidden: int, inter: int, fmt: str, seed: int = 0, device="cpu") -> dict:
+    """Local expert weights ``w13 [L, 2I, H]``, ``w2 [L, H, I]`` in ``fmt`` (bf16 / fp8 / fp4) with their scales,
+    drawn N(0, 1/fan_in) in fp32 and quantized with formats.quantize_weight."""
+    g = gen(seed)
+    w13 = torch.randn(num_local, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_local, hidden, inter, generator=g) / inter**0.5
+    w13_q, w13_s = quantize_weight(w13, fmt)
+    w2_q, w2_s = quantize_weight(w2, fmt)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return {"w13": to(w13_q), "w13_scale": to(w13_s), "w2": to(w2_q), "w2_scale": to(w2_s)}
+
+
+def make_activations(rows: int, hidden: int, act_fmt: str, group: int = 128, seed: int = 0, device="cpu",
+                     scale: float = 1.0):
+    """``(x, x_scale)``: bf16 [R, H] with x_scale None, or fp8 e4m3fn [R, H] with float32 [R, H/group]."""
+    x = torch.randn(rows, hidden, generator=gen(seed)) * scale
+    if act_fmt == "bf16":
+        return x.to(torch.bfloat16).to(device), None
+    q, s = quantize_activation(x, group)
+    return q.to(device), s.to(device)
+
+
+def make_routing(rows: int, topk: int, num_experts: int, seed: int = 0, *, empty_frac: float = 0.0,
+                 skew: float = 0.0, duplicate_frac: float = 0.0, index_dtype=torch.int32, device="cpu"):
+    """``(topk_idx [R, k], topk_weights float32 [R, k])`` with distinct ids per row unless ``duplicate_frac``.
+
+    skew ∈ [0, 1]: the probability that a slot is routed to expert 0 (hot expert); empty_frac: probability of a
+    −1 slot; duplicate_frac: probability that slot j > 0 repeats slot 0's id."""
+    g = gen(seed)
+    idx = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(rows)]) if rows else \
+        torch.zeros(0, topk, dtype=torch.long)
+    if skew > 0:
+        idx = torch.where(torch.rand(idx.shape, generator=g) < skew, torch.zeros_like(idx), idx)
+    if duplicate_frac > 0 and topk > 1:
+        dup = torch.rand(idx.shape, generator=g) < duplicate_frac
+        dup[:, 0] = False
+        idx = torch.where(dup, idx[:, :1].expand_as(idx), idx)
+    if empty_frac > 0:
+        idx = torch.where(torch.rand(idx.shape, generator=g) < empty_frac, torch.full_like(idx, -1), idx)
+    w = torch.softmax(torch.randn(rows, topk, generator=g), dim=-1)
+    return idx.to(index_dtype).to(device), w.float().to(device)

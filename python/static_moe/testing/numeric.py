@@ -1,0 +1,83 @@
+"""Numerics helpers shared by tests and benchmarks: the SPEC §2 tolerance checks in one place."""
+
+from __future__ import annotations
+
+import torch
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``1 − 2·Σxy / (Σx² + Σy²)`` in float64 (0 for identical tensors; 0 when both are all zero)."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    if denom == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denom)
+
+
+def assert_equal(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    """Bitwise equality, dtype and shape included (NaNs compare by bits)."""
+    assert out.dtype == ref.dtype, f"{what}: dtype {out.dtype} != {ref.dtype}"
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    a = out.contiguous().view(torch.uint8) if out.numel() else out
+    b = ref.contiguous().view(torch.uint8) if ref.numel() else ref
+    if not torch.equal(a, b):
+        bad = (a != b).nonzero()
+        raise AssertionError(f"{what}: {bad.shape[0]} bytes differ, first at {bad[0].tolist()}")
+
+
+def assert_gemm_close(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    """SPEC §2 for expert GEMM, local experts and forward: calc_diff < 1e-5 and
+    ``|out − ref| ≤ 2^-7·|ref| + 1e-3·max|ref|`` elementwise; no NaN anywhere."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    o, r = out.double(), ref.double()
+    assert not torch.isnan(o).any(), f"{what}: output has NaN"
+    if r.numel() == 0:
+        return
+    d = calc_diff(o, r)
+    assert d < 1e-5, f"{what}: calc_diff {d:.3e} ≥ 1e-5"
+    bound = 2.0**-7 * r.abs() + 1e-3 * r.abs().max()
+    err = (o - r).abs()
+    if not bool((err <= bound).all()):
+        i = int((err - bound).argmax())
+        raise AssertionError(
+            f"{what}: |out−ref| {err.flatten()[i]:.4g} > bound {bound.flatten()[i]:.4g} at flat index {i} "
+            f"(out {o.flatten()[i]:.6g}, ref {r.flatten()[i]:.6g})"
+        )
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Size of one bf16 ulp at each |x| (float32)."""
+    a = x.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    e = torch.floor(torch.log2(a))
+    return torch.exp2(e - 7)
+
+
+def assert_swiglu_close(out: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor],
+                        what: str = "", min_equal_fraction: float = 0.999) -> None:
+    """SPEC §2 for swiglu_and_cast. bf16 out: within 1 bf16 ulp. fp8 out: scales bitwise equal, dequantized
+    values within one fp8 step, and at least 99.9 % of bytes equal."""
+    q, s = out
+    rq, rs = ref
+    assert q.dtype == rq.dtype and q.shape == rq.shape, f"{what}: {q.dtype}{tuple(q.shape)} vs {rq.dtype}{tuple(rq.shape)}"
+    assert s.shape == rs.shape, f"{what}: scale shape {tuple(s.shape)} != {tuple(rs.shape)}"
+    if q.dtype == torch.bfloat16:
+        err = (q.float() - rq.float()).abs()
+        ok = err <= bf16_ulp(rq)
+        assert bool(ok.all()), f"{what}: {int((~ok).sum())} bf16 values beyond 1 ulp"
+        return
+    assert_equal(s, rs, f"{what} scales")
+    if q.numel() == 0:
+        return
+    g = q.shape[1] // s.shape[1]
+    scale = s.repeat_interleave(g, dim=1)
+    step = fp8_step(rq.float()) * scale
+    err = (q.float() * scale - rq.float() * scale).abs()
+    assert bool((err <= step).all()), f"{what}: fp8 values more than one step apart"
+    same = (q.view(torch.uint8) == rq.view(torch.uint8)).float().mean().item()
+    assert same >= min_equal_fraction, f"{what}: only {same:.4%} of fp8 bytes equal"
+
+
+def fp8_step(v: torch.Tensor) -> torch.Tensor:
+    """Spacing of the e4m3fn grid around each value (subnormal spacing 2^-9 below 2^-6)."""
+    a = v.abs().clamp_min(2.0**-6)
+    return torch.exp2(torch.floor(torch.log2(a)) - 3)

@@ -1,0 +1,70 @@
+"""Build static_moe: the Python package (python/static_moe), the NKI kernel sources (nki_kernels) and the C++
+extension ``static_moe._C`` from csrc/.
+
+A CPU-only torch builds the CPU backend alone.  When torch is a CUDA build and nvcc is found, the CUDA kernels
+in csrc/cuda/ are compiled into the same extension and registered for the CUDA dispatch key.
+
+The default build never uses ``-march=native``: SIMD kernels pick their instruction set at run time
+(see csrc/cpu/simd.h), so one wheel runs on every x86-64 CPU.
+"""
+
+import glob
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rel(paths):
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def _want_cuda() -> bool:
+    if os.environ.get("STATIC_MOE_FORCE_CPU", "0") == "1":
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+cpu_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
+link_flags = ["-fopenmp"]
+define_macros = []
+
+if _want_cuda():
+    cuda_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
+    arch = os.environ.get("STATIC_MOE_CUDA_ARCH", "90a;80")
+    gencode = []
+    for a in arch.split(";"):
+        gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    ext = CUDAExtension(
+        "static_moe._C",
+        cpu_sources + cuda_sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=define_macros + [("STATIC_MOE_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"] + gencode},
+        extra_link_args=link_flags,
+    )
+else:
+    ext = CppExtension(
+        "static_moe._C",
+        cpu_sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=define_macros,
+        extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
+    )
+
+setup(
+    name="static_moe",
+    version="0.1.0",
+    description="Static-shape expert-parallel MoE decode ops for NKI, CUDA and CPU",
+    packages=["static_moe", "static_moe.reference", "static_moe.ops", "static_moe.testing", "static_moe.nki", "nki_kernels"],
+    package_dir={"static_moe": "python/static_moe", "nki_kernels": "nki_kernels"},
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.13", "numpy", "ml_dtypes"],
+)
