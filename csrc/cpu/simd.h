@@ -1,0 +1,79 @@
+// Run-time choice of the x86 instruction set used by the CPU kernels. Torch-free.
+//
+// The default build compiles for baseline x86-64 (no -march=native). Kernels that want SIMD keep one source file
+// per instruction set, compiled under `#pragma GCC target(...)` (see csrc/cpu/kernels/moe_gemm_avx512.cpp), and
+// pick one per call with select_isa():
+//   Isa::Avx512  AVX-512 F+BW+DQ+VL (x86-64-v4)
+//   Isa::Avx2    AVX2 + FMA + F16C (x86-64-v3 without the rest)
+//   Isa::Scalar  portable C++
+// STATIC_MOE_CPU_ISA=scalar|avx2|avx512|auto forces a path (tests use it to check every path on one machine).
+// The variable is read on every call, so a test may switch paths between calls; nothing is cached but the CPU
+// feature probe, which cannot change while the process runs.
+#pragma once
+
+#include <cstdlib>
+#include <cstring>
+
+namespace static_moe {
+namespace cpu {
+
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+
+inline const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Scalar: return "scalar";
+    case Isa::Avx2: return "avx2";
+    case Isa::Avx512: return "avx512";
+  }
+  return "?";
+}
+
+// The best instruction set this CPU (and OS: __builtin_cpu_supports checks XCR0) can run.
+inline Isa detected_isa() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const Isa best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+      return Isa::Avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      return Isa::Avx2;
+    return Isa::Scalar;
+  }();
+  return best;
+#else
+  return Isa::Scalar;
+#endif
+}
+
+// The instruction set to use now: the detected one, or the one STATIC_MOE_CPU_ISA names. On a bad value, or a
+// forced set this CPU cannot run, returns false and points *error at a message (a string literal); the caller
+// turns it into its own error type.
+inline bool select_isa(Isa* isa, const char** error) {
+  const Isa best = detected_isa();
+  const char* env = std::getenv("STATIC_MOE_CPU_ISA");
+  *isa = best;
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return true;
+  Isa want;
+  if (std::strcmp(env, "scalar") == 0) {
+    want = Isa::Scalar;
+  } else if (std::strcmp(env, "avx2") == 0) {
+    want = Isa::Avx2;
+  } else if (std::strcmp(env, "avx512") == 0) {
+    want = Isa::Avx512;
+  } else {
+    *error = "STATIC_MOE_CPU_ISA must be one of scalar, avx2, avx512, auto";
+    return false;
+  }
+  if (static_cast<int>(want) > static_cast<int>(best)) {
+    *error = want == Isa::Avx512 ? "STATIC_MOE_CPU_ISA=avx512 but this CPU lacks AVX-512 F/BW/DQ/VL"
+                                 : "STATIC_MOE_CPU_ISA=avx2 but this CPU lacks AVX2/FMA/F16C";
+    return false;
+  }
+  *isa = want;
+  return true;
+}
+
+}  // namespace cpu
+}  // namespace static_moe
