@@ -17,6 +17,7 @@ from .formats import (
     quantize_weight_fp8,
 )
 from .ops import expert_gemm, local_experts, pack_rows, swiglu_and_cast, unpack_rows
+from .ops import forward
 
 __all__ = [
     "pack_rows",
@@ -24,6 +25,7 @@ __all__ = [
     "swiglu_and_cast",
     "expert_gemm",
     "local_experts",
+    "forward",
     "quantize_activation",
     "dequantize_activation",
     "quantize_weight",
