@@ -61,7 +61,7 @@ setup(
     name="static_moe",
     version="0.1.0",
     description="Static-shape expert-parallel MoE decode ops for NKI, CUDA and CPU",
-    packages=["static_moe", "static_moe.reference", "static_moe.ops", "static_moe.testing", "static_moe.nki", "nki_kernels"],
+    packages=["static_moe", "static_moe.reference", "static_moe.ops", "static_moe.testing", "static_moe.nki", "static_moe.nki.interpreter", "nki_kernels"],
     package_dir={"static_moe": "python/static_moe", "nki_kernels": "nki_kernels"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

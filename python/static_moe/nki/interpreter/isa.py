@@ -1,0 +1,873 @@
+"""``nki.isa`` for the interpreter: destination-first instructions on SBUF / PSUM / HBM tensors.
+
+Every instruction checks the operand rules before it touches memory (partition dims, buffers, dtypes,
+engine restrictions, matmul limits), computes like the hardware does (Vector/Scalar/GpSimd convert inputs to
+fp32 and cast to ``dst.dtype``; bitvec ops work on raw integer bits; DMA between different dtypes converts
+values through fp32, DMA between equal dtypes moves bytes) and records its cost.
+
+Casting to ``dst.dtype``: floats round to nearest even (ml_dtypes); a finite value that would overflow an
+fp8/bf16/fp16 destination is rejected (``cast-overflow``: clamp before casting — the hardware behaviour is
+undocumented and the simulator's ml_dtypes cast gives inf/NaN); float → int rounds to nearest even and
+saturates (NKI 0.6 semantics), NaN → 0.
+
+Lanes: the compute engines are lane-parallel — every on-chip operand of an elementwise instruction must sit on
+the same partitions as its destination (``cross-partition``); only nc_matmul, nc_transpose, dma_copy and
+tensor_partition_reduce move data between partitions. This is stricter than some hardware modes (quadrant
+shifts) on purpose.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import numpy as np
+
+from . import dtypes as dt
+from . import ops as O
+from .errors import NkiRuleError, check
+from .registers import register_alloc, register_load, register_move, register_store  # noqa: F401
+from .state import current
+from .tensor import NkiTensor
+
+PSUM_FRESH, PSUM_MM, PSUM_OTHER, PSUM_READ = 0, 1, 2, 3
+SBUF_FREE_MAX, PSUM_FREE_MAX = 65536, 4096
+
+
+# ------------------------------------------------------------------------------------------------------ enums
+class engine(enum.Enum):
+    tensor = "tensor"
+    vector = "vector"
+    scalar = "scalar"
+    gpsimd = "gpsimd"
+    dma = "dma"
+    sync = "sync"
+    unknown = "unknown"
+
+
+class reduce_cmd(enum.Enum):
+    idle = "idle"
+    reset = "reset"
+    reduce = "reduce"
+    reset_reduce = "reset_reduce"
+    load_reduce = "load_reduce"
+
+
+class dge_mode(enum.Enum):
+    unknown = "unknown"
+    swdge = "swdge"
+    hwdge = "hwdge"
+    none = "none"
+
+
+class oob_mode(enum.Enum):
+    error = "error"
+    skip = "skip"
+
+
+class matmul_perf_mode(enum.Enum):
+    none = "none"
+    double_row = "double_row"
+
+
+class nc_version(enum.Enum):
+    gen2 = 2
+    gen3 = 3
+    gen4 = 4
+
+
+def get_nc_version() -> nc_version:
+    return nc_version.gen4 if current().spec.name == "trn3" else nc_version.gen3
+
+
+def _enum(value, cls, what):
+    check(isinstance(value, cls), "enum", f"{what} must be nisa.{cls.__name__}.<member>, got {value!r} "
+          f"(raw integers and strings are rejected since NKI 0.3)")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _t(x, what: str, instr: str) -> NkiTensor:
+    check(isinstance(x, NkiTensor), "operand", f"{instr}: {what} must be a tensor, got {type(x).__name__}")
+    return x
+
+
+def _onchip(x, what: str, instr: str, allow_psum: bool = True) -> NkiTensor:
+    x = _t(x, what, instr)
+    check(x.gather is None, "indirect-view", f"{instr}: {what} is an indirect view (DMA only)")
+    check(x.on_chip, "compute-operand-in-hbm",
+          f"{instr}: {what} is in {x.buffer.name}; compute engines read and write SBUF/PSUM only (DMA it in)")
+    if not allow_psum:
+        check(x.buffer.name == "sbuf", "operand-buffer", f"{instr}: {what} must be in SBUF, got {x.buffer.name}")
+    lim = PSUM_FREE_MAX if x.buffer.name == "psum" else SBUF_FREE_MAX
+    check(x.free_size <= lim, "free-size", f"{instr}: {what} has {x.free_size} elements per partition; at most "
+          f"{lim} from {x.buffer.name}")
+    return x
+
+
+def _lanes(instr: str, dst: NkiTensor, **srcs) -> None:
+    """Same partition count and start for dst and every tensor operand (lane-parallel engines)."""
+    for what, s in srcs.items():
+        if not isinstance(s, NkiTensor):
+            continue
+        check(s.shape[0] == dst.shape[0], "partition-mismatch",
+              f"{instr}: {what} spans {s.shape[0]} partitions, dst spans {dst.shape[0]}")
+        check(s.partition_start == dst.partition_start, "cross-partition",
+              f"{instr}: {what} starts at partition {s.partition_start}, dst at {dst.partition_start}; compute "
+              f"engines are lane-parallel — moving data across partitions needs nc_transpose, nc_matmul or a DMA")
+
+
+def _same_free(instr: str, dst: NkiTensor, **srcs) -> None:
+    for what, s in srcs.items():
+        check(s.free_size == dst.free_size, "shape-mismatch",
+              f"{instr}: {what} has {s.free_size} elements per partition, dst has {dst.free_size} "
+              f"(shapes {list(s.shape)} vs {list(dst.shape)})")
+
+
+def _elem_addrs(t: NkiTensor) -> np.ndarray:
+    a = np.full((), t.boffset, np.int64)
+    for n, s in zip(t.shape, t.bstrides):
+        a = a[..., None] + np.arange(n, dtype=np.int64) * s
+    return a
+
+
+def _mark_psum_read(t: NkiTensor) -> None:
+    st = t.storage.psum_state
+    if st is not None:
+        idx = (_elem_addrs(t) // 4).reshape(-1)
+        sub = st[idx]
+        st[idx] = np.where(sub == PSUM_MM, PSUM_READ, sub)
+
+
+def _raw(t: NkiTensor) -> np.ndarray:
+    """[P, F] array in t's own dtype (a copy)."""
+    if t.on_chip:
+        _mark_psum_read(t)
+        return np.array(t.numpy()).reshape(t.shape[0], -1)
+    return np.array(t.numpy()).reshape(1, -1)
+
+
+def _f32(t: NkiTensor) -> np.ndarray:
+    """[P, F] float32 values of t (what the engines compute on)."""
+    return _raw(t).astype(np.float32)
+
+
+def _operand(x, instr: str, what: str, dst: NkiTensor, fp32_tile: bool, int_ok: bool = False):
+    """A scalar or a (P, 1) tile operand → value broadcastable against [P, F] (float32, or int64 for bitvec)."""
+    if x is None:
+        return None
+    if isinstance(x, NkiTensor):
+        _onchip(x, what, instr)
+        check(x.free_size == 1, "operand-shape", f"{instr}: {what} must be a scalar or a (P, 1) tile, got "
+              f"{list(x.shape)}")
+        _lanes(instr, dst, **{what: x})
+        if int_ok:
+            check(dt.is_int(x.dtype), "bitvec-dtype", f"{instr}: bitvec {what} must be an integer tile, got "
+                  f"{dt.name(x.dtype)}")
+            return _raw(x).astype(np.int64)
+        if fp32_tile:
+            check(x.dtype == dt.float32, "operand-dtype", f"{instr}: tile {what} must be float32, got "
+                  f"{dt.name(x.dtype)}")
+        return _f32(x)
+    check(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) or isinstance(x, bool),
+          "operand", f"{instr}: {what} must be a compile-time number or a (P, 1) tile, got {x!r}")
+    if int_ok:
+        check(float(x) == int(x), "bitvec-dtype", f"{instr}: bitvec {what} must be an integer, got {x!r}")
+        return np.int64(int(x))
+    return np.float32(x)
+
+
+def _cast(values: np.ndarray, dtype: np.dtype, instr: str) -> np.ndarray:
+    """Engine output (fp32 or exact ints) → dst dtype with the hardware's rounding rules."""
+    if dt.is_int(dtype):
+        info = np.iinfo(dtype)
+        if np.issubdtype(values.dtype, np.integer):
+            return np.clip(values, info.min, info.max).astype(dtype)
+        v = values.astype(np.float64)
+        v = np.where(np.isnan(v), 0.0, np.rint(v))
+        return np.clip(v, info.min, info.max).astype(dtype)
+    v32 = values.astype(np.float32)
+    if dtype == dt.float32:
+        return v32
+    out = v32.astype(dtype)
+    if dtype != dt.float8_e8m0fnu:
+        bad = np.isfinite(v32) & ~np.isfinite(out.astype(np.float32))
+        if bad.any():
+            i = np.flatnonzero(bad.reshape(-1))[0]
+            raise NkiRuleError("cast-overflow", f"{instr}: value {v32.reshape(-1)[i]!r} overflows "
+                               f"{dt.name(dtype)} (max {dt.max_finite(dtype)}); clamp before casting to a narrow "
+                               f"float")
+    return out
+
+
+def _store_values(dst: NkiTensor, values: np.ndarray, instr: str = "write", exact_int=None, psum_state=PSUM_OTHER):
+    if exact_int is not None:
+        out = _cast(np.full(dst.shape, exact_int, np.int64), dst.dtype, instr)
+    else:
+        out = _cast(np.asarray(values), dst.dtype, instr)
+    dst.numpy()[...] = out.reshape(dst.shape)
+    _mark_psum_write(dst, psum_state)
+
+
+def _store_raw(dst: NkiTensor, raw: np.ndarray, psum_state=PSUM_OTHER) -> None:
+    """Bit-exact store of an array with dst's itemsize."""
+    u = dt.unsigned_of_size(dst.itemsize)
+    dst.numpy().view(u)[...] = np.ascontiguousarray(raw).view(u).reshape(dst.shape)
+    _mark_psum_write(dst, psum_state)
+
+
+def _mark_psum_write(dst: NkiTensor, state: int) -> None:
+    st = dst.storage.psum_state
+    if st is not None:
+        st[(_elem_addrs(dst) // 4).reshape(-1)] = state
+
+
+def _engine(e, default: str, allowed: tuple, instr: str, tensors=()) -> str:
+    e = _enum(e, engine, "engine")
+    name = default if e == engine.unknown else e.value
+    check(name in allowed, "engine", f"{instr} cannot run on the {name} engine (allowed: {', '.join(allowed)})")
+    if name == "gpsimd":
+        check(all(not (isinstance(t, NkiTensor) and t.buffer.name == "psum") for t in tensors), "gpsimd-psum",
+              f"{instr}: GpSimd cannot access PSUM")
+    return name
+
+
+def _vector_cycles(instr: str, eng: str, dst: NkiTensor, srcs) -> float:
+    """Model cycles per partition; VectorE's bf16/fp16 performance mode (trn2 arch guide)."""
+    f = dst.free_size
+    if eng != "vector":
+        return f
+    half = (dt.bfloat16, dt.float16)
+    tens = [dst] + [s for s in srcs if isinstance(s, NkiTensor) and s.free_size > 1]
+    if all(t.buffer.name == "sbuf" and t.dtype in half for t in tens):
+        if instr in ("tensor_copy", "tensor_scalar"):
+            contiguous = all(t.bstrides[-1] == t.itemsize for t in tens)
+            return f / (4 if contiguous else 2)
+        if instr == "tensor_tensor":
+            return f / 2
+    return f
+
+
+def _record(eng: str, instr: str, dst: NkiTensor, srcs=(), cycles=None):
+    c = _vector_cycles(instr, eng, dst, srcs) if cycles is None else cycles
+    current().cost.instr(eng, instr, dst.shape[0], dst.free_size, c)
+
+
+def _check_op(op, instr: str, what: str, kinds) -> O.Op:
+    check(isinstance(op, O.Op), "op", f"{instr}: {what} must be an nl operator (e.g. nl.add), got {op!r}")
+    check(op.kinds & set(kinds), "op", f"{instr}: nl.{op.name} cannot be used as {what} (needs "
+          f"{'/'.join(kinds)})")
+    if op.name in O._TRN3_ONLY:
+        check(current().spec.name == "trn3", "target", f"{instr}: nl.{op.name} exists on trn3 only")
+    return op
+
+
+def _apply_arith(op: O.Op, a, b, reverse: bool):
+    """One fp32 ALU stage: ``a op b`` (or ``b op a`` when reversed); unary ops ignore b."""
+    with np.errstate(all="ignore"):
+        if "unary" in op.kinds and "arith" not in op.kinds:
+            r = op.fn(np.asarray(a, np.float64))
+        else:
+            x, y = (b, a) if reverse else (a, b)
+            r = op.fn(np.asarray(x, np.float64), np.asarray(y, np.float64))
+    return np.asarray(r, np.float64).astype(np.float32)
+
+
+def _apply_bitvec(op: O.Op, a: np.ndarray, b, a_dtype: np.dtype, reverse: bool):
+    """Integer bit ops on the raw bits of a_dtype; logical right shift."""
+    u = dt.unsigned_of_size(a_dtype.itemsize)
+    bits = 8 * a_dtype.itemsize
+    mask = (1 << bits) - 1
+    ua = (np.asarray(a, np.int64) & mask).astype(np.uint64)
+    if op.name == "invert":
+        r = (~ua) & np.uint64(mask)
+    else:
+        ub = (np.asarray(b, np.int64) & mask).astype(np.uint64)
+        x, y = (ub, ua) if reverse else (ua, ub)
+        if op.name in ("left_shift", "right_shift"):
+            check(bool(np.all(y < bits)), "bitvec-shift", f"shift amount must be < {bits} for {bits}-bit data")
+            r = (x << y) if op.name == "left_shift" else (x >> y)
+        else:
+            r = op.fn(x, y)
+        r = r & np.uint64(mask)
+    # back to a_dtype's bit pattern, as int64 values of that dtype
+    return r.astype(u).view(a_dtype).astype(np.int64)
+
+
+def _store_bitvec(dst: NkiTensor, vals: np.ndarray, instr: str) -> None:
+    """Bitvec results keep their bits: written modulo 2^bits of dst (no saturation)."""
+    u = dt.unsigned_of_size(dst.itemsize)
+    out = (np.asarray(vals, np.int64) & ((1 << (8 * dst.itemsize)) - 1)).astype(u).view(dst.dtype)
+    dst.numpy()[...] = out.reshape(dst.shape)
+    _mark_psum_write(dst, PSUM_OTHER)
+
+
+# ------------------------------------------------------------------------------------------------ DMA
+def _runs(t: NkiTensor) -> tuple[int, int]:
+    """(number of contiguous byte runs, bytes per run) of a view."""
+    run = t.itemsize
+    n = t.size
+    for size, stride in zip(reversed(t.shape), reversed(t.bstrides)):
+        if size == 1:
+            continue
+        if stride == run:
+            run *= size
+        else:
+            break
+    total = t.size * t.itemsize
+    return max(total // run, 1), run
+
+
+def _indirect_rows(t: NkiTensor, oob) -> list:
+    """[(row_index_in_view, ndarray of the row or None if skipped)] for an indirect view."""
+    gather, row_bytes, nrows, idx = t.gather
+    rows = []
+    for i, (off, k) in enumerate(zip(gather, idx)):
+        if not 0 <= k < nrows:
+            check(oob == oob_mode.skip, "dma-oob", f"dma_copy: indirect index {int(k)} out of range [0, {nrows}) "
+                  f"(pass oob_mode=nisa.oob_mode.skip to skip it)")
+            rows.append((i, None))
+            continue
+        rows.append((i, np.ndarray(t.shape[1:], t.dtype, buffer=t.storage.data, offset=off, strides=t.bstrides[1:])))
+    return rows
+
+
+def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
+             name=None):
+    """``dst = src`` over DMA (HBM↔SBUF, HBM↔HBM, SBUF↔SBUF). Equal dtypes move bytes; different dtypes
+    convert values through fp32 (not a bitcast). Only the total element counts must match."""
+    instr = "dma_copy"
+    dst, src = _t(dst, "dst", instr), _t(src, "src", instr)
+    _enum(oob_mode, globals()["oob_mode"], "oob_mode")
+    _enum(dge_mode, globals()["dge_mode"], "dge_mode")
+    _enum(engine, globals()["engine"], "engine")
+    check(priority is None or current().spec.name == "trn3", "target", "dma_copy priority= is trn3-only")
+    for what, t in (("dst", dst), ("src", src)):
+        check(t.buffer.name != "psum", "dma-psum", f"dma_copy: {what} is in PSUM; DMA cannot access PSUM (evacuate "
+              f"it to SBUF with tensor_copy / activation first)")
+    if dst.dtype != src.dtype:
+        check(dge_mode != globals()["dge_mode"].hwdge, "dma-dtype",
+              f"dma_copy with dge_mode=hwdge needs equal dtypes, got {dt.name(src.dtype)} -> {dt.name(dst.dtype)}")
+    if src.gather is None and dst.gather is None:
+        check(src.size == dst.size, "dma-shape",
+              f"dma_copy: src has {src.size} elements {list(src.shape)}, dst has {dst.size} {list(dst.shape)}")
+        raw = np.array(src.numpy()).reshape(-1)
+        if src.dtype == dst.dtype:
+            _store_raw(dst, raw)
+        else:
+            _store_values(dst, raw.astype(np.float32), instr)
+    elif src.gather is not None:
+        check(dst.gather is None, "dma-shape", "dma_copy: both sides indirect")
+        check(src.size == dst.size, "dma-shape", f"dma_copy: indirect src {list(src.shape)} vs dst {list(dst.shape)}")
+        drows = np.array(dst.numpy()).reshape(src.shape[0], -1)  # skipped rows keep their bytes
+        for i, row in _indirect_rows(src, oob_mode):
+            if row is None:
+                continue
+            if src.dtype == dst.dtype:
+                u = dt.unsigned_of_size(dst.itemsize)
+                drows.view(u)[i] = np.array(row).view(u).reshape(-1)
+            else:
+                drows[i] = _cast(np.array(row).astype(np.float32).reshape(-1), dst.dtype, instr)
+        _store_raw(dst, drows)
+    else:
+        check(src.size == dst.size, "dma-shape", f"dma_copy: src {list(src.shape)} vs indirect dst {list(dst.shape)}")
+        srows = np.array(src.numpy()).reshape(dst.shape[0], -1)
+        for i, row in _indirect_rows(dst, oob_mode):
+            if row is None:
+                continue
+            if src.dtype == dst.dtype:
+                u = dt.unsigned_of_size(dst.itemsize)
+                row.view(u)[...] = srows[i].view(u).reshape(row.shape)
+            else:
+                row[...] = _cast(srows[i].astype(np.float32), dst.dtype, instr).reshape(row.shape)
+    # cost
+    sb, db = src.size * src.itemsize, dst.size * dst.itemsize
+    hbm = (sb if src.buffer.is_hbm else 0) + (db if dst.buffer.is_hbm else 0)
+    (rs, runs_s), (rd, runs_d) = _runs(src), _runs(dst)
+    if src.gather is not None:
+        rs, runs_s = src.shape[0], math.prod(src.shape[1:]) * src.itemsize
+    if dst.gather is not None:
+        rd, runs_d = dst.shape[0], math.prod(dst.shape[1:]) * dst.itemsize
+    chip = [t for t in (src, dst) if t.on_chip]
+    pbytes = min(t.free_size * t.itemsize for t in chip) if chip else 0
+    from .cost import DmaRecord
+
+    current().cost.dma(DmaRecord(max(sb, db), hbm, max(rs, rd), min(runs_s, runs_d), pbytes))
+
+
+# ---------------------------------------------------------------------------------------------- copies / fills
+def tensor_copy(dst, src, engine=engine.unknown, name=None):
+    """On-chip copy; bit-exact for equal dtypes, converting through fp32 otherwise."""
+    instr = "tensor_copy"
+    dst, src = _onchip(dst, "dst", instr), _onchip(src, "src", instr)
+    eng = _engine(engine, "vector", ("vector", "scalar", "gpsimd"), instr, (dst, src))
+    _lanes(instr, dst, src=src)
+    _same_free(instr, dst, src=src)
+    if src.dtype == dst.dtype:
+        _store_raw(dst, _raw(src))
+    else:
+        _store_values(dst, _f32(src), instr)
+    _record(eng, instr, dst, (src,))
+
+
+def memset(dst, value, engine=engine.unknown, name=None):
+    """Fill an on-chip tensor with a compile-time constant that suits its dtype."""
+    instr = "memset"
+    dst = _onchip(dst, "dst", instr)
+    eng = _engine(engine, "vector", ("vector", "gpsimd"), instr, (dst,))
+    check(isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool), "memset-value",
+          f"memset value must be a compile-time number, got {value!r}")
+    if dt.is_int(dst.dtype):
+        info = np.iinfo(dst.dtype)
+        check(float(value) == int(value) and isinstance(value, (int, np.integer)), "memset-value",
+              f"memset of {dt.name(dst.dtype)} needs an int literal, got {value!r}")
+        check(info.min <= int(value) <= info.max, "memset-value",
+              f"memset value {value} does not fit {dt.name(dst.dtype)} [{info.min}, {info.max}] (e.g. 255 for uint8)")
+        _store_values(dst, None, instr, exact_int=int(value))
+    else:
+        _store_values(dst, np.full(dst.shape, value, np.float32), instr)
+    _record(eng, instr, dst)
+
+
+def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
+    """GpSimd: ``offset + partition·channel_multiplier + Σ idx_k·step_k``, in int32, cast to dst.dtype."""
+    instr = "iota"
+    dst = _onchip(dst, "dst", instr, allow_psum=False)
+    pattern = [tuple(int(v) for v in p) for p in pattern]
+    check(1 <= len(pattern) <= 4, "iota", f"iota pattern has {len(pattern)} dims; 1 to 4 allowed")
+    check(math.prod(c for _, c in pattern) == dst.free_size, "iota",
+          f"iota pattern covers {math.prod(c for _, c in pattern)} elements, dst has {dst.free_size} per partition")
+    v = np.full((), int(offset), np.int64)
+    for step, cnt in pattern:
+        v = v[..., None] + np.arange(cnt, dtype=np.int64) * step
+    vals = v.reshape(1, -1) + np.arange(dst.shape[0], dtype=np.int64)[:, None] * int(channel_multiplier)
+    vals = vals.astype(np.int32).astype(np.int64)
+    if dt.is_int(dst.dtype):
+        dst.numpy()[...] = _cast(vals, dst.dtype, instr).reshape(dst.shape)
+    else:
+        _store_values(dst, vals.astype(np.float32), instr)
+    _record("gpsimd", instr, dst)
+
+
+# ----------------------------------------------------------------------------------------------- elementwise
+def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
+    """Elementwise ``data1 op data2`` (Vector, or GpSimd); bitvec ops on raw integer bits."""
+    instr = "tensor_tensor"
+    dst, a, b = _onchip(dst, "dst", instr), _onchip(data1, "data1", instr), _onchip(data2, "data2", instr)
+    op = _check_op(op, instr, "op", ("arith", "bitvec"))
+    check(not (a.buffer.name == "psum" and b.buffer.name == "psum"), "psum-operands",
+          f"{instr}: data1 and data2 cannot both be in PSUM")
+    _lanes(instr, dst, data1=a, data2=b)
+    _same_free(instr, dst, data1=a, data2=b)
+    any_psum = any(t.buffer.name == "psum" for t in (dst, a, b))
+    if op.is_bitvec:
+        check(all(dt.is_int(t.dtype) for t in (dst, a, b)), "bitvec-dtype",
+              f"{instr}: bitvec nl.{op.name} needs integer dtypes, got {dt.name(a.dtype)}, {dt.name(b.dtype)} -> "
+              f"{dt.name(dst.dtype)}")
+        eng = _engine(engine, "vector", ("vector", "gpsimd"), instr, (dst, a, b))
+        _store_bitvec(dst, _apply_bitvec(op, _raw(a).astype(np.int64), _raw(b).astype(np.int64), a.dtype, False), instr)
+    else:
+        int32s = (dt.int32, dt.uint32)
+        exact = all(t.dtype in int32s for t in (dst, a, b)) and op.name in ("add", "subtract", "multiply", "maximum",
+                                                                             "minimum")
+        eng = _engine(engine, "vector" if (any_psum or not exact) else "gpsimd", ("vector", "gpsimd"), instr,
+                      (dst, a, b))
+        if exact:
+            r = op.fn(_raw(a).astype(np.int64), _raw(b).astype(np.int64))
+            _store_values(dst, np.asarray(r, np.int64), instr)
+        else:
+            _store_values(dst, _apply_arith(op, _f32(a), _f32(b), False), instr)
+    _record(eng, instr, dst, (a, b))
+
+
+def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
+                  engine=engine.unknown, name=None):
+    """``(data op0 operand0) op1 operand1`` with scalar or (P, 1) operands broadcast along the free dims."""
+    instr = "tensor_scalar"
+    dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
+    op0 = _check_op(op0, instr, "op0", ("arith", "bitvec", "unary"))
+    if op1 is not None:
+        op1 = _check_op(op1, instr, "op1", ("arith", "bitvec", "unary"))
+        check(op0.is_bitvec == op1.is_bitvec, "op", f"{instr}: op0 and op1 must both be bitvec or both arithmetic "
+              f"(nl.{op0.name}, nl.{op1.name})")
+    _lanes(instr, dst, data=x)
+    _same_free(instr, dst, data=x)
+    if op0.is_bitvec:
+        eng = _engine(engine, "vector", ("vector",), instr, (dst, x))
+        check(dt.is_int(x.dtype) and dt.is_int(dst.dtype), "bitvec-dtype",
+              f"{instr}: bitvec ops need integer data and dst (no casting), got {dt.name(x.dtype)} -> "
+              f"{dt.name(dst.dtype)}; view float bits with .view(nl.int32)")
+        v0 = _operand(operand0, instr, "operand0", dst, False, int_ok=True) if "bitvec_unary" not in op0.kinds else 0
+        r = _apply_bitvec(op0, _raw(x).astype(np.int64), v0, x.dtype, reverse0)
+        if op1 is not None:
+            v1 = _operand(operand1, instr, "operand1", dst, False, int_ok=True) if "bitvec_unary" not in op1.kinds else 0
+            r = _apply_bitvec(op1, r, v1, x.dtype, reverse1)
+        _store_bitvec(dst, r, instr)
+    else:
+        eng = _engine(engine, "vector", ("vector", "scalar", "gpsimd"), instr, (dst, x, operand0, operand1))
+        if eng == "scalar" and current().spec.name == "trn2":
+            pair = (op0.name, op1.name if op1 is not None else None)
+            check(pair in (("multiply", "add"), ("multiply", None), ("add", None)), "engine",
+                  f"{instr} on ScalarE (trn2) supports (multiply, add), (multiply,) and (add,) only, got {pair}")
+        if eng == "gpsimd":
+            check(op0.name == "rsqrt", "engine", f"{instr}: engine=gpsimd is only for rsqrt")
+        unary0 = "unary" in op0.kinds and "arith" not in op0.kinds
+        check(not unary0 or operand0 in (None, 0), "operand", f"{instr}: unary nl.{op0.name} takes operand0=None")
+        v0 = None if unary0 else _operand(operand0, instr, "operand0", dst, True)
+        r = _apply_arith(op0, _f32(x), v0, reverse0)
+        if op1 is not None:
+            unary1 = "unary" in op1.kinds and "arith" not in op1.kinds
+            v1 = None if unary1 else _operand(operand1, instr, "operand1", dst, True)
+            r = _apply_arith(op1, r, v1, reverse1)
+        _store_values(dst, r, instr)
+    _record(eng, instr, dst, (x,))
+
+
+def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
+    """VectorE ``(data op0 operand0) op1 operand1``; operand0 scalar or (P, 1), operand1 a full tile."""
+    instr = "scalar_tensor_tensor"
+    dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
+    t1 = _onchip(operand1, "operand1", instr)
+    op0 = _check_op(op0, instr, "op0", ("arith",))
+    op1 = _check_op(op1, instr, "op1", ("arith",))
+    check(not (x.buffer.name == "psum" and t1.buffer.name == "psum"), "psum-operands",
+          f"{instr}: data and operand1 cannot both be in PSUM")
+    _lanes(instr, dst, data=x, operand1=t1)
+    _same_free(instr, dst, data=x, operand1=t1)
+    v0 = _operand(operand0, instr, "operand0", dst, True)
+    r = _apply_arith(op0, _f32(x), v0, reverse0)
+    r = _apply_arith(op1, r, _f32(t1), reverse1)
+    _store_values(dst, r, instr)
+    _record("vector", instr, dst, (x, t1))
+
+
+def reciprocal(dst, data, name=None):
+    """VectorE 1/x in fp32."""
+    instr = "reciprocal"
+    dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
+    _lanes(instr, dst, data=x)
+    _same_free(instr, dst, data=x)
+    with np.errstate(divide="ignore"):
+        _store_values(dst, (np.float32(1.0) / _f32(x)).astype(np.float32), instr)
+    _record("vector", instr, dst, (x,))
+
+
+def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
+    """VectorE: ``dst = src`` where the predicate is non-zero (zero with reverse_pred); elsewhere unchanged."""
+    instr = "tensor_copy_predicated"
+    dst, pred = _onchip(dst, "dst", instr), _onchip(predicate, "predicate", instr)
+    check(dt.is_int(pred.dtype) and pred.dtype.kind == "u", "predicate-dtype",
+          f"{instr}: predicate must be uint8/16/32, got {dt.name(pred.dtype)}")
+    _lanes(instr, dst, predicate=pred)
+    _same_free(instr, dst, predicate=pred)
+    mask = _raw(pred) != 0
+    if reverse_pred:
+        mask = ~mask
+    cur = _raw(dst)
+    if isinstance(src, NkiTensor):
+        s = _onchip(src, "src", instr)
+        check(s.dtype == dst.dtype, "dtype-mismatch", f"{instr}: src and dst share a dtype, got {dt.name(s.dtype)} "
+              f"and {dt.name(dst.dtype)}")
+        check(not (s.buffer.name == "psum" and pred.buffer.name == "psum"), "psum-operands",
+              f"{instr}: src and predicate cannot both be in PSUM")
+        _lanes(instr, dst, src=s)
+        _same_free(instr, dst, src=s)
+        new = _raw(s)
+    else:
+        new = _cast(np.full(cur.shape, src, np.float64), dst.dtype, instr)
+    _store_raw(dst, np.where(mask, new, cur))
+    _record("vector", instr, dst, (pred,))
+
+
+# ------------------------------------------------------------------------------------------------ reductions
+def _reduce(op: O.Op, v: np.ndarray, axis, instr: str) -> np.ndarray:
+    if op.is_bitvec:
+        return np.bitwise_and.reduce(v, axis=axis) if op.name == "bitwise_and" else op.fn.reduce(v, axis=axis)
+    fn = {"add": np.add, "subtract": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum,
+          "logical_and": np.logical_and, "logical_or": np.logical_or, "logical_xor": np.logical_xor}.get(op.name)
+    check(fn is not None, "op", f"{instr}: nl.{op.name} is not a reduction op")
+    with np.errstate(all="ignore"):
+        r = fn.reduce(v.astype(np.float64), axis=axis)
+    return np.asarray(r, np.float64).astype(np.float32)
+
+
+def _reduce_op(op):
+    return getattr(op, "_reduce_op", op)
+
+
+def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
+    """VectorE reduction over trailing free axes of data (never the partition axis)."""
+    instr = "tensor_reduce"
+    dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
+    op = _check_op(_reduce_op(op), instr, "op", ("arith", "bitvec"))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    axes = tuple(sorted(a + x.ndim if a < 0 else a for a in axes))
+    check(0 not in axes, "reduce-partition-axis",
+          f"{instr}: axis 0 is the partition dim; reductions run over free axes only (use a matmul with ones, "
+          f"nc_transpose or tensor_partition_reduce to reduce across partitions)")
+    check(len(axes) > 0 and axes == tuple(range(x.ndim - len(axes), x.ndim)), "reduce-trailing-axes",
+          f"{instr}: axis={axes} must be the trailing free axes of a {x.ndim}-D tensor (e.g. ({x.ndim - 1},))")
+    _lanes(instr, dst, data=x)
+    kept = math.prod(x.shape[1:x.ndim - len(axes)])
+    check(dst.free_size == kept, "shape-mismatch",
+          f"{instr}: reducing {list(x.shape)} over {axes} leaves {kept} elements per partition; dst has "
+          f"{dst.free_size}")
+    if op.is_bitvec:
+        check(dt.is_int(x.dtype) and dt.is_int(dst.dtype) and not negate, "bitvec-dtype",
+              f"{instr}: bitvec reduction needs integer data/dst and no negate")
+        v = _raw(x).astype(np.int64).reshape(x.shape[0], kept, -1)
+        _store_bitvec(dst, _reduce(op, v, 2, instr), instr)
+    else:
+        v = _f32(x).reshape(x.shape[0], kept, -1)
+        r = _reduce(op, v, 2, instr)
+        _store_values(dst, -r if negate else r, instr)
+    _record("vector", instr, dst, (x,), cycles=x.free_size)
+
+
+def _accumulate(eng: str, dst: NkiTensor, part: np.ndarray, op_name: str, cmd: reduce_cmd, init):
+    """Per-lane accumulators of an engine (128 lanes), driven by reduce_cmd. Returns the [P] accumulator."""
+    acc_all = current().accumulators.setdefault(eng, np.zeros(128, np.float32))
+    lanes = slice(dst.partition_start, dst.partition_start + dst.shape[0])
+    ident = {"add": 0.0, "multiply": 1.0, "maximum": -np.inf, "minimum": np.inf}[op_name]
+    if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
+        acc_all[lanes] = ident
+    elif cmd == reduce_cmd.load_reduce:
+        acc_all[lanes] = init
+    if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce, reduce_cmd.load_reduce):
+        fn = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum}[op_name]
+        acc_all[lanes] = fn(acc_all[lanes], part).astype(np.float32)
+    return acc_all[lanes].copy()
+
+
+def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False,
+                         reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate=False, name=None):
+    """VectorE: ``dst = data op0 operand0`` and a reduction of the result over all free dims into reduce_res."""
+    instr = "tensor_scalar_reduce"
+    rc = globals()["reduce_cmd"]
+    dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
+    op0 = _check_op(op0, instr, "op0", ("arith", "unary"))
+    rop = _check_op(_reduce_op(reduce_op), instr, "reduce_op", ("arith",))
+    check(rop.name in ("add", "multiply", "maximum", "minimum"), "op",
+          f"{instr}: reduce_op must be add / multiply / maximum / minimum, got nl.{rop.name}")
+    _enum(reduce_cmd, rc, "reduce_cmd")
+    check(not reverse0, "not-supported", f"{instr}: reverse0 is not supported by the hardware yet")
+    _lanes(instr, dst, data=x)
+    _same_free(instr, dst, data=x)
+    unary = "unary" in op0.kinds and "arith" not in op0.kinds
+    v0 = None if unary else _operand(operand0, instr, "operand0", dst, True)
+    r = _apply_arith(op0, _f32(x), v0, False)
+    _store_values(dst, r, instr)
+    part = _reduce(rop, r, 1, instr)
+    init = None
+    if reduce_cmd == rc.load_reduce:
+        check(isinstance(reduce_init, NkiTensor) and reduce_init.dtype == dt.float32, "operand",
+              f"{instr}: load_reduce needs reduce_init, a (P, 1) float32 tile")
+        init = _f32(reduce_init).reshape(-1)
+    acc = _accumulate("vector", dst, part, rop.name, reduce_cmd, init)
+    if reduce_res is not None:
+        rr = _onchip(reduce_res, "reduce_res", instr)
+        check(rr.free_size == 1, "operand-shape", f"{instr}: reduce_res must be (P, 1), got {list(rr.shape)}")
+        _lanes(instr, dst, reduce_res=rr)
+        _store_values(rr, (-acc if reduce_res_negate else acc).reshape(-1, 1), instr)
+    _record("vector", instr, dst, (x,))
+
+
+def tensor_partition_reduce(dst, op, data, name=None):
+    """GpSimd reduction across partitions: data [P, F] (SBUF) → dst [1, F]."""
+    instr = "tensor_partition_reduce"
+    dst, x = _onchip(dst, "dst", instr, allow_psum=False), _onchip(data, "data", instr, allow_psum=False)
+    op = _check_op(_reduce_op(op), instr, "op", ("arith", "bitvec"))
+    check(op.name in ("add", "maximum", "bitwise_or", "bitwise_and"), "op",
+          f"{instr}: op must be add / maximum / bitwise_or / bitwise_and, got nl.{op.name}")
+    check(dst.shape[0] == 1 and dst.free_size == x.free_size, "shape-mismatch",
+          f"{instr}: dst must be [1, F] with F = {x.free_size}, got {list(dst.shape)}")
+    if op.is_bitvec:
+        _store_bitvec(dst, _reduce(op, _raw(x).astype(np.int64), 0, instr).reshape(1, -1), instr)
+    else:
+        _store_values(dst, _reduce(op, _f32(x), 0, instr).reshape(1, -1), instr)
+    _record("gpsimd", instr, dst, (x,), cycles=x.free_size * max(1, x.shape[0] // 16))
+
+
+# ------------------------------------------------------------------------------------------------ ScalarE
+def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
+               name=None):
+    """ScalarE ``op(data * scale + bias)`` in fp32, cast to dst.dtype; optional add-reduction along free dims."""
+    instr = "activation"
+    rc = globals()["reduce_cmd"]
+    dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
+    op = _check_op(op, instr, "op", ("act",))
+    _lanes(instr, dst, data=x)
+    _same_free(instr, dst, data=x)
+    if isinstance(scale, NkiTensor):
+        s = _operand(scale, instr, "scale", dst, True)
+    else:
+        check(isinstance(scale, (int, float, np.integer, np.floating)), "operand",
+              f"{instr}: scale must be a number or a (P, 1) float32 tile")
+        s = np.float32(scale)
+    if bias is None:
+        b = np.float32(0.0)
+    elif isinstance(bias, NkiTensor):
+        _onchip(bias, "bias", instr)
+        check(bias.free_size == 1, "operand-shape", f"{instr}: bias must be (P, 1), got {list(bias.shape)}")
+        _lanes(instr, dst, bias=bias)
+        b = _f32(bias)
+    else:
+        check(current().spec.scalar_bias_ok, "target", f"{instr}: a scalar bias needs trn2 or later")
+        b = np.float32(bias)
+    v = (_f32(x) * s).astype(np.float32)
+    v = (v + b).astype(np.float32)
+    with np.errstate(all="ignore"):
+        r = np.asarray(op.fn(v.astype(np.float64)), np.float64)
+    if op.act_range is not None:
+        lo, hi = op.act_range
+        a = np.abs(v) if op.name in ("reciprocal",) else v
+        r = np.where((a >= lo) & (a <= hi), r, np.nan)  # outside the documented range the output is invalid
+    r = r.astype(np.float32)
+    _store_values(dst, r, instr)
+    _enum(reduce_cmd, rc, "reduce_cmd")
+    if reduce_op is not None or reduce_res is not None:
+        check(reduce_op is not None and _reduce_op(reduce_op) is O.add, "op",
+              f"{instr}: the activation reduction must be reduce_op=nl.add")
+        cmd = rc.reset_reduce if reduce_cmd == rc.idle else reduce_cmd
+        acc = _accumulate("scalar", dst, _reduce(O.add, r, 1, instr), "add", cmd, None)
+        if reduce_res is not None:
+            rr = _onchip(reduce_res, "reduce_res", instr)
+            check(rr.free_size == 1, "operand-shape", f"{instr}: reduce_res must be (P, 1)")
+            _lanes(instr, dst, reduce_res=rr)
+            _store_values(rr, acc.reshape(-1, 1), instr)
+    elif reduce_cmd != rc.idle:
+        _accumulate("scalar", dst, _reduce(O.add, r, 1, instr), "add", reduce_cmd, None)
+    _record("scalar", instr, dst, (x,))
+
+
+def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
+    """Legacy fused form of activation + add-reduction."""
+    activation(dst, op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
+               reduce_cmd=reduce_cmd.reset_reduce)
+
+
+# ------------------------------------------------------------------------------------------------ TensorE
+_MATMUL_IN = (dt.float8_e4m3, dt.float8_e5m2, dt.bfloat16, dt.float16, dt.float32, dt.float8_e4m3fn)
+
+
+def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
+              accumulate=None, tile_position=(), tile_size=(), perf_mode=matmul_perf_mode.none, name=None):
+    """TensorE ``dst[M, N] (+)= stationary[K, M].T @ moving[K, N]``; K on the partition dim of both operands.
+
+    PSUM accumulation: ``accumulate=False`` overwrites, ``True`` adds (only onto PSUM a matmul wrote),
+    ``None`` lets "the compiler" decide: it overwrites unless the destination holds a matmul result that no
+    other engine has read yet, in which case it accumulates (a K loop into one PSUM tile).
+    """
+    instr = "nc_matmul"
+    spec = current().spec
+    dst = _t(dst, "dst", instr)
+    st, mv = _t(stationary, "stationary", instr), _t(moving, "moving", instr)
+    check(dst.buffer.name == "psum", "matmul-dst-psum", f"{instr}: dst must be in PSUM, got {dst.buffer.name}")
+    for what, t in (("stationary", st), ("moving", mv)):
+        check(t.buffer.name == "sbuf", "matmul-operand-sbuf", f"{instr}: {what} must be in SBUF, got {t.buffer.name}")
+        _onchip(t, what, instr)
+        check(t.dtype in _MATMUL_IN, "matmul-dtype", f"{instr}: {what} dtype {dt.name(t.dtype)} is not a matmul input "
+              f"(fp8 e4m3/e5m2, bf16, fp16, fp32)")
+        check(t.dtype != dt.float8_e4m3fn or spec.fp8_e4m3fn_matmul, "fp8-e4m3fn-trn2",
+              f"{instr}: {what} is float8_e4m3fn (OCP), a matmul input on trn3 only; on trn2 decode it (values "
+              f"up to 448) to bf16, or requantize to float8_e4m3 (max 240)")
+    _onchip(dst, "dst", instr)
+    check((st.dtype == dt.float32) == (mv.dtype == dt.float32), "matmul-dtype",
+          f"{instr}: fp32 operands must pair with fp32 (got {dt.name(st.dtype)} x {dt.name(mv.dtype)})")
+    check(not is_transpose, "not-modelled", f"{instr}: is_transpose=True is not modelled; use nisa.nc_transpose")
+    _enum(perf_mode, matmul_perf_mode, "perf_mode")
+    check(accumulate in (None, True, False), "operand", f"{instr}: accumulate must be None, True or False")
+    check(st.shape[0] == mv.shape[0], "matmul-shape",
+          f"{instr}: contraction (partition) dims differ: stationary {st.shape[0]}, moving {mv.shape[0]}")
+    check(st.partition_start == mv.partition_start, "cross-partition",
+          f"{instr}: stationary starts at partition {st.partition_start}, moving at {mv.partition_start}")
+    k = st.shape[0]
+    check(k <= 128, "matmul-limits", f"{instr}: contraction K={k} > 128")
+    double = perf_mode == matmul_perf_mode.double_row
+    if double:
+        check(st.dtype in (dt.float8_e4m3, dt.float8_e5m2) and mv.dtype in (dt.float8_e4m3, dt.float8_e5m2),
+              "matmul-double-row", f"{instr}: perf_mode=double_row needs fp8 (e4m3/e5m2) operands")
+        check(st.ndim == 3 and mv.ndim == 3 and st.shape[1] == 2 and mv.shape[1] == 2, "matmul-double-row",
+              f"{instr}: double_row operands are [K, 2, M] and [K, 2, N], got {list(st.shape)}, {list(mv.shape)}")
+        check(not tile_position and not tile_size, "matmul-double-row", "double_row cannot combine with tiling")
+        m, n = st.shape[2], mv.shape[2]
+    else:
+        m, n = st.free_size, mv.free_size
+    check(m <= spec.gemm_stationary_fmax, "matmul-limits",
+          f"{instr}: stationary free size M={m} > {spec.gemm_stationary_fmax} (gemm_stationary_fmax)")
+    check(n <= spec.gemm_moving_fmax, "matmul-limits",
+          f"{instr}: moving free size N={n} > {spec.gemm_moving_fmax} (gemm_moving_fmax)")
+    check(dst.shape[0] == m and dst.free_size == n, "matmul-shape",
+          f"{instr}: dst must be [M={m}, N={n}], got {list(dst.shape)}")
+    check(dst.dtype == dt.float32 or spec.name != "trn2", "matmul-dst-dtype",
+          f"{instr}: the PSUM destination must be float32 on trn2, got {dt.name(dst.dtype)}")
+    bank = spec.psum_bank_bytes
+    addrs = _elem_addrs(dst)
+    fo = addrs % dst.storage.pbytes
+    check(int(fo.min()) // bank == int(fo.max()) // bank, "psum-bank",
+          f"{instr}: the output spans PSUM bytes [{int(fo.min())}, {int(fo.max()) + dst.itemsize}) of a partition, "
+          f"crossing a {bank}-byte bank boundary; a matmul writes within one bank (N ≤ 512 fp32)")
+    # compute
+    a = _f32(st).astype(np.float64)
+    b = _f32(mv).astype(np.float64)
+    if double:
+        a = a.reshape(k, 2, m).transpose(1, 0, 2).reshape(2 * k, m)
+        b = b.reshape(k, 2, n).transpose(1, 0, 2).reshape(2 * k, n)
+    prod = (a.T @ b).astype(np.float32)
+    state = dst.storage.psum_state
+    idx = (addrs // 4).reshape(-1)
+    cur_state = state[idx]
+    if accumulate is None:
+        acc = bool(np.all(cur_state == PSUM_MM))
+    else:
+        acc = accumulate
+    if acc:
+        check(not np.any(cur_state == PSUM_FRESH), "psum-accumulate-uninitialized",
+              f"{instr}: accumulate=True onto PSUM that no matmul has written (undefined on hardware)")
+        check(not np.any(cur_state == PSUM_OTHER), "psum-accumulate-after-memset",
+              f"{instr}: accumulating onto PSUM written by memset/tensor_copy/another engine is undefined on "
+              f"{spec.name}; start the accumulation group with accumulate=False (overwrite)")
+        prod = (_raw(dst).astype(np.float32) + prod).astype(np.float32)
+    dst.numpy()[...] = prod.astype(dst.dtype).reshape(dst.shape)
+    state[idx] = PSUM_MM
+    cyc = n * (4 if st.dtype == dt.float32 else 1)
+    current().cost.instr("tensor", instr, m, n, cyc)
+    current().cost.matmul_flops += 2 * k * (2 if double else 1) * m * n
+
+
+def nc_transpose(dst, data, engine=engine.unknown, name=None):
+    """Partition ↔ free transpose (bit-exact). TensorE: ≤ 128×128, SBUF → PSUM. VectorE: ≤ 32×32."""
+    instr = "nc_transpose"
+    dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
+    default = "tensor" if (x.buffer.name == "sbuf" and dst.buffer.name == "psum") else "vector"
+    eng = _engine(engine, default, ("tensor", "vector"), instr)
+    check(dst.dtype == x.dtype, "dtype-mismatch", f"{instr}: dst dtype {dt.name(dst.dtype)} must equal data dtype "
+          f"{dt.name(x.dtype)}")
+    p, f = x.shape[0], x.free_size
+    lim = 128 if eng == "tensor" else 32
+    check(p <= lim and f <= lim, "transpose-limits", f"{instr} on {eng}: data is {p}x{f}, at most {lim}x{lim}")
+    if eng == "tensor":
+        check(x.buffer.name == "sbuf" and dst.buffer.name == "psum", "operand-buffer",
+              f"{instr} on TensorE reads SBUF and writes PSUM")
+    check(dst.shape[0] == f and dst.free_size == p, "shape-mismatch",
+          f"{instr}: data [{p}, {f}] transposes to [{f}, {p}], dst is {list(dst.shape)}")
+    _store_raw(dst, _raw(x).T.copy(), psum_state=PSUM_OTHER)
+    _record(eng, instr, dst, (x,), cycles=p)
+
+
+# -------------------------------------------------------------------------------------------- not modelled
+def _unmodelled(name):
+    def f(*a, **k):
+        raise NkiRuleError("not-modelled", f"nisa.{name} is not implemented by the interpreter")
+
+    f.__name__ = name
+    return f
+
+
+dma_transpose = _unmodelled("dma_transpose")
+nc_stream_shuffle = _unmodelled("nc_stream_shuffle")
+nc_matmul_mx = _unmodelled("nc_matmul_mx (trn3 MX)")
+quantize_mx = _unmodelled("quantize_mx (trn3)")
+bn_stats = _unmodelled("bn_stats")
+bn_aggr = _unmodelled("bn_aggr")
+select_reduce = _unmodelled("select_reduce")

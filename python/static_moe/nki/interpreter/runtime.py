@@ -1,0 +1,169 @@
+"""Running a kernel through the interpreter: ``simulate(kernel)(*args)`` and ``jit``.
+
+Arguments: numpy arrays (any NKI dtype, ml_dtypes for bf16/fp8) or torch tensors become HBM tensors (copies);
+Python scalars, tuples of those, and other constants pass through. Lists are rejected (NKI 0.3 kernels take
+tuples). The kernel runs eagerly in program order; HBM arguments it wrote are copied back into the caller's
+arrays/tensors (as the NKI simulator does); returned tensors must live in ``nl.shared_hbm`` and come back as
+numpy arrays (torch tensors if any argument was a torch tensor).
+
+After a run, :func:`last_run` gives its :class:`~.cost.CostRecord` and memory peaks.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import dtypes as dt
+from .cost import CostRecord
+from .errors import NkiRuleError, check
+from .state import run_context
+from .tensor import NkiTensor, from_numpy, shared_hbm
+
+
+@dataclass
+class RunInfo:
+    cost: CostRecord
+    sbuf_peak_bytes: int  # per partition
+    psum_peak_banks: int
+    target: str
+
+
+_last: list[RunInfo] = []
+
+
+def last_run() -> RunInfo:
+    """Cost record and memory peaks of the most recent ``simulate`` call."""
+    check(bool(_last), "no-run", "no kernel has been run yet")
+    return _last[-1]
+
+
+# ------------------------------------------------------------------------------------------ torch bridges
+def _torch():
+    try:
+        import torch
+
+        return torch
+    except ImportError:  # pragma: no cover
+        return None
+
+
+def _torch_to_numpy(t) -> np.ndarray:
+    torch = _torch()
+    t = t.detach().cpu().contiguous()
+    m = {
+        torch.bfloat16: dt.bfloat16, torch.float8_e4m3fn: dt.float8_e4m3fn, torch.float8_e5m2: dt.float8_e5m2,
+    }
+    if hasattr(torch, "float8_e8m0fnu"):
+        m[torch.float8_e8m0fnu] = dt.float8_e8m0fnu
+    if t.dtype in m:
+        u = {1: torch.uint8, 2: torch.int16}[t.element_size()]
+        return t.view(u).numpy().view(m[t.dtype])
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8).numpy()
+    if t.dtype == torch.int64:
+        raise NkiRuleError("dtype-unsupported", "int64 tensors are not an NKI dtype; pass int32")
+    return t.numpy()
+
+
+def _numpy_to_torch(a: np.ndarray):
+    torch = _torch()
+    m = {dt.bfloat16: torch.bfloat16, dt.float8_e4m3fn: torch.float8_e4m3fn, dt.float8_e5m2: torch.float8_e5m2}
+    if a.dtype in m:
+        u = {1: np.uint8, 2: np.int16}[a.dtype.itemsize]
+        return torch.from_numpy(np.ascontiguousarray(a).view(u).copy()).view(m[a.dtype])
+    if a.dtype == dt.float8_e4m3:
+        raise NkiRuleError("dtype-unsupported", "torch has no float8_e4m3 (trn2) dtype; return float32/bf16 or "
+                           "view the bytes as uint8")
+    return torch.from_numpy(np.ascontiguousarray(a).copy())
+
+
+def _is_torch(x) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+# ------------------------------------------------------------------------------------------------ running
+def simulate(kernel):
+    """Return a callable that runs ``kernel`` through the interpreter on numpy arrays or torch tensors."""
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        with run_context() as ctx:
+            any_torch = False
+            bound = []  # (caller object, hbm tensor)
+
+            def convert(x, where):
+                nonlocal any_torch
+                if isinstance(x, list):
+                    raise NkiRuleError("kernel-args", f"{where} is a list; NKI kernels take tuples")
+                if isinstance(x, tuple):
+                    return tuple(convert(v, f"{where}[{i}]") for i, v in enumerate(x))
+                if _is_torch(x):
+                    any_torch = True
+                    h = from_numpy(_torch_to_numpy(x), name=where)
+                    bound.append((x, h))
+                    return h
+                if isinstance(x, np.ndarray):
+                    h = from_numpy(x, name=where)
+                    bound.append((x, h))
+                    return h
+                return x
+
+            hargs = [convert(a, f"arg{i}") for i, a in enumerate(args)]
+            hkw = {k: convert(v, k) for k, v in kwargs.items()}
+            out = kernel(*hargs, **hkw)
+            # copy HBM arguments the kernel wrote back into the caller's arrays
+            for obj, h in bound:
+                new = np.array(h.numpy()).reshape(np.shape(obj) if not _is_torch(obj) else tuple(obj.shape))
+                if _is_torch(obj):
+                    if obj.dtype == _torch().bool:
+                        obj.copy_(_numpy_to_torch(new) != 0)
+                    else:
+                        obj.copy_(_numpy_to_torch(new).reshape(obj.shape))
+                else:
+                    obj[...] = new
+
+            def back(o):
+                if isinstance(o, tuple):
+                    return tuple(back(v) for v in o)
+                if isinstance(o, NkiTensor):
+                    check(o.buffer is shared_hbm and o.gather is None, "output-buffer",
+                          f"returned tensor {o.name or ''} is in {o.buffer.name}; kernel outputs must be allocated "
+                          f"in nl.shared_hbm (NKI >= 0.3)")
+                    a = np.array(o.numpy())
+                    return _numpy_to_torch(a) if any_torch else a
+                check(o is None, "output-buffer", f"kernels return shared_hbm tensors, got {type(o).__name__}")
+                return o
+
+            result = back(out)
+            _last.append(RunInfo(ctx.cost, ctx.memory.sbuf_peak, ctx.memory.psum_banks_peak, ctx.spec.name))
+            del _last[:-1]
+        return result
+
+    return run
+
+
+class Kernel:
+    """What ``jit`` returns: calling it runs the kernel through the interpreter (as ``NKI_SIMULATOR=1`` does
+    for the real ``nki.jit``). ``kernel[lnc]`` accepts LNC 1 only."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._run = simulate(fn)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        return self._run(*args, **kwargs)
+
+    def __getitem__(self, lnc):
+        check(lnc == 1, "not-modelled", f"LNC={lnc}: the interpreter runs one logical core")
+        return self
+
+
+def jit(fn=None, **kwargs):
+    if fn is None:
+        return lambda f: Kernel(f)
+    return Kernel(fn)

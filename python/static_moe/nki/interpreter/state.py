@@ -1,0 +1,180 @@
+"""Interpreter state: the hardware target, its on-chip limits, and the context of the kernel being run
+(live SBUF/PSUM allocations, the cost record, engine accumulators).
+
+Target: ``trn2`` (NeuronCore-v3) by default; ``trn3`` (NeuronCore-v4) via :func:`set_target`, the
+:func:`target` context manager, or the environment variable ``NEURON_PLATFORM_TARGET_OVERRIDE`` (the same
+variable the real NKI uses; ``gen3`` = trn2, ``gen4`` = trn3).
+
+Capacities (per NeuronCore, 128 partitions):
+- SBUF: the trn2 architecture guide (aws-neuron-sdk ``nki/guides/architecture/trainium2_arch.rst``) gives
+  28 MiB = 128 × 224 KiB physical. Part of it is taken by the compiler and runtime (the usable figure,
+  ``nl.tile_size.sbuf_fmax_bytes``, is not stated numerically in the docs; a kernel-library comment quotes
+  ~208 KB). We budget **192 KiB per partition (24 MiB)** for kernel allocations: conservative on purpose, so a
+  kernel accepted here fits on the device with room for compiler spill and DMA descriptors.
+- PSUM: 2 MiB = 128 × 16 KiB, 8 banks of 2 KiB (512 fp32) per partition. PSUM allocations are counted in
+  whole banks (each allocation starts on a bank boundary) and a matmul output must lie inside one bank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from dataclasses import dataclass, field
+
+from .errors import NkiRuleError
+
+KiB = 1024
+PMAX = 128
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    name: str
+    sbuf_bytes_per_partition: int
+    psum_bytes_per_partition: int = 16 * KiB
+    psum_bank_bytes: int = 2 * KiB
+    gemm_stationary_fmax: int = 128
+    gemm_moving_fmax: int = 512
+    fp8_e4m3fn_matmul: bool = False  # OCP e4m3fn as a matmul input: trn3 only
+    scalar_bias_ok: bool = True  # activation(bias=<python scalar>): trn2 and later
+
+    @property
+    def psum_num_banks(self) -> int:
+        return self.psum_bytes_per_partition // self.psum_bank_bytes
+
+
+TARGETS = {
+    "trn2": TargetSpec("trn2", sbuf_bytes_per_partition=192 * KiB),
+    # trn3 (NeuronCore-v4): same budget policy; e4m3fn is a legal matmul input. MX matmul is not modelled.
+    "trn3": TargetSpec("trn3", sbuf_bytes_per_partition=224 * KiB, fp8_e4m3fn_matmul=True),
+}
+_ALIASES = {"trn2": "trn2", "gen3": "trn2", "trn3": "trn3", "gen4": "trn3"}
+
+_target_name = _ALIASES.get(os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2").lower(), "trn2")
+
+
+def set_target(name: str) -> None:
+    """Select the hardware the interpreter checks against: ``"trn2"`` (default) or ``"trn3"``."""
+    global _target_name
+    if name.lower() not in _ALIASES:
+        raise ValueError(f"unknown NKI target {name!r}; expected one of {sorted(_ALIASES)}")
+    _target_name = _ALIASES[name.lower()]
+
+
+def get_target() -> TargetSpec:
+    return TARGETS[_target_name]
+
+
+@contextlib.contextmanager
+def target(name: str):
+    """``with target("trn3"): ...`` — run kernels against another target, then restore the previous one."""
+    global _target_name
+    old = _target_name
+    set_target(name)
+    try:
+        yield get_target()
+    finally:
+        _target_name = old
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# On-chip memory accounting
+# ----------------------------------------------------------------------------------------------------------------
+class MemoryTracker:
+    """Bytes per partition held by live SBUF and PSUM allocations of one kernel run.
+
+    An allocation lives as long as some tensor (or view) refers to its storage — Python's reference counting
+    stands in for the compiler's liveness analysis. Allocation fails with ``sbuf-capacity`` /
+    ``psum-capacity`` when the live total per partition would exceed the target's budget.
+    """
+
+    def __init__(self, spec: TargetSpec):
+        self.spec = spec
+        self.sbuf_live = 0
+        self.psum_banks_live = 0
+        self.sbuf_peak = 0
+        self.psum_banks_peak = 0
+        self._next = 0
+        self._live: dict[int, tuple[str, int, str]] = {}
+
+    def allocate(self, storage, buffer: str, bytes_per_partition: int, name: str) -> None:
+        if buffer == "sbuf":
+            budget = self.spec.sbuf_bytes_per_partition
+            if self.sbuf_live + bytes_per_partition > budget:
+                raise NkiRuleError(
+                    "sbuf-capacity",
+                    f"allocating {name or 'a tensor'} ({bytes_per_partition} B/partition) needs "
+                    f"{self.sbuf_live + bytes_per_partition} B/partition of SBUF with the live allocations; "
+                    f"the {self.spec.name} budget is {budget} B/partition. Live: {self._describe('sbuf')}")
+            self.sbuf_live += bytes_per_partition
+            self.sbuf_peak = max(self.sbuf_peak, self.sbuf_live)
+            amount = bytes_per_partition
+        elif buffer == "psum":
+            banks = -(-bytes_per_partition // self.spec.psum_bank_bytes)
+            if self.psum_banks_live + banks > self.spec.psum_num_banks:
+                raise NkiRuleError(
+                    "psum-capacity",
+                    f"allocating {name or 'a PSUM tensor'} ({bytes_per_partition} B/partition = {banks} bank(s) "
+                    f"of {self.spec.psum_bank_bytes} B) with {self.psum_banks_live} of "
+                    f"{self.spec.psum_num_banks} PSUM banks live. Live: {self._describe('psum')}")
+            self.psum_banks_live += banks
+            self.psum_banks_peak = max(self.psum_banks_peak, self.psum_banks_live)
+            amount = banks
+        else:
+            return
+        key = self._next
+        self._next += 1
+        self._live[key] = (buffer, amount, name)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        buffer, amount, _ = self._live.pop(key, (None, 0, ""))
+        if buffer == "sbuf":
+            self.sbuf_live -= amount
+        elif buffer == "psum":
+            self.psum_banks_live -= amount
+
+    def _describe(self, buffer: str) -> str:
+        items = [f"{n or '?'}:{a}" for b, a, n in self._live.values() if b == buffer]
+        return ", ".join(items[:12]) + (" …" if len(items) > 12 else "") if items else "none"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The context of one kernel run
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class RunContext:
+    spec: TargetSpec
+    memory: MemoryTracker
+    cost: "object"
+    # Per-lane reduction accumulators of VectorE (tensor_scalar_reduce) and ScalarE (activation reduce).
+    accumulators: dict = field(default_factory=dict)
+    loop_depth: int = 0
+
+
+_current: list[RunContext] = []
+
+
+def current() -> RunContext:
+    """The context of the kernel being run; outside a run, a fresh default one (so tensors can be made in
+    tests and REPLs without a kernel)."""
+    if not _current:
+        from .cost import CostRecord
+
+        spec = get_target()
+        _current.append(RunContext(spec, MemoryTracker(spec), CostRecord()))
+    return _current[-1]
+
+
+@contextlib.contextmanager
+def run_context():
+    from .cost import CostRecord
+
+    spec = get_target()
+    ctx = RunContext(spec, MemoryTracker(spec), CostRecord())
+    _current.append(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.remove(ctx)

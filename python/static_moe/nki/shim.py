@@ -1,0 +1,67 @@
+"""The one place kernels get ``nl`` / ``nisa`` from: the real NKI when it is importable, our interpreter
+otherwise.
+
+Targeted NKI: the standalone ``nki`` package, NKI >= 0.3 (Neuron SDK >= 2.29; API as of NKI 0.6 / SDK 2.32):
+``import nki``, ``nki.language as nl``, ``nki.isa as nisa``. The PyPI package named ``nki`` is an empty
+placeholder, so "importable" means ``nki.language``, ``nki.isa`` and ``nki.jit`` all exist.
+
+Set ``STATIC_MOE_NKI=interpreter`` to force the interpreter even where a real ``nki`` is installed (for
+example to compare the two), or ``STATIC_MOE_NKI=nki`` to require the real one (ImportError otherwise).
+
+Exports:
+    nl, nisa            the language and ISA modules
+    jit(fn)             real ``nki.jit`` / the interpreter's Kernel
+    simulate(kernel)    real ``nki.simulate`` / the interpreter's simulate
+    BACKEND             "nki" or "interpreter"
+    REAL_NKI_VERSION    the real package's version string, or None
+"""
+
+from __future__ import annotations
+
+import os
+
+MIN_NKI_VERSION = (0, 3)
+
+
+def _load_real():
+    import nki as _nki  # noqa: F401
+    import nki.isa as _nisa
+    import nki.language as _nl
+
+    if not hasattr(_nki, "jit"):
+        raise ImportError("the installed 'nki' has no jit (the PyPI placeholder?)")
+    version = getattr(_nki, "__version__", None)
+    return _nki, _nl, _nisa, version
+
+
+_choice = os.environ.get("STATIC_MOE_NKI", "auto").lower()
+_real = None
+if _choice != "interpreter":
+    try:
+        _real = _load_real()
+    except ImportError:
+        if _choice == "nki":
+            raise
+
+if _real is not None:
+    _nki, nl, nisa, REAL_NKI_VERSION = _real
+    BACKEND = "nki"
+    jit = _nki.jit
+
+    def simulate(kernel):
+        """The real NKI simulator (set NEURON_PLATFORM_TARGET_OVERRIDE=trn2; it defaults to trn3 off-device)."""
+        return _nki.simulate(kernel)
+
+else:
+    from .interpreter import isa as nisa  # noqa: F401
+    from .interpreter import jit  # noqa: F401
+    from .interpreter import language as nl  # noqa: F401
+    from .interpreter import simulate  # noqa: F401
+
+    BACKEND = "interpreter"
+    REAL_NKI_VERSION = None
+
+
+def real_nki_available() -> bool:
+    """True when a real NKI (compiler + simulator) backs ``nl`` / ``nisa``."""
+    return BACKEND == "nki"
