@@ -1,0 +1,114 @@
+"""Benchmark of torch.ops.static_moe.expert_gemm (SPEC §1.6) per activation × weight format pair, against
+seed_dense, torch_cached and (fp8 weights) torch_scaled_mm on the same inputs (docs BENCH.md).
+
+One expert's GEMM over T gathered rows, all routed to it (rows per expert = T): the gate/up GEMM
+(N = 2I, K = H) and, with --gemm both, the down GEMM (N = H, K = I). Every call is cold (caches flushed), so the
+expert's weight streams from DRAM as in a decode step.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_expert_gemm.py --shape v4_flash --pairs fp8xfp4 --tokens 1 16
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_expert_gemm.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import baselines as B
+import harness as H
+from static_moe import reference
+from static_moe.formats import quantize_weight
+from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, gen, make_activations
+from static_moe.testing.numeric import assert_gemm_close, calc_diff
+
+BENCH = "expert_gemm"
+GROUP = 128  # fp8 activation group
+GEMMS = {"w13": lambda s: (2 * s.intermediate, s.hidden), "w2": lambda s: (s.hidden, s.intermediate)}
+
+
+def expert_weight(n: int, k: int, fmt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One expert's weight [1, N, K] in ``fmt`` (+ scales), drawn N(0, 1/K)."""
+    w = torch.randn(1, n, k, generator=gen(seed)) / k**0.5
+    return quantize_weight(w, fmt)
+
+
+def run(report: H.Report, shapes: list[str], tokens: list[int], quick: bool,
+        pairs: list[tuple[str, str]] | None = None, gemms: tuple[str, ...] = ("w13",)) -> list[dict]:
+    """Append one record per (shape, gemm, pair, tokens) to ``report``."""
+    pairs = pairs or list(FORMAT_PAIRS)
+    records = []
+    smm_reason = B.scaled_mm_unavailable_reason()
+    t_check = H.check_point(tokens)
+    for shape_key in shapes:
+        shape = MODEL_SHAPES[shape_key]
+        for gemm in gemms:
+            n, k = GEMMS[gemm](shape)
+            print(f"[{BENCH}] {shape.name} {gemm}: N={n} K={k}", flush=True)
+            for w_fmt in dict.fromkeys(w for _, w in pairs):
+                b, b_s = expert_weight(n, k, w_fmt, seed=2)
+                cached = {dt: B.TorchCached(b, b_s, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+                smm = B.TorchScaledMM(b, b_s) if (w_fmt == "fp8" and smm_reason is None) else None
+                for act_fmt in [a for a, wf in pairs if wf == w_fmt]:
+                    for t in tokens:
+                        a, a_s = make_activations(t, k, act_fmt, GROUP, seed=t)
+                        mask = torch.ones(t, dtype=torch.bool)
+                        rec = _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cached, smm,
+                                             smm_reason, check=(t == t_check))
+                        cost = H.cost_expert_gemm(act_fmt, w_fmt, t, t, n, k, GROUP)
+                        rec.update(H.roofline(cost, report.limits, rec["op"].get("median_s")))
+                        rec.update(rows=t, rows_active=t, rows_per_expert=float(t), experts="1/1", n=n, k=k)
+                        records.append(report.add(rec))
+                        H.progress(rec)
+                del cached, smm, b, b_s
+    return records
+
+
+def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cached, smm, smm_reason, check):
+    op_args = (a, a_s, b, b_s, mask, 0)
+    op, out = H.measure(lambda: torch.ops.static_moe.expert_gemm(*op_args), cold=True)
+    base, outs = {}, {}
+    timing, outs["seed_dense"] = H.time_fn(lambda: B.seed_dense_expert_gemm(*op_args), cold=True)
+    base["seed_dense"] = H.timing_dict(timing)
+    variants = {}
+    for dt, c in cached.items():
+        timing, o = H.time_fn(lambda c=c: c.expert_gemm(a, a_s, mask, 0), cold=True)
+        variants[str(dt).replace("torch.", "")] = (timing, o)
+    best = min(variants, key=lambda v: variants[v][0].median_s)
+    base["torch_cached"] = {**H.timing_dict(variants[best][0]), "variant": best,
+                            **{f"{v}_median_s": tv[0].median_s for v, tv in variants.items()}}
+    outs["torch_cached"] = variants[best][1]
+    if w_fmt == "fp8":
+        if smm is None:
+            base["torch_scaled_mm"] = {"available": False, "reason": smm_reason}
+        else:
+            timing, outs["torch_scaled_mm"] = H.time_fn(lambda: smm.expert_gemm(a, a_s, mask, 0), cold=True)
+            base["torch_scaled_mm"] = H.timing_dict(timing)
+    what = f"{BENCH} {shape_key} {gemm} {act_fmt}x{w_fmt} T={t}"
+    if check:
+        ref = reference.expert_gemm(*op_args)
+        for name, o in outs.items():
+            base[name]["calc_diff_vs_reference"] = H.check_baseline(name, o, ref, B.CHECK_TOLERANCE[name], what)
+        op["parity"] = H.check_op(out, ref, lambda o, r: assert_gemm_close(o, r, what))
+    if out is not None:
+        for name, o in outs.items():
+            base[name]["calc_diff_vs_op"] = calc_diff(o, out)
+    return {"bench": BENCH, "shape": shape_key, "gemm": gemm, "fmt": f"{act_fmt}×{w_fmt} {gemm}", "act": act_fmt,
+            "weight": w_fmt, "tokens": t, "op": op, "baselines": base}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    H.add_common_args(p)
+    p.add_argument("--pairs", nargs="+", default=None, help="act×weight pairs as actxweight, e.g. fp8xfp4 (default: all)")
+    p.add_argument("--gemm", choices=["w13", "w2", "both"], default="w13", help="gate/up (w13), down (w2) or both")
+    args = p.parse_args(argv)
+    shapes, tokens = H.resolve_args(args)
+    report = H.start(args, BENCH)
+    gemms = ("w13", "w2") if args.gemm == "both" else (args.gemm,)
+    run(report, shapes, tokens, args.quick, H.parse_pairs(args.pairs, list(FORMAT_PAIRS)), gemms)
+    H.finish(report, args, BENCH, [BENCH])
+
+
+if __name__ == "__main__":
+    main()
