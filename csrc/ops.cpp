@@ -4,6 +4,9 @@
 // Later arguments may be added only with defaults, at the end.
 #include <torch/extension.h>
 
+#include "checks/pack_rows.h"
+#include "checks/swiglu_and_cast.h"
+
 TORCH_LIBRARY(static_moe, m) {
   m.def("pack_rows(Tensor[] parts, int capacity) -> Tensor");
   m.def("unpack_rows(Tensor packed, int offset, int nbytes, ScalarType dtype, int[] row_shape) -> Tensor");
@@ -24,4 +27,19 @@ TORCH_LIBRARY(static_moe, m) {
 // `import static_moe._C` loads this library, which runs the registrations above and in every backend file.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "static_moe C++ extension: op registrations for the CPU (and, when built, CUDA) backends";
+  // Per-op metadata checks, called by the Python fake kernels so traced graphs reject bad shapes too
+  // (they read sizes / dtypes / devices only, so FakeTensors work).
+  m.def("check_pack_rows", [](const std::vector<at::Tensor>& parts, int64_t capacity) {
+    return static_moe::checks::check_pack_rows(parts, capacity).width;
+  }, "pack_rows argument checks; returns the packed row width W");
+  m.def("check_unpack_rows", [](const at::Tensor& packed, int64_t offset, int64_t nbytes, at::ScalarType dtype,
+                                std::vector<int64_t> row_shape) {
+    static_moe::checks::check_unpack_rows(packed, offset, nbytes, dtype, row_shape);
+  }, "unpack_rows argument checks");
+  m.def("check_swiglu_and_cast", [](const at::Tensor& gate_up, std::optional<at::Tensor> row_weight,
+                                    std::optional<double> swiglu_limit, std::string out_format, int64_t group_size,
+                                    double fp8_max, bool pow2_scale) {
+    static_moe::checks::check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max,
+                                              pow2_scale);
+  }, "swiglu_and_cast argument checks");
 }
