@@ -414,7 +414,7 @@ class WorkspaceManager:
 
             for t in buffers.values():
                 symm_mem.rendezvous(t, group.group_name)
-        return self._register(key, spec, group.group_name, buffers, symmetric)
+        return WorkspaceLease(self._register(key, spec, group.group_name, buffers, symmetric))
 
     def _acquire_local(self, spec, membership, group_name) -> WorkspaceLease:
         key = (membership, spec)
@@ -458,12 +458,12 @@ class WorkspaceManager:
             return buffers, e
         return buffers, None
 
-    def _register(self, key, spec, group_name, buffers, symmetric) -> WorkspaceLease:
+    def _register(self, key, spec, group_name, buffers, symmetric) -> Workspace:
         ws = Workspace(self, key, spec, set(), buffers, symmetric)
         with self._lock:
             self._by_key[key] = ws
         self._index_name(ws, group_name)
-        return WorkspaceLease(ws)
+        return ws
 
     def _index_name(self, ws: Workspace, group_name: str) -> None:
         with self._lock:

@@ -1,0 +1,290 @@
+"""torch.ops.static_moe.forward (SPEC §0, §3, §4): S = 1 in process; S = 2 and 4 on gloo ranks, every rank's
+output against reference.forward_simulated (SPEC §2 tolerance) for every format pair and the edge cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import static_moe
+from static_moe import reference, workspace
+from static_moe.testing.distributed import RankFailure, run_ranks
+from static_moe.testing.generators import FORMAT_PAIRS, gen, make_activations, make_routing, make_weights
+from static_moe.testing.numeric import assert_equal, assert_gemm_close
+
+H, I, K, C = 256, 128, 3, 8
+LIMIT = 7.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inputs for S ranks and their reference outputs
+# ----------------------------------------------------------------------------------------------------------------
+def make_case(size: int, num_experts: int, act: str, wfmt: str, tokens: list[int], seed: int, *,
+              routing: str = "random", group: int = 128, shared: bool = False, limit=LIMIT,
+              index_dtype=torch.int32) -> dict:
+    """Every rank's inputs (lists indexed by EP rank), deterministic from ``seed``.
+
+    routing: "random" (distinct ids with −1 slots and repeated ids mixed in), "one_expert" (every slot of every
+    token names the last global expert, so its weight is the row's weight sum).
+    """
+    num_local = num_experts // size
+    w = [make_weights(num_local, H, I, wfmt, seed=seed * 100 + r) for r in range(size)]
+    xs = [make_activations(tokens[r], H, act, group=group, seed=seed * 100 + 10 + r) for r in range(size)]
+    rts = []
+    for r in range(size):
+        if routing == "random":
+            rts.append(make_routing(tokens[r], K, num_experts, seed=seed * 100 + 20 + r, empty_frac=0.25,
+                                    duplicate_frac=0.2, index_dtype=index_dtype))
+        else:
+            idx = torch.full((tokens[r], K), num_experts - 1, dtype=index_dtype)
+            rts.append((idx, torch.softmax(torch.randn(tokens[r], K, generator=gen(seed + r)), -1)))
+    so = [torch.randn(tokens[r], H, generator=gen(seed * 100 + 30 + r)) if shared else None for r in range(size)]
+    return {
+        "x": [a[0] for a in xs], "x_scale": [a[1] for a in xs], "idx": [a[0] for a in rts],
+        "tw": [a[1] for a in rts], "w13": [a["w13"] for a in w], "w13_scale": [a["w13_scale"] for a in w],
+        "w2": [a["w2"] for a in w], "w2_scale": [a["w2_scale"] for a in w], "shared": so,
+        "num_experts": num_experts, "limit": limit,
+    }
+
+
+def reference_outputs(case: dict) -> list[torch.Tensor]:
+    return reference.forward_simulated(case["x"], case["x_scale"], case["idx"], case["tw"], case["w13"],
+                                       case["w13_scale"], case["w2"], case["w2_scale"], case["shared"],
+                                       case["num_experts"], C, case["limit"])
+
+
+def run_op(case: dict, rank: int, size: int, group_name: str = "", fn=None) -> torch.Tensor:
+    fn = fn or torch.ops.static_moe.forward
+    return fn(case["x"][rank], case["x_scale"][rank], case["idx"][rank], case["tw"][rank], case["w13"][rank],
+              case["w13_scale"][rank], case["w2"][rank], case["w2_scale"][rank], case["shared"][rank],
+              case["num_experts"], C, case["limit"], group_name, rank, size)
+
+
+def spec_of(case: dict, rank: int, size: int, act: str, wfmt: str) -> workspace.WorkspaceSpec:
+    return workspace.WorkspaceSpec(capacity=C, hidden=H, intermediate=I, num_experts=case["num_experts"], topk=K,
+                                   ep_size=size, act_format=act, weight_format=wfmt)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# S = 1, in process
+# ----------------------------------------------------------------------------------------------------------------
+S1_CASES = [  # (tokens, routing, shared, index dtype, activation group)
+    ([5], "random", False, torch.int32, 128),
+    ([C], "random", True, torch.int64, 32),
+    ([0], "random", True, torch.int32, 128),
+    ([6], "one_expert", False, torch.int64, 128),
+]
+
+
+@pytest.mark.parametrize("act,wfmt", FORMAT_PAIRS, ids=[f"{a}x{w}" for a, w in FORMAT_PAIRS])
+def test_forward_s1_matches_reference(act, wfmt):
+    for i, (tokens, routing, shared, index_dtype, group) in enumerate(S1_CASES):
+        case = make_case(1, 4, act, wfmt, tokens, seed=i, routing=routing, shared=shared, group=group,
+                         index_dtype=index_dtype, limit=None if i % 2 else LIMIT)
+        out = run_op(case, 0, 1)
+        ref = reference_outputs(case)[0]
+        assert out.dtype == torch.bfloat16 and out.shape == (tokens[0], H)
+        assert_gemm_close(out, ref, f"S=1 {act}x{wfmt} case {i}")
+        # The Python wrapper is the same op.
+        wrapped = static_moe.forward(case["x"][0], case["x_scale"][0], case["idx"][0], case["tw"][0],
+                                     case["w13"][0], case["w13_scale"][0], case["w2"][0], case["w2_scale"][0],
+                                     case["shared"][0], num_experts=4, capacity=C, swiglu_limit=case["limit"])
+        assert_equal(wrapped, out, "wrapper vs op")
+
+
+def test_forward_s1_bf16_topk_weights_are_widened():
+    case = make_case(1, 4, "bf16", "bf16", [5], seed=3)
+    ref = reference_outputs(case)[0]
+    case["tw"] = [case["tw"][0].to(torch.bfloat16)]
+    ref_bf16 = reference_outputs(case)[0]
+    out = run_op(case, 0, 1)
+    assert_gemm_close(out, ref_bf16, "bf16 routing weights")
+    assert out.shape == ref.shape
+
+
+def _args(case, **over):
+    names = ["x", "x_scale", "idx", "tw", "w13", "w13_scale", "w2", "w2_scale", "shared"]
+    a = {n: case[n][0] for n in names}
+    a.update(num_experts=case["num_experts"], capacity=C, limit=case["limit"], group="", rank=0, size=1)
+    a.update(over)
+    return [a[n] for n in names] + [a["num_experts"], a["capacity"], a["limit"], a["group"], a["rank"], a["size"]]
+
+
+def test_forward_errors_name_the_argument():
+    bf = make_case(1, 4, "bf16", "bf16", [5], seed=1)
+    f8 = make_case(1, 4, "fp8", "fp8", [5], seed=1)
+    f4 = make_case(1, 4, "fp8", "fp4", [5], seed=1)
+    op = torch.ops.static_moe.forward
+    with pytest.raises(ValueError, match=r"9 tokens exceed the capacity of 8"):
+        big = make_case(1, 4, "bf16", "bf16", [9], seed=1)
+        op(*_args(big))
+    cases = [
+        (dict(idx=torch.tensor([[0, 1, 4]] * 5, dtype=torch.int32)), ValueError, r"topk_idx.*\[-1, 4\).*\[0, 4\]"),
+        (dict(idx=torch.tensor([[0, 1, -2]] * 5, dtype=torch.int32)), ValueError, r"got values in \[-2, 1\]"),
+        (dict(idx=bf["idx"][0].float()), TypeError, "topk_idx must be int32 or int64"),
+        (dict(idx=bf["idx"][0][:, :2]), ValueError, "topk_weights must have topk_idx's shape"),
+        (dict(tw=bf["tw"][0].double()), TypeError, "topk_weights must be float32 or bfloat16"),
+        (dict(x=bf["x"][0].float()), TypeError, "x must be bfloat16 or float8_e4m3fn"),
+        (dict(x=bf["x"][0][:, :128]), ValueError, r"w13 must be \[4, 256, 128\]"),
+        (dict(x_scale=torch.ones(5, 2)), ValueError, "x is bf16, so x_scale must be None"),
+        (dict(num_experts=8), ValueError, r"num_experts=8 must equal local experts"),
+        (dict(rank=1), ValueError, r"ep_rank must be in \[0, ep_size=1\)"),
+        (dict(capacity=0), ValueError, "capacity must be a positive int"),
+        (dict(shared=torch.zeros(5, 128)), ValueError, r"shared_output must be \[T=5, H=256\]"),
+        (dict(w2=bf["w2"][0][:, :, :64]), ValueError, r"w2 must be \[4, 256, 128\]"),
+        (dict(w13_scale=torch.ones(4, 256, 2)), ValueError, "w13 is bf16, so w13_scale must be None"),
+        (dict(limit=-1.0), ValueError, "swiglu_limit must be None or positive"),
+    ]
+    for over, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            op(*_args(bf, **over))
+    with pytest.raises(ValueError, match="x_scale .* is required"):
+        op(*_args(f8, x_scale=None))
+    with pytest.raises(ValueError, match=r"activation group H / x_scale.size\(1\) = 256/4 = 64"):
+        op(*_args(f8, x_scale=torch.ones(5, 4)))
+    with pytest.raises(ValueError, match="w13_scale must be torch.uint8 or torch.float8_e8m0fnu"):
+        op(*_args(f4, w13_scale=f4["w13_scale"][0].float()))
+    with pytest.raises(ValueError, match="w2_scale is required"):
+        op(*_args(f8, w2_scale=None))
+    with pytest.raises(ValueError, match="not a supported pair"):  # fp8 activations × bf16 weights
+        op(*_args(f8, w13=bf["w13"][0], w2=bf["w2"][0], w13_scale=None, w2_scale=None))
+    with pytest.raises(TypeError, match="must share one weight format"):
+        op(*_args(f8, w2=f4["w2"][0]))
+    # The fake (trace-time) path gives the same messages.
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in _args(big)]
+        with pytest.raises(ValueError, match="9 tokens exceed the capacity of 8"):
+            op(*fake)
+
+
+def test_forward_opcheck_and_export_s1():
+    case = make_case(1, 4, "bf16", "bf16", [5], seed=2, shared=True)
+    torch.library.opcheck(torch.ops.static_moe.forward.default, tuple(_args(case)),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    class Step(torch.nn.Module):
+        def forward(self, x, x_scale, idx, tw, w13, w13_s, w2, w2_s):
+            return torch.ops.static_moe.forward(x, x_scale, idx, tw, w13, w13_s, w2, w2_s, None, 4, C, LIMIT, "", 0,
+                                                1)
+
+    for act, wfmt in (("bf16", "bf16"), ("fp8", "fp4")):
+        case = make_case(1, 4, act, wfmt, [5], seed=4)
+        inputs = tuple(case[n][0] for n in ("x", "x_scale", "idx", "tw", "w13", "w13_scale", "w2", "w2_scale"))
+        ep = torch.export.export(Step(), inputs)
+        targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+        assert torch.ops.static_moe.forward.default in targets, targets
+        assert_equal(ep.module()(*inputs), Step()(*inputs), f"export {act}x{wfmt}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# S = 2 and S = 4 on gloo
+# ----------------------------------------------------------------------------------------------------------------
+def _scenarios(size: int):
+    """(name, tokens per rank, routing, shared)."""
+    if size == 2:
+        return [("T<C,T=C", [5, C], "random", True), ("T=0 on rank 0", [0, 6], "random", False),
+                ("one expert", [4, 7], "one_expert", False), ("all ranks empty", [0, 0], "random", True)]
+    return [("mixed T incl. 0", [3, 0, C, 1], "random", True), ("one expert", [2, 5, 0, 3], "one_expert", False)]
+
+
+def _parity_worker(rank: int, size: int) -> list[str]:
+    import torch.distributed as dist
+
+    name = dist.group.WORLD.group_name
+    num_experts = 4 * size if size == 2 else 2 * size
+    done = []
+    for p, (act, wfmt) in enumerate(FORMAT_PAIRS):
+        for s, (label, tokens, routing, shared) in enumerate(_scenarios(size)):
+            case = make_case(size, num_experts, act, wfmt, tokens, seed=10 * p + s, routing=routing, shared=shared,
+                             index_dtype=torch.int64 if s % 2 else torch.int32)
+            out = run_op(case, rank, size, name)
+            ref = reference_outputs(case)[rank]
+            assert out.shape == (tokens[rank], H), (label, out.shape)
+            assert_gemm_close(out, ref, f"S={size} rank {rank} {act}x{wfmt} {label}")
+            done.append(f"{act}x{wfmt}:{label}")
+    return done
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_forward_distributed_matches_reference(size):
+    results = run_ranks(_parity_worker, size, timeout=150)
+    assert all(len(r) == len(FORMAT_PAIRS) * len(_scenarios(size)) for r in results)
+
+
+def _workspace_compile_independence_worker(rank: int, size: int) -> dict:
+    import torch.distributed as dist
+
+    name = dist.group.WORLD.group_name
+    report = {}
+    act, wfmt = "fp8", "fp4"
+    case = make_case(size, 8, act, wfmt, [5, C], seed=7, shared=True)
+    ref = reference_outputs(case)[rank]
+    plain = run_op(case, rank, size, name)
+
+    # With a workspace open for this (group, spec) the op gathers and reduces into its buffers.
+    lease = workspace.acquire(spec_of(case, rank, size, act, wfmt), dist.group.WORLD)
+    ws = lease.workspace
+    ptrs = ws.data_ptrs()
+    with_ws = run_op(case, rank, size, name)
+    assert_equal(with_ws, plain, "workspace path vs temporaries")
+    assert_gemm_close(with_ws, ref, "workspace path vs reference")
+    packs = [reference.pack_rows(_parts(case, r), C) for r in range(size)]
+    assert_equal(ws.send, packs[rank], "send buffer holds this rank's packed rows")
+    assert_equal(ws.gathered, torch.cat(packs), "gathered buffer holds every rank's packed rows")
+    tokens = case["x"][rank].shape[0]
+    expect = (ws.scattered[:tokens] + case["shared"][rank]).to(torch.bfloat16)
+    assert_equal(with_ws, expect, "output = scattered rows + shared")
+    run_op(case, rank, size, name)
+    assert ws.data_ptrs() == ptrs, "buffers moved between calls"
+
+    # torch.compile(fullgraph=True) keeps the op whole: no graph break, same bits, same buffers.
+    compiled = torch.compile(torch.ops.static_moe.forward, fullgraph=True, backend="inductor")
+    assert_equal(run_op(case, rank, size, name, fn=compiled), with_ws, "compiled vs eager")
+    assert ws.data_ptrs() == ptrs
+    lease.close()
+    report["compile"] = True
+
+    # A token's output does not depend on the other tokens, on any rank (bitwise): token 0 of every rank is kept,
+    # every other token (and each rank's T) changes.
+    for act, wfmt in (("bf16", "bf16"), ("fp8", "fp4"), ("bf16", "fp8")):
+        a = make_case(size, 8, act, wfmt, [6, 3], seed=21)
+        b = make_case(size, 8, act, wfmt, [2, 7], seed=22)
+        b["w13"], b["w13_scale"], b["w2"], b["w2_scale"] = a["w13"], a["w13_scale"], a["w2"], a["w2_scale"]
+        for key in ("x", "x_scale", "idx", "tw"):
+            for r in range(size):
+                if a[key][r] is not None:
+                    b[key][r][0] = a[key][r][0]
+        out_a, out_b = run_op(a, rank, size, name), run_op(b, rank, size, name)
+        assert_equal(out_b[0], out_a[0], f"token 0 of rank {rank} ({act}x{wfmt}) changed with its neighbours")
+    report["independence"] = True
+
+    # A wrong group name fails on every rank before any collective.
+    try:
+        run_op(case, rank, size, "no-such-group")
+    except ValueError as e:
+        assert "no-such-group" in str(e)
+        report["bad group"] = True
+    return report
+
+
+def _parts(case: dict, r: int) -> list[torch.Tensor]:
+    x, xs = case["x"][r], case["x_scale"][r]
+    return ([x] if xs is None else [x, xs]) + [case["idx"][r].to(torch.int32), case["tw"][r].float()]
+
+
+def test_forward_workspace_compile_and_token_independence_s2():
+    reports = run_ranks(_workspace_compile_independence_worker, 2, timeout=150)
+    for r in reports:
+        assert r == {"compile": True, "independence": True, "bad group": True}, r
+
+
+def _raises_on_rank_one(rank: int, size: int):
+    if rank == 1:
+        raise KeyError("boom")
+    return rank
+
+
+def test_harness_reports_a_failing_rank():
+    """The harness itself: a failing rank surfaces with its traceback instead of passing silently."""
+    with pytest.raises(RankFailure, match="boom"):
+        run_ranks(_raises_on_rank_one, 2, timeout=60)
