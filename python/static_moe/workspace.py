@@ -224,10 +224,13 @@ class Workspace:
     def num_leases(self) -> int:
         return self._leases
 
-    def buffer(self, name: str) -> torch.Tensor:
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"workspace for {self.spec} is closed: its buffers were freed when its last lease "
                                "closed; acquire a new one")
+
+    def buffer(self, name: str) -> torch.Tensor:
+        self._check_open()
         try:
             return self._buffers[name]
         except KeyError:
@@ -240,6 +243,7 @@ class Workspace:
 
     def data_ptrs(self) -> dict[str, int]:
         """Address of every buffer (stable for the workspace's life)."""
+        self._check_open()
         return {n: self.buffer(n).data_ptr() for n in self._buffers}
 
     def nbytes(self) -> int:
