@@ -65,3 +65,19 @@ else:
 def real_nki_available() -> bool:
     """True when a real NKI (compiler + simulator) backs ``nl`` / ``nisa``."""
     return BACKEND == "nki"
+
+
+_TORCH_TO_NL = {
+    "float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2", "float8_e8m0fnu": "float8_e8m0fnu", "int32": "int32", "int16": "int16",
+    "int8": "int8", "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "bool": "bool_",
+}
+
+
+def nl_dtype(torch_dtype):
+    """The ``nl`` dtype of a torch dtype (e.g. torch.float8_e4m3fn → nl.float8_e4m3fn); for kernel constants
+    such as unpack_rows' dtype. Raises ValueError for dtypes NKI lacks (int64, float64)."""
+    name = str(torch_dtype).replace("torch.", "")
+    if name not in _TORCH_TO_NL:
+        raise ValueError(f"{torch_dtype} has no NKI dtype")
+    return getattr(nl, _TORCH_TO_NL[name])
