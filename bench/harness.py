@@ -376,7 +376,7 @@ class Report:
 
     def table(self, records: list[dict] | None = None) -> str:
         recs = self.records if records is None else records
-        cols = ["bench", "shape", "fmt", "T", "rows/e", "experts", "median", "MB", "GFLOP", "t_mem", "t_flop",
+        cols = ["bench", "shape", "fmt", "T", "rows/e", "experts", "median", "coll", "MB", "GFLOP", "t_mem", "t_flop",
                 "bound", "roof%", "×seed", "×cached", "×scaled", "×ref"]
         rows = [cols]
         for r in recs:
@@ -391,6 +391,7 @@ class Report:
                 _fmt_num(r.get("rows_per_expert"), "{:.1f}"),
                 r.get("experts", ""),
                 _fmt_time(op.get("median_s")) if ok else "n/a",
+                _fmt_time(r.get("collective_s")),
                 f"{r['bytes'] / 1e6:.2f}",
                 f"{r['flops'] / 1e9:.3f}" if r["flops"] else "—",
                 _fmt_time(r["t_mem_s"]),
@@ -640,3 +641,23 @@ def progress(rec: dict) -> None:
     print(f"  {rec['bench']} {rec.get('shape', '')} {rec.get('fmt', '')} T={rec['tokens']}: op {t} roof "
           f"{_fmt_num(frac and 100 * frac, '{:.0f}%')} {sp}" + (f" parity {op['parity']}" if "parity" in op else ""),
           flush=True)
+
+
+def cost_forward(act_fmt: str, w_fmt: str, tokens: int, capacity: int, ep_size: int, row_bytes: int, width: int,
+                 hidden: int, inter: int, topk: int, rank_stats: list[RoutingStats], group: int = 128,
+                 shared: bool = True) -> Cost:
+    """The whole step summed over the S ranks sharing this machine (SPEC §0): per rank, pack (parts in, [C, W]
+    out), the gathered [S·C, W] written, local experts over the S·C gathered rows (its touched experts'
+    weights, routed rows, routing, fp32 acc out), the reduce-scatter's [S·C, H] fp32 in and [C, H] out, and the
+    combine (scattered rows and shared output in, bf16 [T, H] out). Collective traffic between processes is not
+    counted: it is timed on its own."""
+    total = Cost(0.0)
+    rows = ep_size * capacity
+    for st in rank_stats:
+        total += cost_pack_rows(row_bytes, tokens, capacity, width)
+        total += Cost(rows * width)
+        total += cost_local_experts(act_fmt, w_fmt, rows, st.rows_active, topk, hidden, inter, st.experts_touched,
+                                    st.pairs, group)
+        total += Cost(4 * rows * hidden + 4 * capacity * hidden)
+        total += Cost(4 * tokens * hidden + (2 * tokens * hidden if shared else 0) + 2 * tokens * hidden)
+    return total
