@@ -1,0 +1,480 @@
+"""StaticMoE: construction and validation, conversion (grouped / DTensor / HF experts), the DeepSeek-style loader,
+the shared expert, torch.export at S = 1; on two gloo ranks: three layers sharing one workspace with stable
+addresses, torch.compile(fullgraph=True), collective construction errors, close / use-after-close."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from static_moe import reference
+from static_moe.formats import expand_block_scales, quantize_activation, quantize_weight
+from static_moe.module import StaticMoE
+from static_moe.testing.distributed import run_ranks
+from static_moe.testing.generators import FORMAT_PAIRS, gen, make_routing
+from static_moe.testing.numeric import assert_equal, assert_gemm_close
+
+H, I, E, K, C = 256, 128, 8, 3, 8
+IS = 256  # shared expert intermediate
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sources and the reference
+# ----------------------------------------------------------------------------------------------------------------
+class Grouped(nn.Module):
+    """Grouped SwiGLU experts as torchtitan-style code holds them: w1/w3 [L, I, H], w2 [L, H, I]."""
+
+    def __init__(self, w1, w3, w2):
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Parameter(w1), nn.Parameter(w3), nn.Parameter(w2)
+
+
+class HFExpert(nn.Module):
+    def __init__(self, hidden, inter, bias=False, device=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias, device=device)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias, device=device)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias, device=device)
+
+
+def float_experts(num, seed, inter=I):
+    g = gen(seed)
+    return (torch.randn(num, inter, H, generator=g) / H**0.5, torch.randn(num, inter, H, generator=g) / H**0.5,
+            torch.randn(num, H, inter, generator=g) / inter**0.5)
+
+
+def hf_experts(w1, w3, w2) -> nn.ModuleList:
+    out = nn.ModuleList()
+    for e in range(w1.shape[0]):
+        m = HFExpert(H, w1.shape[1])
+        with torch.no_grad():
+            m.gate_proj.weight.copy_(w1[e])
+            m.up_proj.weight.copy_(w3[e])
+            m.down_proj.weight.copy_(w2[e])
+        out.append(m)
+    return out
+
+
+def quantized(w1, w3, w2, fmt):
+    w13, w13_s = quantize_weight(torch.cat((w1, w3), dim=1), fmt)
+    w2q, w2_s = quantize_weight(w2, fmt)
+    return w13, w13_s, w2q, w2_s
+
+
+def activations(hidden, act, group):
+    """What the layer feeds its experts: bf16 as is, fp8 quantized per SPEC §1.1."""
+    x = hidden.reshape(-1, H)
+    return (x, None) if act == "bf16" else quantize_activation(x, group)
+
+
+def reference_layer(hidden, idx, tw, experts, act, group, limit, shared=None, shared_limit=None):
+    """Single-rank reference of a StaticMoE: experts = (w13, w13_s, w2, w2_s) of all E; shared likewise [1, ...]."""
+    x, xs = activations(hidden, act, group)
+    shared_out = None
+    if shared is not None:
+        sw13, sw13_s, sw2, sw2_s = shared
+        sx, sxs = (x, xs) if sw13.dtype != torch.bfloat16 else (hidden.reshape(-1, H), None)
+        if sw13.dtype == torch.bfloat16 and act == "fp8":
+            sx = reference.expert_gemm.dequantize_a(x, xs).to(torch.bfloat16)
+        t = x.shape[0]
+        shared_out = reference.local_experts(sx, sxs, torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, 1), sw13,
+                                             sw13_s, sw2, sw2_s, 0, shared_limit)
+    return reference.forward(x, xs, idx, tw, *experts[:2], *experts[2:], shared_out, E, C, limit, "", 0, 1)
+
+
+def hidden_states(t, seed):
+    return torch.randn(t, H, generator=gen(seed)).to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Construction and validation
+# ----------------------------------------------------------------------------------------------------------------
+def test_constructor_validation():
+    bad = [
+        (dict(device="meta"), ValueError, "meta device"),
+        (dict(hidden_size=200), ValueError, "hidden must be a multiple of 128"),
+        (dict(intermediate_size=96), ValueError, "intermediate must be a multiple of 128"),
+        (dict(top_k=9), ValueError, r"topk \(9\) cannot exceed num_experts \(8\)"),
+        (dict(capacity=0), ValueError, "capacity must be a positive integer"),
+        (dict(weight_format="int4"), ValueError, "weight_format must be one of"),
+        (dict(act_format="fp8", weight_format="bf16"), ValueError, "is not supported"),
+        (dict(act_format="fp8", weight_format="fp8", act_group=64), ValueError, "act_group must be one of"),
+        (dict(swiglu_limit=-1.0), ValueError, "swiglu_limit must be None or a finite positive"),
+        (dict(swiglu_limit=math.inf), ValueError, "swiglu_limit"),
+        (dict(swiglu_limit=1e39), ValueError, "float32-representable"),
+        (dict(swiglu_limit=True), ValueError, "swiglu_limit"),
+        (dict(ep_size=2), ValueError, "ep_size=2 does not match the EP group's size"),
+        (dict(ep_size=0), ValueError, "ep_size must be a positive integer"),
+        (dict(shared_weight_format="fp8"), ValueError, "shared_weight_format was given without"),
+        (dict(shared_intermediate_size=100), ValueError, "shared expert sizes must be multiples of 128"),
+        (dict(shared_intermediate_size=IS, shared_weight_format="nf4"), ValueError, "shared weight_format"),
+    ]
+    base = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, capacity=C)
+    for over, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            StaticMoE(**{**base, **over})
+    with pytest.raises(ValueError, match="ep_group was given but torch.distributed is not initialised"):
+        StaticMoE(**base, ep_group=object())
+
+
+def test_forward_validation_and_close():
+    layer = StaticMoE(H, I, E, K, C, act_format="fp8", weight_format="fp8")
+    idx, tw = make_routing(4, K, E, seed=1)
+    x = hidden_states(4, 1)
+    assert layer(x.reshape(2, 2, H), idx, tw).shape == (2, 2, H)
+    with pytest.raises(ValueError, match="9 tokens exceed the capacity of 8"):
+        layer(hidden_states(9, 1), *make_routing(9, K, E, seed=1))
+    with pytest.raises(ValueError, match=r"must be \[T=4, top_k=3\]"):
+        layer(x, idx[:, :2], tw[:, :2])
+    with pytest.raises(ValueError, match="hidden must be bf16"):
+        layer(x.float(), idx, tw)
+    with pytest.raises(ValueError, match=r"hidden\[1\] must be float32 \[..., 2\]"):
+        layer((torch.zeros(4, H, dtype=torch.float8_e4m3fn), torch.ones(4, 1)), idx, tw)
+    with pytest.raises(ValueError, match=r"topk_idx must hold global expert ids in \[-1, 8\)"):
+        layer(x, idx.masked_fill(idx == 0, 8), tw)
+    with pytest.raises(TypeError, match="only with act_format='fp8'"):
+        StaticMoE(H, I, E, K, C)((x, None), idx, tw)
+    # Pre-quantized activations give the same result as letting the layer quantize.
+    assert_equal(layer(quantize_activation(x, 128), idx, tw), layer(x, idx, tw), "pre-quantized input")
+    ws = layer.workspace
+    layer.close()
+    layer.close()
+    assert layer.closed and ws.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        layer(x, idx, tw)
+    with pytest.raises(RuntimeError, match="closed"):
+        layer.workspace
+
+
+def test_set_expert_weights_checks():
+    layer = StaticMoE(H, I, E, K, C, weight_format="fp4")
+    w13, w13_s, w2, w2_s = quantized(*float_experts(E, 0), "fp4")
+    layer.set_expert_weights(w13.view(torch.float4_e2m1fn_x2), w13_s.view(torch.float8_e8m0fnu), w2, w2_s)
+    assert_equal(layer.w13, w13, "fp4 view accepted as uint8")
+    with pytest.raises(ValueError, match=r"routed w2 must have shape \[8, 256, 64\]"):
+        layer.set_expert_weights(w13, w13_s, w2[:, :, :32], w2_s)
+    with pytest.raises(ValueError, match="UE8M0 byte 255"):
+        layer.set_expert_weights(w13, torch.full_like(w13_s, 255), w2, w2_s)
+    with pytest.raises(TypeError, match="must be torch.uint8 for fp4"):
+        layer.set_expert_weights(w13.float(), w13_s, w2, w2_s)
+    with pytest.raises(ValueError, match="meta tensor"):
+        layer.set_expert_weights(w13.to("meta"), w13_s, w2, w2_s)
+    with pytest.raises(ValueError, match="w2_scale is required"):
+        layer.set_expert_weights(w13, w13_s, w2, None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conversion, loading, the shared expert
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("act,wfmt", FORMAT_PAIRS, ids=[f"{a}x{w}" for a, w in FORMAT_PAIRS])
+def test_from_module_grouped_and_hf_match_reference(act, wfmt):
+    w1, w3, w2 = float_experts(E, seed=5)
+    sw1, sw3, sw2 = (t[0] for t in float_experts(1, seed=6, inter=IS))
+    shared_src = HFExpert(H, IS)
+    with torch.no_grad():
+        shared_src.gate_proj.weight.copy_(sw1)
+        shared_src.up_proj.weight.copy_(sw3)
+        shared_src.down_proj.weight.copy_(sw2)
+    group = 32 if wfmt == "fp4" else 128
+    kw = dict(top_k=K, capacity=C, weight_format=wfmt, act_format=act, act_group=group, swiglu_limit=7.0)
+    grouped = StaticMoE.from_module(Grouped(w1, w3, w2), shared_expert=shared_src, **kw)
+    hf = StaticMoE.from_module(hf_experts(w1, w3, w2), shared_expert=shared_src, **kw)
+    experts = quantized(w1, w3, w2, wfmt)
+    shared = quantized(sw1[None], sw3[None], sw2[None], wfmt)
+    for name, want in zip(("w13", "w13_scale", "w2", "w2_scale"), experts):
+        for layer in (grouped, hf):
+            got = getattr(layer, name)
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert_equal(got.data, want, f"{name} ({wfmt})")
+    assert grouped.shared.weight_format == wfmt
+    x = hidden_states(C, 7)
+    idx, tw = make_routing(C, K, E, seed=8, empty_frac=0.2, duplicate_frac=0.2)
+    out = grouped(x, idx, tw)
+    assert_equal(hf(x, idx, tw), out, "HF list vs grouped")
+    ref = reference_layer(x, idx, tw, experts, act, group, 7.0, shared, 7.0)
+    assert_gemm_close(out, ref, f"from_module {act}x{wfmt}")
+
+
+def test_from_module_rejections():
+    w1, w3, w2 = float_experts(E, seed=1)
+    with pytest.raises(ValueError, match="meta tensor"):
+        StaticMoE.from_module(Grouped(w1.to("meta"), w3, w2), top_k=K, capacity=C)
+    with pytest.raises(ValueError, match=r"w1/w3 \[L, I, H\] and w2 \[L, H, I\]"):
+        StaticMoE.from_module(Grouped(w1, w3, w2.transpose(1, 2)), top_k=K, capacity=C)
+    with pytest.raises(TypeError, match="must be a float weight"):
+        StaticMoE.from_module(Grouped(w1.to(torch.float8_e4m3fn), w3, w2), top_k=K, capacity=C)
+    with pytest.raises(ValueError, match="source holds 8 local experts, but num_experts=16"):
+        StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, num_experts=16)
+    experts = hf_experts(w1, w3, w2)
+    with pytest.raises(ValueError, match="6 experts given"):
+        StaticMoE.from_module(experts[:6], top_k=K, capacity=C, num_experts=E)
+    with pytest.raises(ValueError, match="biased projections"):
+        StaticMoE.from_module([HFExpert(H, I, bias=True) for _ in range(E)], top_k=K, capacity=C)
+    with pytest.raises(ValueError, match="meta tensor"):
+        StaticMoE.from_module([HFExpert(H, I, device="meta") for _ in range(E)], top_k=K, capacity=C)
+    with pytest.raises(ValueError, match=r"expert 3 \(owned by this rank\) is None"):
+        StaticMoE.from_module([*experts[:3], None, *experts[4:]], top_k=K, capacity=C, num_experts=E)
+    with pytest.raises(TypeError, match="gate_proj/up_proj/down_proj or w1/w3/w2"):
+        StaticMoE.from_module([nn.Linear(H, I) for _ in range(E)], top_k=K, capacity=C)
+    with pytest.raises(TypeError, match="grouped experts"):
+        StaticMoE.from_module(nn.Linear(H, I), top_k=K, capacity=C)
+
+
+def _deepseek_checkpoint(fmt: str, prefix: str, style: str, experts=range(E), seed=0, shared=True) -> dict:
+    """A DeepSeek-style MoE block: per-expert w1/w3/w2 (or gate/up/down_proj) in ``fmt`` with the checkpoint's
+    own scale layouts: fp8 with random (not power-of-two) 128×128 block scales, fp4 as float4_e2m1fn_x2 with
+    float8_e8m0fnu scales, bf16 plain."""
+    names = {"v4": ("w1", "w3", "w2", "scale"), "v3": ("gate_proj", "up_proj", "down_proj", "weight_scale_inv")}
+    n1, n3, n2, scale_name = names[style]
+    g = gen(seed)
+    sd = {}
+
+    def put(base, w):
+        n, k = w.shape
+        if fmt == "bf16":
+            sd[base + ".weight"] = w.to(torch.bfloat16)
+        elif fmt == "fp8":
+            block = torch.rand(n // 128, k // 128, generator=g) * 0.01 + 0.001
+            q = (w / expand_block_scales(block, n).repeat_interleave(128, dim=1)).clamp(-448, 448)
+            sd[base + ".weight"] = q.to(torch.float8_e4m3fn)
+            sd[f"{base}.{scale_name}"] = block
+        else:
+            q, s = quantize_weight(w, "fp4")
+            sd[base + ".weight"] = q.view(torch.float4_e2m1fn_x2)
+            sd[f"{base}.{scale_name}"] = s.view(torch.float8_e8m0fnu)
+
+    for e in experts:
+        w1, w3, w2 = (t[0] for t in float_experts(1, seed=100 + e))
+        put(f"{prefix}experts.{e}.{n1}", w1)
+        put(f"{prefix}experts.{e}.{n3}", w3)
+        put(f"{prefix}experts.{e}.{n2}", w2)
+    if shared:
+        w1, w3, w2 = (t[0] for t in float_experts(1, seed=99, inter=IS))
+        put(f"{prefix}shared_experts.{n1}", w1)
+        put(f"{prefix}shared_experts.{n3}", w3)
+        put(f"{prefix}shared_experts.{n2}", w2)
+    sd[f"{prefix}gate.weight"] = torch.zeros(E, H)  # the router: not ours, ignored
+    return sd
+
+
+def _expected_from_checkpoint(sd, prefix, style, fmt, target, experts, base="experts.{e}."):
+    """The (w13, w13_s, w2, w2_s) a loader must produce, derived independently from the raw checkpoint."""
+    n1, n3, n2, sname = {"v4": ("w1", "w3", "w2", "scale"),
+                         "v3": ("gate_proj", "up_proj", "down_proj", "weight_scale_inv")}[style]
+    out = []
+    for e in experts:
+        b = prefix + base.format(e=e)
+        ws = [sd[f"{b}{n}.weight"] for n in (n1, n3, n2)]
+        ss = [sd.get(f"{b}{n}.{sname}") for n in (n1, n3, n2)]
+        if fmt == "bf16":
+            w13, w13_s = quantize_weight(torch.cat(ws[:2]).float(), target)
+            w2, w2_s = quantize_weight(ws[2].float(), target)
+        elif fmt == "fp8":
+            w13, w2 = torch.cat(ws[:2]), ws[2]
+            w13_s = torch.cat([s.repeat_interleave(128, dim=0) for s in ss[:2]])
+            w2_s = ss[2].repeat_interleave(128, dim=0)
+        else:
+            w13, w2 = torch.cat(ws[:2]).view(torch.uint8), ws[2].view(torch.uint8)
+            w13_s, w2_s = torch.cat(ss[:2]).view(torch.uint8), ss[2].view(torch.uint8)
+        out.append((w13, w13_s, w2, w2_s))
+    return tuple(None if out[0][i] is None else torch.stack([o[i] for o in out]) for i in range(4))
+
+
+@pytest.mark.parametrize("fmt,target,act,style", [
+    ("fp8", None, "fp8", "v3"), ("fp4", None, "fp8", "v4"), ("bf16", None, "bf16", "v4"),
+    ("bf16", "fp4", "fp8", "v3"), ("bf16", "fp8", "bf16", "v4"),
+])
+def test_deepseek_loader(fmt, target, act, style):
+    prefix = "model.layers.3.mlp."
+    sd = _deepseek_checkpoint(fmt, prefix, style)
+    layer = StaticMoE.from_deepseek_state_dict(sd, prefix=prefix, num_experts=E, top_k=K, capacity=C,
+                                               weight_format=target, act_format=act, swiglu_limit=10.0)
+    want_fmt = target or fmt
+    assert layer.weight_format == want_fmt and layer.shared is not None and layer.shared.weight_format == want_fmt
+    experts = _expected_from_checkpoint(sd, prefix, style, fmt, want_fmt, range(E))
+    shared = _expected_from_checkpoint(sd, prefix, style, fmt, want_fmt, [0], base="shared_experts.")
+    for name, want in zip(("w13", "w13_scale", "w2", "w2_scale"), experts):
+        if want is not None:
+            assert_equal(getattr(layer, name).data, want, f"{name} from a {fmt} checkpoint")
+    x = hidden_states(6, 3)
+    idx, tw = make_routing(6, K, E, seed=4, empty_frac=0.1)
+    ref = reference_layer(x, idx, tw, experts, act, 128, 10.0, shared, 10.0)
+    assert_gemm_close(layer(x, idx, tw), ref, f"deepseek {fmt}->{want_fmt}")
+
+
+def test_deepseek_loader_rejections():
+    sd = _deepseek_checkpoint("fp8", "", "v4", shared=False)
+    with pytest.raises(ValueError, match="would quantize twice"):
+        StaticMoE.from_deepseek_state_dict(sd, num_experts=E, top_k=K, capacity=C, weight_format="fp4",
+                                           act_format="fp8")
+    with pytest.raises(KeyError, match=r"experts\.5\.\{w2\|down_proj\}\.weight"):
+        StaticMoE.from_deepseek_state_dict({k: v for k, v in sd.items() if k != "experts.5.w2.weight"},
+                                           num_experts=E, top_k=K, capacity=C, act_format="fp8")
+    with pytest.raises(ValueError, match="scales must be 128×128 blocks"):
+        bad = dict(sd)
+        bad["experts.0.w1.scale"] = torch.ones(3, 2)
+        StaticMoE.from_deepseek_state_dict(bad, num_experts=E, top_k=K, capacity=C, act_format="fp8")
+    with pytest.raises(ValueError, match="need a scale tensor"):
+        StaticMoE.from_deepseek_state_dict({k: v for k, v in sd.items() if k != "experts.2.w3.scale"},
+                                           num_experts=E, top_k=K, capacity=C, act_format="fp8")
+    fp4 = _deepseek_checkpoint("fp4", "", "v4", shared=False)
+    fp4["experts.1.w2.scale"] = torch.full_like(fp4["experts.1.w2.scale"].view(torch.uint8), 255)
+    with pytest.raises(ValueError, match="UE8M0 byte 255"):
+        StaticMoE.from_deepseek_state_dict(fp4, num_experts=E, top_k=K, capacity=C, act_format="fp8")
+    meta = {k: v.to("meta") for k, v in sd.items()}
+    with pytest.raises(ValueError, match="meta tensor"):
+        StaticMoE.from_deepseek_state_dict(meta, num_experts=E, top_k=K, capacity=C, act_format="fp8")
+
+
+def test_state_dict_round_trip_and_export_s1():
+    w1, w3, w2 = float_experts(E, seed=11)
+    layer = StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, weight_format="fp4", act_format="fp8",
+                                  shared_expert=hf_experts(*(t[:1] for t in float_experts(1, 12, IS)))[0])
+    copy = StaticMoE(H, I, E, K, C, weight_format="fp4", act_format="fp8", shared_intermediate_size=IS)
+    copy.load_state_dict(layer.state_dict())
+    x = hidden_states(5, 13)
+    idx, tw = make_routing(5, K, E, seed=14, empty_frac=0.2)
+    eager = layer(x, idx, tw)
+    assert_equal(copy(x, idx, tw), eager, "state_dict round trip")
+    ep = torch.export.export(layer, (x, idx, tw))
+    targets = {n.target for n in ep.graph.nodes if n.op == "call_function"}
+    assert torch.ops.static_moe.forward.default in targets and torch.ops.static_moe.local_experts.default in targets
+    assert_equal(ep.module()(x, idx, tw), eager, "exported StaticMoE")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Two gloo ranks
+# ----------------------------------------------------------------------------------------------------------------
+def _gather(obj):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _expect(exc_type, fn, *needles) -> str:
+    try:
+        fn()
+    except exc_type as e:
+        for n in needles:
+            assert n in str(e), f"{n!r} not in {e}"
+        return str(e)
+    raise AssertionError(f"{exc_type.__name__} not raised")
+
+
+def _layers_worker(rank: int, size: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.group.WORLD
+    num_local = E // size
+    report = {}
+    act, wfmt = "fp8", "fp4"
+
+    # Three layers, same spec, different weights: one shared workspace.
+    layers, full = [], []
+    for layer_id in range(3):
+        w1, w3, w2 = float_experts(E, seed=40 + layer_id)  # the same global experts on every rank
+        full.append(quantized(w1, w3, w2, wfmt))
+        mine = slice(rank * num_local, (rank + 1) * num_local)
+        layers.append(StaticMoE.from_module(Grouped(w1[mine], w3[mine], w2[mine]), top_k=K, capacity=C,
+                                            weight_format=wfmt, act_format=act, swiglu_limit=7.0, ep_group=world))
+    ws = layers[0].workspace
+    assert all(layer.workspace is ws for layer in layers) and ws.num_leases == 3
+    ptrs = ws.data_ptrs()
+    tokens = [5, C][rank]
+
+    def chain(step, fn=None):
+        x = hidden_states(tokens, 50 + step * 2 + rank)
+        for layer_id, layer in enumerate(layers):
+            idx, tw = make_routing(tokens, K, E, seed=60 + 10 * step + layer_id + 3 * rank, empty_frac=0.2)
+            y = layer(x, idx, tw) if fn is None else fn(layer_id, x, idx, tw)
+            # Check against the single-process reference on every rank's actual inputs of this layer.
+            inputs = _gather((x, idx, tw))
+            xq = [activations(a[0], act, 128) for a in inputs]
+            w = full[layer_id]
+            refs = reference.forward_simulated(
+                [q[0] for q in xq], [q[1] for q in xq], [a[1] for a in inputs], [a[2] for a in inputs],
+                [w[0][r * num_local:(r + 1) * num_local] for r in range(size)],
+                [w[1][r * num_local:(r + 1) * num_local] for r in range(size)],
+                [w[2][r * num_local:(r + 1) * num_local] for r in range(size)],
+                [w[3][r * num_local:(r + 1) * num_local] for r in range(size)], None, E, C, 7.0)
+            assert_gemm_close(y, refs[rank], f"layer {layer_id} step {step} rank {rank}")
+            x = y
+        return x
+
+    eager = [chain(0), chain(1)]
+    assert ws.data_ptrs() == ptrs, "workspace buffers moved across calls"
+    report["three layers"] = True
+
+    # torch.compile(fullgraph=True) of the stack: no graph break, same bits, same buffers.
+    compiled = [torch.compile(layer, fullgraph=True, backend="aot_eager") for layer in layers]
+    again = chain(0, fn=lambda i, x, idx, tw: compiled[i](x, idx, tw))
+    assert_equal(again, eager[0], "compiled stack vs eager")
+    assert ws.data_ptrs() == ptrs
+    report["compile"] = True
+
+    # A different capacity is a different workspace; closing: the last of the three frees the shared one.
+    other = StaticMoE(H, I, E, K, 2 * C, weight_format=wfmt, act_format=act, ep_group=world)
+    assert other.workspace is not ws
+    layers[0].close()
+    layers[1].close()
+    layers[1].close()
+    assert not ws.closed
+    assert layers[2](hidden_states(tokens, 1), *make_routing(tokens, K, E, seed=2)).shape == (tokens, H)
+    layers[2].close()
+    assert ws.closed and not other.workspace.closed
+    _expect(RuntimeError, lambda: layers[0](hidden_states(2, 1), *make_routing(2, K, E, seed=2)), "closed")
+    other.close()
+    report["close"] = True
+
+    # Construction is collective: differing specs and a bad argument on one rank both fail on every rank.
+    t0 = time.monotonic()
+    _expect(ValueError, lambda: StaticMoE(H, I, E, K, C + rank, ep_group=world), "capacity: 8 on ranks [0]; 9 on "
+            "ranks [1]")
+    _expect(ValueError, lambda: StaticMoE(H if rank == 0 else 200, I, E, K, C, ep_group=world),
+            "construction failed on group rank(s) [1]" if rank == 0 else "hidden must be a multiple of 128")
+    _expect(ValueError, lambda: StaticMoE(H, I, E, K, C, ep_group=world, ep_size=4), "ep_size=4 does not match")
+    report["collective errors"] = time.monotonic() - t0
+
+    # DTensor EP shards, and a global HF expert list: each rank keeps its own experts by global id.
+    w1, w3, w2 = float_experts(E, seed=70)
+    mesh = init_device_mesh("cpu", (size,))
+    dt = Grouped(*(distribute_tensor(t, mesh, [Shard(0)]) for t in (w1, w3, w2)))
+    from_dt = StaticMoE.from_module(dt, top_k=K, capacity=C, num_experts=E, weight_format="fp8", ep_group=world)
+    hf_list = list(hf_experts(w1, w3, w2))
+    for e in range(E):  # entries of the other rank may be absent
+        if not rank * num_local <= e < (rank + 1) * num_local:
+            hf_list[e] = None
+    from_hf = StaticMoE.from_module(hf_list, top_k=K, capacity=C, num_experts=E, weight_format="fp8",
+                                    ep_group=world)
+    mine = slice(rank * num_local, (rank + 1) * num_local)
+    want = quantized(w1[mine], w3[mine], w2[mine], "fp8")
+    for layer in (from_dt, from_hf):
+        assert_equal(layer.w13.data, want[0], "w13 of this rank")
+        assert_equal(layer.w2_scale.data, want[3], "w2 scales of this rank")
+        assert layer.expert_offset == rank * num_local
+    # The DeepSeek loader reads only this rank's experts.
+    sd = _deepseek_checkpoint("fp8", "", "v4", experts=range(rank * num_local, (rank + 1) * num_local),
+                              shared=False)
+    loaded = StaticMoE.from_deepseek_state_dict(sd, num_experts=E, top_k=K, capacity=C, act_format="fp8",
+                                                ep_group=world)
+    assert loaded.num_local_experts == num_local
+    for layer in (from_dt, from_hf, loaded):
+        layer.close()
+    report["conversion"] = True
+    return report
+
+
+def test_layers_on_two_ranks():
+    reports = run_ranks(_layers_worker, 2, timeout=150, pg_timeout=30)
+    for r in reports:
+        assert r["three layers"] and r["compile"] and r["close"] and r["conversion"]
+        assert r["collective errors"] < 20
