@@ -18,6 +18,9 @@ from .formats import (
 )
 from .ops import expert_gemm, local_experts, pack_rows, swiglu_and_cast, unpack_rows
 from .ops import forward
+from . import workspace
+from .module import SharedExpert, StaticMoE
+from .workspace import WorkspaceSpec, memory_plan
 
 __all__ = [
     "pack_rows",
@@ -26,6 +29,11 @@ __all__ = [
     "expert_gemm",
     "local_experts",
     "forward",
+    "StaticMoE",
+    "SharedExpert",
+    "WorkspaceSpec",
+    "memory_plan",
+    "workspace",
     "quantize_activation",
     "dequantize_activation",
     "quantize_weight",
