@@ -6,6 +6,7 @@
 
 #include "checks/pack_rows.h"
 #include "checks/swiglu_and_cast.h"
+#include "cpu/kernels/cast.h"
 
 TORCH_LIBRARY(static_moe, m) {
   m.def("pack_rows(Tensor[] parts, int capacity) -> Tensor");
@@ -42,4 +43,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     static_moe::checks::check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max,
                                               pow2_scale);
   }, "swiglu_and_cast argument checks");
+  // Test hooks: the CPU kernels' exact float32 -> e4m3fn / bf16 casts, elementwise (tests/test_swiglu_and_cast.py
+  // compares them with torch's casts bit for bit).
+  m.def("_cast_e4m3fn", [](const at::Tensor& x) {
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "_cast_e4m3fn: x must be a CPU float32 tensor");
+    const at::Tensor c = x.contiguous();
+    at::Tensor out = at::empty(c.sizes(), c.options().dtype(at::kFloat8_e4m3fn));
+    const float* src = c.const_data_ptr<float>();
+    auto* dst = static_cast<uint8_t*>(out.mutable_data_ptr());
+    for (int64_t i = 0; i < c.numel(); ++i) dst[i] = static_moe::cpu::float_to_e4m3fn(src[i]);
+    return out;
+  });
+  m.def("_cast_bf16", [](const at::Tensor& x) {
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "_cast_bf16: x must be a CPU float32 tensor");
+    const at::Tensor c = x.contiguous();
+    at::Tensor out = at::empty(c.sizes(), c.options().dtype(at::kBFloat16));
+    const float* src = c.const_data_ptr<float>();
+    auto* dst = static_cast<uint16_t*>(out.mutable_data_ptr());
+    for (int64_t i = 0; i < c.numel(); ++i) dst[i] = static_moe::cpu::float_to_bf16(src[i]);
+    return out;
+  });
 }

@@ -48,8 +48,14 @@ def round_up_pow2(s: torch.Tensor) -> torch.Tensor:
 
 
 def ue8m0_to_float(b: torch.Tensor) -> torch.Tensor:
-    """UE8M0 exponent bytes (uint8 or float8_e8m0fnu) → float32 2^(b − 127). Byte 0 gives 2^-127 (subnormal)."""
+    """UE8M0 exponent bytes (uint8 or float8_e8m0fnu) → float32 2^(b − 127). Byte 0 gives 2^-127 (subnormal).
+
+    Byte 255 is UE8M0's NaN and is rejected with ValueError (SPEC §1.2); the check reads the data (eager use)."""
     b = as_uint8(b)
+    nan = b == 255
+    if bool(nan.any()):
+        first = nan.flatten().nonzero()[0].item()
+        raise ValueError(f"UE8M0 scale holds the NaN byte 255 at flat index {first}; scale bytes must be 0..254")
     return torch.ldexp(torch.ones_like(b, dtype=torch.float32), b.to(torch.int32) - 127)
 
 

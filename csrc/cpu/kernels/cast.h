@@ -1,9 +1,9 @@
 // Exact scalar conversions between float32 and the narrow formats of SPEC §1, torch-free and branch-light so that
 // loops over them auto-vectorise. Each matches torch's own conversion bit for bit (tests/test_swiglu_and_cast.py
 // sweeps them against torch over many floats through the kernels that use them):
-//   float -> float8_e4m3fn   round-to-nearest-even; |x| > 464 (the midpoint above 448), inf and NaN give the
-//                            NaN code 0x7F with the input's sign, as torch's cast does (callers clamp first)
-//   float -> bfloat16        round-to-nearest-even; NaN gives 0x7FC0 (torch's canonical NaN)
+//   float -> float8_e4m3fn   round-to-nearest-even; saturating like torch's cast: |x| > 464 (the midpoint above
+//                            448) and inf give +-448 (0x7E), NaN gives 0x7F with the input's sign
+//   float -> bfloat16        round-to-nearest-even; NaN gives 0xFFFF, as torch's CPU cast does
 //   power-of-two round-up    from the float's bits (SPEC §1.1: UE8M0-style scale)
 #pragma once
 
@@ -40,15 +40,16 @@ inline uint8_t float_to_e4m3fn(float f) {
   const float k = (bits_float(a) * 512.0f + 8388608.0f) - 8388608.0f;
   const uint32_t sub = static_cast<uint32_t>(k);
   uint32_t code = a < (121u << 23) ? sub : normal;
-  code = a > 0x43E80000u ? 0x7Fu : code;  // > 464.0 (incl. inf, NaN): NaN, like torch
+  code = a > 0x43E80000u ? 0x7Eu : code;  // > 464.0, inf: saturate to 448
+  code = a > 0x7F800000u ? 0x7Fu : code;  // NaN
   return static_cast<uint8_t>(code | sign);
 }
 
-// float32 -> bfloat16 bits (RNE, canonical NaN 0x7FC0).
+// float32 -> bfloat16 bits (RNE; NaN -> 0xFFFF like torch's CPU cast).
 inline uint16_t float_to_bf16(float f) {
   const uint32_t u = float_bits(f);
   const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(r);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0xFFFFu) : static_cast<uint16_t>(r);
 }
 
 inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
