@@ -14,7 +14,17 @@ from static_moe.nki.shim import nisa, nl
 AMAX_FLOOR = 1e-4  # SPEC §1.1
 FP8_E4M3_TRN2_MAX = 240.0  # Neuron float8_e4m3 (trn2 on-chip fp8)
 FP8_E4M3FN_MAX = 448.0  # OCP float8_e4m3fn
-MAX_CHUNK_COLS = 2048  # output columns per SBUF working set (~30 B/column/partition: fits with double buffering)
+MAX_PARTITION_COLS = 4096  # columns per partition (~18 B/column of SBUF: ~72 KiB per tile at most)
+
+
+def _blocks_per_partition(rows: int, n_groups: int, group_size: int) -> int:
+    """m: scale groups per partition. The smallest divisor of G that keeps the row-major tile count
+    (ceil(R / 128)) — so few rows still spread over many partitions — and at most MAX_PARTITION_COLS columns."""
+    tiles = -(-rows // 128)
+    for m in range(1, n_groups + 1):
+        if n_groups % m == 0 and -(-rows * (n_groups // m) // 128) <= tiles and m * group_size <= MAX_PARTITION_COLS:
+            return m
+    return max(m for m in range(1, n_groups + 1) if n_groups % m == 0 and m * group_size <= MAX_PARTITION_COLS)
 
 
 def swiglu_and_cast(gate_up, row_weight=None, swiglu_limit=None, out_format="fp8", group_size=128,
@@ -22,9 +32,11 @@ def swiglu_and_cast(gate_up, row_weight=None, swiglu_limit=None, out_format="fp8
     """SwiGLU with clamp and per-row routing weight, then a cast to bf16 or to fp8 with 1×g scales.
 
     Dimensions:
-        R: rows (gathered tokens), any count >= 1; tiled by 128 on the partition dim, the last tile ragged.
+        R: rows (gathered tokens), any count >= 1.
         I: intermediate size; gate_up holds 2I columns (gate half, then up half).
-        G: I / group_size scale groups per row.
+        G: I / group_size scale groups per row (bf16 mode: blocks of up to 128 columns).
+        m: groups per partition; B = G / m column blocks per row. A partition holds one (row, block) pair,
+           so a tile is [rows_per_tile · B partitions, m · g columns] with rows_per_tile = 128 // B.
 
     Args:
         gate_up (HBM): [R, 2I] bfloat16 or float32, the GEMM1 output.
@@ -41,11 +53,18 @@ def swiglu_and_cast(gate_up, row_weight=None, swiglu_limit=None, out_format="fp8
         NKI tensors cannot have a zero-sized dim.)
 
     Notes:
+        - Layout: decode has few rows, and the engines are lane-parallel over partitions, so a row-per-partition
+          layout would leave most lanes idle and make every instruction I columns long. Each row is cut into
+          B blocks of m·g columns and every (row, block) pair gets a partition; m is the smallest divisor of G
+          that keeps ceil(R/128) tiles (R = 1, I = 2048, g = 128: 16 partitions × 128 columns instead of
+          1 × 2048). The HBM↔SBUF DMAs stay one per tile and operand, because the tile's row-major order equals
+          HBM's (a DMA only needs equal element counts).
         - Math in fp32 on chip, in the reference's order: ``v = ((silu(g) · u) · w)``.
         - The scale of a group is ``s = 2^ceil(log2(max(amax, 1e-4) / fp8_max))``, computed exactly from the
           bits of amax: the ISA has no correctly rounded divide, but for a normal amax = 1.f·2^e and
           fp8_max = 1.m·2^k, ``round_up_pow2(fl(amax / fp8_max)) = 2^(e - k + [f > m])`` — the same bits the
-          reference gets. ``1/s`` is built the same way, so ``v · (1/s)`` equals the reference's ``v / s``.
+          reference gets. ``1/s`` is built the same way, so ``v · (1/s)`` equals the reference's ``v / s``, and
+          ``|v / s| <= fp8_max`` holds exactly, so the reference's clamp is a no-op and is skipped.
         - With fp8_max <= 240 the quantized values are cast to trn2's ``float8_e4m3`` and written as bytes:
           for |x| <= 240 its encoding equals OCP ``float8_e4m3fn``, so the output is valid e4m3fn.
         - Rows of weight 0 give q = ±0 and the floor scale, as the reference does.
@@ -53,14 +72,14 @@ def swiglu_and_cast(gate_up, row_weight=None, swiglu_limit=None, out_format="fp8
         - pow2_scale=False is rejected: a bit-exact fp32 division by fp8_max is not available on chip.
 
     Pseudocode:
-        for each 128-row tile, for each column chunk:
-            gu = load(gate_up[rows, chunk of gate and of up])
-            g = min(gate, L); u = clamp(up, -L, L)          # if swiglu_limit
-            v = silu(g) * u * w[:, None]                     # fp32
+        for each tile of rows_per_tile rows (partition p = (row, block), m groups of g columns each):
+            g = load(gate block); u = load(up block); w = row weight repeated over the row's blocks
+            g = min(g, L); u = clamp(u, -L, L)                # if swiglu_limit
+            v = silu(g) * u * w                               # fp32
             bf16: store(out, bf16(v)); continue
-            amax[p, j] = max(max_k |v[p, j*g + k]|, 1e-4)
+            amax[p, j] = max(max_k |v[p, j, k]|, 1e-4)          # j < m groups, k < g
             s = pow2 scale from amax bits; inv = 1/s from bits
-            q = fp8(clamp(v * inv, -fp8_max, fp8_max)); store(q, s)
+            q = fp8(v * inv); store(q, s)
     """
     rows, two_i = gate_up.shape
     inter = two_i // 2
@@ -74,93 +93,96 @@ def swiglu_and_cast(gate_up, row_weight=None, swiglu_limit=None, out_format="fp8
         assert fp8_max <= FP8_E4M3_TRN2_MAX or (fp8_max <= FP8_E4M3FN_MAX and e4m3fn_native), (
             f"fp8_max={fp8_max} needs float8_e4m3fn on chip (trn3); trn2's float8_e4m3 tops out at 240")
         chip_fp8 = nl.float8_e4m3 if fp8_max <= FP8_E4M3_TRN2_MAX else nl.float8_e4m3fn
-        n_groups = inter // group_size
         # fp8_max = 1.m · 2^k: its biased exponent and mantissa bits, for the exact scale (see Notes).
         max_bits = int(np.array(fp8_max, dtype=np.float32).view(np.int32))
         max_exp, max_mant = (max_bits >> 23) & 0xFF, max_bits & 0x7FFFFF
+        block = group_size
+    else:
+        block = next(c for c in (128, 64, 32, 16, 8, 4, 2, 1) if inter % c == 0)  # column block, no scales
+    n_groups = inter // block
+    m = _blocks_per_partition(rows, n_groups, block)
+    bpr = n_groups // m  # column blocks (partitions) per row
+    assert bpr <= nl.tile_size.pmax, f"I={inter} is too wide: {bpr} blocks of {m * block} columns per row"
+    cols = m * block  # columns per partition
+    rows_per_tile = nl.tile_size.pmax // bpr
+    if fp8:
         q_out = nl.ndarray((rows, inter), dtype=nl.float8_e4m3fn, buffer=nl.shared_hbm, name="q")
         s_out = nl.ndarray((rows, n_groups), dtype=nl.float32, buffer=nl.shared_hbm, name="s")
-        chunk = max(group_size, (MAX_CHUNK_COLS // group_size) * group_size)
     else:
         out = nl.ndarray((rows, inter), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="out")
-        chunk = MAX_CHUNK_COLS
-    chunk = min(chunk, inter)
     pmax = nl.tile_size.pmax
-    w_col = row_weight.reshape((rows, 1)) if row_weight is not None else None
 
-    for r0 in range(0, rows, pmax):
-        p = min(pmax, rows - r0)
-        # ---- routing weight as a (P, 1) fp32 operand
-        if w_col is not None:
+    for r0 in range(0, rows, rows_per_tile):
+        nr = min(rows_per_tile, rows - r0)
+        p = nr * bpr
+        # ---- load: partition (r, b) holds columns [b·cols, (b+1)·cols) of row r, for gate and for up
+        gu = nl.ndarray((pmax, 2, cols), dtype=gate_up.dtype, buffer=nl.sbuf, name="gu")
+        nisa.dma_copy(dst=gu[0:p, 0, :], src=gate_up[r0:r0 + nr, 0:inter])
+        nisa.dma_copy(dst=gu[0:p, 1, :], src=gate_up[r0:r0 + nr, inter:two_i])
+        g_in, u_in = gu[0:p, 0, :], gu[0:p, 1, :]
+        if row_weight is not None:
+            # w[r] repeated over the row's B partitions: a stride-0 HBM access pattern
             w = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf, name="w")
-            nisa.dma_copy(dst=w[0:p, :], src=w_col[r0:r0 + p, :])
-        for c0 in range(0, inter, chunk):
-            c = min(chunk, inter - c0)
-            # ---- load gate and up columns of this chunk (one DMA each, c·itemsize bytes per partition)
-            gu = nl.ndarray((pmax, 2, chunk), dtype=gate_up.dtype, buffer=nl.sbuf, name="gu")
-            nisa.dma_copy(dst=gu[0:p, 0, 0:c], src=gate_up[r0:r0 + p, c0:c0 + c])
-            nisa.dma_copy(dst=gu[0:p, 1, 0:c], src=gate_up[r0:r0 + p, inter + c0:inter + c0 + c])
-            g_in, u_in = gu[0:p, 0, 0:c], gu[0:p, 1, 0:c]
-            a = nl.ndarray((pmax, chunk), dtype=nl.float32, buffer=nl.sbuf, name="a")
-            b = nl.ndarray((pmax, chunk), dtype=nl.float32, buffer=nl.sbuf, name="b")
-            av, bv = a[0:p, 0:c], b[0:p, 0:c]
-            # ---- clamp: gate from above only, up on both sides
-            if swiglu_limit is not None:
-                lim = float(swiglu_limit)
-                nisa.tensor_scalar(dst=av, data=g_in, op0=nl.minimum, operand0=lim)
-                nisa.tensor_scalar(dst=bv, data=u_in, op0=nl.minimum, operand0=lim, op1=nl.maximum, operand1=-lim)
-                g_in, u_in = av, bv
-            # ---- v = silu(g) · u · w  (fp32, reference order)
-            nisa.activation(dst=av, op=nl.silu, data=g_in)
-            if fp8:
-                v = av
-            else:
-                v_bf = nl.ndarray((pmax, chunk), dtype=nl.bfloat16, buffer=nl.sbuf, name="v_bf16")
-                v = v_bf[0:p, 0:c]
-            if w_col is not None:
-                nisa.tensor_tensor(dst=av, data1=av, data2=u_in, op=nl.multiply)
-                nisa.tensor_scalar(dst=v, data=av, op0=nl.multiply, operand0=w[0:p, :])
-            else:
-                nisa.tensor_tensor(dst=v, data1=av, data2=u_in, op=nl.multiply)
-            if not fp8:
-                nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + c], src=v)
-                continue
-            # ---- per-group amax (ScalarE |v|, VectorE max over the group axis), floored at 1e-4
-            gc = c // group_size
-            nisa.activation(dst=bv, op=nl.abs, data=av)
-            amax = nl.ndarray((pmax, gc), dtype=nl.float32, buffer=nl.sbuf, name="amax")
-            am = amax[0:p, 0:gc]
-            nisa.tensor_reduce(dst=am, op=nl.maximum, data=bv.reshape((p, gc, group_size)), axis=(2,))
-            nisa.tensor_scalar(dst=am, data=am, op0=nl.maximum, operand0=AMAX_FLOOR)
-            # ---- exact power-of-two scale from the bits of amax (see Notes)
-            bits = am.view(nl.int32)
-            expo = nl.ndarray((pmax, gc), dtype=nl.int32, buffer=nl.sbuf, name="expo")
-            ex = expo[0:p, 0:gc]
-            nisa.tensor_scalar(dst=ex, data=bits, op0=nl.right_shift, operand0=23, op1=nl.bitwise_and,
-                               operand1=0xFF)
-            bump = nl.ndarray((pmax, gc), dtype=nl.int32, buffer=nl.sbuf, name="bump")
-            bu = bump[0:p, 0:gc]
-            nisa.tensor_scalar(dst=bu, data=bits, op0=nl.bitwise_and, operand0=0x7FFFFF)
-            # [mantissa(amax) > mantissa(fp8_max)] + 127 - exponent(fp8_max); exact in fp32 (< 2^24)
-            nisa.tensor_scalar(dst=bu, data=bu, op0=nl.greater, operand0=float(max_mant), op1=nl.add,
-                               operand1=float(127 - max_exp))
-            nisa.tensor_tensor(dst=ex, data1=ex, data2=bu, op=nl.add)  # biased exponent of s
-            s_t = nl.ndarray((pmax, gc), dtype=nl.float32, buffer=nl.sbuf, name="scale")
-            nisa.tensor_scalar(dst=s_t[0:p, 0:gc].view(nl.int32), data=ex, op0=nl.left_shift, operand0=23)
-            nisa.tensor_scalar(dst=bu, data=ex, op0=nl.subtract, operand0=254.0, reverse0=True)  # exponent of 1/s
-            inv = nl.ndarray((pmax, gc), dtype=nl.float32, buffer=nl.sbuf, name="inv_scale")
-            nisa.tensor_scalar(dst=inv[0:p, 0:gc].view(nl.int32), data=bu, op0=nl.left_shift, operand0=23)
-            # ---- q = fp8(clamp(v / s)): exact pow2 scaling per group, clamp and cast in one pass
-            inv3 = inv[0:p, 0:gc].reshape((p, gc, 1)).broadcast(2, group_size)
-            nisa.tensor_tensor(dst=bv.reshape((p, gc, group_size)), data1=av.reshape((p, gc, group_size)),
+            nisa.dma_copy(dst=w[0:p, :], src=row_weight.ap(pattern=[[1, nr], [0, bpr]], offset=r0))
+        a = nl.ndarray((pmax, cols), dtype=nl.float32, buffer=nl.sbuf, name="a")
+        b = nl.ndarray((pmax, cols), dtype=nl.float32, buffer=nl.sbuf, name="b")
+        av, bv = a[0:p, :], b[0:p, :]
+        # ---- clamp: gate from above only, up on both sides
+        if swiglu_limit is not None:
+            lim = float(swiglu_limit)
+            nisa.tensor_scalar(dst=av, data=g_in, op0=nl.minimum, operand0=lim)
+            nisa.tensor_scalar(dst=bv, data=u_in, op0=nl.minimum, operand0=lim, op1=nl.maximum, operand1=-lim)
+            g_in, u_in = av, bv
+        # ---- v = silu(g) · u · w  (fp32, reference order); bf16 mode writes the last product as bf16
+        nisa.activation(dst=av, op=nl.silu, data=g_in)
+        if fp8:
+            v = av
+        else:
+            v_bf = nl.ndarray((pmax, cols), dtype=nl.bfloat16, buffer=nl.sbuf, name="v_bf16")
+            v = v_bf[0:p, :]
+        if row_weight is not None:
+            nisa.tensor_tensor(dst=av, data1=av, data2=u_in, op=nl.multiply)
+            nisa.tensor_scalar(dst=v, data=av, op0=nl.multiply, operand0=w[0:p, :])
+        else:
+            nisa.tensor_tensor(dst=v, data1=av, data2=u_in, op=nl.multiply)
+        if not fp8:
+            nisa.dma_copy(dst=out[r0:r0 + nr, :], src=v)
+            continue
+        # ---- per-group amax (ScalarE |v|, VectorE max over each group of g columns), floored at 1e-4
+        nisa.activation(dst=bv, op=nl.abs, data=av)
+        amax = nl.ndarray((pmax, m), dtype=nl.float32, buffer=nl.sbuf, name="amax")
+        am = amax[0:p, :]
+        nisa.tensor_reduce(dst=am, op=nl.maximum, data=bv.reshape((p, m, group_size)), axis=(2,))
+        nisa.tensor_scalar(dst=am, data=am, op0=nl.maximum, operand0=AMAX_FLOOR)
+        # ---- exact power-of-two scale and its inverse from the bits of amax (see Notes)
+        bits = am.view(nl.int32)
+        expo = nl.ndarray((pmax, m), dtype=nl.int32, buffer=nl.sbuf, name="expo")
+        ex = expo[0:p, :]
+        nisa.tensor_scalar(dst=ex, data=bits, op0=nl.right_shift, operand0=23, op1=nl.bitwise_and, operand1=0xFF)
+        bump = nl.ndarray((pmax, m), dtype=nl.int32, buffer=nl.sbuf, name="bump")
+        bu = bump[0:p, :]
+        nisa.tensor_scalar(dst=bu, data=bits, op0=nl.bitwise_and, operand0=0x7FFFFF)
+        # [mantissa(amax) > mantissa(fp8_max)] + 127 - exponent(fp8_max); exact in fp32 (< 2^24)
+        nisa.tensor_scalar(dst=bu, data=bu, op0=nl.greater, operand0=float(max_mant), op1=nl.add,
+                           operand1=float(127 - max_exp))
+        nisa.tensor_tensor(dst=ex, data1=ex, data2=bu, op=nl.add)  # biased exponent of s
+        s_t = nl.ndarray((pmax, m), dtype=nl.float32, buffer=nl.sbuf, name="scale")
+        nisa.tensor_scalar(dst=s_t[0:p, :].view(nl.int32), data=ex, op0=nl.left_shift, operand0=23)
+        nisa.tensor_scalar(dst=bu, data=ex, op0=nl.subtract, operand0=254.0, reverse0=True)  # exponent of 1/s
+        inv = nl.ndarray((pmax, m), dtype=nl.float32, buffer=nl.sbuf, name="inv_scale")
+        nisa.tensor_scalar(dst=inv[0:p, :].view(nl.int32), data=bu, op0=nl.left_shift, operand0=23)
+        # ---- q = fp8(v / s): exact power-of-two scaling, |v / s| <= fp8_max by construction
+        q = nl.ndarray((pmax, cols), dtype=chip_fp8, buffer=nl.sbuf, name="q")
+        if m == 1:
+            # VectorE multiply keeps the sign of zero (ScalarE's ``data·scale + bias`` would turn −0 into +0)
+            nisa.tensor_scalar(dst=q[0:p, :], data=av, op0=nl.multiply, operand0=inv[0:p, :])
+        else:
+            inv3 = inv[0:p, :].reshape((p, m, 1)).broadcast(2, group_size)
+            nisa.tensor_tensor(dst=q[0:p, :].reshape((p, m, group_size)), data1=av.reshape((p, m, group_size)),
                                data2=inv3, op=nl.multiply)
-            q = nl.ndarray((pmax, chunk), dtype=chip_fp8, buffer=nl.sbuf, name="q")
-            nisa.tensor_scalar(dst=q[0:p, 0:c], data=bv, op0=nl.minimum, operand0=float(fp8_max), op1=nl.maximum,
-                               operand1=-float(fp8_max))
-            # ---- store: fp8 as bytes (e4m3 == e4m3fn encoding for |x| <= 240), scales as fp32
-            nisa.dma_copy(dst=q_out[r0:r0 + p, c0:c0 + c].view(nl.uint8), src=q[0:p, 0:c].view(nl.uint8))
-            g0 = c0 // group_size
-            nisa.dma_copy(dst=s_out[r0:r0 + p, g0:g0 + gc], src=s_t[0:p, 0:gc])
+        # ---- store: fp8 as bytes (e4m3 == e4m3fn encoding for |x| <= 240), scales as fp32
+        nisa.dma_copy(dst=q_out[r0:r0 + nr, :].view(nl.uint8), src=q[0:p, :].view(nl.uint8))
+        nisa.dma_copy(dst=s_out[r0:r0 + nr, :], src=s_t[0:p, :])
     if fp8:
         return q_out, s_out
     return out

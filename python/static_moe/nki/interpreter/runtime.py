@@ -167,3 +167,32 @@ def jit(fn=None, **kwargs):
     if fn is None:
         return lambda f: Kernel(f)
     return Kernel(fn)
+
+
+def profile(kernel, *args, model=None, ideal_hbm_bytes: int | None = None, **kwargs) -> tuple:
+    """Run ``kernel`` through the interpreter and estimate its trn2 time.
+
+    Returns ``(result, report)``; report has the cost summary, the model's estimate (``time_s``, per-engine
+    and DMA times, ``bound``), the HBM roofline of the bytes the kernel moved (``hbm_roofline_s``) and, when
+    ``ideal_hbm_bytes`` is given (the bytes the op must move at least), ``ideal_s`` and
+    ``roofline_fraction = ideal_s / time_s``. Reusable by any kernel's benchmark.
+    """
+    from .cost import TRN2
+
+    model = model or TRN2
+    result = simulate(kernel)(*args, **kwargs)
+    info = last_run()
+    est = model.estimate(info.cost)
+    report = {
+        **info.cost.summary(),
+        **est,
+        "sbuf_peak_bytes": info.sbuf_peak_bytes,
+        "psum_peak_banks": info.psum_peak_banks,
+        "hbm_roofline_s": model.hbm_roofline(info.cost.hbm_bytes),
+        "target": info.target,
+    }
+    if ideal_hbm_bytes is not None:
+        report["ideal_hbm_bytes"] = ideal_hbm_bytes
+        report["ideal_s"] = model.hbm_roofline(ideal_hbm_bytes)
+        report["roofline_fraction"] = report["ideal_s"] / est["time_s"] if est["time_s"] else float("nan")
+    return result, report
