@@ -434,21 +434,42 @@ class Report:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+
         out_dir.mkdir(parents=True, exist_ok=True)
         shapes = list(dict.fromkeys(r["shape"] for r in recs))
-        series = lambda rs: _group(rs, lambda r: r["fmt"] + (f" S={r['ep_size']}" if "ep_size" in r else ""))  # noqa: E731
+        label = lambda r: r["fmt"] + (f" S={r['ep_size']}" if "ep_size" in r else "")  # noqa: E731
+        series = lambda rs: _group(rs, label)  # noqa: E731
+        colors = {lab: f"C{i}" for i, lab in enumerate(dict.fromkeys(label(r) for r in recs))}
+        xticks = sorted({r["tokens"] for r in recs})
+        plain = FuncFormatter(lambda v, _: f"{v:g}")
+
+        def style(ax, log_y: bool) -> None:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xticks)
+            ax.xaxis.set_major_formatter(plain)
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            if log_y:
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(plain)
+                lo, hi = ax.get_ylim()
+                few = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else "")  # wide ranges: 2s, 5s
+                ax.yaxis.set_minor_formatter(plain if hi < 10 * lo else few)
+            ax.grid(True, which="major", alpha=0.3)
+            ax.legend(fontsize=7)
+
         paths = []
 
         fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
         for ax, shape in zip(axes[0], shapes):
-            for label, rs in series([r for r in recs if r["shape"] == shape]).items():
+            for lab, rs in series([r for r in recs if r["shape"] == shape]).items():
                 pts = [(r["tokens"], r["roofline_fraction"]) for r in rs if r.get("roofline_fraction")]
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=label)
-            ax.set(xscale="log", xlabel="tokens per rank", ylabel="fraction of roofline", ylim=(0, None),
-                   title=f"{bench} — {MODEL_SHAPES[shape].name}")
+                    ax.plot(*zip(*pts), marker="o", label=lab, color=colors[lab])
+            ax.set(xlabel="tokens per rank", ylabel="fraction of roofline", title=f"{bench} — {MODEL_SHAPES[shape].name}")
             ax.axhline(1.0, color="grey", lw=0.5)
-            ax.legend(fontsize=7)
+            style(ax, log_y=False)
+            ax.set_ylim(0, max(1.05, ax.get_ylim()[1]))
         fig.suptitle(f"{bench}: roofline fraction ({self.limits.threads} threads)")
         fig.tight_layout()
         paths.append(out_dir / f"{bench}_roofline.png")
@@ -462,14 +483,13 @@ class Report:
             for i, shape in enumerate(shapes):
                 for j, name in enumerate(names):
                     ax = axes[i][j]
-                    for label, rs in series([r for r in recs if r["shape"] == shape]).items():
+                    for lab, rs in series([r for r in recs if r["shape"] == shape]).items():
                         pts = [(r["tokens"], r["speedup"][name]) for r in rs if r["speedup"].get(name)]
                         if pts:
-                            ax.plot(*zip(*pts), marker="o", label=label)
+                            ax.plot(*zip(*pts), marker="o", label=lab, color=colors[lab])
                     ax.axhline(1.0, color="grey", lw=0.5)
-                    ax.set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel=f"speed-up vs {name}",
-                           title=f"{MODEL_SHAPES[shape].name}")
-                    ax.legend(fontsize=7)
+                    ax.set(xlabel="tokens per rank", ylabel=f"speed-up vs {name}", title=MODEL_SHAPES[shape].name)
+                    style(ax, log_y=True)
             fig.suptitle(f"{bench}: speed-up of static_moe over the baselines ({self.limits.threads} threads)")
             fig.tight_layout()
             paths.append(out_dir / f"{bench}_speedup.png")

@@ -1,0 +1,151 @@
+"""`make bench`: every static_moe benchmark on the docs/BENCH.md shapes (DeepSeek-V4-Flash, DeepSeek-V3,
+Qwen3-30B-A3B; tokens per rank 1, 4, 16, 64, 128), with the machine's limits measured once in the same run.
+
+Prints one table per benchmark (median time, collective time, bytes, FLOPs, both roofline terms, the bound,
+roofline fraction, speed-ups over seed_dense / torch_cached / torch_scaled_mm / the pure-torch reference), the
+issue's performance targets with the measured figures, and writes bench/results/bench.json plus
+<bench>_roofline.png / <bench>_speedup.png. Sized to finish in under 10 minutes on 2 threads: the number of local
+experts is scaled per shape (printed; H and I are never scaled).
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/run_all.py            # what `make bench` runs
+    OMP_NUM_THREADS=2 .venv/bin/python bench/run_all.py --quick    # a tiny smoke run
+    OMP_NUM_THREADS=2 .venv/bin/python bench/run_all.py --only local_experts --shape v4_flash
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import bench_expert_gemm
+import bench_forward
+import bench_local_experts
+import bench_pack_rows
+import bench_swiglu_and_cast
+import harness as H
+from static_moe.testing.generators import MODEL_SHAPES
+
+SECTIONS = ("pack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward")
+PLOTTED = {"pack_rows": ["pack_rows", "unpack_rows"], "swiglu_and_cast": ["swiglu_and_cast"],
+           "expert_gemm": ["expert_gemm"], "local_experts": ["local_experts"], "forward": ["forward"]}
+
+# docs issue "CPU performance at the roofline" §2, on V4-Flash shapes, tokens per rank 1–16.
+TARGET_SHAPE = "v4_flash"
+TARGET_TOKENS = (1, 4, 16)
+TARGETS = [  # (bench, weight format, min roofline fraction, min speed-up vs torch_cached)
+    ("expert_gemm", "fp4", 0.60, 4.0),
+    ("local_experts", "fp4", 0.60, 4.0),
+    ("expert_gemm", "fp8", 0.50, 2.0),
+    ("local_experts", "fp8", 0.50, 2.0),
+]
+FORWARD_TARGET = 3.0  # forward at S = 2 vs torch_cached composed with the same collectives
+
+
+def run_section(name: str, report: H.Report, shapes, tokens, quick: bool) -> None:
+    if name == "pack_rows":
+        bench_pack_rows.run(report, shapes, tokens, quick)
+    elif name == "swiglu_and_cast":
+        bench_swiglu_and_cast.run(report, shapes, tokens, quick)
+    elif name == "expert_gemm":
+        bench_expert_gemm.run(report, shapes, tokens, quick)
+    elif name == "local_experts":
+        bench_local_experts.run(report, shapes, tokens, quick)
+    elif name == "forward":
+        bench_forward.run(report, shapes, tokens, quick)
+
+
+def targets(report: H.Report) -> list[dict]:
+    """The issue's targets against what this run measured (a report, never an assertion)."""
+    out = []
+    for bench, w_fmt, min_frac, min_speedup in TARGETS:
+        recs = [r for r in report.records if r["bench"] == bench and r.get("weight") == w_fmt
+                and r.get("shape") == TARGET_SHAPE and r["tokens"] in TARGET_TOKENS and r["op"].get("available")]
+        if not recs:
+            continue
+        worst_frac = min(recs, key=lambda r: r["roofline_fraction"] or 0.0)
+        worst_sp = min(recs, key=lambda r: r["speedup"].get("torch_cached") or 0.0)
+        out.append({
+            "what": f"{bench} {w_fmt} weights, {MODEL_SHAPES[TARGET_SHAPE].name}, T 1–16",
+            "roofline_fraction_min": worst_frac["roofline_fraction"], "at_roofline": _at(worst_frac),
+            "roofline_target": min_frac, "speedup_cached_min": worst_sp["speedup"].get("torch_cached"),
+            "at_speedup": _at(worst_sp), "speedup_target": min_speedup,
+        })
+    recs = [r for r in report.records if r["bench"] == "forward" and r.get("ep_size") == 2
+            and r["op"].get("available") and r["speedup"].get("torch_cached")]
+    if recs:
+        worst = min(recs, key=lambda r: r["speedup"]["torch_cached"])
+        out.append({"what": "forward S=2 vs torch_cached composed, every shape and T",
+                    "speedup_cached_min": worst["speedup"]["torch_cached"], "at_speedup": _at(worst),
+                    "speedup_target": FORWARD_TARGET})
+    return out
+
+
+def _at(r: dict) -> str:
+    return f"{r.get('shape')} {r.get('fmt')} T={r['tokens']}"
+
+
+def print_targets(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print("\nTargets (issue 'CPU performance at the roofline' §2; measured minimum over the points named):")
+    for t in rows:
+        parts = []
+        if "roofline_fraction_min" in t:
+            f = t["roofline_fraction_min"] or 0.0
+            parts.append(f"roofline {100 * f:.0f}% (target ≥ {100 * t['roofline_target']:.0f}%: "
+                         f"{'met' if f >= t['roofline_target'] else 'NOT met'}, worst at {t['at_roofline']})")
+        sp = t["speedup_cached_min"] or 0.0
+        parts.append(f"×torch_cached {sp:.2f} (target ≥ {t['speedup_target']:.0f}×: "
+                     f"{'met' if sp >= t['speedup_target'] else 'NOT met'}, worst at {t['at_speedup']})")
+        print(f"  {t['what']}: " + "; ".join(parts))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    H.add_common_args(p)
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="benchmarks to run")
+    args = p.parse_args(argv)
+    shapes, tokens = H.resolve_args(args)
+    t_start = time.perf_counter()
+    report = H.start(args, "run_all")
+    scale = {s: (H.local_experts_for(s, args.quick), MODEL_SHAPES[s].num_experts) for s in shapes}
+    report.meta.update(shapes=shapes, tokens=tokens, local_experts_scale=scale)
+    print("scale: local experts kept per rank (H, I, k unscaled): "
+          + ", ".join(f"{MODEL_SHAPES[s].name} {kept} of {full}" for s, (kept, full) in scale.items())
+          + "; forward keeps at least ceil(k / S)", flush=True)
+    elapsed = {}
+    for name in args.only:
+        t0 = time.perf_counter()
+        run_section(name, report, shapes, tokens, args.quick)
+        elapsed[name] = time.perf_counter() - t0
+        print(f"[{name}] {elapsed[name]:.0f} s", flush=True)
+    report.meta["elapsed_s"] = elapsed
+
+    print()
+    print(report.header())
+    print("scale: " + ", ".join(f"{MODEL_SHAPES[s].name}: {kept}/{full} local experts" for s, (kept, full) in
+                                scale.items()))
+    for name in args.only:
+        recs = [r for r in report.records if r["bench"] in PLOTTED[name]]
+        if recs:
+            print()
+            print(report.table(recs))
+    notes = report.notes()
+    if notes:
+        print("unavailable:\n" + notes)
+    rows = targets(report)
+    report.meta["targets"] = rows
+    print_targets(rows)
+    path = report.write_json(Path(args.out) / "bench.json")
+    print(f"\nwrote {path}")
+    if not args.no_plots:
+        for name in args.only:
+            for bench in PLOTTED[name]:
+                for png in report.plot(Path(args.out), bench):
+                    print(f"wrote {png}")
+    print(f"total {time.perf_counter() - t_start:.0f} s on {report.limits.threads} threads")
+
+
+if __name__ == "__main__":
+    main()
