@@ -92,10 +92,6 @@ def swiglu_and_cast(gate_up, row_weight=None, swiglu_limit=None, out_format="fp8
         e4m3fn_native = nisa.get_nc_version() == nisa.nc_version.gen4  # trn3: OCP e4m3fn on chip
         assert fp8_max <= FP8_E4M3_TRN2_MAX or (fp8_max <= FP8_E4M3FN_MAX and e4m3fn_native), (
             f"fp8_max={fp8_max} needs float8_e4m3fn on chip (trn3); trn2's float8_e4m3 tops out at 240")
-        chip_fp8 = nl.float8_e4m3 if fp8_max <= FP8_E4M3_TRN2_MAX else nl.float8_e4m3fn
-        # fp8_max = 1.m · 2^k: its biased exponent and mantissa bits, for the exact scale (see Notes).
-        max_bits = int(np.array(fp8_max, dtype=np.float32).view(np.int32))
-        max_exp, max_mant = (max_bits >> 23) & 0xFF, max_bits & 0x7FFFFF
         block = group_size
     else:
         block = next(c for c in (128, 64, 32, 16, 8, 4, 2, 1) if inter % c == 0)  # column block, no scales
@@ -124,65 +120,93 @@ def swiglu_and_cast(gate_up, row_weight=None, swiglu_limit=None, out_format="fp8
             # w[r] repeated over the row's B partitions: a stride-0 HBM access pattern
             w = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf, name="w")
             nisa.dma_copy(dst=w[0:p, :], src=row_weight.ap(pattern=[[1, nr], [0, bpr]], offset=r0))
-        a = nl.ndarray((pmax, cols), dtype=nl.float32, buffer=nl.sbuf, name="a")
-        b = nl.ndarray((pmax, cols), dtype=nl.float32, buffer=nl.sbuf, name="b")
-        av, bv = a[0:p, :], b[0:p, :]
-        # ---- clamp: gate from above only, up on both sides
-        if swiglu_limit is not None:
-            lim = float(swiglu_limit)
-            nisa.tensor_scalar(dst=av, data=g_in, op0=nl.minimum, operand0=lim)
-            nisa.tensor_scalar(dst=bv, data=u_in, op0=nl.minimum, operand0=lim, op1=nl.maximum, operand1=-lim)
-            g_in, u_in = av, bv
-        # ---- v = silu(g) · u · w  (fp32, reference order); bf16 mode writes the last product as bf16
-        nisa.activation(dst=av, op=nl.silu, data=g_in)
-        if fp8:
-            v = av
-        else:
-            v_bf = nl.ndarray((pmax, cols), dtype=nl.bfloat16, buffer=nl.sbuf, name="v_bf16")
-            v = v_bf[0:p, :]
-        if row_weight is not None:
-            nisa.tensor_tensor(dst=av, data1=av, data2=u_in, op=nl.multiply)
-            nisa.tensor_scalar(dst=v, data=av, op0=nl.multiply, operand0=w[0:p, :])
-        else:
-            nisa.tensor_tensor(dst=v, data1=av, data2=u_in, op=nl.multiply)
+        res = swiglu_cast_tile(g_in, u_in, w[0:p, :] if row_weight is not None else None, swiglu_limit,
+                               out_format, group_size, fp8_max)
         if not fp8:
-            nisa.dma_copy(dst=out[r0:r0 + nr, :], src=v)
+            nisa.dma_copy(dst=out[r0:r0 + nr, :], src=res)
             continue
-        # ---- per-group amax (ScalarE |v|, VectorE max over each group of g columns), floored at 1e-4
-        nisa.activation(dst=bv, op=nl.abs, data=av)
-        amax = nl.ndarray((pmax, m), dtype=nl.float32, buffer=nl.sbuf, name="amax")
-        am = amax[0:p, :]
-        nisa.tensor_reduce(dst=am, op=nl.maximum, data=bv.reshape((p, m, group_size)), axis=(2,))
-        nisa.tensor_scalar(dst=am, data=am, op0=nl.maximum, operand0=AMAX_FLOOR)
-        # ---- exact power-of-two scale and its inverse from the bits of amax (see Notes)
-        bits = am.view(nl.int32)
-        expo = nl.ndarray((pmax, m), dtype=nl.int32, buffer=nl.sbuf, name="expo")
-        ex = expo[0:p, :]
-        nisa.tensor_scalar(dst=ex, data=bits, op0=nl.right_shift, operand0=23, op1=nl.bitwise_and, operand1=0xFF)
-        bump = nl.ndarray((pmax, m), dtype=nl.int32, buffer=nl.sbuf, name="bump")
-        bu = bump[0:p, :]
-        nisa.tensor_scalar(dst=bu, data=bits, op0=nl.bitwise_and, operand0=0x7FFFFF)
-        # [mantissa(amax) > mantissa(fp8_max)] + 127 - exponent(fp8_max); exact in fp32 (< 2^24)
-        nisa.tensor_scalar(dst=bu, data=bu, op0=nl.greater, operand0=float(max_mant), op1=nl.add,
-                           operand1=float(127 - max_exp))
-        nisa.tensor_tensor(dst=ex, data1=ex, data2=bu, op=nl.add)  # biased exponent of s
-        s_t = nl.ndarray((pmax, m), dtype=nl.float32, buffer=nl.sbuf, name="scale")
-        nisa.tensor_scalar(dst=s_t[0:p, :].view(nl.int32), data=ex, op0=nl.left_shift, operand0=23)
-        nisa.tensor_scalar(dst=bu, data=ex, op0=nl.subtract, operand0=254.0, reverse0=True)  # exponent of 1/s
-        inv = nl.ndarray((pmax, m), dtype=nl.float32, buffer=nl.sbuf, name="inv_scale")
-        nisa.tensor_scalar(dst=inv[0:p, :].view(nl.int32), data=bu, op0=nl.left_shift, operand0=23)
-        # ---- q = fp8(v / s): exact power-of-two scaling, |v / s| <= fp8_max by construction
-        q = nl.ndarray((pmax, cols), dtype=chip_fp8, buffer=nl.sbuf, name="q")
-        if m == 1:
-            # VectorE multiply keeps the sign of zero (ScalarE's ``data·scale + bias`` would turn −0 into +0)
-            nisa.tensor_scalar(dst=q[0:p, :], data=av, op0=nl.multiply, operand0=inv[0:p, :])
-        else:
-            inv3 = inv[0:p, :].reshape((p, m, 1)).broadcast(2, group_size)
-            nisa.tensor_tensor(dst=q[0:p, :].reshape((p, m, group_size)), data1=av.reshape((p, m, group_size)),
-                               data2=inv3, op=nl.multiply)
+        q, s_t = res
         # ---- store: fp8 as bytes (e4m3 == e4m3fn encoding for |x| <= 240), scales as fp32
-        nisa.dma_copy(dst=q_out[r0:r0 + nr, :].view(nl.uint8), src=q[0:p, :].view(nl.uint8))
-        nisa.dma_copy(dst=s_out[r0:r0 + nr, :], src=s_t[0:p, :])
+        nisa.dma_copy(dst=q_out[r0:r0 + nr, :].view(nl.uint8), src=q.view(nl.uint8))
+        nisa.dma_copy(dst=s_out[r0:r0 + nr, :], src=s_t)
     if fp8:
         return q_out, s_out
     return out
+
+
+def swiglu_cast_tile(g_in, u_in, w, swiglu_limit, out_format, group_size, fp8_max):
+    """The on-chip body of :func:`swiglu_and_cast` for one tile, SBUF in and SBUF out — shared with the fused
+    local-experts kernel (``nki_kernels/local_experts.py``), whose GEMM1 output never leaves the chip.
+
+    Args:
+        g_in, u_in: SBUF [p, cols] bfloat16 or float32 gate and up values (p ≤ 128 partitions).
+        w: SBUF (p, 1) float32 routing weight per partition, or None.
+        swiglu_limit, out_format, group_size, fp8_max: as :func:`swiglu_and_cast`; for fp8, cols is a
+            multiple of group_size and each partition's groups are consecutive columns.
+
+    Returns:
+        "bf16": SBUF bfloat16 [p, cols].
+        "fp8": (q, s) — SBUF [p, cols] ``float8_e4m3`` (fp8_max <= 240; ``float8_e4m3fn`` above, trn3) and SBUF
+        float32 [p, cols / group_size] power-of-two scales.
+    """
+    p, cols = g_in.shape[0], g_in.free_size
+    fp8 = out_format == "fp8"
+    av = nl.ndarray((p, cols), dtype=nl.float32, buffer=nl.sbuf, name="a")
+    bv = nl.ndarray((p, cols), dtype=nl.float32, buffer=nl.sbuf, name="b")
+    # ---- clamp: gate from above only, up on both sides
+    if swiglu_limit is not None:
+        lim = float(swiglu_limit)
+        nisa.tensor_scalar(dst=av, data=g_in, op0=nl.minimum, operand0=lim)
+        nisa.tensor_scalar(dst=bv, data=u_in, op0=nl.minimum, operand0=lim, op1=nl.maximum, operand1=-lim)
+        g_in, u_in = av, bv
+    # ---- v = silu(g) · u · w  (fp32, reference order); bf16 mode writes the last product as bf16
+    nisa.activation(dst=av, op=nl.silu, data=g_in)
+    if fp8:
+        v = av
+    else:
+        v = nl.ndarray((p, cols), dtype=nl.bfloat16, buffer=nl.sbuf, name="v_bf16")
+    if w is not None:
+        nisa.tensor_tensor(dst=av, data1=av, data2=u_in, op=nl.multiply)
+        nisa.tensor_scalar(dst=v, data=av, op0=nl.multiply, operand0=w)
+    else:
+        nisa.tensor_tensor(dst=v, data1=av, data2=u_in, op=nl.multiply)
+    if not fp8:
+        return v
+    chip_fp8 = nl.float8_e4m3 if fp8_max <= FP8_E4M3_TRN2_MAX else nl.float8_e4m3fn
+    # fp8_max = 1.m · 2^k: its biased exponent and mantissa bits, for the exact scale (see swiglu_and_cast Notes)
+    max_bits = int(np.array(fp8_max, dtype=np.float32).view(np.int32))
+    max_exp, max_mant = (max_bits >> 23) & 0xFF, max_bits & 0x7FFFFF
+    m = cols // group_size
+    # ---- per-group amax (ScalarE |v|, VectorE max over each group of g columns), floored at 1e-4
+    nisa.activation(dst=bv, op=nl.abs, data=av)
+    amax = nl.ndarray((p, m), dtype=nl.float32, buffer=nl.sbuf, name="amax")
+    am = amax[0:p, :]
+    nisa.tensor_reduce(dst=am, op=nl.maximum, data=bv.reshape((p, m, group_size)), axis=(2,))
+    nisa.tensor_scalar(dst=am, data=am, op0=nl.maximum, operand0=AMAX_FLOOR)
+    # ---- exact power-of-two scale and its inverse from the bits of amax (see swiglu_and_cast Notes)
+    bits = am.view(nl.int32)
+    expo = nl.ndarray((p, m), dtype=nl.int32, buffer=nl.sbuf, name="expo")
+    ex = expo[0:p, :]
+    nisa.tensor_scalar(dst=ex, data=bits, op0=nl.right_shift, operand0=23, op1=nl.bitwise_and, operand1=0xFF)
+    bump = nl.ndarray((p, m), dtype=nl.int32, buffer=nl.sbuf, name="bump")
+    bu = bump[0:p, :]
+    nisa.tensor_scalar(dst=bu, data=bits, op0=nl.bitwise_and, operand0=0x7FFFFF)
+    # [mantissa(amax) > mantissa(fp8_max)] + 127 - exponent(fp8_max); exact in fp32 (< 2^24)
+    nisa.tensor_scalar(dst=bu, data=bu, op0=nl.greater, operand0=float(max_mant), op1=nl.add,
+                       operand1=float(127 - max_exp))
+    nisa.tensor_tensor(dst=ex, data1=ex, data2=bu, op=nl.add)  # biased exponent of s
+    s_t = nl.ndarray((p, m), dtype=nl.float32, buffer=nl.sbuf, name="scale")
+    nisa.tensor_scalar(dst=s_t[0:p, :].view(nl.int32), data=ex, op0=nl.left_shift, operand0=23)
+    nisa.tensor_scalar(dst=bu, data=ex, op0=nl.subtract, operand0=254.0, reverse0=True)  # exponent of 1/s
+    inv = nl.ndarray((p, m), dtype=nl.float32, buffer=nl.sbuf, name="inv_scale")
+    nisa.tensor_scalar(dst=inv[0:p, :].view(nl.int32), data=bu, op0=nl.left_shift, operand0=23)
+    # ---- q = fp8(v / s): exact power-of-two scaling, |v / s| <= fp8_max by construction
+    q = nl.ndarray((p, cols), dtype=chip_fp8, buffer=nl.sbuf, name="q")
+    if m == 1:
+        # VectorE multiply keeps the sign of zero (ScalarE's ``data·scale + bias`` would turn −0 into +0)
+        nisa.tensor_scalar(dst=q[0:p, :], data=av, op0=nl.multiply, operand0=inv[0:p, :])
+    else:
+        inv3 = inv[0:p, :].reshape((p, m, 1)).broadcast(2, group_size)
+        nisa.tensor_tensor(dst=q[0:p, :].reshape((p, m, group_size)), data1=av.reshape((p, m, group_size)),
+                           data2=inv3, op=nl.multiply)
+    return q, s_t
