@@ -1,0 +1,134 @@
+"""Smoke test of the benchmark suite (bench/): the baselines compute the reference's maths on a tiny shape, the
+bytes/FLOPs accounting follows the roofline rules, the scaled-down routing keeps real rows per expert, and the
+harness's timer / table / JSON work end to end. Correctness only: nothing here asserts a timing."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from static_moe import reference
+from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, make_activations, make_routing, make_weights
+from static_moe.testing.numeric import calc_diff
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench_modules():
+    """bench/harness.py and bench/baselines.py, imported by file location (bench/ holds scripts, not a package)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        yield importlib.import_module("harness"), importlib.import_module("baselines")
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+
+
+H_, I_, L_, R_, K_ = 256, 128, 4, 12, 3  # tiny: hidden, intermediate, local experts, rows, top-k
+
+
+@pytest.mark.parametrize("act_fmt,w_fmt", FORMAT_PAIRS, ids=lambda v: str(v))
+def test_baselines_match_reference(bench_modules, act_fmt, w_fmt):
+    _, B = bench_modules
+    w = make_weights(L_, H_, I_, w_fmt, seed=3)
+    x, xs = make_activations(R_, H_, act_fmt, seed=4)
+    idx, tw = make_routing(R_, K_, 2 * L_, seed=5, empty_frac=0.1, duplicate_frac=0.2)
+    offset = L_  # the second of two ranks: ids 0 … L−1 belong to another rank
+    args_w = (w["w13"], w["w13_scale"], w["w2"], w["w2_scale"])
+    ref = reference.local_experts(x, xs, idx, tw, *args_w, offset, 7.0)
+    assert ref.abs().sum() > 0, "the routing must give this rank work, or the check proves nothing"
+    seed = B.seed_dense_local_experts(x, xs, idx, tw, *args_w, offset, 7.0)
+    assert calc_diff(seed, ref) <= B.CHECK_TOLERANCE["seed_dense"]
+    for dt in (torch.float32, torch.bfloat16):
+        got = B.TorchCached(*args_w, dtype=dt).local_experts(x, xs, idx, tw, offset, 7.0)
+        assert calc_diff(got, ref) <= B.CHECK_TOLERANCE["torch_cached"], dt
+    mask = torch.arange(R_) % 3 != 0
+    ref_g = reference.expert_gemm(x, xs, w["w13"], w["w13_scale"], mask, 2)
+    assert calc_diff(B.seed_dense_expert_gemm(x, xs, w["w13"], w["w13_scale"], mask, 2), ref_g) <= 1e-6
+    got_g = B.TorchCached(w["w13"], w["w13_scale"], dtype=torch.bfloat16).expert_gemm(x, xs, mask, 2)
+    assert calc_diff(got_g, ref_g) <= B.CHECK_TOLERANCE["torch_cached"]
+    assert torch.all(got_g[~mask] == 0)
+    if w_fmt == "fp8":
+        if B.scaled_mm_unavailable_reason() is not None:
+            pytest.skip(B.scaled_mm_unavailable_reason())
+        smm = B.TorchScaledMM(*args_w)
+        assert calc_diff(smm.local_experts(x, xs, idx, tw, offset, 7.0), ref) <= B.CHECK_TOLERANCE["torch_scaled_mm"]
+        got_s = smm.expert_gemm(x, xs, mask, 2)
+        assert calc_diff(got_s, ref_g) <= B.CHECK_TOLERANCE["torch_scaled_mm"]
+        assert torch.all(got_s[~mask] == 0)
+
+
+def test_baseline_check_catches_wrong_maths(bench_modules):
+    H, B = bench_modules
+    w = make_weights(L_, H_, I_, "bf16", seed=3)
+    x, _ = make_activations(R_, H_, "bf16", seed=4)
+    idx, tw = make_routing(R_, K_, L_, seed=5)
+    args_w = (w["w13"], None, w["w2"], None)
+    ref = reference.local_experts(x, None, idx, tw, *args_w, 0, None)
+    wrong = B.TorchCached(*args_w).local_experts(x, None, idx, tw.flip(1), 0, None)  # weights on the wrong slots
+    with pytest.raises(AssertionError, match="torch_cached"):
+        H.check_baseline("torch_cached", wrong, ref, B.CHECK_TOLERANCE["torch_cached"], "smoke")
+
+
+def test_cost_accounting(bench_modules):
+    H, _ = bench_modules
+    hid, inter = 4096, 2048
+    # fp4: half a byte per weight plus one UE8M0 byte per 32; fp8: one byte plus a float32 per 128.
+    assert H.weight_bytes("fp4", 2 * inter, hid) == 2 * inter * hid // 2 + 2 * inter * hid // 32
+    assert H.weight_bytes("fp8", hid, inter) == hid * inter + 4 * hid * inter // 128
+    assert H.weight_bytes("bf16", hid, inter) == 2 * hid * inter
+    c = H.cost_expert_gemm("fp8", "fp4", rows_total=8, rows_active=5, n=2 * inter, k=hid)
+    assert c.flops == 2 * 5 * 2 * inter * hid
+    assert c.bytes == H.weight_bytes("fp4", 2 * inter, hid) + 5 * hid + 4 * 5 * hid // 128 + 8 + 2 * 8 * 2 * inter
+    idx = torch.tensor([[0, 3], [3, 3], [-1, 9], [1, 0]])  # local experts 0..3; a duplicate; a foreign id
+    st = H.routing_stats(idx, 0, 4)
+    assert (st.rows_active, st.experts_touched, st.pairs) == (3, 3, 5)  # pairs: {0,3} {3} {} {1,0}
+    le = H.cost_local_experts("bf16", "bf16", 4, st.rows_active, 2, hid, inter, st.experts_touched, st.pairs)
+    assert le.flops == 2 * 5 * 3 * hid * inter
+    limits = H.MachineLimits(2, bandwidth=1e10, flops=1e11, triad_array_bytes=0, llc_bytes=0, matmul_n=0)
+    roof = H.roofline(H.Cost(1e9, 1e9), limits, measured_s=0.2)
+    assert roof["t_mem_s"] == pytest.approx(0.1) and roof["t_compute_s"] == pytest.approx(0.01)
+    assert roof["bound"] == "memory" and roof["roofline_fraction"] == pytest.approx(0.5)
+
+
+def test_sliced_routing_keeps_real_rows(bench_modules):
+    H, _ = bench_modules
+    shape = MODEL_SHAPES["v4_flash"]
+    full = H.sliced_routing(shape, [16], shape.num_experts, seed=1)
+    kept = H.sliced_routing(shape, [16], 8, seed=1)
+    assert kept.touched_real == full.touched_real
+    idx = kept.topk_idx[0].long()
+    assert idx.min() >= -1 and idx.max() < 8
+    # every kept expert has exactly as many rows as some real expert had, and it was a touched one
+    real_counts = torch.bincount(full.topk_idx[0].long().flatten()[full.topk_idx[0].flatten() >= 0])
+    kept_counts = torch.bincount(idx.flatten()[idx.flatten() >= 0], minlength=8)
+    assert (kept_counts > 0).all()
+    for c in kept_counts.tolist():
+        assert c in real_counts.tolist()
+
+
+def test_timer_table_json(bench_modules, tmp_path):
+    H, _ = bench_modules
+    calls = []
+    timing, first = H.time_fn(lambda: calls.append(1) or len(calls), warmup=1, repeat=5)
+    assert first == 1 and len(timing.samples_s) == 5 and timing.median_s > 0
+    op, out = H.measure(lambda: (_ for _ in ()).throw(NotImplementedError("no kernel")))
+    assert op == {"available": False, "reason": "NotImplementedError: no kernel"} and out is None
+    limits = H.MachineLimits(2, 1e10, 1e11, 0, 0, 0)
+    report = H.Report(limits)
+    rec = {"bench": "local_experts", "shape": "v4_flash", "fmt": "fp8×fp4", "tokens": 4, "rows_per_expert": 1.0,
+           "experts": "8/24", "op": {"available": True, "median_s": 1e-3},
+           "baselines": {"torch_cached": {"median_s": 4e-3}, "torch_scaled_mm": {"available": False, "reason": "x"}}}
+    rec.update(H.roofline(H.Cost(5e6, 1e8), limits, 1e-3))
+    report.add(rec)
+    assert rec["speedup"]["torch_cached"] == pytest.approx(4.0)
+    table = report.table()
+    assert "local_experts" in table and "4.00" in table and "n/a" in table
+    doc = json.loads(report.write_json(tmp_path / "r.json").read_text())
+    assert doc["records"][0]["speedup"]["torch_cached"] == pytest.approx(4.0)
+    assert doc["machine"]["bandwidth"] == 1e10
