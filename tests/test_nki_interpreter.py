@@ -535,3 +535,87 @@ def test_cost_record_and_estimate():
     assert est["scalar_s"] == pytest.approx((1024 + model.instr_fixed_cycles) / 1.2e9)
     assert est["time_s"] == max(est["dma_s"], est["scalar_s"], est["vector_s"])
     assert model.hbm_roofline(cost.hbm_bytes) < est["time_s"]
+
+
+def test_nl_load_store_and_tile_wrappers():
+    x, y = arr(8, 16, seed=6), arr(8, 16, seed=7)
+
+    def k(x, y):
+        a, b = nl.load(x), nl.load(y, dtype=nl.bfloat16)
+        s = nl.add(a, b)  # new SBUF tile (VectorE tensor_tensor)
+        e = nl.exp(nl.multiply(s, 0.5))  # tensor_scalar, then ScalarE activation
+        m = nl.max(e, axis=1)  # [8, 1] tensor_reduce over the free axis
+        o = nl.ndarray((8, 17), nl.float32, buffer=nl.shared_hbm)
+        nl.store(o[:, 0:16], e)
+        nl.store(o[:, 16:17], m)
+        return o
+
+    got = simulate(k)(x, y)
+    yb = y.astype(ml_dtypes.bfloat16).astype(F32)
+    want = np.exp((x + yb) * 0.5)
+    np.testing.assert_allclose(got[:, :16], want, rtol=1e-6)
+    np.testing.assert_allclose(got[:, 16], want.max(axis=1), rtol=1e-6)
+
+
+def test_e4m3fn_weights_beyond_240_decode_exactly_on_trn2():
+    """What the GEMM kernels do with OCP fp8 weights on trn2: move the bytes, then convert (never
+    reinterpret as float8_e4m3, whose encodings above 240 are inf/NaN)."""
+    w = np.array([[448.0, -320.0, 240.0, 1.5, -0.0, 2.0**-9]], F32).astype(ml_dtypes.float8_e4m3fn)
+
+    def k(w):
+        raw = nl.ndarray((1, 6), nl.float8_e4m3fn, buffer=nl.sbuf)
+        nisa.dma_copy(dst=raw, src=w)  # equal dtypes: a byte move
+        dec = nl.ndarray((1, 6), nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=dec, src=raw)  # converting copy on VectorE
+        via_dma = nl.ndarray((1, 6), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=via_dma, src=w)  # converting DMA
+        wrong = nl.ndarray((1, 6), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=wrong, src=raw.view(nl.float8_e4m3))  # reinterpretation: 448 becomes NaN/inf
+        o = nl.ndarray((3, 6), nl.float32, buffer=nl.shared_hbm)
+        f = nl.ndarray((1, 6), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=f, src=dec)
+        nisa.dma_copy(dst=o[0:1, :], src=f)
+        nisa.dma_copy(dst=o[1:2, :], src=via_dma)
+        nisa.dma_copy(dst=o[2:3, :], src=wrong)
+        return o
+
+    got = simulate(k)(w)
+    np.testing.assert_array_equal(got[0], w.astype(F32)[0])
+    np.testing.assert_array_equal(got[1], w.astype(F32)[0])
+    assert not np.isfinite(got[2, 0]) and not np.isfinite(got[2, 1])
+
+
+def test_indirect_row_gather_with_oob_skip():
+    table = arr(6, 4, seed=8)
+    idx = np.array([[4], [0], [9], [2]], np.int32)  # 9 is out of range
+
+    def k(table, idx):
+        i = nl.load(idx)
+        rows = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+        nisa.memset(rows, 0.0)
+        nisa.dma_copy(dst=rows, src=table.ap([[4, 4], [1, 4]], offset=0, vector_offset=i, indirect_dim=0),
+                      oob_mode=nisa.oob_mode.skip)
+        return out_of(rows)
+
+    got = simulate(k)(table, idx)
+    np.testing.assert_array_equal(got[[0, 1, 3]], table[[4, 0, 2]])
+    np.testing.assert_array_equal(got[2], 0.0)
+
+    def strict(table, idx):
+        i = nl.load(idx)
+        rows = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows, src=table.ap([[4, 4], [1, 4]], offset=0, vector_offset=i, indirect_dim=0))
+
+    rejects("dma-oob", strict, table, idx)
+
+
+def test_shim_falls_back_to_the_interpreter_and_maps_dtypes():
+    import torch
+
+    from static_moe.nki import shim
+
+    if not shim.real_nki_available():
+        assert shim.nl is nl and shim.nisa is nisa and shim.BACKEND == "interpreter"
+    assert shim.nl_dtype(torch.float8_e4m3fn) == shim.nl.float8_e4m3fn
+    with pytest.raises(ValueError, match="int64"):
+        shim.nl_dtype(torch.int64)
