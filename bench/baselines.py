@@ -28,7 +28,7 @@ from static_moe.reference.swiglu_and_cast import swiglu_and_cast as ref_swiglu_a
 
 # calc_diff bound of a baseline vs the reference: loose (baselines are not held to SPEC §2), tight enough to catch
 # wrong maths (a wrong expert, a lost routing weight, a transposed weight: calc_diff ≳ 0.1).
-CHECK_TOLERANCE = {"seed_dense": 1e-4, "torch_cached": 1e-3, "torch_scaled_mm": 2e-2}
+CHECK_TOLERANCE = {"seed_dense": 1e-4, "torch_cached": 5e-3, "torch_scaled_mm": 2e-2}
 
 
 def _dequantize_a(a: torch.Tensor, a_scale: torch.Tensor | None) -> torch.Tensor:
