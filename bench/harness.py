@@ -370,7 +370,8 @@ class Report:
 
     def header(self) -> str:
         m = self.limits
-        return (f"threads={m.threads}  bandwidth={m.bandwidth / 1e9:.1f} GB/s (triad, 3×{m.triad_array_bytes >> 20} "
+        cpu = f"{self.meta.get('cpu', '?')} ({self.meta.get('cpu_capability', '?')})  " if self.meta else ""
+        return (f"{cpu}threads={m.threads}  bandwidth={m.bandwidth / 1e9:.1f} GB/s (triad, 3×{m.triad_array_bytes >> 20} "
                 f"MiB arrays, LLC {m.llc_bytes >> 20} MiB)  fp32 peak={m.flops / 1e9:.1f} GFLOP/s "
                 f"(matmul n={m.matmul_n})")
 
@@ -500,7 +501,18 @@ class Report:
 
 def machine_meta(threads: int) -> dict:
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "processor": platform.processor(), "threads": threads, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "cpu": _cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def _group(records: list[dict], key) -> dict[str, list[dict]]:
