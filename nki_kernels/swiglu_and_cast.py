@@ -7,6 +7,8 @@ the per-group scale is applied through a ``.broadcast`` view (NKI >= 0.5).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from static_moe.nki.shim import nisa, nl
@@ -149,7 +151,7 @@ def swiglu_cast_tile(g_in, u_in, w, swiglu_limit, out_format, group_size, fp8_ma
         "fp8": (q, s) — SBUF [p, cols] ``float8_e4m3`` (fp8_max <= 240; ``float8_e4m3fn`` above, trn3) and SBUF
         float32 [p, cols / group_size] power-of-two scales.
     """
-    p, cols = g_in.shape[0], g_in.free_size
+    p, cols = g_in.shape[0], math.prod(g_in.shape[1:])
     fp8 = out_format == "fp8"
     av = nl.ndarray((p, cols), dtype=nl.float32, buffer=nl.sbuf, name="a")
     bv = nl.ndarray((p, cols), dtype=nl.float32, buffer=nl.sbuf, name="b")

@@ -619,3 +619,12 @@ def test_shim_falls_back_to_the_interpreter_and_maps_dtypes():
     assert shim.nl_dtype(torch.float8_e4m3fn) == shim.nl.float8_e4m3fn
     with pytest.raises(ValueError, match="int64"):
         shim.nl_dtype(torch.int64)
+
+
+def test_interpreter_internals_are_not_tensor_api():
+    """Kernels must run unchanged through the real NKI, so non-NKI conveniences fail loudly here too."""
+
+    def k(x):
+        return load(x).free_size
+
+    rejects("not-nki-api", k, arr(2, 2))

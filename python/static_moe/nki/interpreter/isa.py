@@ -95,12 +95,12 @@ def _t(x, what: str, instr: str) -> NkiTensor:
 def _onchip(x, what: str, instr: str, allow_psum: bool = True) -> NkiTensor:
     x = _t(x, what, instr)
     check(x.gather is None, "indirect-view", f"{instr}: {what} is an indirect view (DMA only)")
-    check(x.on_chip, "compute-operand-in-hbm",
+    check(x._on_chip, "compute-operand-in-hbm",
           f"{instr}: {what} is in {x.buffer.name}; compute engines read and write SBUF/PSUM only (DMA it in)")
     if not allow_psum:
         check(x.buffer.name == "sbuf", "operand-buffer", f"{instr}: {what} must be in SBUF, got {x.buffer.name}")
     lim = PSUM_FREE_MAX if x.buffer.name == "psum" else SBUF_FREE_MAX
-    check(x.free_size <= lim, "free-size", f"{instr}: {what} has {x.free_size} elements per partition; at most "
+    check(x._free_size <= lim, "free-size", f"{instr}: {what} has {x._free_size} elements per partition; at most "
           f"{lim} from {x.buffer.name}")
     return x
 
@@ -112,15 +112,15 @@ def _lanes(instr: str, dst: NkiTensor, **srcs) -> None:
             continue
         check(s.shape[0] == dst.shape[0], "partition-mismatch",
               f"{instr}: {what} spans {s.shape[0]} partitions, dst spans {dst.shape[0]}")
-        check(s.partition_start == dst.partition_start, "cross-partition",
-              f"{instr}: {what} starts at partition {s.partition_start}, dst at {dst.partition_start}; compute "
+        check(s._pstart == dst._pstart, "cross-partition",
+              f"{instr}: {what} starts at partition {s._pstart}, dst at {dst._pstart}; compute "
               f"engines are lane-parallel — moving data across partitions needs nc_transpose, nc_matmul or a DMA")
 
 
 def _same_free(instr: str, dst: NkiTensor, **srcs) -> None:
     for what, s in srcs.items():
-        check(s.free_size == dst.free_size, "shape-mismatch",
-              f"{instr}: {what} has {s.free_size} elements per partition, dst has {dst.free_size} "
+        check(s._free_size == dst._free_size, "shape-mismatch",
+              f"{instr}: {what} has {s._free_size} elements per partition, dst has {dst._free_size} "
               f"(shapes {list(s.shape)} vs {list(dst.shape)})")
 
 
@@ -141,10 +141,10 @@ def _mark_psum_read(t: NkiTensor) -> None:
 
 def _raw(t: NkiTensor) -> np.ndarray:
     """[P, F] array in t's own dtype (a copy)."""
-    if t.on_chip:
+    if t._on_chip:
         _mark_psum_read(t)
-        return np.array(t.numpy()).reshape(t.shape[0], -1)
-    return np.array(t.numpy()).reshape(1, -1)
+        return np.array(t._np()).reshape(t.shape[0], -1)
+    return np.array(t._np()).reshape(1, -1)
 
 
 def _f32(t: NkiTensor) -> np.ndarray:
@@ -158,7 +158,7 @@ def _operand(x, instr: str, what: str, dst: NkiTensor, fp32_tile: bool, int_ok: 
         return None
     if isinstance(x, NkiTensor):
         _onchip(x, what, instr)
-        check(x.free_size == 1, "operand-shape", f"{instr}: {what} must be a scalar or a (P, 1) tile, got "
+        check(x._free_size == 1, "operand-shape", f"{instr}: {what} must be a scalar or a (P, 1) tile, got "
               f"{list(x.shape)}")
         _lanes(instr, dst, **{what: x})
         if int_ok:
@@ -205,14 +205,14 @@ def _store_values(dst: NkiTensor, values: np.ndarray, instr: str = "write", exac
         out = _cast(np.full(dst.shape, exact_int, np.int64), dst.dtype, instr)
     else:
         out = _cast(np.asarray(values), dst.dtype, instr)
-    dst.numpy()[...] = out.reshape(dst.shape)
+    dst._np()[...] = out.reshape(dst.shape)
     _mark_psum_write(dst, psum_state)
 
 
 def _store_raw(dst: NkiTensor, raw: np.ndarray, psum_state=PSUM_OTHER) -> None:
     """Bit-exact store of an array with dst's itemsize."""
-    u = dt.unsigned_of_size(dst.itemsize)
-    dst.numpy().view(u)[...] = np.ascontiguousarray(raw).view(u).reshape(dst.shape)
+    u = dt.unsigned_of_size(dst._itemsize)
+    dst._np().view(u)[...] = np.ascontiguousarray(raw).view(u).reshape(dst.shape)
     _mark_psum_write(dst, psum_state)
 
 
@@ -234,14 +234,14 @@ def _engine(e, default: str, allowed: tuple, instr: str, tensors=()) -> str:
 
 def _vector_cycles(instr: str, eng: str, dst: NkiTensor, srcs) -> float:
     """Model cycles per partition; VectorE's bf16/fp16 performance mode (trn2 arch guide)."""
-    f = dst.free_size
+    f = dst._free_size
     if eng != "vector":
         return f
     half = (dt.bfloat16, dt.float16)
-    tens = [dst] + [s for s in srcs if isinstance(s, NkiTensor) and s.free_size > 1]
+    tens = [dst] + [s for s in srcs if isinstance(s, NkiTensor) and s._free_size > 1]
     if all(t.buffer.name == "sbuf" and t.dtype in half for t in tens):
         if instr in ("tensor_copy", "tensor_scalar"):
-            contiguous = all(t.bstrides[-1] == t.itemsize for t in tens)
+            contiguous = all(t.bstrides[-1] == t._itemsize for t in tens)
             return f / (4 if contiguous else 2)
         if instr == "tensor_tensor":
             return f / 2
@@ -250,7 +250,7 @@ def _vector_cycles(instr: str, eng: str, dst: NkiTensor, srcs) -> float:
 
 def _record(eng: str, instr: str, dst: NkiTensor, srcs=(), cycles=None):
     c = _vector_cycles(instr, eng, dst, srcs) if cycles is None else cycles
-    current().cost.instr(eng, instr, dst.shape[0], dst.free_size, c)
+    current().cost.instr(eng, instr, dst.shape[0], dst._free_size, c)
 
 
 def _check_op(op, instr: str, what: str, kinds) -> O.Op:
@@ -296,16 +296,16 @@ def _apply_bitvec(op: O.Op, a: np.ndarray, b, a_dtype: np.dtype, reverse: bool):
 
 def _store_bitvec(dst: NkiTensor, vals: np.ndarray, instr: str) -> None:
     """Bitvec results keep their bits: written modulo 2^bits of dst (no saturation)."""
-    u = dt.unsigned_of_size(dst.itemsize)
-    out = (np.asarray(vals, np.int64) & ((1 << (8 * dst.itemsize)) - 1)).astype(u).view(dst.dtype)
-    dst.numpy()[...] = out.reshape(dst.shape)
+    u = dt.unsigned_of_size(dst._itemsize)
+    out = (np.asarray(vals, np.int64) & ((1 << (8 * dst._itemsize)) - 1)).astype(u).view(dst.dtype)
+    dst._np()[...] = out.reshape(dst.shape)
     _mark_psum_write(dst, PSUM_OTHER)
 
 
 # ------------------------------------------------------------------------------------------------ DMA
 def _runs(t: NkiTensor) -> tuple[int, int]:
     """(number of contiguous byte runs, bytes per run) of a view."""
-    run = t.itemsize
+    run = t._itemsize
     n = t.size
     for size, stride in zip(reversed(t.shape), reversed(t.bstrides)):
         if size == 1:
@@ -314,7 +314,7 @@ def _runs(t: NkiTensor) -> tuple[int, int]:
             run *= size
         else:
             break
-    total = t.size * t.itemsize
+    total = t.size * t._itemsize
     return max(total // run, 1), run
 
 
@@ -351,7 +351,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     if src.gather is None and dst.gather is None:
         check(src.size == dst.size, "dma-shape",
               f"dma_copy: src has {src.size} elements {list(src.shape)}, dst has {dst.size} {list(dst.shape)}")
-        raw = np.array(src.numpy()).reshape(-1)
+        raw = np.array(src._np()).reshape(-1)
         if src.dtype == dst.dtype:
             _store_raw(dst, raw)
         else:
@@ -359,37 +359,37 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     elif src.gather is not None:
         check(dst.gather is None, "dma-shape", "dma_copy: both sides indirect")
         check(src.size == dst.size, "dma-shape", f"dma_copy: indirect src {list(src.shape)} vs dst {list(dst.shape)}")
-        drows = np.array(dst.numpy()).reshape(src.shape[0], -1)  # skipped rows keep their bytes
+        drows = np.array(dst._np()).reshape(src.shape[0], -1)  # skipped rows keep their bytes
         for i, row in _indirect_rows(src, oob_mode):
             if row is None:
                 continue
             if src.dtype == dst.dtype:
-                u = dt.unsigned_of_size(dst.itemsize)
+                u = dt.unsigned_of_size(dst._itemsize)
                 drows.view(u)[i] = np.array(row).view(u).reshape(-1)
             else:
                 drows[i] = _cast(np.array(row).astype(np.float32).reshape(-1), dst.dtype, instr)
         _store_raw(dst, drows)
     else:
         check(src.size == dst.size, "dma-shape", f"dma_copy: src {list(src.shape)} vs indirect dst {list(dst.shape)}")
-        srows = np.array(src.numpy()).reshape(dst.shape[0], -1)
+        srows = np.array(src._np()).reshape(dst.shape[0], -1)
         for i, row in _indirect_rows(dst, oob_mode):
             if row is None:
                 continue
             if src.dtype == dst.dtype:
-                u = dt.unsigned_of_size(dst.itemsize)
+                u = dt.unsigned_of_size(dst._itemsize)
                 row.view(u)[...] = srows[i].view(u).reshape(row.shape)
             else:
                 row[...] = _cast(srows[i].astype(np.float32), dst.dtype, instr).reshape(row.shape)
     # cost
-    sb, db = src.size * src.itemsize, dst.size * dst.itemsize
+    sb, db = src.size * src._itemsize, dst.size * dst._itemsize
     hbm = (sb if src.buffer.is_hbm else 0) + (db if dst.buffer.is_hbm else 0)
     (rs, runs_s), (rd, runs_d) = _runs(src), _runs(dst)
     if src.gather is not None:
-        rs, runs_s = src.shape[0], math.prod(src.shape[1:]) * src.itemsize
+        rs, runs_s = src.shape[0], math.prod(src.shape[1:]) * src._itemsize
     if dst.gather is not None:
-        rd, runs_d = dst.shape[0], math.prod(dst.shape[1:]) * dst.itemsize
-    chip = [t for t in (src, dst) if t.on_chip]
-    pbytes = min(t.free_size * t.itemsize for t in chip) if chip else 0
+        rd, runs_d = dst.shape[0], math.prod(dst.shape[1:]) * dst._itemsize
+    chip = [t for t in (src, dst) if t._on_chip]
+    pbytes = min(t._free_size * t._itemsize for t in chip) if chip else 0
     from .cost import DmaRecord
 
     current().cost.dma(DmaRecord(max(sb, db), hbm, max(rs, rd), min(runs_s, runs_d), pbytes))
@@ -435,15 +435,15 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     dst = _onchip(dst, "dst", instr, allow_psum=False)
     pattern = [tuple(int(v) for v in p) for p in pattern]
     check(1 <= len(pattern) <= 4, "iota", f"iota pattern has {len(pattern)} dims; 1 to 4 allowed")
-    check(math.prod(c for _, c in pattern) == dst.free_size, "iota",
-          f"iota pattern covers {math.prod(c for _, c in pattern)} elements, dst has {dst.free_size} per partition")
+    check(math.prod(c for _, c in pattern) == dst._free_size, "iota",
+          f"iota pattern covers {math.prod(c for _, c in pattern)} elements, dst has {dst._free_size} per partition")
     v = np.full((), int(offset), np.int64)
     for step, cnt in pattern:
         v = v[..., None] + np.arange(cnt, dtype=np.int64) * step
     vals = v.reshape(1, -1) + np.arange(dst.shape[0], dtype=np.int64)[:, None] * int(channel_multiplier)
     vals = vals.astype(np.int32).astype(np.int64)
     if dt.is_int(dst.dtype):
-        dst.numpy()[...] = _cast(vals, dst.dtype, instr).reshape(dst.shape)
+        dst._np()[...] = _cast(vals, dst.dtype, instr).reshape(dst.shape)
     else:
         _store_values(dst, vals.astype(np.float32), instr)
     _record("gpsimd", instr, dst)
@@ -609,9 +609,9 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
           f"{instr}: axis={axes} must be the trailing free axes of a {x.ndim}-D tensor (e.g. ({x.ndim - 1},))")
     _lanes(instr, dst, data=x)
     kept = math.prod(x.shape[1:x.ndim - len(axes)])
-    check(dst.free_size == kept, "shape-mismatch",
+    check(dst._free_size == kept, "shape-mismatch",
           f"{instr}: reducing {list(x.shape)} over {axes} leaves {kept} elements per partition; dst has "
-          f"{dst.free_size}")
+          f"{dst._free_size}")
     if op.is_bitvec:
         check(dt.is_int(x.dtype) and dt.is_int(dst.dtype) and not negate, "bitvec-dtype",
               f"{instr}: bitvec reduction needs integer data/dst and no negate")
@@ -621,13 +621,13 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
         v = _f32(x).reshape(x.shape[0], kept, -1)
         r = _reduce(op, v, 2, instr)
         _store_values(dst, -r if negate else r, instr)
-    _record("vector", instr, dst, (x,), cycles=x.free_size)
+    _record("vector", instr, dst, (x,), cycles=x._free_size)
 
 
 def _accumulate(eng: str, dst: NkiTensor, part: np.ndarray, op_name: str, cmd: reduce_cmd, init):
     """Per-lane accumulators of an engine (128 lanes), driven by reduce_cmd. Returns the [P] accumulator."""
     acc_all = current().accumulators.setdefault(eng, np.zeros(128, np.float32))
-    lanes = slice(dst.partition_start, dst.partition_start + dst.shape[0])
+    lanes = slice(dst._pstart, dst._pstart + dst.shape[0])
     ident = {"add": 0.0, "multiply": 1.0, "maximum": -np.inf, "minimum": np.inf}[op_name]
     if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
         acc_all[lanes] = ident
@@ -666,7 +666,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     acc = _accumulate("vector", dst, part, rop.name, reduce_cmd, init)
     if reduce_res is not None:
         rr = _onchip(reduce_res, "reduce_res", instr)
-        check(rr.free_size == 1, "operand-shape", f"{instr}: reduce_res must be (P, 1), got {list(rr.shape)}")
+        check(rr._free_size == 1, "operand-shape", f"{instr}: reduce_res must be (P, 1), got {list(rr.shape)}")
         _lanes(instr, dst, reduce_res=rr)
         _store_values(rr, (-acc if reduce_res_negate else acc).reshape(-1, 1), instr)
     _record("vector", instr, dst, (x,))
@@ -679,13 +679,13 @@ def tensor_partition_reduce(dst, op, data, name=None):
     op = _check_op(_reduce_op(op), instr, "op", ("arith", "bitvec"))
     check(op.name in ("add", "maximum", "bitwise_or", "bitwise_and"), "op",
           f"{instr}: op must be add / maximum / bitwise_or / bitwise_and, got nl.{op.name}")
-    check(dst.shape[0] == 1 and dst.free_size == x.free_size, "shape-mismatch",
-          f"{instr}: dst must be [1, F] with F = {x.free_size}, got {list(dst.shape)}")
+    check(dst.shape[0] == 1 and dst._free_size == x._free_size, "shape-mismatch",
+          f"{instr}: dst must be [1, F] with F = {x._free_size}, got {list(dst.shape)}")
     if op.is_bitvec:
         _store_bitvec(dst, _reduce(op, _raw(x).astype(np.int64), 0, instr).reshape(1, -1), instr)
     else:
         _store_values(dst, _reduce(op, _f32(x), 0, instr).reshape(1, -1), instr)
-    _record("gpsimd", instr, dst, (x,), cycles=x.free_size * max(1, x.shape[0] // 16))
+    _record("gpsimd", instr, dst, (x,), cycles=x._free_size * max(1, x.shape[0] // 16))
 
 
 # ------------------------------------------------------------------------------------------------ ScalarE
@@ -708,7 +708,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
         b = np.float32(0.0)
     elif isinstance(bias, NkiTensor):
         _onchip(bias, "bias", instr)
-        check(bias.free_size == 1, "operand-shape", f"{instr}: bias must be (P, 1), got {list(bias.shape)}")
+        check(bias._free_size == 1, "operand-shape", f"{instr}: bias must be (P, 1), got {list(bias.shape)}")
         _lanes(instr, dst, bias=bias)
         b = _f32(bias)
     else:
@@ -732,7 +732,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
         acc = _accumulate("scalar", dst, _reduce(O.add, r, 1, instr), "add", cmd, None)
         if reduce_res is not None:
             rr = _onchip(reduce_res, "reduce_res", instr)
-            check(rr.free_size == 1, "operand-shape", f"{instr}: reduce_res must be (P, 1)")
+            check(rr._free_size == 1, "operand-shape", f"{instr}: reduce_res must be (P, 1)")
             _lanes(instr, dst, reduce_res=rr)
             _store_values(rr, acc.reshape(-1, 1), instr)
     elif reduce_cmd != rc.idle:
@@ -779,8 +779,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     check(accumulate in (None, True, False), "operand", f"{instr}: accumulate must be None, True or False")
     check(st.shape[0] == mv.shape[0], "matmul-shape",
           f"{instr}: contraction (partition) dims differ: stationary {st.shape[0]}, moving {mv.shape[0]}")
-    check(st.partition_start == mv.partition_start, "cross-partition",
-          f"{instr}: stationary starts at partition {st.partition_start}, moving at {mv.partition_start}")
+    check(st._pstart == mv._pstart, "cross-partition",
+          f"{instr}: stationary starts at partition {st._pstart}, moving at {mv._pstart}")
     k = st.shape[0]
     check(k <= 128, "matmul-limits", f"{instr}: contraction K={k} > 128")
     double = perf_mode == matmul_perf_mode.double_row
@@ -792,12 +792,12 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         check(not tile_position and not tile_size, "matmul-double-row", "double_row cannot combine with tiling")
         m, n = st.shape[2], mv.shape[2]
     else:
-        m, n = st.free_size, mv.free_size
+        m, n = st._free_size, mv._free_size
     check(m <= spec.gemm_stationary_fmax, "matmul-limits",
           f"{instr}: stationary free size M={m} > {spec.gemm_stationary_fmax} (gemm_stationary_fmax)")
     check(n <= spec.gemm_moving_fmax, "matmul-limits",
           f"{instr}: moving free size N={n} > {spec.gemm_moving_fmax} (gemm_moving_fmax)")
-    check(dst.shape[0] == m and dst.free_size == n, "matmul-shape",
+    check(dst.shape[0] == m and dst._free_size == n, "matmul-shape",
           f"{instr}: dst must be [M={m}, N={n}], got {list(dst.shape)}")
     check(dst.dtype == dt.float32 or spec.name != "trn2", "matmul-dst-dtype",
           f"{instr}: the PSUM destination must be float32 on trn2, got {dt.name(dst.dtype)}")
@@ -805,7 +805,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     addrs = _elem_addrs(dst)
     fo = addrs % dst.storage.pbytes
     check(int(fo.min()) // bank == int(fo.max()) // bank, "psum-bank",
-          f"{instr}: the output spans PSUM bytes [{int(fo.min())}, {int(fo.max()) + dst.itemsize}) of a partition, "
+          f"{instr}: the output spans PSUM bytes [{int(fo.min())}, {int(fo.max()) + dst._itemsize}) of a partition, "
           f"crossing a {bank}-byte bank boundary; a matmul writes within one bank (N ≤ 512 fp32)")
     # compute
     a = _f32(st).astype(np.float64)
@@ -828,7 +828,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
               f"{instr}: accumulating onto PSUM written by memset/tensor_copy/another engine is undefined on "
               f"{spec.name}; start the accumulation group with accumulate=False (overwrite)")
         prod = (_raw(dst).astype(np.float32) + prod).astype(np.float32)
-    dst.numpy()[...] = prod.astype(dst.dtype).reshape(dst.shape)
+    dst._np()[...] = prod.astype(dst.dtype).reshape(dst.shape)
     state[idx] = PSUM_MM
     cyc = n * (4 if st.dtype == dt.float32 else 1)
     current().cost.instr("tensor", instr, m, n, cyc)
@@ -843,13 +843,13 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     eng = _engine(engine, default, ("tensor", "vector"), instr)
     check(dst.dtype == x.dtype, "dtype-mismatch", f"{instr}: dst dtype {dt.name(dst.dtype)} must equal data dtype "
           f"{dt.name(x.dtype)}")
-    p, f = x.shape[0], x.free_size
+    p, f = x.shape[0], x._free_size
     lim = 128 if eng == "tensor" else 32
     check(p <= lim and f <= lim, "transpose-limits", f"{instr} on {eng}: data is {p}x{f}, at most {lim}x{lim}")
     if eng == "tensor":
         check(x.buffer.name == "sbuf" and dst.buffer.name == "psum", "operand-buffer",
               f"{instr} on TensorE reads SBUF and writes PSUM")
-    check(dst.shape[0] == f and dst.free_size == p, "shape-mismatch",
+    check(dst.shape[0] == f and dst._free_size == p, "shape-mismatch",
           f"{instr}: data [{p}, {f}] transposes to [{f}, {p}], dst is {list(dst.shape)}")
     _store_raw(dst, _raw(x).T.copy(), psum_state=PSUM_OTHER)
     _record(eng, instr, dst, (x,), cycles=p)

@@ -170,7 +170,7 @@ def program_ndim() -> int:
 
 
 def device_print(print_prefix, tensor):
-    print(print_prefix, np.asarray(tensor.numpy()))
+    print(print_prefix, np.asarray(tensor._np()))
 
 
 class no_reorder:
@@ -270,12 +270,12 @@ def where(condition, x, y, dtype=None):
 
 def matmul(x: NkiTensor, y: NkiTensor, transpose_x=False) -> NkiTensor:
     check(transpose_x, "not-supported", "nl.matmul works only with transpose_x=True (x is [K, M])")
-    out = allocate((x.free_size, y.free_size), float32, psum, "matmul")
+    out = allocate((x._free_size, y._free_size), float32, psum, "matmul")
     _isa.nc_matmul(out, x, y)
     return out
 
 
 def transpose(x: NkiTensor, dtype=None) -> NkiTensor:
-    out = allocate((x.free_size, x.shape[0]), x.dtype, psum, "transpose")
+    out = allocate((x._free_size, x.shape[0]), x.dtype, psum, "transpose")
     _isa.nc_transpose(out, x)
     return out

@@ -59,7 +59,7 @@ def scalar_value(x) -> int:
     if isinstance(x, NkiTensor):
         check(x.size == 1, "scalar-offset", f"a runtime scalar must be a one-element tensor, got {list(x.shape)}")
         check(x.buffer.name == "sbuf" or x.buffer.is_hbm, "scalar-offset", "runtime scalars come from SBUF or HBM")
-        v = x.numpy().reshape(-1)[0]
+        v = x._np().reshape(-1)[0]
         check(np.isfinite(v) if np.issubdtype(np.dtype(type(v)), np.floating) or x.dtype.kind == "V" else True,
               "scalar-offset", f"runtime scalar is not finite: {v}")
         return int(np.asarray(v).astype(np.int64))

@@ -117,7 +117,7 @@ def simulate(kernel):
             out = kernel(*hargs, **hkw)
             # copy HBM arguments the kernel wrote back into the caller's arrays
             for obj, h in bound:
-                new = np.array(h.numpy()).reshape(np.shape(obj) if not _is_torch(obj) else tuple(obj.shape))
+                new = np.array(h._np()).reshape(np.shape(obj) if not _is_torch(obj) else tuple(obj.shape))
                 if _is_torch(obj):
                     if obj.dtype == _torch().bool:
                         obj.copy_(_numpy_to_torch(new) != 0)
@@ -133,7 +133,7 @@ def simulate(kernel):
                     check(o.buffer is shared_hbm and o.gather is None, "output-buffer",
                           f"returned tensor {o.name or ''} is in {o.buffer.name}; kernel outputs must be allocated "
                           f"in nl.shared_hbm (NKI >= 0.3)")
-                    a = np.array(o.numpy())
+                    a = np.array(o._np())
                     return _numpy_to_torch(a) if any_torch else a
                 check(o is None, "output-buffer", f"kernels return shared_hbm tensors, got {type(o).__name__}")
                 return o

@@ -177,39 +177,52 @@ class NkiTensor:
         return math.prod(self.shape)
 
     @property
-    def itemsize(self) -> int:
+    def _itemsize(self) -> int:
         return self.dtype.itemsize
 
     @property
     def strides(self) -> tuple[int, ...]:
-        return tuple(s // self.itemsize for s in self.bstrides)
+        return tuple(s // self._itemsize for s in self.bstrides)
 
     @property
     def offset(self) -> int:
-        return self.boffset // self.itemsize
+        return self.boffset // self._itemsize
 
     @property
-    def on_chip(self) -> bool:
+    def _on_chip(self) -> bool:
         return self.storage.buffer.on_chip
 
     @property
-    def partition_start(self) -> int:
+    def _pstart(self) -> int:
         """First partition of an on-chip view."""
         return self.boffset // self.storage.pbytes if self.storage.pbytes else 0
 
     @property
-    def free_offset(self) -> int:
+    def _foffset(self) -> int:
         """Byte offset of the view's first element inside its partition (on-chip)."""
         return self.boffset % self.storage.pbytes if self.storage.pbytes else 0
 
     @property
-    def free_size(self) -> int:
+    def _free_size(self) -> int:
         """Elements per partition (on-chip: all dims but 0)."""
         return math.prod(self.shape[1:]) if self.ndim > 1 else 1
 
     def __repr__(self) -> str:
         return (f"NkiTensor({self.buffer.name}, {dt.name(self.dtype)}{list(self.shape)}, name={self.name!r}, "
                 f"offset={self.boffset}B, strides={self.bstrides}B)")
+
+    _NOT_NKI = {
+        "free_size": "math.prod(t.shape[1:])", "partition_start": "the slice you took", "itemsize": "a dtype table",
+        "on_chip": "nl.is_on_chip(t.buffer)", "numpy": "nl.store / dma_copy to a shared_hbm output",
+    }
+
+    def __getattr__(self, name):
+        # Kernels must run unchanged through the real NKI: interpreter internals are underscored, and the
+        # attributes one might reach for by habit get a pointer to the NKI way.
+        if name in NkiTensor._NOT_NKI:
+            raise NkiRuleError("not-nki-api", f"NkiTensor.{name} is not part of the NKI tensor API (shape, strides, "
+                               f"offset, dtype, buffer, ndim, size, name); use {NkiTensor._NOT_NKI[name]}")
+        raise AttributeError(f"NkiTensor has no attribute {name!r}")
 
     def __bool__(self):
         raise NkiRuleError("python-on-tensor", "a tensor has no truth value at trace time; use runtime control "
@@ -227,22 +240,22 @@ class NkiTensor:
         if self.gather is not None or any(s == 0 for s in self.shape):
             return
         lo = self.boffset + sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.bstrides))
-        hi = self.boffset + sum(max(0, (n - 1) * s) for n, s in zip(self.shape, self.bstrides)) + self.itemsize
+        hi = self.boffset + sum(max(0, (n - 1) * s) for n, s in zip(self.shape, self.bstrides)) + self._itemsize
         check(lo >= 0 and hi <= self.storage.nbytes, "out-of-bounds",
               f"view {dt.name(self.dtype)}{list(self.shape)} of {self.name or self.buffer.name} touches bytes "
               f"[{lo}, {hi}) of a {self.storage.nbytes}-byte allocation")
-        if self.on_chip and self.ndim >= 1:
+        if self._on_chip and self.ndim >= 1:
             pb = self.storage.pbytes
             check(self.bstrides[0] == pb or self.shape[0] == 1, "partition-dim",
                   f"dim 0 of an on-chip view must step one partition ({pb} B); got stride {self.bstrides[0]} B "
                   f"(a strided or permuted partition dim is not addressable)")
             # the free-dim part of the pattern must stay inside one partition
-            flo = self.free_offset + sum(min(0, (n - 1) * s) for n, s in zip(self.shape[1:], self.bstrides[1:]))
-            fhi = self.free_offset + sum(max(0, (n - 1) * s) for n, s in zip(self.shape[1:], self.bstrides[1:]))
-            check(flo >= 0 and fhi + self.itemsize <= pb, "out-of-bounds",
+            flo = self._foffset + sum(min(0, (n - 1) * s) for n, s in zip(self.shape[1:], self.bstrides[1:]))
+            fhi = self._foffset + sum(max(0, (n - 1) * s) for n, s in zip(self.shape[1:], self.bstrides[1:]))
+            check(flo >= 0 and fhi + self._itemsize <= pb, "out-of-bounds",
                   f"free-dim pattern of view {list(self.shape)} leaves its partition ({pb} B per partition)")
-            check(self.partition_start + self.shape[0] <= self.storage.partitions, "out-of-bounds",
-                  f"partitions [{self.partition_start}, {self.partition_start + self.shape[0]}) of a "
+            check(self._pstart + self.shape[0] <= self.storage.partitions, "out-of-bounds",
+                  f"partitions [{self._pstart}, {self._pstart + self.shape[0]}) of a "
                   f"{self.storage.partitions}-partition tensor")
 
     def _derive(self, shape, bstrides, boffset, dtype=None) -> "NkiTensor":
@@ -250,7 +263,7 @@ class NkiTensor:
         return NkiTensor(self.storage, dtype if dtype is not None else self.dtype, shape, bstrides, boffset)
 
     # ------------------------------------------------------------------------------------------ data access
-    def numpy(self) -> np.ndarray:
+    def _np(self) -> np.ndarray:
         """A live numpy view of the elements (writes go to the storage). Interpreter-internal."""
         if self.gather is not None:
             raise NkiRuleError("indirect-view", "indirect views are only usable as dma_copy operands")
@@ -278,7 +291,7 @@ class NkiTensor:
                     k += n
                 check(0 <= k < n, "index", f"index {k} out of range for dim {d} of size {n}")
                 off += k * s
-                if self.on_chip and d == 0:
+                if self._on_chip and d == 0:
                     shape.append(1)
                     strides.append(s)
                 else:
@@ -295,7 +308,7 @@ class NkiTensor:
                 stop = stop + n if stop < 0 else stop
                 check(0 <= start < stop <= n, "index",
                       f"slice [{start}:{stop}] is empty or out of range for dim {d} of size {n}")
-                if self.on_chip and d == 0:
+                if self._on_chip and d == 0:
                     check(step == 1, "partition-dim", "the partition dim (dim 0) of an on-chip tensor can only "
                           "be sliced with step 1")
                 off += start * s
@@ -307,14 +320,14 @@ class NkiTensor:
         # An int drops its dim, except on-chip dim 0, and except where that would leave fewer than 2 dims
         # on chip.
         if dropped:
-            keep_min = 2 if self.on_chip else 0
+            keep_min = 2 if self._on_chip else 0
             drop = list(dropped)
             while drop and len(shape) - len(drop) < keep_min:
                 drop.pop()
             shape = [x for i, x in enumerate(shape) if i not in drop]
             strides = [x for i, x in enumerate(strides) if i not in drop]
             if not shape:
-                shape, strides = [1], [self.itemsize]
+                shape, strides = [1], [self._itemsize]
         return self._derive(shape, strides, off)
 
     def slice(self, dim: int, start: int, end: int, step: int = 1) -> "NkiTensor":
@@ -325,20 +338,20 @@ class NkiTensor:
     def select(self, dim: int, index) -> "NkiTensor":
         check(isinstance(index, (int, np.integer)), "select", "only static (int) select is supported by the "
               "interpreter; use .ap(scalar_offset=...) for runtime offsets")
-        check(not (self.on_chip and dim == 0), "partition-dim", "select cannot remove dim 0 of an on-chip tensor")
+        check(not (self._on_chip and dim == 0), "partition-dim", "select cannot remove dim 0 of an on-chip tensor")
         n = self.shape[dim]
         index = int(index) + (n if index < 0 else 0)
         check(0 <= index < n, "index", f"select index {index} out of range for dim {dim} of size {n}")
         shape = self.shape[:dim] + self.shape[dim + 1:]
         strides = self.bstrides[:dim] + self.bstrides[dim + 1:]
-        return self._derive(shape or (1,), strides or (self.itemsize,), self.boffset + index * self.bstrides[dim])
+        return self._derive(shape or (1,), strides or (self._itemsize,), self.boffset + index * self.bstrides[dim])
 
     # ------------------------------------------------------------------------------------------- reshaping
     def reshape(self, shape) -> "NkiTensor":
         shape = _normalize_shape(shape)
         check(math.prod(shape) == self.size, "reshape",
               f"reshape {list(self.shape)} -> {list(shape)} changes the element count")
-        if self.on_chip:
+        if self._on_chip:
             check(shape[0] == self.shape[0], "partition-dim",
                   f"reshape of an on-chip tensor must keep dim 0 (the partition dim): {list(self.shape)} -> "
                   f"{list(shape)}")
@@ -352,21 +365,21 @@ class NkiTensor:
         return self._derive(shape, probe.strides, self.boffset)
 
     def reshape_dim(self, dim: int, shape) -> "NkiTensor":
-        check(not (self.on_chip and dim == 0), "partition-dim", "reshape_dim cannot touch dim 0 on chip")
+        check(not (self._on_chip and dim == 0), "partition-dim", "reshape_dim cannot touch dim 0 on chip")
         return self.reshape(self.shape[:dim] + tuple(shape) + self.shape[dim + 1:])
 
     def flatten_dims(self, start_dim: int, end_dim: int) -> "NkiTensor":
-        check(not (self.on_chip and start_dim == 0), "partition-dim", "flatten_dims cannot touch dim 0 on chip")
+        check(not (self._on_chip and start_dim == 0), "partition-dim", "flatten_dims cannot touch dim 0 on chip")
         n = math.prod(self.shape[start_dim:end_dim + 1])
         return self.reshape(self.shape[:start_dim] + (n,) + self.shape[end_dim + 1:])
 
     def expand_dim(self, dim: int) -> "NkiTensor":
-        check(not (self.on_chip and dim == 0), "partition-dim", "expand_dim cannot insert before dim 0 on chip")
+        check(not (self._on_chip and dim == 0), "partition-dim", "expand_dim cannot insert before dim 0 on chip")
         return self._derive(self.shape[:dim] + (1,) + self.shape[dim:],
-                            self.bstrides[:dim] + (self.itemsize,) + self.bstrides[dim:], self.boffset)
+                            self.bstrides[:dim] + (self._itemsize,) + self.bstrides[dim:], self.boffset)
 
     def squeeze_dim(self, dim: int) -> "NkiTensor":
-        check(not (self.on_chip and dim == 0), "partition-dim", "squeeze_dim cannot remove dim 0 on chip")
+        check(not (self._on_chip and dim == 0), "partition-dim", "squeeze_dim cannot remove dim 0 on chip")
         check(self.shape[dim] == 1, "reshape", f"squeeze_dim({dim}) of a dim of size {self.shape[dim]}")
         return self._derive(self.shape[:dim] + self.shape[dim + 1:], self.bstrides[:dim] + self.bstrides[dim + 1:],
                             self.boffset)
@@ -374,13 +387,13 @@ class NkiTensor:
     def permute(self, dims) -> "NkiTensor":
         dims = tuple(int(d) for d in dims)
         check(sorted(dims) == list(range(self.ndim)), "permute", f"{dims} is not a permutation of {self.ndim} dims")
-        check(not self.on_chip or dims[0] == 0, "partition-dim",
+        check(not self._on_chip or dims[0] == 0, "partition-dim",
               "permute of an on-chip tensor must keep dim 0 first (moving data across partitions needs a "
               "transpose instruction)")
         return self._derive([self.shape[d] for d in dims], [self.bstrides[d] for d in dims], self.boffset)
 
     def broadcast(self, dim: int, size: int) -> "NkiTensor":
-        check(not (self.on_chip and dim == 0), "cross-partition",
+        check(not (self._on_chip and dim == 0), "cross-partition",
               "broadcast along dim 0 of an on-chip tensor would copy across partitions; use a matmul with "
               "ones, nc_stream_shuffle or a DMA")
         check(self.shape[dim] == 1, "broadcast", f"broadcast dim {dim} has size {self.shape[dim]}, expected 1")
@@ -401,7 +414,7 @@ class NkiTensor:
     def view(self, dtype) -> "NkiTensor":
         """Bitcast: reinterpret the bytes; the contiguous last dim is rescaled by the itemsize ratio."""
         dtype = dt.as_dtype(dtype)
-        old, new = self.itemsize, dtype.itemsize
+        old, new = self._itemsize, dtype.itemsize
         if old == new:
             return self._derive(self.shape, self.bstrides, self.boffset, dtype)
         check(self.bstrides[-1] == old or self.shape[-1] == 1, "view",
@@ -409,7 +422,7 @@ class NkiTensor:
         nbytes = self.shape[-1] * old
         check(nbytes % new == 0, "view",
               f"view({dt.name(dtype)}): last dim of {self.shape[-1]} × {old} B is not a multiple of {new} B")
-        check(not (self.on_chip and self.ndim == 1), "partition-dim", "view() would rescale the partition dim")
+        check(not (self._on_chip and self.ndim == 1), "partition-dim", "view() would rescale the partition dim")
         shape = self.shape[:-1] + (nbytes // new,)
         strides = self.bstrides[:-1] + (new,)
         return self._derive(shape, strides, self.boffset, dtype)
@@ -453,7 +466,7 @@ class NkiTensor:
         if vector_offset is not None:
             check(indirect_dim == 0 and not st.buffer.on_chip, "ap",
                   "vector_offset addresses rows (indirect_dim=0) of an HBM tensor only")
-            idx = vector_offset.numpy().reshape(-1).astype(np.int64)
+            idx = vector_offset._np().reshape(-1).astype(np.int64)
             check(len(idx) == shape[0], "ap", f"vector_offset has {len(idx)} indices for {shape[0]} rows")
             row = math.prod(st.shape[1:]) * st.dtype.itemsize
             gather = [boff + int(i) * row for i in idx]
@@ -462,11 +475,11 @@ class NkiTensor:
 
     # ---------------------------------------------------------------------------------------------- queries
     def is_contiguous(self) -> bool:
-        exp = _row_major_strides(self.shape, self.itemsize)
+        exp = _row_major_strides(self.shape, self._itemsize)
         return all(a == b or n == 1 for a, b, n in zip(self.bstrides, exp, self.shape))
 
     def get_pattern(self) -> list[list[int]]:
-        return [[s // self.itemsize, n] for s, n in zip(self.bstrides, self.shape)]
+        return [[s // self._itemsize, n] for s, n in zip(self.bstrides, self.shape)]
 
     def is_indirect(self) -> bool:
         return self.gather is not None
