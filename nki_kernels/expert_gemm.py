@@ -50,6 +50,8 @@ Runtime loops need NKI >= 0.6 (``nl.fori_loop``); everything else is NKI >= 0.3.
 
 from __future__ import annotations
 
+import math
+
 from static_moe.nki.shim import nisa, nl
 
 P = 128  # partitions
@@ -169,7 +171,7 @@ def fold_scales(dst, even_vals, odd_vals, scale, block: int):
         scale: SBUF float32 ``[p, K/block]`` (already including the decoder's 2^8 / 2^6 factor).
         block: scale granularity along K (32 or 128).
     """
-    p, k = dst.shape[0], dst.free_size
+    p, k = dst.shape[0], math.prod(dst.shape[1:])
     nb, half = k // block, block // 2
     d4 = dst.reshape((p, nb, half, 2))
     sb = scale.reshape((p, nb, 1)).broadcast(2, half)

@@ -8,6 +8,9 @@ import torch  # noqa: F401  (libtorch must be loaded before the extension)
 
 from . import _C  # noqa: F401  (loads the library: schemas + backend kernels)
 from . import ops  # noqa: F401  (fake kernels, Python-side op bodies)
+from .nki import dispatch as _nki_dispatch
+
+_nki_dispatch.register_neuron_kernels()  # NKI kernels as the Neuron-device impls; no-op without torch-neuronx
 from .formats import (
     dequantize_activation,
     dequantize_weight,

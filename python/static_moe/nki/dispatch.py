@@ -1,0 +1,161 @@
+"""Dispatch of ``torch.ops.static_moe.expert_gemm`` / ``local_experts`` to the NKI kernels.
+
+Three paths, each taken only where it can run (:func:`status` says which and why not):
+
+1. **Neuron device.** Where torch-neuronx is importable, tensors live on its device: the XLA device
+   (``torch_xla``, dispatch key ``XLA``) or the native ``neuron`` device (``PrivateUse1`` renamed ``neuron``).
+   :func:`register_neuron_kernels` registers, for each such key, an implementation of the two ops that launches
+   the kernel through ``nki.jit`` on the op's device tensors. ``import static_moe`` calls it; it is a no-op
+   (returns ``[]``) where neither backend is importable. The op's argument checks run first (SPEC §5).
+2. **Real NKI without a device.** :func:`expert_gemm` / :func:`local_experts` on CPU tensors run the kernel
+   through ``nki.simulate`` (the target is forced to trn2 unless ``NEURON_PLATFORM_TARGET_OVERRIDE`` says
+   otherwise: off-device the simulator would default to trn3).
+3. **Neither.** The same calls run through static_moe's NKI interpreter (``static_moe.nki.shim``).
+
+Argument normalisation, shared by the three paths (the kernels take only NKI dtypes): fp4 weights
+(``float4_e2m1fn_x2``) and UE8M0 scales (``float8_e8m0fnu``) are viewed as uint8, ``topk_idx`` is narrowed to
+int32 (ids are < 2^31 by construction), ``topk_weights`` widened to float32. trn2 quantizes z with
+``fp8_max <= 240`` (its on-chip fp8 is ``float8_e4m3``); asking for 448 there is an error, not a silent change
+of numerics (trn3, with native e4m3fn, accepts it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import shim
+
+_OPS = ("expert_gemm", "local_experts")
+_registered: list[str] = []
+
+
+# ---------------------------------------------------------------------------------------------- normalisation
+def _u8(t):
+    """fp4 weights (float4_e2m1fn_x2) and UE8M0 scales (float8_e8m0fnu) as the uint8 bytes the kernels take."""
+    if t is not None and t.dtype in (torch.float4_e2m1fn_x2, torch.float8_e8m0fnu):
+        return t.view(torch.uint8)
+    return t
+
+
+def _check(name: str, *args) -> None:
+    """Run the op's shared argument checks (csrc/checks, exposed as ``static_moe._C.check_<op>``) when built."""
+    from .. import _C
+
+    fn = getattr(_C, f"check_{name}", None)
+    if fn is not None:
+        fn(*args)
+
+
+def expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert):
+    """Kernel arguments of ``expert_gemm_kernel`` from the op's arguments."""
+    if not 0 <= int(expert) < b.shape[0]:
+        raise ValueError(f"expert_gemm: expert={expert} is outside [0, {b.shape[0]}) (b has {b.shape[0]} experts)")
+    return (a, a_scale, _u8(b), _u8(b_scale), row_mask.to(torch.bool), int(expert))
+
+
+def local_experts_args(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
+                       swiglu_limit, fp8_max, e4m3fn_native: bool):
+    """Kernel arguments of ``local_experts_kernel`` from the op's arguments."""
+    if x.dtype == torch.float8_e4m3fn and fp8_max > 240.0 and not e4m3fn_native:
+        raise ValueError(
+            f"local_experts: fp8_max={fp8_max} needs OCP float8_e4m3fn on chip (trn3); trn2's on-chip fp8 "
+            "(float8_e4m3) tops out at 240 — pass fp8_max=240 on trn2 (SPEC §1.1)")
+    return (x, x_scale, topk_idx.to(torch.int32), topk_weights.to(torch.float32), _u8(w13), _u8(w13_scale),
+            _u8(w2), _u8(w2_scale), int(expert_offset), None if swiglu_limit is None else float(swiglu_limit),
+            float(fp8_max))
+
+
+# ----------------------------------------------------------------------------------------------- launching
+def _kernels():
+    from nki_kernels.expert_gemm import expert_gemm_kernel
+    from nki_kernels.local_experts import local_experts_kernel
+
+    return {"expert_gemm": expert_gemm_kernel, "local_experts": local_experts_kernel}
+
+
+def _on_neuron(t: torch.Tensor) -> bool:
+    return t.device.type in ("xla", "neuron", "privateuseone")
+
+
+def _launch(name: str, args: tuple, device: bool, **flags):
+    kernel = _kernels()[name]
+    if device:
+        return shim.jit(kernel)(*args, **flags)
+    if shim.real_nki_available():
+        os.environ.setdefault("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    return shim.simulate(kernel)(*args, **flags)
+
+
+def _e4m3fn_native() -> bool:
+    return shim.nisa.get_nc_version() == shim.nisa.nc_version.gen4 if not shim.real_nki_available() else \
+        os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2").lower() in ("trn3", "gen4")
+
+
+def expert_gemm(a, a_scale, b, b_scale, row_mask, expert, *, skip_unrouted: bool = True):
+    """``torch.ops.static_moe.expert_gemm`` through the NKI kernel: on the Neuron device when the tensors live
+    there, else through the simulator / interpreter. Returns bf16 [R, N] on the inputs' device."""
+    _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert)
+    args = expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert)
+    return _launch("expert_gemm", args, _on_neuron(a), skip_unrouted=skip_unrouted)
+
+
+def local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
+                  swiglu_limit=None, fp8_max=448.0, *, skip_unrouted: bool = True):
+    """``torch.ops.static_moe.local_experts`` through the fused NKI kernel (device, or simulator / interpreter).
+    Returns float32 [R, H]."""
+    _check("local_experts", x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
+           swiglu_limit, fp8_max)
+    args = local_experts_args(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
+                              swiglu_limit, fp8_max, _e4m3fn_native())
+    return _launch("local_experts", args, _on_neuron(x), skip_unrouted=skip_unrouted)
+
+
+# ------------------------------------------------------------------------------------------- registration
+def neuron_dispatch_keys() -> tuple[list[str], str]:
+    """``(keys, why)``: the dispatch keys of an importable Neuron backend, or ``[]`` and the reason there is none."""
+    keys, why = [], []
+    try:
+        import torch_neuronx  # noqa: F401
+    except ImportError as e:
+        return [], f"torch-neuronx is not importable ({e}); no Neuron device backend"
+    try:
+        import torch_xla  # noqa: F401
+
+        keys.append("XLA")
+    except ImportError as e:
+        why.append(f"torch_xla not importable ({e})")
+    if torch._C._get_privateuse1_backend_name() == "neuron":
+        keys.append("PrivateUse1")
+    else:
+        why.append("no native 'neuron' (PrivateUse1) device")
+    if not shim.real_nki_available():
+        return [], "torch-neuronx is importable but the real nki (nki.jit) is not"
+    return keys, "; ".join(why)
+
+
+def register_neuron_kernels() -> list[str]:
+    """Register the NKI kernels as the Neuron-device implementations of ``static_moe::expert_gemm`` and
+    ``static_moe::local_experts``. Idempotent; returns the keys registered (``[]`` without a Neuron backend)."""
+    if _registered:
+        return list(_registered)
+    keys, _ = neuron_dispatch_keys()
+    for key in keys:
+        torch.library.impl("static_moe::expert_gemm", key)(expert_gemm)
+        torch.library.impl("static_moe::local_experts", key)(local_experts)
+        _registered.append(key)
+    return list(_registered)
+
+
+def status() -> dict:
+    """Which of the three paths is available here, with the reason for each that is not."""
+    keys, why = neuron_dispatch_keys()
+    return {
+        "device": keys or None,
+        "device_why_not": None if keys else why,
+        "simulator": "nki.simulate" if shim.real_nki_available() else None,
+        "simulator_why_not": None if shim.real_nki_available() else
+        "the real nki (nki.jit/nki.simulate, Neuron's package index) is not importable here",
+        "interpreter": shim.BACKEND == "interpreter",
+    }
