@@ -19,6 +19,8 @@ def pack_rows(parts: list[torch.Tensor], capacity: int) -> torch.Tensor:
     Part i occupies columns ``[offset_i, offset_i + nbytes_i)`` (16-byte aligned offsets, nbytes_i = bytes of one
     row); gaps and rows T … capacity−1 are 0xFF.
     """
+    if len(parts) == 0:  # the dispatcher cannot route an empty tensor list to any backend: say what is wrong here
+        raise ValueError("pack_rows: parts must hold at least one tensor [T, ...], got an empty list")
     return torch.ops.static_moe.pack_rows(list(parts), capacity)
 
 

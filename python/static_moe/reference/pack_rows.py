@@ -49,5 +49,7 @@ def unpack_rows(
     """Copy the span ``[offset, offset + nbytes)`` of every row of uint8 ``packed`` [R, W] out as
     ``dtype [R, *row_shape]``."""
     rows = packed.shape[0]
+    if nbytes == 0:  # a [R, 0] byte view cannot be reinterpreted as a wider dtype
+        return torch.empty((rows, *row_shape), dtype=dtype, device=packed.device)
     span = packed[:, offset : offset + nbytes].contiguous()
     return span.view(dtype).reshape(rows, *row_shape).clone()
