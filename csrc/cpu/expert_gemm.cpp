@@ -1,0 +1,92 @@
+// CPU binding of expert_gemm (SPEC §1.6): checks (csrc/checks/expert_gemm.h), then the torch-free GEMM core
+// (csrc/cpu/kernels/moe_gemm.h). Torch types stay in this file and csrc/cpu/moe_gemm_binding.h.
+//
+//   1. the active rows are the set bits of row_mask; only they are read (masked rows may hold NaN / 0xFF);
+//   2. they are converted once to float32 in the GEMM's lane layout (OpenMP over rows);
+//   3. the expert's N weight rows are split in contiguous column chunks across the OpenMP threads, so each thread
+//      streams its share of the weight bytes once, decoding it on the fly for every active row;
+//   4. masked rows stay exact zeros.
+#include <ATen/ATen.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "checks/expert_gemm.h"
+#include "cpu/kernels/moe_gemm.h"
+#include "cpu/moe_gemm_binding.h"
+
+namespace {
+
+using namespace static_moe;
+
+constexpr int64_t kColumnTile = 64;        // columns per thread are whole tiles (a multiple of every NR)
+constexpr int64_t kParallelMacs = 1 << 18; // below this many multiply-adds one thread beats waking a team
+
+at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>& a_scale, const at::Tensor& b,
+                           const std::optional<at::Tensor>& b_scale, const at::Tensor& row_mask, int64_t expert) {
+  const char* op = "expert_gemm";
+  const checks::ExpertGemmShape sh = checks::check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert);
+  checks::check_device_type(a, op, "a", c10::DeviceType::CPU);
+  const cpu::Isa isa = cpu::isa_for_call(op);
+  const int64_t R = sh.rows, K = sh.k, N = sh.n;
+
+  at::Tensor out = at::zeros({R, N}, a.options().dtype(at::kBFloat16));
+  const at::Tensor mask = row_mask.contiguous();
+  const bool* mp = mask.const_data_ptr<bool>();
+  std::vector<int64_t> rows;
+  for (int64_t r = 0; r < R; ++r)
+    if (mp[r]) rows.push_back(r);
+  const int64_t m = static_cast<int64_t>(rows.size());
+  if (m == 0 || N == 0) return out;
+
+  const cpu::WeightTensors wt = cpu::weight_tensors(b, b_scale, sh.weight, K);
+  const cpu::ExpertWeight w = cpu::expert_view(wt, expert);
+
+  // Active rows of A -> float32 [m, K] in the lane layout of (isa, weight format).
+  const at::Tensor a_c = a.stride(1) == 1 ? a : a.contiguous();
+  const at::Tensor s_c = sh.act == checks::Format::FP8 ? a_scale->contiguous() : at::Tensor();
+  const cpu::ActFormat af = sh.act == checks::Format::FP8 ? cpu::ActFormat::Fp8 : cpu::ActFormat::Bf16;
+  std::vector<float> a32(static_cast<size_t>(m * K));
+  std::vector<const float*> a_rows(m);
+  std::vector<void*> out_rows(m);
+  const uint8_t* a_base = static_cast<const uint8_t*>(a_c.const_data_ptr());
+  const int64_t a_row_bytes = a_c.stride(0) * a_c.element_size();
+  uint16_t* out_base = static_cast<uint16_t*>(out.mutable_data_ptr());
+  for (int64_t i = 0; i < m; ++i) {
+    a_rows[i] = a32.data() + i * K;
+    out_rows[i] = out_base + rows[i] * N;
+  }
+  const bool parallel = m * N * K >= kParallelMacs;
+#pragma omp parallel for schedule(static) if (parallel && m > 1)
+  for (int64_t i = 0; i < m; ++i) {
+    const float* srow = s_c.defined() ? s_c.const_data_ptr<float>() + rows[i] * s_c.stride(0) : nullptr;
+    cpu::prepare_activation(isa, w.format, af, a_base + rows[i] * a_row_bytes, srow, sh.group, K,
+                            a32.data() + i * K);
+  }
+
+  cpu::OutRows o;
+  o.kind = cpu::OutKind::StoreBf16;
+  o.rows = out_rows.data();
+  o.col0 = 0;
+  const int max_threads = parallel ? omp_get_max_threads() : 1;
+  const int nt = static_cast<int>(std::min<int64_t>(max_threads, (N + kColumnTile - 1) / kColumnTile));
+  int bad_scale = 0;
+#pragma omp parallel num_threads(nt) reduction(| : bad_scale)
+  {
+    int64_t n0, n1;
+    cpu::split_columns(N, kColumnTile, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
+    std::vector<float> scratch(cpu::gemm_scratch_floats(K));
+    if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w, n0, n1, o, scratch.data())) bad_scale = 1;
+  }
+  TORCH_CHECK_VALUE(!bad_scale, op, ": b_scale of expert ", expert,
+                    " holds the UE8M0 NaN byte 255; scale bytes must be 0..254 (value 2^(b-127))");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(static_moe, CPU, m) { m.impl("expert_gemm", &expert_gemm_cpu); }

@@ -1,0 +1,30 @@
+// Instruction-set dispatch of the expert GEMM (moe_gemm.h). Compiled for baseline x86-64.
+#include "cpu/kernels/moe_gemm.h"
+
+namespace static_moe {
+namespace cpu {
+
+void prepare_activation(Isa isa, WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
+                        int64_t k, float* out) {
+  switch (isa) {
+    case Isa::Avx512: return avx512::prepare_activation(wf, af, x, x_scale, group, k, out);
+    case Isa::Avx2: return avx2::prepare_activation(wf, af, x, x_scale, group, k, out);
+    case Isa::Scalar: break;
+  }
+  scalar::prepare_activation(wf, af, x, x_scale, group, k, out);
+}
+
+size_t gemm_scratch_floats(int64_t k) { return static_cast<size_t>(8 * k); }  // kMaxPanelNR rows of k floats
+
+bool expert_gemm_rows(Isa isa, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+                      const OutRows& out, float* scratch) {
+  switch (isa) {
+    case Isa::Avx512: return avx512::expert_gemm_rows(a, m, w, n0, n1, out, scratch);
+    case Isa::Avx2: return avx2::expert_gemm_rows(a, m, w, n0, n1, out, scratch);
+    case Isa::Scalar: break;
+  }
+  return scalar::expert_gemm_rows(a, m, w, n0, n1, out, scratch);
+}
+
+}  // namespace cpu
+}  // namespace static_moe

@@ -1,0 +1,89 @@
+// The GEMM core of expert_gemm and local_experts (SPEC §1.6-1.7), torch-free: raw pointers, sizes, strides.
+//
+//   C[i, n] = Σ_k A[i, k] · B[n, k]   for the m prepared activation rows i and the weight rows n in [n0, n1)
+//
+// B is one expert's weight matrix, stored as nn.Linear stores it ([N, K], K contiguous) in bf16, fp8 e4m3fn with
+// float32 1×128 scales, or fp4 e2m1 (two per byte, low nibble = even k) with UE8M0 1×32 scales. It is decoded on
+// the fly, 2W values at a time, straight into registers (or, for more than a few rows, into a small per-thread
+// panel of NR rows that is then reused by every row block) — never a whole weight tensor.
+//
+// Numerics: every operand is decoded to float32 exactly as formats.py dequantizes it (fp8: q·s rounded once in
+// fp32; fp4: e2m1 · 2^(b-127), exact), so products are those of the reference. Each output is one W-lane fp32
+// accumulator per (row, weight row) walked through K in increasing order, then a fixed horizontal sum: the
+// arithmetic of a row never depends on which or how many other rows, weight rows or threads there are (batch
+// invariance). Different ISAs use different lane counts and may differ in the last bits.
+//
+// A operand: the GEMM reads float32 rows in a "lane layout" that depends on the ISA and, for fp4 weights, pairs
+// each lane with the nibble order of the packed weights (see prepare_activation). Produce it with
+// prepare_activation; rows may live anywhere (an array of row pointers), so callers gather rows for free.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu/simd.h"
+
+namespace static_moe {
+namespace cpu {
+
+enum class WeightFormat : int { Bf16 = 0, Fp8 = 1, Fp4 = 2 };
+enum class ActFormat : int { Bf16 = 0, Fp8 = 1 };
+
+constexpr int64_t kFp8WeightBlock = 128;  // fp8 weight scale: one float32 per 1×128 along K
+constexpr int64_t kFp4WeightBlock = 32;   // fp4 weight scale: one UE8M0 byte per 1×32 along K
+
+// One expert's weights B [n, k] (logical k; fp4 rows hold k/2 bytes).
+struct ExpertWeight {
+  WeightFormat format = WeightFormat::Bf16;
+  int64_t n = 0;
+  int64_t k = 0;                   // multiple of 32 (of 128 for fp8)
+  const uint8_t* data = nullptr;   // row r starts at data + r * row_stride
+  int64_t row_stride = 0;          // bytes
+  const void* scale = nullptr;     // fp8: float [n, k/128]; fp4: uint8 [n, k/32]; bf16: unused
+  int64_t scale_row_stride = 0;    // elements
+};
+
+enum class OutKind : int {
+  StoreBf16 = 0,     // ((uint16_t*)rows[i])[n - col0] = bf16(C[i, n])
+  AddBf16ToF32 = 1,  // ((float*)rows[i])[n - col0] += float(bf16(C[i, n]))
+};
+
+struct OutRows {
+  OutKind kind = OutKind::StoreBf16;
+  void* const* rows = nullptr;  // one pointer per prepared activation row
+  int64_t col0 = 0;             // column of rows[i][0]
+};
+
+// Converts k activation values into float32 in the lane layout of `isa` for weights of format `wf`.
+//   x: bf16 bits (af = Bf16) or e4m3fn codes (af = Fp8), x[0] is logical column c0 where c0 is a multiple of 32
+//   (and of `group` for fp8); x_scale: the float32 group scales from the one covering x[0] (fp8 only);
+//   out: k floats; out[p] holds logical column c0 + lane_column(isa, wf, p). k must be a multiple of 32.
+// Values are x.float() (bf16) or e4m3fn(x)·scale rounded once in fp32 (fp8), exactly as the reference.
+void prepare_activation(Isa isa, WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
+                        int64_t k, float* out);
+
+// Floats of per-thread scratch expert_gemm_rows needs for weights with this k.
+size_t gemm_scratch_floats(int64_t k);
+
+// C for the m rows a[0..m) (prepared for w.format, each w.k floats) and the weight rows [n0, n1), written through
+// `out`. Single-threaded: callers split [0, N) across threads. scratch: gemm_scratch_floats(w.k) floats.
+// Returns false if an fp4 UE8M0 scale byte it read was 255 (NaN); the outputs are then meaningless.
+bool expert_gemm_rows(Isa isa, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+                      const OutRows& out, float* scratch);
+
+// The same, one instruction set each (defined in moe_gemm_<isa>.cpp; dispatch in moe_gemm.cpp).
+namespace scalar {
+void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);
+bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&, float*);
+}  // namespace scalar
+namespace avx2 {
+void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);
+bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&, float*);
+}  // namespace avx2
+namespace avx512 {
+void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);
+bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&, float*);
+}  // namespace avx512
+
+}  // namespace cpu
+}  // namespace static_moe

@@ -1,0 +1,91 @@
+// AVX-512 (F+BW+DQ+VL) instance of the expert GEMM: 16 fp32 lanes, units of 32 k per weight row.
+//   bf16 weights: zero-extend to 32 bits and shift into the fp32 high half.
+//   fp8 weights:  e4m3fn byte -> fp16 bits with one sign-extend, shift and mask (sign, then exponent and mantissa
+//                 moved down so the value is q·2^-8, subnormals included), vcvtph2ps, then · (s·2^8): q·2^-8 and
+//                 s·2^8 are exact, so the product is q·s rounded once, as the reference.
+//   fp4 weights:  16 packed bytes -> 16 dword indices; vpermps on a 16-entry table of e2m1 values already times
+//                 the block's power-of-two scale (exact) gives the even columns, and again on index >> 4 the odd
+//                 ones (vpermps only reads the low 4 bits of each index).
+// GCC 12 flags the intrinsics headers' own `__m512i __Y = __Y;` placeholders wherever they are inlined.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu/kernels/cast.h"
+#include "cpu/kernels/moe_gemm.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2")
+
+#include "cpu/kernels/moe_gemm_impl.h"
+
+namespace static_moe {
+namespace cpu {
+namespace {
+
+struct V512 {
+  using vec = __m512;
+  static constexpr int W = 16;
+  static constexpr int kFusedMaxRows = 4;
+  static constexpr int kFusedNR1 = 8;
+  static constexpr int kFusedNR = 4;
+  static constexpr int kPanelMR = 4;
+  static constexpr int kPanelNR = 4;
+
+  static inline vec zero() { return _mm512_setzero_ps(); }
+  static inline vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
+  static inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline float reduce(vec v) { return _mm512_reduce_add_ps(v); }
+
+  static inline void decode_bf16(const uint8_t* row, int64_t k0, vec& lo, vec& hi) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + k0;
+    const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+    hi = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+  }
+
+  static inline void decode_fp8(const uint8_t* row, const float* srow, int64_t k0, vec& lo, vec& hi) {
+    const __m512 s = _mm512_set1_ps(srow[k0 >> 7] * 256.0f);
+    __m512i t = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k0)));
+    t = _mm512_and_si512(_mm512_slli_epi16(t, 7), _mm512_set1_epi16(static_cast<short>(0xBF80)));
+    lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(t)), s);
+    hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(t, 1)), s);
+  }
+
+  static inline void decode_fp4(const uint8_t* row, const uint8_t* srow, int64_t k0, vec& lo, vec& hi,
+                                uint32_t& bad) {
+    const uint8_t b = srow[k0 >> 5];
+    bad |= b == 0xFFu;
+    const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
+                                        -2.0f, -3.0f, -4.0f, -6.0f);
+    const __m512 lut = _mm512_mul_ps(table, _mm512_set1_ps(ue8m0_to_float(b)));
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k0 >> 1))));
+    lo = _mm512_permutexvar_ps(idx, lut);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
+  }
+};
+
+}  // namespace
+
+namespace avx512 {
+
+void prepare_activation(WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group, int64_t k,
+                        float* out) {
+  prepare_activation_impl<V512::W>(wf, af, x, x_scale, group, k, out);
+}
+
+bool expert_gemm_rows(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+                      const OutRows& out, float* scratch) {
+  return GemmKernels<V512>::run(a, m, w, n0, n1, out, scratch);
+}
+
+}  // namespace avx512
+}  // namespace cpu
+}  // namespace static_moe
+
+#pragma GCC pop_options

@@ -1,0 +1,245 @@
+// Blocking driver of the expert GEMM (see moe_gemm.h), written once over a SIMD traits class V and compiled once
+// per instruction set: moe_gemm_<isa>.cpp includes this file AFTER its `#pragma GCC target`, then defines V and
+// instantiates GemmKernels<V>. Everything here has internal linkage (anonymous namespace), so the AVX-512 copy of
+// a helper can never be merged with, or called instead of, the baseline copy in another translation unit.
+// Include every standard / project header this file needs BEFORE the target pragma (they must stay generic).
+//
+// V provides (W = lanes; a "unit" is U = 2W consecutive k of one weight row, decoded into two vectors lo, hi):
+//   vec zero(); vec load(const float*); void store(float*, vec); vec fma(a, b, c) = a·b + c; float reduce(vec)
+//   decode_bf16(row, k0, lo, hi); decode_fp8(row, scale_row, k0, lo, hi); decode_fp4(row, scale_row, k0, lo, hi, bad)
+//   kFusedMaxRows, kFusedNR1, kFusedNR, kPanelMR, kPanelNR (blocking), kPanelNR <= kMaxPanelNR
+// Lane layout of a unit: lanes 0..W-1 then W..2W-1 hold k0+0..W-1, k0+W..2W-1 (bf16, fp8), or the even columns
+// k0+0,2,..,2W-2 then the odd ones k0+1,3,..,2W-1 (fp4: what a nibble split of W packed bytes gives).
+#pragma once
+
+namespace static_moe {
+namespace cpu {
+namespace {
+
+constexpr int kMaxPanelNR = 8;
+
+// e4m3fn code -> float32, exactly (NaN codes 0x7F / 0xFF give NaN), as torch's .float().
+inline float e4m3fn_to_float(uint8_t c) {
+  const uint32_t sign = static_cast<uint32_t>(c & 0x80u) << 24;
+  const uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
+  if (e == 15u && m == 7u) return bits_float(sign | 0x7FC00000u);
+  if (e == 0u) return bits_float(sign | float_bits(static_cast<float>(m) * 0.001953125f));  // m · 2^-9
+  return bits_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// UE8M0 byte -> 2^(b-127), exactly (b = 0 is the subnormal 2^-127; b = 255 gives +inf, callers flag it).
+inline float ue8m0_to_float(uint8_t b) { return bits_float(b == 0 ? 0x00400000u : static_cast<uint32_t>(b) << 23); }
+
+// Logical column (within its unit) that lane position p of a unit holds.
+template <int W>
+inline int64_t lane_column(WeightFormat wf, int64_t p) {
+  if (wf != WeightFormat::Fp4 || W == 1) return p;
+  const int64_t u = p / (2 * W) * (2 * W), r = p % (2 * W);
+  return u + (r < W ? 2 * r : 2 * (r - W) + 1);
+}
+
+template <int W>
+void prepare_activation_impl(WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
+                             int64_t k, float* out) {
+  const bool permute = wf == WeightFormat::Fp4 && W > 1;
+  if (af == ActFormat::Bf16) {
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    if (!permute) {
+      for (int64_t c = 0; c < k; ++c) out[c] = bf16_to_float(xb[c]);
+    } else {
+      for (int64_t u = 0; u < k; u += 2 * W)
+        for (int64_t r = 0; r < W; ++r) {
+          out[u + r] = bf16_to_float(xb[u + 2 * r]);
+          out[u + W + r] = bf16_to_float(xb[u + 2 * r + 1]);
+        }
+    }
+    return;
+  }
+  const uint8_t* xq = static_cast<const uint8_t*>(x);
+  if (!permute) {
+    for (int64_t c = 0; c < k; ++c) out[c] = e4m3fn_to_float(xq[c]) * x_scale[c / group];
+  } else {
+    for (int64_t u = 0; u < k; u += 2 * W) {
+      const float s = x_scale[u / group];  // a unit (2W <= 32 columns) never straddles a group (32 or 128)
+      for (int64_t r = 0; r < W; ++r) {
+        out[u + r] = e4m3fn_to_float(xq[u + 2 * r]) * s;
+        out[u + W + r] = e4m3fn_to_float(xq[u + 2 * r + 1]) * s;
+      }
+    }
+  }
+}
+
+template <class V>
+struct GemmKernels {
+  using vec = typename V::vec;
+  static constexpr int W = V::W;
+  static constexpr int U = 2 * W;
+
+  // Rows of one expert weight, resolved once per block of NR weight rows.
+  struct RowPtrs {
+    const uint8_t* q;
+    const void* s;
+  };
+
+  template <WeightFormat F>
+  static inline RowPtrs row_ptrs(const ExpertWeight& w, int64_t n) {
+    RowPtrs r;
+    r.q = w.data + n * w.row_stride;
+    if (F == WeightFormat::Fp8) r.s = static_cast<const float*>(w.scale) + n * w.scale_row_stride;
+    else if (F == WeightFormat::Fp4) r.s = static_cast<const uint8_t*>(w.scale) + n * w.scale_row_stride;
+    else r.s = nullptr;
+    return r;
+  }
+
+  template <WeightFormat F>
+  static inline void decode(const RowPtrs& r, int64_t k0, vec& lo, vec& hi, uint32_t& bad) {
+    if constexpr (F == WeightFormat::Bf16) {
+      V::decode_bf16(r.q, k0, lo, hi);
+    } else if constexpr (F == WeightFormat::Fp8) {
+      V::decode_fp8(r.q, static_cast<const float*>(r.s), k0, lo, hi);
+    } else {
+      V::decode_fp4(r.q, static_cast<const uint8_t*>(r.s), k0, lo, hi, bad);
+    }
+  }
+
+  static inline void emit(const OutRows& out, int64_t i, int64_t n, float c) {
+    const uint16_t h = float_to_bf16(c);
+    if (out.kind == OutKind::StoreBf16) {
+      static_cast<uint16_t*>(out.rows[i])[n - out.col0] = h;
+    } else {
+      static_cast<float*>(out.rows[i])[n - out.col0] += bf16_to_float(h);
+    }
+  }
+
+  // Few rows: decode each unit of NR weight rows into registers and use it at once for all MR rows.
+  template <WeightFormat F, int MR, int NR>
+  static void fused_block(const float* const* a, const ExpertWeight& w, int64_t n, const OutRows& out,
+                          uint32_t& bad) {
+    const float* ap[MR];
+    for (int i = 0; i < MR; ++i) ap[i] = a[i];
+    RowPtrs rp[NR];
+    for (int j = 0; j < NR; ++j) rp[j] = row_ptrs<F>(w, n + j);
+    vec acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = V::zero();
+    const int64_t K = w.k;
+    for (int64_t k0 = 0; k0 < K; k0 += U) {
+      for (int j = 0; j < NR; ++j) {
+        vec lo, hi;
+        decode<F>(rp[j], k0, lo, hi, bad);
+        for (int i = 0; i < MR; ++i) {
+          acc[i][j] = V::fma(V::load(ap[i] + k0), lo, acc[i][j]);
+          acc[i][j] = V::fma(V::load(ap[i] + k0 + W), hi, acc[i][j]);
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) emit(out, i, n + j, V::reduce(acc[i][j]));
+  }
+
+  // Many rows: decode NR weight rows once into the panel [K/U][NR][U] ...
+  template <WeightFormat F, int NR>
+  static void decode_panel(const ExpertWeight& w, int64_t n, float* panel, uint32_t& bad) {
+    RowPtrs rp[NR];
+    for (int j = 0; j < NR; ++j) rp[j] = row_ptrs<F>(w, n + j);
+    const int64_t K = w.k;
+    for (int64_t k0 = 0; k0 < K; k0 += U) {
+      float* p = panel + k0 * NR;
+      for (int j = 0; j < NR; ++j) {
+        vec lo, hi;
+        decode<F>(rp[j], k0, lo, hi, bad);
+        V::store(p + j * U, lo);
+        V::store(p + j * U + W, hi);
+      }
+    }
+  }
+
+  // ... then run every block of MR rows over it, with the same per-(row, weight row) FMA sequence as fused_block.
+  template <int MR, int NR>
+  static void panel_block(const float* const* a, const float* panel, int64_t K, int64_t n, int64_t i0,
+                          const OutRows& out) {
+    const float* ap[MR];
+    for (int i = 0; i < MR; ++i) ap[i] = a[i0 + i];
+    vec acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = V::zero();
+    for (int64_t k0 = 0; k0 < K; k0 += U) {
+      const float* p = panel + k0 * NR;
+      for (int i = 0; i < MR; ++i) {
+        const vec alo = V::load(ap[i] + k0), ahi = V::load(ap[i] + k0 + W);
+        for (int j = 0; j < NR; ++j) {
+          acc[i][j] = V::fma(alo, V::load(p + j * U), acc[i][j]);
+          acc[i][j] = V::fma(ahi, V::load(p + j * U + W), acc[i][j]);
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) emit(out, i0 + i, n + j, V::reduce(acc[i][j]));
+  }
+
+  template <WeightFormat F, int MR>
+  static void fused_rows(const float* const* a, const ExpertWeight& w, int64_t n0, int64_t n1, const OutRows& out,
+                         uint32_t& bad) {
+    constexpr int NR = MR == 1 ? V::kFusedNR1 : V::kFusedNR;
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) fused_block<F, MR, NR>(a, w, n, out, bad);
+    for (; n < n1; ++n) fused_block<F, MR, 1>(a, w, n, out, bad);
+  }
+
+  template <int NR>
+  static void panel_rows(const float* const* a, int64_t m, const float* panel, int64_t K, int64_t n,
+                         const OutRows& out) {
+    constexpr int MR = V::kPanelMR;
+    int64_t i = 0;
+    for (; i + MR <= m; i += MR) panel_block<MR, NR>(a, panel, K, n, i, out);
+    switch (m - i) {  // MR <= 4
+      case 1: panel_block<1, NR>(a, panel, K, n, i, out); break;
+      case 2: panel_block<(MR > 2 ? 2 : 1), NR>(a, panel, K, n, i, out); break;
+      case 3: panel_block<(MR > 3 ? 3 : 1), NR>(a, panel, K, n, i, out); break;
+      default: break;
+    }
+  }
+
+  template <WeightFormat F>
+  static bool run_format(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+                         const OutRows& out, float* panel) {
+    uint32_t bad = 0;
+    if (m <= V::kFusedMaxRows) {
+      switch (m) {
+        case 1: fused_rows<F, 1>(a, w, n0, n1, out, bad); break;
+        case 2: fused_rows<F, (V::kFusedMaxRows >= 2 ? 2 : 1)>(a, w, n0, n1, out, bad); break;
+        case 3: fused_rows<F, (V::kFusedMaxRows >= 3 ? 3 : 1)>(a, w, n0, n1, out, bad); break;
+        case 4: fused_rows<F, (V::kFusedMaxRows >= 4 ? 4 : 1)>(a, w, n0, n1, out, bad); break;
+        default: break;
+      }
+      return bad == 0;
+    }
+    constexpr int NR = V::kPanelNR;
+    static_assert(NR <= kMaxPanelNR, "panel scratch is sized for kMaxPanelNR weight rows");
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) {
+      decode_panel<F, NR>(w, n, panel, bad);
+      panel_rows<NR>(a, m, panel, w.k, n, out);
+    }
+    for (; n < n1; ++n) {
+      decode_panel<F, 1>(w, n, panel, bad);
+      panel_rows<1>(a, m, panel, w.k, n, out);
+    }
+    return bad == 0;
+  }
+
+  static bool run(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+                  const OutRows& out, float* scratch) {
+    if (m <= 0 || n1 <= n0) return true;
+    switch (w.format) {
+      case WeightFormat::Bf16: return run_format<WeightFormat::Bf16>(a, m, w, n0, n1, out, scratch);
+      case WeightFormat::Fp8: return run_format<WeightFormat::Fp8>(a, m, w, n0, n1, out, scratch);
+      case WeightFormat::Fp4: return run_format<WeightFormat::Fp4>(a, m, w, n0, n1, out, scratch);
+    }
+    return true;
+  }
+};
+
+}  // namespace
+}  // namespace cpu
+}  // namespace static_moe

@@ -1,0 +1,230 @@
+// CPU binding of local_experts (SPEC §1.7, the fused step 2 of the forward): checks (csrc/checks/local_experts.h),
+// routing bookkeeping, then one OpenMP team over all experts:
+//
+//   routing   per local expert e, its rows in increasing order and their weights w = Σ (in slot order) of the
+//             row's top-k weights whose id is e's global id; rows / slots naming other ids are never read further
+//   prepare   every routed row of x -> float32 in the GEMM lane layout, once (OpenMP over rows)
+//   per expert e with rows, in increasing e (experts without rows: no work, no weight reads):
+//     thread t owns the intermediate columns [i0, i1) (whole 128-column groups) and hidden columns [h0, h1)
+//     GEMM1  gate rows [i0, i1) and up rows [I+i0, I+i1) of W13_e -> h_t = bf16 [m, gate | up]   (thread-local)
+//     SwiGLU + cast of h_t with w (kernel of csrc/cpu/kernels/swiglu_and_cast.h; an fp8 group never straddles
+//            threads, so scales are those of the whole row) -> z columns [i0, i1) -> float32 into zf[e % 2]
+//     barrier (GEMM2 needs every column of z)
+//     GEMM2  rows [h0, h1) of W2_e over zf[e % 2] -> acc[row, h0:h1] += float(bf16(d))
+//   zf is double-buffered, so one barrier per expert suffices: a thread can only write zf[e % 2] again (expert
+//   e + 2) after the barrier of e + 1, which every thread reaches only after its GEMM2 of e. Each acc column is
+//   owned by one thread for all experts, so the fp32 adds run in increasing expert order, as the reference.
+#include <ATen/ATen.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "checks/local_experts.h"
+#include "cpu/kernels/moe_gemm.h"
+#include "cpu/kernels/swiglu_and_cast.h"
+#include "cpu/moe_gemm_binding.h"
+
+namespace {
+
+using namespace static_moe;
+
+constexpr int64_t kInterTile = 128;   // intermediate columns per thread: whole fp8 groups (g <= 128)
+constexpr int64_t kHiddenTile = 64;   // hidden columns per thread: a multiple of every NR
+
+// Rows routed to each local expert, grouped by expert (CSR), and the routing weight of each.
+struct Routing {
+  std::vector<int64_t> begin;    // [L + 1]: expert e's entries are [begin[e], begin[e+1])
+  std::vector<int64_t> rows;     // x row of each entry, increasing within an expert
+  std::vector<float> weights;    // its routing weight
+  std::vector<int64_t> routed;   // rows routed to at least one local expert, increasing
+  std::vector<int64_t> slot_of;  // [R]: index of the row in `routed`, -1 if none
+  int64_t max_rows = 0;          // most rows of one expert
+};
+
+Routing route(const at::Tensor& topk_idx, const at::Tensor& topk_weights, int64_t expert_offset, int64_t L) {
+  const char* op = "local_experts";
+  const at::Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const at::Tensor wts = topk_weights.to(at::kFloat).contiguous();
+  const int64_t R = idx.size(0), k = idx.size(1);
+  const int64_t* ip = idx.const_data_ptr<int64_t>();
+  const float* wp = wts.const_data_ptr<float>();
+  for (int64_t i = 0; i < R * k; ++i) {
+    TORCH_CHECK_VALUE(ip[i] >= -1, op, ": topk_idx must hold global expert ids >= 0 or -1 (empty slot), got ", ip[i],
+                      " at [", i / k, ", ", i % k, "]");
+  }
+  Routing rt;
+  std::vector<int64_t> count(L + 1, 0);
+  std::vector<int64_t> first(static_cast<size_t>(R * k), 0);  // 1 where a slot is the row's first naming its id
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = ip[r * k + j] - expert_offset;
+      if (ip[r * k + j] < 0 || e < 0 || e >= L) continue;
+      bool seen = false;
+      for (int64_t jj = 0; jj < j; ++jj) seen = seen || ip[r * k + jj] == ip[r * k + j];
+      if (!seen) {
+        first[r * k + j] = 1;
+        ++count[e];
+      }
+    }
+  }
+  rt.begin.assign(L + 1, 0);
+  for (int64_t e = 0; e < L; ++e) rt.begin[e + 1] = rt.begin[e] + count[e];
+  rt.rows.resize(rt.begin[L]);
+  rt.weights.resize(rt.begin[L]);
+  rt.slot_of.assign(R, -1);
+  std::vector<int64_t> fill(rt.begin.begin(), rt.begin.end() - 1);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < k; ++j) {
+      if (!first[r * k + j]) continue;
+      const int64_t id = ip[r * k + j];
+      float w = 0.0f;  // the reference's slot-order sum: 0 + w_j0 + w_j1 + ... over the slots naming id
+      for (int64_t jj = j; jj < k; ++jj)
+        if (ip[r * k + jj] == id) w += wp[r * k + jj];
+      const int64_t at = fill[id - expert_offset]++;
+      rt.rows[at] = r;
+      rt.weights[at] = w;
+      if (rt.slot_of[r] < 0) {
+        rt.slot_of[r] = static_cast<int64_t>(rt.routed.size());
+        rt.routed.push_back(r);
+      }
+    }
+  }
+  for (int64_t e = 0; e < L; ++e) rt.max_rows = std::max(rt.max_rows, count[e]);
+  return rt;
+}
+
+// One definition per ISA (GCC function multi-versioning), as csrc/cpu/swiglu_and_cast.cpp does, with no FMA in
+// any clone so z is the same whichever runs.
+__attribute__((target_clones("avx2", "default"))) void swiglu_rows(const cpu::SwigluParams& p, float* scratch) {
+  cpu::swiglu_and_cast_rows(p, 0, p.rows, scratch);
+}
+
+at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor>& x_scale,
+                             const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& w13,
+                             const std::optional<at::Tensor>& w13_scale, const at::Tensor& w2,
+                             const std::optional<at::Tensor>& w2_scale, int64_t expert_offset,
+                             std::optional<double> swiglu_limit, double fp8_max) {
+  const char* op = "local_experts";
+  const checks::LocalExpertsShape sh = checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale,
+                                                                   w2, w2_scale, expert_offset, swiglu_limit, fp8_max);
+  checks::check_device_type(x, op, "x", c10::DeviceType::CPU);
+  const cpu::Isa isa = cpu::isa_for_call(op);
+  const int64_t R = sh.rows, H = sh.hidden, I = sh.inter, L = sh.num_local;
+  const Routing rt = route(topk_idx, topk_weights, expert_offset, L);
+
+  at::Tensor acc = at::zeros({R, H}, x.options().dtype(at::kFloat));
+  const int64_t n_routed = static_cast<int64_t>(rt.routed.size());
+  if (n_routed == 0) return acc;
+
+  const cpu::WeightTensors w13t = cpu::weight_tensors(w13, w13_scale, sh.weight, H);
+  const cpu::WeightTensors w2t = cpu::weight_tensors(w2, w2_scale, sh.weight, I);
+  const cpu::WeightFormat wf = w13t.format;
+  const bool fp8 = sh.act == checks::Format::FP8;
+  const cpu::ActFormat af = fp8 ? cpu::ActFormat::Fp8 : cpu::ActFormat::Bf16;
+  const int64_t group = fp8 ? sh.group : 128;
+
+  const at::Tensor x_c = x.stride(1) == 1 ? x : x.contiguous();
+  const at::Tensor xs_c = fp8 ? x_scale->contiguous() : at::Tensor();
+  const uint8_t* x_base = static_cast<const uint8_t*>(x_c.const_data_ptr());
+  const int64_t x_row_bytes = x_c.stride(0) * x_c.element_size();
+  float* acc_base = acc.mutable_data_ptr<float>();
+
+  const int64_t M = rt.max_rows;
+  std::vector<float> xf(static_cast<size_t>(n_routed * H));     // routed rows of x, prepared for W13
+  std::vector<float> zf(static_cast<size_t>(2 * M * I));        // z of the current / previous expert, for W2
+
+  const int nt = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), (H + kHiddenTile - 1) / kHiddenTile));
+  int bad13 = 0, bad2 = 0;
+#pragma omp parallel num_threads(nt) reduction(| : bad13, bad2)
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t i0, i1, h0, h1;
+    cpu::split_columns(I, kInterTile, t, T, &i0, &i1);
+    cpu::split_columns(H, kHiddenTile, t, T, &h0, &h1);
+    const int64_t It = i1 - i0;
+    const int64_t z_bytes = fp8 ? 1 : 2;
+    std::vector<uint16_t> h(static_cast<size_t>(M * 2 * It));               // bf16 [m, gate | up]
+    std::vector<uint8_t> z(static_cast<size_t>(M * It * z_bytes));          // z columns [i0, i1)
+    std::vector<float> zs(static_cast<size_t>(fp8 ? M * (It / group) : 0));  // their group scales
+    std::vector<float> v(static_cast<size_t>(It));                           // swiglu scratch
+    std::vector<float> scratch(cpu::gemm_scratch_floats(std::max(H, I)));
+    std::vector<const float*> a_rows(M);
+    std::vector<void*> out_rows(M);
+
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < n_routed; ++p) {
+      const int64_t r = rt.routed[p];
+      const float* srow = fp8 ? xs_c.const_data_ptr<float>() + r * xs_c.stride(0) : nullptr;
+      cpu::prepare_activation(isa, wf, af, x_base + r * x_row_bytes, srow, group, H, xf.data() + p * H);
+    }  // implicit barrier: xf complete
+
+    int par = 0;
+    for (int64_t e = 0; e < L; ++e) {
+      const int64_t b = rt.begin[e], m = rt.begin[e + 1] - b;
+      if (m == 0) continue;  // the same on every thread: the barrier count matches
+      float* zfe = zf.data() + par * M * I;
+      if (It > 0) {
+        const cpu::ExpertWeight w1 = cpu::expert_view(w13t, e);
+        for (int64_t i = 0; i < m; ++i) {
+          a_rows[i] = xf.data() + rt.slot_of[rt.rows[b + i]] * H;
+          out_rows[i] = h.data() + i * 2 * It;
+        }
+        cpu::OutRows o;
+        o.kind = cpu::OutKind::StoreBf16;
+        o.rows = out_rows.data();
+        o.col0 = i0;  // gate rows [i0, i1) -> h[i][0, It)
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w1, i0, i1, o, scratch.data())) bad13 = 1;
+        o.col0 = I + i0 - It;  // up rows [I+i0, I+i1) -> h[i][It, 2It)
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w1, I + i0, I + i1, o, scratch.data())) bad13 = 1;
+
+        cpu::SwigluParams sp;
+        sp.rows = m;
+        sp.inter = It;
+        sp.gate_up = h.data();
+        sp.gate_up_bf16 = true;
+        sp.gate_up_row_stride = 2 * It;
+        sp.row_weight = rt.weights.data() + b;
+        sp.has_limit = swiglu_limit.has_value();
+        sp.limit = sp.has_limit ? static_cast<float>(*swiglu_limit) : 0.0f;
+        sp.out_fp8 = fp8;
+        sp.group = group;
+        sp.fp8_max = static_cast<float>(fp8_max);
+        sp.pow2_scale = true;
+        sp.out = z.data();
+        sp.scale = fp8 ? zs.data() : nullptr;
+        swiglu_rows(sp, v.data());
+        for (int64_t i = 0; i < m; ++i) {
+          cpu::prepare_activation(isa, wf, af, z.data() + i * It * z_bytes, fp8 ? zs.data() + i * (It / group) : nullptr,
+                                  group, It, zfe + i * I + i0);
+        }
+      }
+#pragma omp barrier
+      if (h1 > h0) {
+        const cpu::ExpertWeight w2e = cpu::expert_view(w2t, e);
+        for (int64_t i = 0; i < m; ++i) {
+          a_rows[i] = zfe + i * I;
+          out_rows[i] = acc_base + rt.rows[b + i] * H;
+        }
+        cpu::OutRows o;
+        o.kind = cpu::OutKind::AddBf16ToF32;
+        o.rows = out_rows.data();
+        o.col0 = 0;
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w2e, h0, h1, o, scratch.data())) bad2 = 1;
+      }
+      par ^= 1;
+    }
+  }
+  TORCH_CHECK_VALUE(!bad13, op, ": w13_scale holds the UE8M0 NaN byte 255 in a routed expert; scale bytes must be "
+                    "0..254 (value 2^(b-127))");
+  TORCH_CHECK_VALUE(!bad2, op, ": w2_scale holds the UE8M0 NaN byte 255 in a routed expert; scale bytes must be "
+                    "0..254 (value 2^(b-127))");
+  return acc;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(static_moe, CPU, m) { m.impl("local_experts", &local_experts_cpu); }
