@@ -1,0 +1,211 @@
+"""The CUDA kernels' arithmetic, checked on the CPU (no GPU needed, only nvcc).
+
+csrc/cuda/numerics.cuh, swiglu_and_cast.cuh and the fragment / scale / epilogue code of moe_gemm.cuh are
+__host__ __device__. tests/cuda_host/emulate.cu runs them thread by thread on the CPU, with cp.async replaced by
+copies and mma.sync by an emulation written from the PTX fragment layouts (independent of the kernel code), and
+these tests compare the results with the reference ops at SPEC §2 tolerances — bit for bit for the conversions.
+What this cannot see: the GPU-only glue (pipeline waits, block scans, the route kernel); tests/gpu/ covers those.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from static_moe import formats, reference
+from static_moe.testing.generators import make_activations
+from static_moe.testing.numeric import assert_equal, assert_gemm_close, assert_swiglu_close
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def find_nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+NVCC = find_nvcc()
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cuda_host") / "emulate"
+    cmd = [NVCC, "-std=c++17", "-O2", "-arch=sm_80", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror",
+           "-I", str(ROOT / "csrc"), str(ROOT / "tests" / "cuda_host" / "emulate.cu"), "-o", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"building the emulator failed:\n{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
+    return out
+
+
+def run(emulator: Path, cmd: str, d: Path) -> None:
+    res = subprocess.run([str(emulator), cmd, str(d)], capture_output=True, text=True)
+    assert res.returncode == 0, f"emulate {cmd} failed ({res.returncode}): {res.stderr}"
+
+
+def write_meta(d: Path, **kv) -> None:
+    (d / "meta.txt").write_text("".join(f"{k} {float(v)!r}\n" for k, v in kv.items()))
+
+
+def tofile(d: Path, name: str, t: torch.Tensor | None) -> None:
+    data = b"" if t is None else t.contiguous().view(torch.uint8).numpy().tobytes()
+    (d / name).write_bytes(data)
+
+
+def fromfile(d: Path, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
+    raw = np.frombuffer((d / name).read_bytes(), dtype=np.uint8).copy()
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conversions, bit for bit
+# ---------------------------------------------------------------------------------------------------------------
+def test_conversions_bitwise(emulator, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    sweep = torch.cat([
+        torch.randn(20000, generator=g) * torch.exp2(torch.randint(-12, 10, (20000,), generator=g).float()),
+        torch.linspace(-448, 448, 9001),
+        # e4m3 rounding midpoints and their neighbours
+        (torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()[:126] * 1.0625),
+        torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 1e-30]),
+    ]).float()
+    tofile(tmp_path, "f32_in.bin", sweep)
+    run(emulator, "numerics", tmp_path)
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    # e4m3fn -> bf16: exact; NaN codes (0x7F, 0xFF) only need to stay NaN.
+    got = fromfile(tmp_path, "e4m3_bf16.bin", torch.bfloat16, (256,))
+    want = codes.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    nan = torch.isnan(want)
+    assert torch.isnan(got[nan]).all()
+    assert_equal(got[~nan], want[~nan], "e4m3 -> bf16")
+
+    # e2m1 -> bf16, all 16 codes, -0 included.
+    got = fromfile(tmp_path, "e2m1_bf16.bin", torch.bfloat16, (16,))
+    assert_equal(got, formats.e2m1_decode(torch.arange(16, dtype=torch.uint8)).to(torch.bfloat16), "e2m1 -> bf16")
+
+    # packed bytes -> bf16 pairs: element 0 is the low nibble.
+    got = fromfile(tmp_path, "fp4_bf16.bin", torch.bfloat16, (256, 2))
+    want = formats.e2m1_decode(formats.unpack_fp4(codes[:, None]))  # [256, 2]
+    assert_equal(got, want.to(torch.bfloat16), "fp4 bytes -> bf16")
+
+    # packed words -> e4m3 bytes holding value * 2^-6, in element order.
+    got = fromfile(tmp_path, "fp4_e4m3.bin", torch.uint8, (256, 8))
+    words = torch.stack([(codes.int() + i) % 256 for i in range(4)], dim=1).to(torch.uint8)  # [256, 4] bytes
+    vals = formats.e2m1_decode(formats.unpack_fp4(words))  # [256, 8]
+    assert_equal(got.view(torch.float8_e4m3fn).view(torch.uint8), (vals / 64).to(torch.float8_e4m3fn).view(torch.uint8),
+                 "fp4 -> e4m3 * 2^-6")
+
+    got = fromfile(tmp_path, "ue8m0.bin", torch.float32, (256,))
+    assert_equal(got[:255], formats.ue8m0_to_float(codes[:255]), "ue8m0")  # 255 (NaN) is rejected upstream
+
+    n = sweep.numel()
+    assert_equal(fromfile(tmp_path, "f32_e4m3.bin", torch.uint8, (n,)),
+                 sweep.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8), "float -> e4m3fn")
+    assert_equal(fromfile(tmp_path, "f32_bf16.bin", torch.bfloat16, (n,)), sweep.to(torch.bfloat16), "float -> bf16")
+    assert_equal(fromfile(tmp_path, "f32_pow2.bin", torch.float32, (n,))[sweep > 1e-30],
+                 formats.round_up_pow2(sweep[sweep > 1e-30]), "round_up_pow2")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert GEMM: the kernel's per-thread code over whole tiles
+# ---------------------------------------------------------------------------------------------------------------
+WFMT = {"bf16": 0, "fp8": 1, "fp4": 2}
+CASES = [  # (act, weight, group, fp8_mma)
+    ("bf16", "bf16", 0, False), ("bf16", "fp8", 0, False), ("bf16", "fp4", 0, False),
+    ("fp8", "fp8", 128, True), ("fp8", "fp8", 32, True), ("fp8", "fp8", 128, False), ("fp8", "fp8", 32, False),
+    ("fp8", "fp4", 128, True), ("fp8", "fp4", 32, True), ("fp8", "fp4", 128, False), ("fp8", "fp4", 32, False),
+]
+
+
+def gemm_case(emulator, tmp: Path, act, wf, group, fp8_mma, rows, n, k, mask, experts=3, expert=1, seed=0,
+              poison_masked=True):
+    a, a_s = make_activations(rows, k, act, group or 128, seed=seed)
+    w = torch.randn(experts, n, k, generator=torch.Generator().manual_seed(seed + 1)) / k**0.5
+    b, b_s = formats.quantize_weight(w, wf)
+    if poison_masked:  # masked rows are never read: fill them with NaN / 0xFF, which must not leak
+        a = a.clone()
+        a.view(torch.uint8)[~mask] = 0xFF
+        if a_s is not None:
+            a_s = a_s.clone()
+            a_s[~mask] = float("nan")
+    write_meta(tmp, rows=rows, k=k, n=n, experts=experts, expert=expert, group=group, wfmt=WFMT[wf],
+               fp8_mma=int(fp8_mma))
+    tofile(tmp, "a.bin", a)
+    tofile(tmp, "a_scale.bin", a_s)
+    tofile(tmp, "b.bin", formats.as_uint8(b) if wf == "fp4" else b)
+    tofile(tmp, "b_scale.bin", None if b_s is None else (formats.as_uint8(b_s) if wf == "fp4" else b_s))
+    tofile(tmp, "mask.bin", mask.to(torch.uint8))
+    run(emulator, "gemm", tmp)
+    out = fromfile(tmp, "d.bin", torch.bfloat16, (rows, n))
+    ref = reference.expert_gemm(a, a_s, b, b_s, mask, expert)
+    return out, ref
+
+
+@pytest.mark.parametrize("act,wf,group,fp8_mma", CASES,
+                         ids=[f"{a}x{w}-g{g}-{'e4m3mma' if m else 'bf16mma'}" for a, w, g, m in CASES])
+def test_gemm_tiles_match_reference(emulator, tmp_path, act, wf, group, fp8_mma):
+    rows, n, k = 45, 128, 256  # two m tiles (the second partial), two n tiles, two k stages
+    mask = torch.rand(rows, generator=torch.Generator().manual_seed(1)) < 0.8
+    out, ref = gemm_case(emulator, tmp_path, act, wf, group, fp8_mma, rows, n, k, mask)
+    assert_gemm_close(out.float(), ref.float(), f"{act}x{wf}")
+    assert_equal(out[~mask], torch.zeros_like(out[~mask]), "masked rows are exact zeros")
+
+
+@pytest.mark.parametrize("act,wf,group,fp8_mma", [("fp8", "fp4", 32, True), ("bf16", "fp8", 0, False)])
+def test_gemm_partial_n_tile(emulator, tmp_path, act, wf, group, fp8_mma):
+    rows, n, k = 9, 72, 128  # N not a multiple of the 64-wide tile: guarded weight rows and stores
+    mask = torch.ones(rows, dtype=torch.bool)
+    out, ref = gemm_case(emulator, tmp_path, act, wf, group, fp8_mma, rows, n, k, mask, poison_masked=False)
+    assert_gemm_close(out.float(), ref.float(), f"{act}x{wf} N=72")
+
+
+@pytest.mark.parametrize("act,wf,group,fp8_mma", [("fp8", "fp4", 128, True), ("bf16", "fp4", 0, False)])
+def test_gemm_batch_invariance(emulator, tmp_path, act, wf, group, fp8_mma):
+    """A row's bits do not depend on which other rows share its tile."""
+    rows, n, k = 40, 64, 256
+    full = torch.ones(rows, dtype=torch.bool)
+    out_all, _ = gemm_case(emulator, tmp_path, act, wf, group, fp8_mma, rows, n, k, full)
+    for r in (0, 17, 39):
+        alone = torch.zeros(rows, dtype=torch.bool)
+        alone[r] = True
+        out_one, _ = gemm_case(emulator, tmp_path, act, wf, group, fp8_mma, rows, n, k, alone, poison_masked=False)
+        assert_equal(out_one[r], out_all[r], f"row {r} alone vs with all rows")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# swiglu_and_cast: the kernel's row code
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("out_format,group", [("fp8", 128), ("fp8", 32), ("bf16", 128)])
+@pytest.mark.parametrize("limit", [None, 3.0])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_swiglu_rows_match_reference(emulator, tmp_path, out_format, group, limit, pow2):
+    if out_format == "bf16" and not pow2:
+        pytest.skip("pow2_scale only affects fp8 output")
+    g = torch.Generator().manual_seed(3)
+    rows, inter = 7, 256
+    gu = torch.randn(rows, 2 * inter, generator=g) * 3
+    gu[2] = 0.0  # an all-zero row: floor scale
+    w = torch.rand(rows, generator=g)
+    w[4] = 0.0  # weight 0: zeros and the floor scale
+    write_meta(tmp_path, rows=rows, inter=inter, out_fp8=int(out_format == "fp8"), has_limit=int(limit is not None),
+               limit=limit or 0.0, has_weight=1, pow2=int(pow2), group=group, fp8_max=448.0)
+    tofile(tmp_path, "gate_up.bin", gu)
+    tofile(tmp_path, "weight.bin", w)
+    run(emulator, "swiglu", tmp_path)
+    ref = reference.swiglu_and_cast(gu, w, limit, out_format, group, 448.0, pow2)
+    if out_format == "fp8":
+        q = fromfile(tmp_path, "q.bin", torch.float8_e4m3fn, (rows, inter))
+        s = fromfile(tmp_path, "s.bin", torch.float32, (rows, inter // group))
+    else:
+        q = fromfile(tmp_path, "q.bin", torch.bfloat16, (rows, inter))
+        s = torch.empty(rows, 0)
+    assert_swiglu_close((q, s), ref, f"swiglu {out_format} g{group}")
