@@ -89,8 +89,12 @@ def _launch(name: str, args: tuple, device: bool, **flags):
 
 
 def _e4m3fn_native() -> bool:
-    return shim.nisa.get_nc_version() == shim.nisa.nc_version.gen4 if not shim.real_nki_available() else \
-        os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2").lower() in ("trn3", "gen4")
+    """Whether the target has OCP e4m3fn on chip (trn3 / NeuronCore-v4)."""
+    if shim.real_nki_available():
+        return os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2").lower() in ("trn3", "gen4")
+    from .interpreter import get_target
+
+    return get_target().name == "trn3"
 
 
 def expert_gemm(a, a_scale, b, b_scale, row_mask, expert, *, skip_unrouted: bool = True):
