@@ -152,7 +152,8 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = MIN_REPEAT,
     repeat = max(MIN_REPEAT, repeat)
     result = fn()
     last = 0.0
-    for _ in range(max(warmup - 1, 1)):  # with warmup=1 this calibrates on a warm call
+    # Further warm-ups; a warm call's time sets the calls per sample (cold samples are single calls: no need).
+    for _ in range(max(warmup - 1, 0 if cold else 1)):
         t0 = time.perf_counter()
         fn()
         last = time.perf_counter() - t0
