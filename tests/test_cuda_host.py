@@ -209,3 +209,54 @@ def test_swiglu_rows_match_reference(emulator, tmp_path, out_format, group, limi
         q = fromfile(tmp_path, "q.bin", torch.bfloat16, (rows, inter))
         s = torch.empty(rows, 0)
     assert_swiglu_close((q, s), ref, f"swiglu {out_format} g{group}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# local_experts: route, GEMM1, swiglu, GEMM2 and combine over the workspace, wired as the launcher wires them
+# ---------------------------------------------------------------------------------------------------------------
+LE_CASES = [  # (act, weight, group, fp8_mma, index dtype, weight dtype)
+    ("bf16", "bf16", 0, False, torch.int32, torch.float32),
+    ("bf16", "fp8", 0, False, torch.int64, torch.bfloat16),
+    ("bf16", "fp4", 0, False, torch.int32, torch.float32),
+    ("fp8", "fp8", 128, True, torch.int32, torch.float32),
+    ("fp8", "fp4", 32, True, torch.int64, torch.float32),
+    ("fp8", "fp4", 128, False, torch.int32, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("act,wf,group,fp8_mma,idx_dtype,w_dtype", LE_CASES,
+                         ids=[f"{c[0]}x{c[1]}-g{c[2]}-{'e4m3mma' if c[3] else 'bf16mma'}" for c in LE_CASES])
+def test_local_experts_pipeline_matches_reference(emulator, tmp_path, act, wf, group, fp8_mma, idx_dtype, w_dtype):
+    g = torch.Generator().manual_seed(7)
+    rows, hidden, inter, num_local, num_experts, topk, offset = 48, 128, 128, 4, 12, 4, 4
+    x, x_s = make_activations(rows, hidden, act, group or 128, seed=5)
+    idx = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(rows)])
+    idx[:40][torch.rand(40, topk, generator=g) < 0.5] = offset + 1  # a hot expert: more than one 32-row tile
+    idx[3, 1] = idx[3, 0]  # a duplicate id in a row: weights summed
+    idx[5, 2] = -1  # an empty slot
+    wts = torch.softmax(torch.randn(rows, topk, generator=g), dim=-1)
+    idx[-4:] = -1  # padded rows: ids -1 (0xFF bytes), weights NaN — must select nothing
+    wts[-4:] = float("nan")
+    if x_s is not None:
+        x_s[-4:] = float("nan")
+    w13 = torch.randn(num_local, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_local, hidden, inter, generator=g) / inter**0.5
+    w13_q, w13_s = formats.quantize_weight(w13, wf)
+    w2_q, w2_s = formats.quantize_weight(w2, wf)
+    idx, wts = idx.to(idx_dtype), wts.to(w_dtype)
+    limit = 4.0
+    write_meta(tmp_path, rows=rows, topk=topk, offset=offset, num_local=num_local, hidden=hidden, inter=inter,
+               group=group, wfmt=WFMT[wf], idx_int64=int(idx_dtype == torch.int64),
+               weights_bf16=int(w_dtype == torch.bfloat16), has_limit=1, limit=limit, fp8_max=448.0,
+               fp8_mma=int(fp8_mma))
+    tofile(tmp_path, "x.bin", x)
+    tofile(tmp_path, "x_scale.bin", x_s)
+    tofile(tmp_path, "idx.bin", idx)
+    tofile(tmp_path, "weights.bin", wts)
+    for name, t in (("w13", w13_q), ("w13_scale", w13_s), ("w2", w2_q), ("w2_scale", w2_s)):
+        tofile(tmp_path, f"{name}.bin", None if t is None else formats.as_uint8(t) if t.element_size() == 1 else t)
+    run(emulator, "local_experts", tmp_path)
+    out = fromfile(tmp_path, "out.bin", torch.float32, (rows, hidden))
+    ref = reference.local_experts(x, x_s, idx, wts, w13_q, w13_s, w2_q, w2_s, offset, limit, 448.0)
+    assert_gemm_close(out, ref, f"local_experts {act}x{wf}")
+    assert_equal(out[-4:], torch.zeros_like(out[-4:]), "padded rows are exact zeros")

@@ -11,6 +11,8 @@
 //                            emulates the expert GEMM in mask mode, writes d.bin (bf16 [R, N])
 //   emulate swiglu <dir>     reads meta.txt + gate_up.bin (fp32 [R, 2I]) and weight.bin (fp32 [R]), runs the
 //                            swiglu_and_cast row code, writes q.bin and s.bin
+//   emulate local_experts <dir>  reads meta.txt + x, x_scale, idx, weights, w13(_scale), w2(_scale) .bin, runs
+//                            route, GEMM1, swiglu, GEMM2, combine over a workspace, writes out.bin (fp32 [R, H])
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -21,6 +23,9 @@
 #include <string>
 #include <vector>
 
+#include <algorithm>
+
+#include "cuda/local_experts.cuh"
 #include "cuda/moe_gemm.cuh"
 #include "cuda/numerics.cuh"
 #include "cuda/swiglu_and_cast.cuh"
@@ -112,62 +117,59 @@ void warp_mma(bool e4m3, float (*d)[4], const uint32_t (*a)[4], const uint32_t (
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The expert GEMM, mask mode: the kernel's tile loop with one thread block emulated thread by thread.
+// The expert GEMM: the kernel's tile loop (moe_gemm_kernel) with each thread block emulated thread by thread, in
+// mask mode or list mode as the arguments say. Only the block-wide glue (row scans, waits, barriers) is rewritten.
 // ---------------------------------------------------------------------------------------------------------------
-struct GemmProblem {
-  int64_t rows = 0, k = 0, n = 0, experts = 0, expert = 0;
-  int group = 0;
-  std::vector<uint8_t> a, a_scale, b, b_scale, mask;
-};
-
 template <WeightFmt W, int G, bool kFp8Mma>
-std::vector<uint16_t> run_gemm(const GemmProblem& pr) {
+void emulate_gemm_cfg(const MoeGemmArgs& p) {
   using C = gemm::Cfg<W, G>;
   using gemm::kBM;
   using gemm::kBN;
   using gemm::kNT;
-  MoeGemmArgs p;
-  p.a = pr.a.data();
-  p.a_row_stride = pr.k;
-  p.a_group = G;
-  p.a_scale = G ? reinterpret_cast<const float*>(pr.a_scale.data()) : nullptr;
-  p.a_scale_row_stride = G ? pr.k / G : 0;
-  p.b_fmt = W;
-  p.b = pr.b.data();
-  const int64_t row_bytes = W == WeightFmt::kBf16 ? 2 * pr.k : (W == WeightFmt::kFp8 ? pr.k : pr.k / 2);
-  p.b_row_stride = row_bytes;
-  p.b_expert_stride = row_bytes * pr.n;
-  p.b_scale = pr.b_scale.data();
-  p.b_scale_row_stride = W == WeightFmt::kFp8 ? pr.k / 128 : pr.k / 32;
-  p.b_scale_expert_stride = p.b_scale_row_stride * pr.n;
-  p.n = pr.n;
-  p.k = pr.k;
-  p.row_mask = pr.mask.data();
-  p.rows = pr.rows;
-  p.expert = pr.expert;
-  std::vector<uint16_t> d(static_cast<size_t>(pr.rows * pr.n), 0);
-  std::vector<int> active;
-  for (int64_t r = 0; r < pr.rows; ++r)
-    if (pr.mask[r]) active.push_back(static_cast<int>(r));
+  struct Tile {
+    int expert, count;
+    int a_rows[kBM], d_rows[kBM];
+  };
+  std::vector<Tile> tiles;
+  if (p.row_mask != nullptr) {
+    std::vector<int> active;
+    for (int64_t r = 0; r < p.rows; ++r) {
+      if (p.row_mask[r]) active.push_back(static_cast<int>(r));
+      else std::memset(static_cast<uint16_t*>(p.d) + r * p.d_row_stride, 0, p.n * 2);
+    }
+    for (size_t m0 = 0; m0 < active.size(); m0 += kBM) {
+      Tile t{static_cast<int>(p.expert), static_cast<int>(std::min<size_t>(kBM, active.size() - m0)), {}, {}};
+      for (int i = 0; i < t.count; ++i) t.a_rows[i] = t.d_rows[i] = active[m0 + i];
+      tiles.push_back(t);
+    }
+  } else {
+    const int n = std::min<int64_t>(*p.num_tiles, p.max_tiles);
+    for (int mt = 0; mt < n; ++mt) {
+      const GemmTile g = p.tiles[mt];
+      Tile t{g.expert, g.count, {}, {}};
+      for (int i = 0; i < g.count; ++i) {
+        t.a_rows[i] = p.row_index ? p.row_index[g.start + i] : g.start + i;
+        t.d_rows[i] = g.start + i;
+      }
+      tiles.push_back(t);
+    }
+  }
 
-  std::vector<uint8_t> stage(static_cast<size_t>(C::kSmemBytes), 0xAB);  // poison: the loaders must fill it all
-  const uint8_t* b_e = static_cast<const uint8_t*>(p.b) + pr.expert * p.b_expert_stride;
-  const uint8_t* bs_e = nullptr;
-  if (W == WeightFmt::kFp8) bs_e = pr.b_scale.data() + pr.expert * p.b_scale_expert_stride * 4;
-  if (W == WeightFmt::kFp4) bs_e = pr.b_scale.data() + pr.expert * p.b_scale_expert_stride;
-  const int num_kb = static_cast<int>(pr.k / gemm::kBK);
-
-  for (size_t m0 = 0; m0 < active.size(); m0 += kBM) {
-    const int count = static_cast<int>(std::min<size_t>(kBM, active.size() - m0));
-    int rows[kBM] = {};
-    for (int i = 0; i < count; ++i) rows[i] = active[m0 + i];
-    const int nt_active = (count + 7) / 8;
-    for (int64_t n0 = 0; n0 < pr.n; n0 += kBN) {
+  std::vector<uint8_t> stage(static_cast<size_t>(C::kSmemBytes));
+  const int num_kb = static_cast<int>(p.k / gemm::kBK);
+  for (const Tile& tl : tiles) {
+    const uint8_t* b_e = static_cast<const uint8_t*>(p.b) + tl.expert * p.b_expert_stride;
+    const uint8_t* bs_e = nullptr;
+    if (W == WeightFmt::kFp8) bs_e = static_cast<const uint8_t*>(p.b_scale) + tl.expert * p.b_scale_expert_stride * 4;
+    if (W == WeightFmt::kFp4) bs_e = static_cast<const uint8_t*>(p.b_scale) + tl.expert * p.b_scale_expert_stride;
+    const int nt_active = (tl.count + 7) / 8;
+    for (int64_t n0 = 0; n0 < p.n; n0 += kBN) {
       static float acc[gemm::kWarps][32][kNT][4], part[gemm::kWarps][32][kNT][4];
       std::memset(acc, 0, sizeof acc);
       std::memset(part, 0, sizeof part);
       for (int kb = 0; kb < num_kb; ++kb) {
-        gemm::load_stage<C>(stage.data(), p, b_e, bs_e, static_cast<int>(n0), rows, count, kb, 0, 1);
+        std::memset(stage.data(), 0xAB, stage.size());  // poison: the loaders must fill what is read
+        gemm::load_stage<C>(stage.data(), p, b_e, bs_e, static_cast<int>(n0), tl.a_rows, tl.count, kb, 0, 1);
         for (int j = 0; j < gemm::kSubs; ++j) {
           for (int w = 0; w < gemm::kWarps; ++w) {
             uint32_t wf[32][2][4];
@@ -198,43 +200,65 @@ std::vector<uint16_t> run_gemm(const GemmProblem& pr) {
       }
       for (int w = 0; w < gemm::kWarps; ++w)
         for (int lane = 0; lane < 32; ++lane) gemm::store_acc<C>(stage.data(), 16 * w + lane / 4, lane % 4, acc[w][lane]);
-      for (int i = 0; i < count; ++i)
-        for (int64_t c = 0; c < kBN && n0 + c < pr.n; ++c)
-          std::memcpy(&d[rows[i] * pr.n + n0 + c], stage.data() + i * C::kOutStride + c * 2, 2);
+      for (int i = 0; i < tl.count; ++i)
+        for (int64_t c = 0; c < kBN && n0 + c < p.n; ++c)
+          std::memcpy(static_cast<uint16_t*>(p.d) + tl.d_rows[i] * p.d_row_stride + n0 + c,
+                      stage.data() + i * C::kOutStride + c * 2, 2);
     }
   }
-  return d;
+}
+
+void emulate_gemm(const MoeGemmArgs& p, bool fp8_mma) {
+  const int g = p.a_group;
+  switch (p.b_fmt) {
+    case WeightFmt::kBf16:
+      return emulate_gemm_cfg<WeightFmt::kBf16, 0, false>(p);
+    case WeightFmt::kFp8:
+      if (g == 0) return emulate_gemm_cfg<WeightFmt::kFp8, 0, false>(p);
+      if (g == 32) return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp8, 32, true>(p) : emulate_gemm_cfg<WeightFmt::kFp8, 32, false>(p);
+      return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp8, 128, true>(p) : emulate_gemm_cfg<WeightFmt::kFp8, 128, false>(p);
+    case WeightFmt::kFp4:
+      if (g == 0) return emulate_gemm_cfg<WeightFmt::kFp4, 0, false>(p);
+      if (g == 32) return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp4, 32, true>(p) : emulate_gemm_cfg<WeightFmt::kFp4, 32, false>(p);
+      return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp4, 128, true>(p) : emulate_gemm_cfg<WeightFmt::kFp4, 128, false>(p);
+  }
+}
+
+// Weight arguments of MoeGemmArgs for contiguous [L, N, K] weights (fp4: K/2 bytes per row) and scales.
+void set_weights(MoeGemmArgs& p, WeightFmt f, const uint8_t* b, const uint8_t* bs, int64_t n, int64_t k) {
+  p.b_fmt = f;
+  p.b = b;
+  p.b_row_stride = f == WeightFmt::kBf16 ? 2 * k : (f == WeightFmt::kFp8 ? k : k / 2);
+  p.b_expert_stride = p.b_row_stride * n;
+  p.b_scale = bs;
+  p.b_scale_row_stride = f == WeightFmt::kFp8 ? k / 128 : k / 32;
+  p.b_scale_expert_stride = p.b_scale_row_stride * n;
 }
 
 int cmd_gemm(const std::string& dir) {
   auto meta = read_meta(dir);
-  GemmProblem pr;
-  pr.rows = static_cast<int64_t>(meta["rows"]);
-  pr.k = static_cast<int64_t>(meta["k"]);
-  pr.n = static_cast<int64_t>(meta["n"]);
-  pr.experts = static_cast<int64_t>(meta["experts"]);
-  pr.expert = static_cast<int64_t>(meta["expert"]);
-  pr.group = static_cast<int>(meta["group"]);
-  const int wfmt = static_cast<int>(meta["wfmt"]);
-  const bool fp8_mma = meta["fp8_mma"] != 0;
-  pr.a = read_file(dir + "/a.bin");
-  pr.a_scale = read_file(dir + "/a_scale.bin");
-  pr.b = read_file(dir + "/b.bin");
-  pr.b_scale = read_file(dir + "/b_scale.bin");
-  pr.mask = read_file(dir + "/mask.bin");
-  std::vector<uint16_t> d;
-  const int g = pr.group;
-  if (wfmt == 0) d = run_gemm<WeightFmt::kBf16, 0, false>(pr);
-  else if (wfmt == 1 && g == 0) d = run_gemm<WeightFmt::kFp8, 0, false>(pr);
-  else if (wfmt == 2 && g == 0) d = run_gemm<WeightFmt::kFp4, 0, false>(pr);
-  else if (wfmt == 1 && g == 32) d = fp8_mma ? run_gemm<WeightFmt::kFp8, 32, true>(pr) : run_gemm<WeightFmt::kFp8, 32, false>(pr);
-  else if (wfmt == 1 && g == 128) d = fp8_mma ? run_gemm<WeightFmt::kFp8, 128, true>(pr) : run_gemm<WeightFmt::kFp8, 128, false>(pr);
-  else if (wfmt == 2 && g == 32) d = fp8_mma ? run_gemm<WeightFmt::kFp4, 32, true>(pr) : run_gemm<WeightFmt::kFp4, 32, false>(pr);
-  else if (wfmt == 2 && g == 128) d = fp8_mma ? run_gemm<WeightFmt::kFp4, 128, true>(pr) : run_gemm<WeightFmt::kFp4, 128, false>(pr);
-  else {
-    std::fprintf(stderr, "bad format pair wfmt=%d group=%d\n", wfmt, g);
-    return 3;
-  }
+  const int64_t rows = static_cast<int64_t>(meta["rows"]), k = static_cast<int64_t>(meta["k"]);
+  const int64_t n = static_cast<int64_t>(meta["n"]);
+  const int group = static_cast<int>(meta["group"]);
+  const std::vector<uint8_t> a = read_file(dir + "/a.bin"), as = read_file(dir + "/a_scale.bin");
+  const std::vector<uint8_t> b = read_file(dir + "/b.bin"), bs = read_file(dir + "/b_scale.bin");
+  const std::vector<uint8_t> mask = read_file(dir + "/mask.bin");
+  std::vector<uint16_t> d(static_cast<size_t>(rows * n), 0x7FC0);  // NaN: every row must be written
+  MoeGemmArgs p;
+  p.a = a.data();
+  p.a_row_stride = k;
+  p.a_group = group;
+  p.a_scale = group ? reinterpret_cast<const float*>(as.data()) : nullptr;
+  p.a_scale_row_stride = group ? k / group : 0;
+  set_weights(p, static_cast<WeightFmt>(static_cast<int>(meta["wfmt"])), b.data(), bs.data(), n, k);
+  p.n = n;
+  p.k = k;
+  p.d = d.data();
+  p.d_row_stride = n;
+  p.row_mask = mask.data();
+  p.rows = rows;
+  p.expert = static_cast<int64_t>(meta["expert"]);
+  emulate_gemm(p, meta["fp8_mma"] != 0);
   write_file(dir + "/d.bin", d.data(), d.size() * 2);
   return 0;
 }
@@ -302,54 +326,183 @@ int cmd_numerics(const std::string& dir) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// swiglu_and_cast: the kernel's per-lane row code, emulated with 32 lanes per warp.
+// swiglu_and_cast: the kernel's unit loop (swiglu_kernel) with 32 lanes per warp, over SwigluArgs.
 // ---------------------------------------------------------------------------------------------------------------
-int cmd_swiglu(const std::string& dir) {
-  auto meta = read_meta(dir);
-  const int64_t rows = static_cast<int64_t>(meta["rows"]), inter = static_cast<int64_t>(meta["inter"]);
-  const bool out_fp8 = meta["out_fp8"] != 0, has_limit = meta["has_limit"] != 0, has_weight = meta["has_weight"] != 0;
-  const bool pow2 = meta["pow2"] != 0;
-  const int group = static_cast<int>(meta["group"]);
-  const float limit = static_cast<float>(meta["limit"]), fp8_max = static_cast<float>(meta["fp8_max"]);
-  const std::vector<uint8_t> gu = read_file(dir + "/gate_up.bin"), wt = read_file(dir + "/weight.bin");
-  const float* g = reinterpret_cast<const float*>(gu.data());
-  const float* w = has_weight ? reinterpret_cast<const float*>(wt.data()) : nullptr;
-  std::vector<uint8_t> q(static_cast<size_t>(rows * inter * (out_fp8 ? 1 : 2)));
-  std::vector<float> s(static_cast<size_t>(out_fp8 ? rows * (inter / group) : 0));
-  const int chunk = out_fp8 ? group : 128;
+void emulate_swiglu(const SwigluArgs& a) {
+  const int epl = (!a.out_fp8 || a.group == 128) ? 4 : 1;
+  const int64_t chunk = 32 * epl;
+  const int64_t rows = a.rows_dev ? std::min<int64_t>(a.rows, *a.rows_dev) : a.rows;
   for (int64_t r = 0; r < rows; ++r) {
-    const float rw = w ? w[r] : 1.0f;
-    for (int64_t c0 = 0; c0 < inter; c0 += chunk) {
-      // lanes: each holds elements c0 + lane + 32 e
-      const int epl = chunk / 32;
+    float w = 1.0f;
+    if (a.row_weight)
+      w = a.row_weight_bf16 ? bf16_bits_to_float(static_cast<const uint16_t*>(a.row_weight)[r])
+                            : static_cast<const float*>(a.row_weight)[r];
+    for (int64_t c0 = 0; c0 < a.inter; c0 += chunk) {
       float v[32][4] = {};
       uint32_t m = 0;
       for (int lane = 0; lane < 32; ++lane)
         for (int e = 0; e < epl; ++e) {
           const int64_t col = c0 + lane + 32 * e;
-          if (col >= inter) continue;
-          v[lane][e] = swiglu_value(g[r * 2 * inter + col], g[r * 2 * inter + inter + col], rw, has_limit, limit);
-          const uint32_t a = f32_bits(v[lane][e]) & 0x7FFFFFFFu;
-          m = a > m ? a : m;
+          if (col >= a.inter) continue;
+          const int64_t i0 = r * a.gate_up_row_stride + col, i1 = i0 + a.inter;
+          float g, u;
+          if (a.gate_up_bf16) {
+            g = bf16_bits_to_float(static_cast<const uint16_t*>(a.gate_up)[i0]);
+            u = bf16_bits_to_float(static_cast<const uint16_t*>(a.gate_up)[i1]);
+          } else {
+            g = static_cast<const float*>(a.gate_up)[i0];
+            u = static_cast<const float*>(a.gate_up)[i1];
+          }
+          v[lane][e] = swiglu_value(g, u, w, a.has_limit, a.limit);
+          const uint32_t bits = f32_bits(v[lane][e]) & 0x7FFFFFFFu;
+          m = bits > m ? bits : m;
         }
-      if (!out_fp8) {
+      if (!a.out_fp8) {
         for (int lane = 0; lane < 32; ++lane)
           for (int e = 0; e < epl; ++e) {
             const int64_t col = c0 + lane + 32 * e;
-            if (col >= inter) continue;
-            const uint16_t b = float_to_bf16_bits(v[lane][e]);
-            std::memcpy(q.data() + 2 * (r * inter + col), &b, 2);
+            if (col < a.inter) static_cast<uint16_t*>(a.out)[r * a.out_row_stride + col] = float_to_bf16_bits(v[lane][e]);
           }
         continue;
       }
-      const float sc = group_scale(m, fp8_max, pow2);
-      s[r * (inter / group) + c0 / group] = sc;
+      const float sc = group_scale(m, a.fp8_max, a.pow2_scale);
+      a.scale[r * a.scale_row_stride + c0 / chunk] = sc;
       for (int lane = 0; lane < 32; ++lane)
-        for (int e = 0; e < epl; ++e) q[r * inter + c0 + lane + 32 * e] = quantize_e4m3(v[lane][e], sc, fp8_max);
+        for (int e = 0; e < epl; ++e)
+          static_cast<uint8_t*>(a.out)[r * a.out_row_stride + c0 + lane + 32 * e] = quantize_e4m3(v[lane][e], sc, a.fp8_max);
     }
   }
+}
+
+int cmd_swiglu(const std::string& dir) {
+  auto meta = read_meta(dir);
+  const int64_t rows = static_cast<int64_t>(meta["rows"]), inter = static_cast<int64_t>(meta["inter"]);
+  const std::vector<uint8_t> gu = read_file(dir + "/gate_up.bin"), wt = read_file(dir + "/weight.bin");
+  SwigluArgs a;
+  a.gate_up = gu.data();
+  a.gate_up_bf16 = false;
+  a.gate_up_row_stride = 2 * inter;
+  a.rows = rows;
+  a.inter = inter;
+  a.row_weight = meta["has_weight"] != 0 ? wt.data() : nullptr;
+  a.has_limit = meta["has_limit"] != 0;
+  a.limit = static_cast<float>(meta["limit"]);
+  a.out_fp8 = meta["out_fp8"] != 0;
+  a.group = static_cast<int>(meta["group"]);
+  a.fp8_max = static_cast<float>(meta["fp8_max"]);
+  a.pow2_scale = meta["pow2"] != 0;
+  std::vector<uint8_t> q(static_cast<size_t>(rows * inter * (a.out_fp8 ? 1 : 2)));
+  std::vector<float> s(static_cast<size_t>(a.out_fp8 ? rows * (inter / a.group) : 0));
+  a.out = q.data();
+  a.out_row_stride = inter;
+  a.scale = s.data();
+  a.scale_row_stride = a.out_fp8 ? inter / a.group : 0;
+  emulate_swiglu(a);
   write_file(dir + "/q.bin", q.data(), q.size());
   write_file(dir + "/s.bin", s.data(), s.size() * 4);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// local_experts: the five stages over a workspace laid out by local_experts_layout, wired by the same le_*_args
+// helpers as the launcher. The route's block-wide glue is rewritten sequentially (one valid pair order).
+// ---------------------------------------------------------------------------------------------------------------
+template <typename IdxT, bool kBf16W>
+void emulate_route(const RouteArgs& r) {
+  for (int64_t e = 0; e < r.num_local; ++e) r.cursor[e] = 0;
+  for (int64_t row = 0; row < r.rows; ++row)
+    for (int64_t j = 0; j < r.topk; ++j) {
+      int64_t id;
+      const int64_t e = first_local_expert<IdxT>(r, row, j, &id);
+      if (e >= 0) ++r.cursor[e];
+    }
+  int p0 = 0, t0 = 0;
+  for (int64_t e = 0; e < r.num_local; ++e) {
+    const int c = r.cursor[e];
+    t0 += write_expert_tiles(r.tiles, t0, static_cast<int>(e), p0, c);
+    r.cursor[e] = p0;
+    p0 += c;
+  }
+  r.counters[0] = p0;
+  r.counters[1] = t0;
+  for (int64_t row = 0; row < r.rows; ++row)
+    for (int64_t j = 0; j < r.topk; ++j) {
+      int64_t id;
+      const int64_t e = first_local_expert<IdxT>(r, row, j, &id);
+      int pos = -1;
+      if (e >= 0) {
+        pos = r.cursor[e]++;
+        r.pair_row[pos] = static_cast<int>(row);
+        r.pair_w[pos] = routed_weight<IdxT, kBf16W>(r, row, j, id);
+      }
+      r.slot_pos[row * r.topk + j] = pos;
+      r.slot_e[row * r.topk + j] = static_cast<int>(e);
+    }
+}
+
+int cmd_local_experts(const std::string& dir) {
+  auto meta = read_meta(dir);
+  LocalExpertsArgs a;
+  a.rows = static_cast<int64_t>(meta["rows"]);
+  a.topk = static_cast<int64_t>(meta["topk"]);
+  a.expert_offset = static_cast<int64_t>(meta["offset"]);
+  a.num_local = static_cast<int64_t>(meta["num_local"]);
+  a.hidden = static_cast<int64_t>(meta["hidden"]);
+  a.inter = static_cast<int64_t>(meta["inter"]);
+  a.x_group = static_cast<int>(meta["group"]);
+  a.w_fmt = static_cast<WeightFmt>(static_cast<int>(meta["wfmt"]));
+  a.idx_int64 = meta["idx_int64"] != 0;
+  a.has_limit = meta["has_limit"] != 0;
+  a.limit = static_cast<float>(meta["limit"]);
+  a.fp8_max = static_cast<float>(meta["fp8_max"]);
+  const bool fp8_mma = meta["fp8_mma"] != 0;
+  const std::vector<uint8_t> x = read_file(dir + "/x.bin"), xs = read_file(dir + "/x_scale.bin");
+  const std::vector<uint8_t> idx = read_file(dir + "/idx.bin"), wts = read_file(dir + "/weights.bin");
+  const std::vector<uint8_t> w13 = read_file(dir + "/w13.bin"), w13s = read_file(dir + "/w13_scale.bin");
+  const std::vector<uint8_t> w2 = read_file(dir + "/w2.bin"), w2s = read_file(dir + "/w2_scale.bin");
+  a.x = x.data();
+  a.x_row_stride = a.hidden;
+  a.x_scale = a.x_group ? reinterpret_cast<const float*>(xs.data()) : nullptr;
+  a.x_scale_row_stride = a.x_group ? a.hidden / a.x_group : 0;
+  a.topk_idx = idx.data();
+  a.idx_row_stride = a.topk;
+  a.topk_weights = wts.data();
+  a.weights_row_stride = a.topk;
+  MoeGemmArgs w;
+  set_weights(w, a.w_fmt, w13.data(), w13s.data(), 2 * a.inter, a.hidden);
+  a.w13 = w.b;
+  a.w13_expert_stride = w.b_expert_stride;
+  a.w13_row_stride = w.b_row_stride;
+  a.w13_scale = w.b_scale;
+  a.w13_scale_expert_stride = w.b_scale_expert_stride;
+  a.w13_scale_row_stride = w.b_scale_row_stride;
+  set_weights(w, a.w_fmt, w2.data(), w2s.data(), a.hidden, a.inter);
+  a.w2 = w.b;
+  a.w2_expert_stride = w.b_expert_stride;
+  a.w2_row_stride = w.b_row_stride;
+  a.w2_scale = w.b_scale;
+  a.w2_scale_expert_stride = w.b_scale_expert_stride;
+  a.w2_scale_row_stride = w.b_scale_row_stride;
+  std::vector<float> out(static_cast<size_t>(a.rows * a.hidden), NAN);
+  a.out = out.data();
+
+  const LocalExpertsLayout l = local_experts_layout(a.rows, a.topk, a.num_local, a.hidden, a.inter, a.x_group);
+  std::vector<uint8_t> ws(static_cast<size_t>(l.bytes), 0xCD);  // poison
+  const RouteArgs r = le_route_args(a, l, ws.data());
+  a.weights_bf16 = meta["weights_bf16"] != 0;
+  if (a.idx_int64) a.weights_bf16 ? emulate_route<int64_t, true>(r) : emulate_route<int64_t, false>(r);
+  else a.weights_bf16 ? emulate_route<int32_t, true>(r) : emulate_route<int32_t, false>(r);
+  emulate_gemm(le_gemm1_args(a, l, ws.data()), fp8_mma);
+  emulate_swiglu(le_swiglu_args(a, l, ws.data()));
+  emulate_gemm(le_gemm2_args(a, l, ws.data()), fp8_mma);
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(ws.data() + l.hd);
+  for (int64_t row = 0; row < a.rows; ++row)
+    for (int64_t col = 0; col < a.hidden; col += 8) {
+      float acc[8];
+      combine_row(d, a.hidden, r.slot_pos + row * a.topk, r.slot_e + row * a.topk, a.topk, col, acc);
+      std::memcpy(out.data() + row * a.hidden + col, acc, sizeof acc);
+    }
+  write_file(dir + "/out.bin", out.data(), out.size() * 4);
   return 0;
 }
 
@@ -364,6 +517,7 @@ int main(int argc, char** argv) {
   if (cmd == "numerics") return cmd_numerics(dir);
   if (cmd == "gemm") return cmd_gemm(dir);
   if (cmd == "swiglu") return cmd_swiglu(dir);
+  if (cmd == "local_experts") return cmd_local_experts(dir);
   std::fprintf(stderr, "unknown command %s\n", cmd.c_str());
   return 2;
 }
