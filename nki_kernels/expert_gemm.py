@@ -58,6 +58,7 @@ P = 128  # partitions
 MOVING_MAX = 512  # gemm_moving_fmax on trn2: one PSUM bank of fp32
 TRANSPOSES_PER_BANK = 8  # bf16 [128, 128] transposes per 2 KiB PSUM bank
 W_DMA_MIN_BYTES = 2048  # per partition: group weight row-blocks until a DMA moves at least this much
+FP4_FOLD_VECTOR_SHARE = 8  # 1/8 of the fp4 scale fold runs on VectorE, the rest on GpSimd
 
 # int32 spellings of the uint32 bit masks (the same 32 bits; some toolchains want immediates in int32 range)
 _M_7F007F00 = 0x7F007F00
@@ -162,7 +163,7 @@ def decode_e2m1_pairs(lo, hi, tmp, words):
     nisa.tensor_tensor(dst=hi, data1=hi, data2=tmp, op=nl.bitwise_or, engine=nisa.engine.gpsimd)
 
 
-def fold_scales(dst, even_vals, odd_vals, scale, block: int):
+def fold_scales(dst, even_vals, odd_vals, scale, block: int, vector_blocks: int = 0):
     """``dst[:, k] = value(k) · scale[:, k // block]`` in natural k order, from de-interleaved halves.
 
     Args:
@@ -170,14 +171,18 @@ def fold_scales(dst, even_vals, odd_vals, scale, block: int):
         even_vals, odd_vals: SBUF ``[p, K/2]`` values of k = 2j and k = 2j + 1 (fp16 or float8_e4m3).
         scale: SBUF float32 ``[p, K/block]`` (already including the decoder's 2^8 / 2^6 factor).
         block: scale granularity along K (32 or 128).
+        vector_blocks: how many leading scale blocks VectorE multiplies (load balance); GpSimd does the rest.
     """
     p, k = dst.shape[0], math.prod(dst.shape[1:])
     nb, half = k // block, block // 2
     d4 = dst.reshape((p, nb, half, 2))
     sb = scale.reshape((p, nb, 1)).broadcast(2, half)
     for j, vals in ((0, even_vals), (1, odd_vals)):
-        nisa.tensor_tensor(dst=d4[:, :, :, j], data1=vals.reshape((p, nb, half)), data2=sb, op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
+        v3 = vals.reshape((p, nb, half))
+        for b0, b1, eng in ((0, vector_blocks, nisa.engine.vector), (vector_blocks, nb, nisa.engine.gpsimd)):
+            if b1 > b0:
+                nisa.tensor_tensor(dst=d4[:, b0:b1, :, j], data1=v3[:, b0:b1, :], data2=sb[:, b0:b1, :],
+                                   op=nl.multiply, engine=eng)
 
 
 def ue8m0_to_scale(dst_i32, ue8m0, extra_log2: int):
@@ -241,28 +246,36 @@ def load_weight_blocks(w_nat, b, b_scale, e, row0: int, nblk: int, fmt: str, k: 
         s_i32 = nl.ndarray((P, nblk * nsc), dtype=nl.int32, buffer=nl.sbuf, name="w_s_bits")
         scale = ue8m0_to_scale(s_i32, s_raw.reshape((P, nblk * nsc)), 6)
         decode_e2m1_pairs(even, odd, tmp, words)
-        fold_scales(w_nat.reshape((P, nblk * k)), even.view(nl.float8_e4m3), odd.view(nl.float8_e4m3), scale, 32)
+        # VectorE has half the bit work of the fp8 case: it takes 1/8 of the fold (cost-model balance)
+        fold_scales(w_nat.reshape((P, nblk * k)), even.view(nl.float8_e4m3), odd.view(nl.float8_e4m3), scale, 32,
+                    vector_blocks=nblk * nsc // FP4_FOLD_VECTOR_SHARE)
 
 
-def transpose_blocks(dst_kmajor, src, ncols: int, nkb: int, evac_engine=None):
+def transpose_blocks(dst_kmajor, src, ncols: int, nkb: int, evac_engines=None):
     """``dst_kmajor[:, kb, :ncols] = src[:ncols, kb·128:(kb+1)·128]^T`` for kb < nkb, on the TensorE.
 
     Args:
         dst_kmajor: SBUF bf16 ``[P, nkb, ncols]`` (k on partitions).
         src: SBUF bf16 ``[ncols, nkb·128]`` (rows on partitions), ncols ≤ 128.
-        evac_engine: engine that copies PSUM → SBUF (ScalarE by default: VectorE and GpSimd are the decoders').
+        evac_engines: engines that copy PSUM → SBUF, used in turn per PSUM bank (default ScalarE only:
+            VectorE and GpSimd are the decoders'; bf16 weights, which need no decoding, share it with VectorE).
 
     Notes:
         Eight 128×128 transposes share one 2 KiB PSUM bank and one evacuation instruction.
     """
-    eng = nisa.engine.scalar if evac_engine is None else evac_engine
-    for g0 in range(0, nkb, TRANSPOSES_PER_BANK):
+    engines = (nisa.engine.scalar,) if evac_engines is None else tuple(evac_engines)
+    for i, g0 in enumerate(range(0, nkb, TRANSPOSES_PER_BANK)):
         g = min(TRANSPOSES_PER_BANK, nkb - g0)
         pt = nl.ndarray((P, TRANSPOSES_PER_BANK, P), dtype=src.dtype, buffer=nl.psum, name="t_psum")
         for j in range(g):
             kb = g0 + j
             nisa.nc_transpose(dst=pt[:, j, :ncols], data=src[:ncols, kb * P:(kb + 1) * P])
-        nisa.tensor_copy(dst=dst_kmajor[:, g0:g0 + g, :ncols], src=pt[:, :g, :ncols], engine=eng)
+        nisa.tensor_copy(dst=dst_kmajor[:, g0:g0 + g, :ncols], src=pt[:, :g, :ncols], engine=engines[i % len(engines)])
+
+
+def weight_evac_engines(fmt: str):
+    """PSUM-evacuation engines for transposed weight blocks of a format (see transpose_blocks)."""
+    return (nisa.engine.scalar, nisa.engine.vector) if fmt == "bf16" else (nisa.engine.scalar,)
 
 
 def weight_kmajor(wT, b, b_scale, e, row0: int, fmt: str, k: int, w_nat=None):
@@ -274,7 +287,7 @@ def weight_kmajor(wT, b, b_scale, e, row0: int, fmt: str, k: int, w_nat=None):
         w_nat = nl.ndarray((P, 1, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="w_nat")
         load_weight_blocks(w_nat, b, b_scale, e, row0, 1, fmt, k)
         w_nat = w_nat.reshape((P, k))
-    transpose_blocks(wT, w_nat, P, k // P)
+    transpose_blocks(wT, w_nat, P, k // P, weight_evac_engines(fmt))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -329,7 +342,7 @@ def load_a_kmajor(aT, a, a_scale, mask_tiles):
             tmp = nl.ndarray((rt, k // 4), dtype=nl.uint32, buffer=nl.sbuf, name="a_tmp")
             decode_e4m3fn_pairs(even, odd, tmp, raw.view(nl.uint32))
             fold_scales(a_nat, even.view(nl.float16), odd.view(nl.float16), scale, g)
-        transpose_blocks(aT[:, :, r0:r0 + rt], a_nat, rt, k // P, evac_engine=nisa.engine.vector)
+        transpose_blocks(aT[:, :, r0:r0 + rt], a_nat, rt, k // P, (nisa.engine.vector,))
 
 
 def load_row_mask_tiles(row_mask, r: int):
@@ -465,7 +478,7 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
             for j in range(grp):
                 nb = g0 + j
                 wT = nl.ndarray((P, nkb, P), dtype=nl.bfloat16, buffer=nl.sbuf, name="wT")
-                transpose_blocks(wT, w_nat[:, j, :], P, nkb)
+                transpose_blocks(wT, w_nat[:, j, :], P, nkb, weight_evac_engines(fmt_b))
                 o_ps = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.psum, name="o_psum")
                 gemm_ws(o_ps, wT, aT, nkb, r)
                 o_bf = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="o_bf16")

@@ -43,6 +43,7 @@ from .expert_gemm import (
     rows_from_kmajor,
     rows_per_dma,
     transpose_blocks,
+    weight_evac_engines,
     weight_format,
     weight_k,
 )
@@ -205,7 +206,7 @@ def _expert_body(e, xT, accT, w_all_tiles, w13, w13_scale, w2, w2_scale, fmt_w, 
         load_weight_blocks(w_nat, w13, w13_scale, e, g0 * P, grp, fmt_w, h)
         for j in range(grp):
             wT = nl.ndarray((P, nkb_h, P), dtype=nl.bfloat16, buffer=nl.sbuf, name="w13T")
-            transpose_blocks(wT, w_nat[:, j, :], P, nkb_h)
+            transpose_blocks(wT, w_nat[:, j, :], P, nkb_h, weight_evac_engines(fmt_w))
             o_ps = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.psum, name="h_psum")
             gemm_ws(o_ps, wT, xT, nkb_h, r)
             hT = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="hT")
@@ -230,7 +231,7 @@ def _expert_body(e, xT, accT, w_all_tiles, w13, w13_scale, w2, w2_scale, fmt_w, 
                                    data2=s.reshape((rt, gc, 1)).broadcast(2, group), op=nl.multiply)
             else:
                 nisa.tensor_copy(dst=z[:, c0:c0 + c], src=res)
-        transpose_blocks(zT[:, :, t * P:t * P + rt], z, rt, nkb_i, evac_engine=nisa.engine.vector)
+        transpose_blocks(zT[:, :, t * P:t * P + rt], z, rt, nkb_i, (nisa.engine.vector,))
     # ---- GEMM2: acc^T[hb] += bf16(W2[e, hb] · z)
     n_blocks2 = h // P
     grp2 = rows_per_dma(fmt_w, inter, n_blocks2)
@@ -240,7 +241,7 @@ def _expert_body(e, xT, accT, w_all_tiles, w13, w13_scale, w2, w2_scale, fmt_w, 
         for j in range(grp2):
             hb = g0 + j
             wT = nl.ndarray((P, nkb_i, P), dtype=nl.bfloat16, buffer=nl.sbuf, name="w2T")
-            transpose_blocks(wT, w_nat[:, j, :], P, nkb_i)
+            transpose_blocks(wT, w_nat[:, j, :], P, nkb_i, weight_evac_engines(fmt_w))
             o_ps = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.psum, name="d_psum")
             gemm_ws(o_ps, wT, zT, nkb_i, r)
             d_bf = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="dT")
