@@ -691,7 +691,11 @@ def tensor_partition_reduce(dst, op, data, name=None):
 # ------------------------------------------------------------------------------------------------ ScalarE
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
                name=None):
-    """ScalarE ``op(data * scale + bias)`` in fp32, cast to dst.dtype; optional add-reduction along free dims."""
+    """ScalarE ``op(data * scale + bias)`` in fp32, cast to dst.dtype; optional add-reduction along free dims.
+
+    The bias is always added (0 when absent), as the hardware's affine stage does, so ``copy`` of −0 gives +0:
+    a kernel that must keep the sign of zero scales on VectorE (``tensor_scalar``) instead.
+    """
     instr = "activation"
     rc = globals()["reduce_cmd"]
     dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
