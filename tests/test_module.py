@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from static_moe import reference
-from static_moe.formats import expand_block_scales, quantize_activation, quantize_weight
+from static_moe.formats import dequantize_activation, expand_block_scales, quantize_activation, quantize_weight
 from static_moe.module import StaticMoE
 from static_moe.testing.distributed import run_ranks
 from static_moe.testing.generators import FORMAT_PAIRS, gen, make_routing
@@ -78,8 +78,6 @@ def reference_layer(hidden, idx, tw, experts, act, group, limit, shared=None, sh
     if shared is not None:
         sw13, sw13_s, sw2, sw2_s = shared
         sx, sxs = (x, xs) if sw13.dtype != torch.bfloat16 else (hidden.reshape(-1, H), None)
-        if sw13.dtype == torch.bfloat16 and act == "fp8":
-            sx = reference.expert_gemm.dequantize_a(x, xs).to(torch.bfloat16)
         t = x.shape[0]
         shared_out = reference.local_experts(sx, sxs, torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, 1), sw13,
                                              sw13_s, sw2, sw2_s, 0, shared_limit)
@@ -138,6 +136,11 @@ def test_forward_validation_and_close():
         layer(x, idx.masked_fill(idx == 0, 8), tw)
     with pytest.raises(TypeError, match="only with act_format='fp8'"):
         StaticMoE(H, I, E, K, C)((x, None), idx, tw)
+    with pytest.raises(ValueError, match="hidden is on meta"):
+        layer(x.to("meta"), idx, tw)
+    moved = StaticMoE(H, I, E, K, C).to("meta")  # the workspace cannot follow a device move: refused, not ignored
+    with pytest.raises(RuntimeError, match="built for cpu .* now on meta"):
+        moved(x.to("meta"), idx.to("meta"), tw.to("meta"))
     # Pre-quantized activations give the same result as letting the layer quantize.
     assert_equal(layer(quantize_activation(x, 128), idx, tw), layer(x, idx, tw), "pre-quantized input")
     ws = layer.workspace
@@ -198,6 +201,26 @@ def test_from_module_grouped_and_hf_match_reference(act, wfmt):
     assert_equal(hf(x, idx, tw), out, "HF list vs grouped")
     ref = reference_layer(x, idx, tw, experts, act, group, 7.0, shared, 7.0)
     assert_gemm_close(out, ref, f"from_module {act}x{wfmt}")
+
+
+def test_bf16_shared_expert_with_fp8_activations():
+    """fp8 × bf16 is not a pair, so a bf16 shared expert runs on the bf16 hidden states (dequantized from
+    (x_q, x_s) when the caller passes fp8)."""
+    w1, w3, w2 = float_experts(E, seed=15)
+    sw = [t[:1] for t in float_experts(1, seed=16, inter=IS)]
+    layer = StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, weight_format="fp4", act_format="fp8",
+                                  shared_weight_format="bf16", shared_expert=hf_experts(*sw)[0])
+    assert layer.shared.weight_format == "bf16" and layer.shared.w13.dtype == torch.bfloat16
+    x = hidden_states(6, 17)
+    idx, tw = make_routing(6, K, E, seed=18, empty_frac=0.2)
+    experts = quantized(w1, w3, w2, "fp4")
+    shared = quantized(*sw, "bf16")
+    assert_gemm_close(layer(x, idx, tw), reference_layer(x, idx, tw, experts, "fp8", 128, None, shared),
+                      "bf16 hidden")
+    x_q, x_s = quantize_activation(x, 128)
+    x_deq = dequantize_activation(x_q, x_s).to(torch.bfloat16)
+    ref = reference_layer(x_deq, idx, tw, experts, "fp8", 128, None, shared)  # re-quantizing x_deq gives the same values
+    assert_gemm_close(layer((x_q, x_s), idx, tw), ref, "pre-quantized input")
 
 
 def test_from_module_rejections():

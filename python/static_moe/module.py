@@ -288,6 +288,7 @@ class StaticMoE(nn.Module):
         if device.type == "meta":
             raise ValueError("StaticMoE cannot live on the meta device: it owns a workspace of real buffers; "
                              "build it on the target device and load weights")
+        self._device = device
         self.swiglu_limit = _check_swiglu_limit("swiglu_limit", swiglu_limit)
         # WorkspaceSpec checks sizes, divisibility, formats and the format pair.
         self.workspace_spec = _workspace.WorkspaceSpec(
@@ -477,9 +478,12 @@ class StaticMoE(nn.Module):
         if tuple(topk_idx.shape) != (t, self.top_k) or tuple(topk_weights.shape) != (t, self.top_k):
             raise ValueError(f"topk_idx and topk_weights must be [T={t}, top_k={self.top_k}], got "
                              f"{list(topk_idx.shape)} and {list(topk_weights.shape)}")
-        if x.device != self.w13.device:
-            raise ValueError(f"hidden is on {x.device} but this layer's weights and workspace are on "
-                             f"{self.w13.device}")
+        if self.w13.device != self._device:
+            raise RuntimeError(f"this layer was built for {self._device} (its workspace lives there) but its weights "
+                               f"are now on {self.w13.device}; construct the layer on the target device instead "
+                               "of moving it")
+        if x.device != self._device:
+            raise ValueError(f"hidden is on {x.device} but this layer's weights and workspace are on {self._device}")
         shared_out = None
         if self.shared is not None:
             if self.shared.weight_format == "bf16":
