@@ -10,19 +10,31 @@
 #include <vector>
 
 #include "checks/swiglu_and_cast.h"
+
+// Kernel code only (push/pop): the kernel's selects (clamps) are float compares, which GCC's default
+// -ftrapping-math treats as possibly trapping, blocking if-conversion, so the loops would not vectorise; no value
+// or rounding depends on it. fp-contract=off keeps the AVX-512 clone from fusing a*b+c into an FMA, so every
+// clone rounds exactly like the baseline.
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math", "fp-contract=off")
 #include "cpu/kernels/swiglu_and_cast.h"
 
 namespace {
 
-using namespace static_moe;
-
 // One definition per ISA, picked once at load time (GCC function multi-versioning), so the default build needs
-// no -march flag. No FMA in any clone: every clone rounds exactly like the baseline, so results do not depend
-// on the machine.
-__attribute__((target_clones("avx2", "default"))) void swiglu_rows_dispatch(const cpu::SwigluParams& p, int64_t r0,
-                                                                             int64_t r1, float* scratch) {
-  cpu::swiglu_and_cast_rows(p, r0, r1, scratch);
+// no -march flag; `flatten` inlines the whole kernel into each clone so all of it is compiled for that ISA.
+// Results are bitwise the same on every clone (IEEE ops, no FMA), so they do not depend on the machine.
+__attribute__((target_clones("avx512f", "avx2", "default"), flatten)) void swiglu_rows_dispatch(const static_moe::cpu::SwigluParams& p,
+                                                                             int64_t r0, int64_t r1, float* scratch) {
+  static_moe::cpu::swiglu_and_cast_rows(p, r0, r1, scratch);
 }
+
+}  // namespace
+#pragma GCC pop_options
+
+namespace {
+
+using namespace static_moe;
 
 constexpr int64_t kParallelElems = 1 << 14;  // below this many outputs one thread is faster than waking a team
 
