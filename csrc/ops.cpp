@@ -4,6 +4,8 @@
 // Later arguments may be added only with defaults, at the end.
 #include <torch/extension.h>
 
+#include "checks/expert_gemm.h"
+#include "checks/local_experts.h"
 #include "checks/pack_rows.h"
 #include "checks/swiglu_and_cast.h"
 #include "cpu/kernels/cast.h"
@@ -43,6 +45,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     static_moe::checks::check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max,
                                               pow2_scale);
   }, "swiglu_and_cast argument checks");
+  m.def("check_expert_gemm", [](const at::Tensor& a, std::optional<at::Tensor> a_scale, const at::Tensor& b,
+                                std::optional<at::Tensor> b_scale, const at::Tensor& row_mask, int64_t expert) {
+    static_moe::checks::check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert);
+  }, "expert_gemm argument checks");
+  m.def("check_local_experts", [](const at::Tensor& x, std::optional<at::Tensor> x_scale, const at::Tensor& topk_idx,
+                                  const at::Tensor& topk_weights, const at::Tensor& w13,
+                                  std::optional<at::Tensor> w13_scale, const at::Tensor& w2,
+                                  std::optional<at::Tensor> w2_scale, int64_t expert_offset,
+                                  std::optional<double> swiglu_limit, double fp8_max) {
+    static_moe::checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
+                                            expert_offset, swiglu_limit, fp8_max);
+  }, "local_experts argument checks");
   // Test hooks: the CPU kernels' exact float32 -> e4m3fn / bf16 casts, elementwise (tests/test_swiglu_and_cast.py
   // compares them with torch's casts bit for bit).
   m.def("_cast_e4m3fn", [](const at::Tensor& x) {

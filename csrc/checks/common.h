@@ -233,7 +233,7 @@ inline int64_t check_activation(const at::Tensor& x, const std::optional<at::Ten
   const at::Tensor& s = *x_scale;
   check_dtype(s, op, scale_name, c10::ScalarType::Float);
   check_dim(s, op, scale_name, 2, "[R, K/g]");
-  check_size(s, op, scale_name, 0, x.size(0), "R = x.size(0)");
+  check_size(s, op, scale_name, 0, x.size(0), (std::string("R = ") + x_name + ".size(0)").c_str());
   const int64_t k = x.size(1), kg = s.size(1);
   TORCH_CHECK_VALUE(kg > 0 && k % kg == 0 && (k / kg == 32 || k / kg == 128), op, ": activation group ", x_name,
                     ".size(1) / ", scale_name, ".size(1) must be 32 or 128, got ", k, " / ", kg,
