@@ -23,7 +23,8 @@ namespace {
 
 // One definition per ISA, picked once at load time (GCC function multi-versioning), so the default build needs
 // no -march flag; `flatten` inlines the whole kernel into each clone so all of it is compiled for that ISA.
-// Results are bitwise the same on every clone (IEEE ops, no FMA), so they do not depend on the machine.
+// Results are bitwise the same on every clone (IEEE ops, no FMA), so they do not depend on the machine; only a
+// NaN in gate_up may come out with a different NaN sign bit (checked with -mno-avx vs -mavx512f builds).
 __attribute__((target_clones("avx512f", "avx2", "default"), flatten)) void swiglu_rows_dispatch(const static_moe::cpu::SwigluParams& p,
                                                                              int64_t r0, int64_t r1, float* scratch) {
   static_moe::cpu::swiglu_and_cast_rows(p, r0, r1, scratch);
