@@ -136,7 +136,8 @@ def test_opcheck(args):
     torch.library.opcheck(torch.ops.static_moe.swiglu_and_cast.default, args)
 
 
-def test_compile_fullgraph_matches_eager(rng):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_matches_eager(dynamic, rng):
     gate_up = torch.randn(12, 512, generator=rng)
     w = torch.rand(12, generator=rng)
 
@@ -146,7 +147,7 @@ def test_compile_fullgraph_matches_eager(rng):
         return q, s, b
 
     torch._dynamo.reset()
-    got = torch.compile(f, fullgraph=True)(gate_up, w)
+    got = torch.compile(f, fullgraph=True, dynamic=dynamic)(gate_up, w)
     for a, b in zip(got, f(gate_up, w)):
         assert_equal(a, b)
 
