@@ -11,7 +11,8 @@ runs decode steps of ``--tokens`` tokens per rank, and prints:
 * the collectives' share of a step (all-gather + reduce-scatter, from the op's torch.profiler ranges);
 * bytes of expert weights touched per step, and the roofline fraction (docs BENCH.md): per rank,
   ``max(bytes / bandwidth, flops / peak)`` over the measured step, with bandwidth (STREAM triad) and fp32
-  matmul peak measured here, on both ranks at once, with the same thread count.
+  matmul peak measured here, on both ranks at once, with the same thread count, before and after the steps
+  (the better of the two is taken).
 
 Scale: the real model has 256 routed experts. Routing is drawn over all 256 (top-6, per token); only
 ``--experts`` of the experts those tokens touch are kept (global ids 0 … E−1, E/2 per rank), each with exactly
@@ -190,12 +191,16 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     layer.set_expert_weights(w["w13"], w["w13_scale"], w["w2"], w["w2_scale"])
     layer.shared.set_weights(sw["w13"], sw["w13_scale"], sw["w2"], sw["w2_scale"])
 
-    # --- machine limits, both ranks at once -----------------------------------------------------------------------
+    # --- machine limits, both ranks at once (again after the steps: the best of the two is the limit, since other
+    #     jobs on a shared machine only ever lower a measurement) ---------------------------------------------------
+    def machine_limits():
+        dist.barrier()
+        bw = triad_bandwidth()
+        dist.barrier()
+        return bw, matmul_flops()
+
     _say(rank, t0, "measuring bandwidth (STREAM triad) and fp32 matmul peak on both ranks at once ...")
-    dist.barrier()
-    bandwidth = triad_bandwidth()
-    dist.barrier()
-    peak = matmul_flops()
+    limits = [machine_limits()]
 
     # --- steps --------------------------------------------------------------------------------------------------
     steps = []
@@ -222,6 +227,8 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     with _quiet_stderr():
         prof.stop()
     assert layer.workspace.data_ptrs() == ws_ptrs, "workspace buffers moved"
+    limits.append(machine_limits())
+    bandwidth, peak = max(b for b, _ in limits), max(f for _, f in limits)
     phase_s = {p: 0.0 for p in PHASES}
     for ev in prof.key_averages():
         if ev.key.startswith(PHASE_PREFIX):
@@ -364,6 +371,9 @@ def report(cfg: dict, ranks: list[dict], threads: int) -> bool:
     print(f"roofline per step: memory term {b[1] * 1e3:.2f} ms, compute term {b[2] * 1e3:.2f} ms "
           f"({'compute' if b[2] > b[1] else 'memory'}-bound); roofline fraction {statistics.median(fractions):.1%}")
     print("(a CPU without FP4 units also pays for decoding e2m1 nibbles, which the roofline does not count)")
+    if statistics.median(fractions) > 1:
+        print("(above 100 %: the step beat the fp32 matmul ceiling measured in this run — the kernels' SIMD can "
+              "outrun torch's fp32 matmul on one thread, or other jobs loaded the machine while it was measured)")
     return ok
 
 
