@@ -34,9 +34,11 @@ transposed on the TensorE (``nc_transpose``) into ``[k, n]`` and evacuated from 
 either operand order. We keep the weight block as the *stationary* operand and stream the R gathered rows as
 the *moving* one (``A^T [k, R]``): per 128×128 block the cost model charges ``R + 64`` TensorE cycles, against
 ``(512 + 64) / 4 = 144`` per block with tokens stationary and weights moving 512 columns at a time — cheaper for
-every R < 80, i.e. the decode regime (1–64 rows per expert); at R = 128 it costs 192 vs 144 cycles, still under
-the 192 cycles the block's transpose costs anyway. The output lands as ``D^T [n, R]`` and is transposed back
-per 128-row tile for the store (R·N elements, small next to the N·K weight).
+every R < 80, the decode regime. At R = 128 it costs 192 vs 144 cycles per block, next to the 192 cycles of the
+block's transpose either way, so the reverse order would save at most 1/8 of the TensorE time there (not
+implemented: one code path). Weights stationary also keeps GEMM1's output ``h^T [n, R]`` in the layout GEMM2's
+moving operand needs. The output lands as ``D^T [n, R]`` and is transposed back per 128-row tile for the store
+(R·N elements, small next to the N·K weight).
 
 Skip unrouted experts
 ---------------------
