@@ -1,5 +1,6 @@
 // Host launcher of the CUDA expert GEMM (expert_gemm.h): picks the instantiation for the format pair, sizes a
 // persistent grid from the device's SM count and the kernel's occupancy, and enqueues it. No sync, no allocation.
+#include "cuda/device_info.h"
 #include "cuda/expert_gemm.h"
 #include "cuda/moe_gemm.cuh"
 
@@ -17,16 +18,11 @@ template <WeightFmt W, int G>
 cudaError_t launch_cfg(const MoeGemmArgs& p, cudaStream_t stream) {
   using C = gemm::Cfg<W, G>;
   const auto kernel = gemm::moe_gemm_kernel<W, G>;
-  int device = 0, sms = 0, per_sm = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  cudaError_t err = cudaSuccess;
+  const int sms = current_sm_count(&err);
   if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int per_sm = blocks_per_sm<C>(kernel, gemm::kThreads, C::kSmemBytes, &err);
   if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm::kThreads, C::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  per_sm = std::max(per_sm, 1);
 
   const int64_t n_tiles = (p.n + gemm::kBN - 1) / gemm::kBN;
   int64_t upper;  // most tiles the call can have: the grid never needs more blocks than that

@@ -2,6 +2,7 @@
 // output, so every output byte is written exactly once with 16-byte stores; a piece inside one part's data with a
 // 16-byte aligned source is one 16-byte load, the rest (part tails, unaligned sources) are assembled byte by byte.
 // The part spans tile [0, W) in 16-byte aligned steps, so a piece never straddles two parts.
+#include "cuda/device_info.h"
 #include "cuda/pack_rows.h"
 
 #include <algorithm>
@@ -67,10 +68,9 @@ __global__ void __launch_bounds__(kThreads) unpack_rows_kernel(const uint8_t* pa
 }
 
 int64_t grid_for(int64_t items) {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    sms = 16;
+  cudaError_t err = cudaSuccess;
+  int sms = current_sm_count(&err);
+  if (err != cudaSuccess || sms <= 0) sms = 16;
   return std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t{8} * sms);
 }
 

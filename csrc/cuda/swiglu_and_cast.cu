@@ -2,6 +2,7 @@
 // one value per lane; G = 128: four), or 128 columns for bf16 output. Lane l holds columns c0 + l + 32·e, so every
 // load and store instruction of the warp touches consecutive addresses. The group amax is a warp shuffle
 // reduction; each row's numbers never depend on other rows (batch invariance). Element math: swiglu_and_cast.cuh.
+#include "cuda/device_info.h"
 #include "cuda/swiglu_and_cast.h"
 #include "cuda/swiglu_and_cast.cuh"
 
@@ -82,10 +83,8 @@ template <int EPL>
 cudaError_t launch_epl(const SwigluArgs& a, cudaStream_t stream) {
   constexpr int kChunk = 32 * EPL;
   const int64_t units = a.rows * ((a.inter + kChunk - 1) / kChunk);
-  int device = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaError_t err = cudaSuccess;
+  const int sms = current_sm_count(&err);
   if (err != cudaSuccess) return err;
   // Enough warps to cover the units, capped at a few blocks per SM (the kernel loops over the rest).
   const int64_t blocks = std::min<int64_t>((units + kThreads / 32 - 1) / (kThreads / 32), int64_t{8} * sms);
