@@ -10,7 +10,6 @@ import weakref
 import pytest
 import torch
 
-from static_moe import workspace
 from static_moe.reference.pack_rows import pack_rows
 from static_moe.testing.distributed import run_ranks
 from static_moe.workspace import WorkspaceManager, WorkspaceSpec, memory_plan

@@ -41,7 +41,7 @@ from .formats import (
     quantize_activation,
     quantize_weight,
 )
-from .ops.forward import check_topk_range, forward as _forward_op
+from .ops.forward import forward as _forward_op
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
