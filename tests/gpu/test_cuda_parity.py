@@ -55,10 +55,6 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def cpu(t):
-    return None if t is None else t.cpu()
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Inputs (built on the CPU, moved to the device: the reference runs on the CPU copies)
 # ---------------------------------------------------------------------------------------------------------------
