@@ -79,8 +79,7 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   {
     int64_t n0, n1;
     cpu::split_columns(N, kColumnTile, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
-    std::vector<float> scratch(cpu::gemm_scratch_floats(K));
-    if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w, n0, n1, o, scratch.data())) bad_scale = 1;
+    if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w, n0, n1, o)) bad_scale = 1;
   }
   TORCH_CHECK_VALUE(!bad_scale, op, ": b_scale of expert ", expert,
                     " holds the UE8M0 NaN byte 255; scale bytes must be 0..254 (value 2^(b-127))");

@@ -25,8 +25,23 @@
 
 #include "checks/local_experts.h"
 #include "cpu/kernels/moe_gemm.h"
-#include "cpu/kernels/swiglu_and_cast.h"
 #include "cpu/moe_gemm_binding.h"
+
+// The swiglu_and_cast kernel compiled exactly as csrc/cpu/swiglu_and_cast.cpp compiles it (same options, same
+// clones), so z here is bitwise the op's output: no trapping-math (lets the clamps vectorise), no FMA contraction.
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math", "fp-contract=off")
+#include "cpu/kernels/swiglu_and_cast.h"
+
+namespace {
+
+__attribute__((target_clones("avx512f", "avx2", "default"), flatten)) void swiglu_rows(
+    const static_moe::cpu::SwigluParams& p, float* scratch) {
+  static_moe::cpu::swiglu_and_cast_rows(p, 0, p.rows, scratch);
+}
+
+}  // namespace
+#pragma GCC pop_options
 
 namespace {
 
@@ -97,12 +112,6 @@ Routing route(const at::Tensor& topk_idx, const at::Tensor& topk_weights, int64_
   return rt;
 }
 
-// One definition per ISA (GCC function multi-versioning), as csrc/cpu/swiglu_and_cast.cpp does, with no FMA in
-// any clone so z is the same whichever runs.
-__attribute__((target_clones("avx2", "default"))) void swiglu_rows(const cpu::SwigluParams& p, float* scratch) {
-  cpu::swiglu_and_cast_rows(p, 0, p.rows, scratch);
-}
-
 at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor>& x_scale,
                              const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& w13,
                              const std::optional<at::Tensor>& w13_scale, const at::Tensor& w2,
@@ -151,7 +160,6 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
     std::vector<uint8_t> z(static_cast<size_t>(M * It * z_bytes));          // z columns [i0, i1)
     std::vector<float> zs(static_cast<size_t>(fp8 ? M * (It / group) : 0));  // their group scales
     std::vector<float> v(static_cast<size_t>(It));                           // swiglu scratch
-    std::vector<float> scratch(cpu::gemm_scratch_floats(std::max(H, I)));
     std::vector<const float*> a_rows(M);
     std::vector<void*> out_rows(M);
 
@@ -177,9 +185,9 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         o.kind = cpu::OutKind::StoreBf16;
         o.rows = out_rows.data();
         o.col0 = i0;  // gate rows [i0, i1) -> h[i][0, It)
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w1, i0, i1, o, scratch.data())) bad13 = 1;
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w1, i0, i1, o)) bad13 = 1;
         o.col0 = I + i0 - It;  // up rows [I+i0, I+i1) -> h[i][It, 2It)
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w1, I + i0, I + i1, o, scratch.data())) bad13 = 1;
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w1, I + i0, I + i1, o)) bad13 = 1;
 
         cpu::SwigluParams sp;
         sp.rows = m;
@@ -213,7 +221,7 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         o.kind = cpu::OutKind::AddBf16ToF32;
         o.rows = out_rows.data();
         o.col0 = 0;
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w2e, h0, h1, o, scratch.data())) bad2 = 1;
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w2e, h0, h1, o)) bad2 = 1;
       }
       par ^= 1;
     }

@@ -14,16 +14,14 @@ void prepare_activation(Isa isa, WeightFormat wf, ActFormat af, const void* x, c
   scalar::prepare_activation(wf, af, x, x_scale, group, k, out);
 }
 
-size_t gemm_scratch_floats(int64_t k) { return static_cast<size_t>(8 * k); }  // kMaxPanelNR rows of k floats
-
 bool expert_gemm_rows(Isa isa, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                      const OutRows& out, float* scratch) {
+                      const OutRows& out) {
   switch (isa) {
-    case Isa::Avx512: return avx512::expert_gemm_rows(a, m, w, n0, n1, out, scratch);
-    case Isa::Avx2: return avx2::expert_gemm_rows(a, m, w, n0, n1, out, scratch);
+    case Isa::Avx512: return avx512::expert_gemm_rows(a, m, w, n0, n1, out);
+    case Isa::Avx2: return avx2::expert_gemm_rows(a, m, w, n0, n1, out);
     case Isa::Scalar: break;
   }
-  return scalar::expert_gemm_rows(a, m, w, n0, n1, out, scratch);
+  return scalar::expert_gemm_rows(a, m, w, n0, n1, out);
 }
 
 }  // namespace cpu

@@ -4,8 +4,8 @@
 //
 // B is one expert's weight matrix, stored as nn.Linear stores it ([N, K], K contiguous) in bf16, fp8 e4m3fn with
 // float32 1×128 scales, or fp4 e2m1 (two per byte, low nibble = even k) with UE8M0 1×32 scales. It is decoded on
-// the fly, 2W values at a time, straight into registers (or, for more than a few rows, into a small per-thread
-// panel of NR rows that is then reused by every row block) — never a whole weight tensor.
+// the fly, 2W values at a time, straight into registers, and used there by a block of up to MR activation rows
+// (more rows: the NR weight rows, still in L1, are decoded again per row block) — never a whole weight tensor.
 //
 // Numerics: every operand is decoded to float32 exactly as formats.py dequantizes it (fp8: q·s rounded once in
 // fp32; fp4: e2m1 · 2^(b-127), exact), so products are those of the reference. Each output is one W-lane fp32
@@ -62,27 +62,24 @@ struct OutRows {
 void prepare_activation(Isa isa, WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
                         int64_t k, float* out);
 
-// Floats of per-thread scratch expert_gemm_rows needs for weights with this k.
-size_t gemm_scratch_floats(int64_t k);
-
 // C for the m rows a[0..m) (prepared for w.format, each w.k floats) and the weight rows [n0, n1), written through
-// `out`. Single-threaded: callers split [0, N) across threads. scratch: gemm_scratch_floats(w.k) floats.
+// `out`. Single-threaded: callers split [0, N) across threads.
 // Returns false if an fp4 UE8M0 scale byte it read was 255 (NaN); the outputs are then meaningless.
 bool expert_gemm_rows(Isa isa, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                      const OutRows& out, float* scratch);
+                      const OutRows& out);
 
 // The same, one instruction set each (defined in moe_gemm_<isa>.cpp; dispatch in moe_gemm.cpp).
 namespace scalar {
 void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);
-bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&, float*);
+bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&);
 }  // namespace scalar
 namespace avx2 {
 void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);
-bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&, float*);
+bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&);
 }  // namespace avx2
 namespace avx512 {
 void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);
-bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&, float*);
+bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&);
 }  // namespace avx512
 
 }  // namespace cpu

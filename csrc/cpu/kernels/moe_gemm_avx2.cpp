@@ -26,11 +26,9 @@ namespace {
 struct V256 {
   using vec = __m256;
   static constexpr int W = 8;
-  static constexpr int kFusedMaxRows = 4;
-  static constexpr int kFusedNR1 = 4;
-  static constexpr int kFusedNR = 2;
-  static constexpr int kPanelMR = 3;
-  static constexpr int kPanelNR = 3;
+  static constexpr int kMR = 2;
+  static constexpr int kNR = 4;
+  static constexpr int kNR1 = 4;
 
   static inline vec zero() { return _mm256_setzero_ps(); }
   static inline vec load(const float* p) { return _mm256_loadu_ps(p); }
@@ -51,20 +49,32 @@ struct V256 {
     hi = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
   }
 
-  static inline void decode_fp8(const uint8_t* row, const float* srow, int64_t k0, vec& lo, vec& hi) {
-    const __m256 s = _mm256_set1_ps(srow[k0 >> 7] * 256.0f);
-    __m256i t = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0)));
-    t = _mm256_and_si256(_mm256_slli_epi16(t, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
-    lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(t)), s);
-    hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(t, 1)), s);
+  static constexpr int64_t kScaleChunk = 512;
+
+  // out[i] = s[i] · 2^8 (see decode_fp8), i < nb.
+  static inline void fp8_scales(const float* s, int nb, float* out) {
+    for (int i = 0; i < nb; ++i) out[i] = s[i] * 256.0f;
   }
 
-  static inline void decode_fp4(const uint8_t* row, const uint8_t* srow, int64_t k0, vec& lo, vec& hi,
-                                uint32_t& bad) {
-    const uint8_t b = srow[k0 >> 5];
-    bad |= b == 0xFFu;
+  // out[i] = 2^(b_i - 127) exactly, i < nb; bad |= any b_i == 255.
+  static inline void fp4_scales(const uint8_t* s, int nb, float* out, uint32_t& bad) {
+    for (int i = 0; i < nb; ++i) {
+      bad |= s[i] == 0xFFu;
+      out[i] = ue8m0_to_float(s[i]);
+    }
+  }
+
+  static inline void decode_fp8(const uint8_t* row, int64_t k0, const float* s, vec& lo, vec& hi) {
+    const __m256 sv = _mm256_set1_ps(*s);
+    __m256i t = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0)));
+    t = _mm256_and_si256(_mm256_slli_epi16(t, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+    lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(t)), sv);
+    hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(t, 1)), sv);
+  }
+
+  static inline void decode_fp4(const uint8_t* row, int64_t k0, const float* s, vec& lo, vec& hi) {
     const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-    const __m256 lut = _mm256_mul_ps(table, _mm256_set1_ps(ue8m0_to_float(b)));
+    const __m256 lut = _mm256_mul_ps(table, _mm256_set1_ps(*s));
     const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
     const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (k0 >> 1))));
     const __m256i s_lo = _mm256_and_si256(_mm256_slli_epi32(idx, 28), sign);
@@ -84,8 +94,8 @@ void prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
 }
 
 bool expert_gemm_rows(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                      const OutRows& out, float* scratch) {
-  return GemmKernels<V256>::run(a, m, w, n0, n1, out, scratch);
+                      const OutRows& out) {
+  return GemmKernels<V256>::run(a, m, w, n0, n1, out);
 }
 
 }  // namespace avx2

@@ -29,11 +29,9 @@ namespace {
 struct V512 {
   using vec = __m512;
   static constexpr int W = 16;
-  static constexpr int kFusedMaxRows = 4;
-  static constexpr int kFusedNR1 = 8;
-  static constexpr int kFusedNR = 4;
-  static constexpr int kPanelMR = 4;
-  static constexpr int kPanelNR = 4;
+  static constexpr int kMR = 4;
+  static constexpr int kNR = 4;
+  static constexpr int kNR1 = 8;
 
   static inline vec zero() { return _mm512_setzero_ps(); }
   static inline vec load(const float* p) { return _mm512_loadu_ps(p); }
@@ -49,21 +47,36 @@ struct V512 {
     hi = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
   }
 
-  static inline void decode_fp8(const uint8_t* row, const float* srow, int64_t k0, vec& lo, vec& hi) {
-    const __m512 s = _mm512_set1_ps(srow[k0 >> 7] * 256.0f);
-    __m512i t = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k0)));
-    t = _mm512_and_si512(_mm512_slli_epi16(t, 7), _mm512_set1_epi16(static_cast<short>(0xBF80)));
-    lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(t)), s);
-    hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(t, 1)), s);
+  static constexpr int64_t kScaleChunk = 512;  // 16 fp4 blocks: one 16-byte load of UE8M0 bytes per row
+
+  // out[i] = s[i] · 2^8 (see decode_fp8), i < nb <= 4.
+  static inline void fp8_scales(const float* s, int nb, float* out) {
+    for (int i = 0; i < nb; ++i) out[i] = s[i] * 256.0f;
   }
 
-  static inline void decode_fp4(const uint8_t* row, const uint8_t* srow, int64_t k0, vec& lo, vec& hi,
-                                uint32_t& bad) {
-    const uint8_t b = srow[k0 >> 5];
-    bad |= b == 0xFFu;
+  // out[i] = 2^(b_i - 127) exactly (b = 0: the subnormal 2^-127), i < nb <= 16; bad |= any b_i == 255.
+  static inline void fp4_scales(const uint8_t* s, int nb, float* out, uint32_t& bad) {
+    const __mmask16 live = static_cast<__mmask16>((1u << nb) - 1u);
+    const __m128i b = _mm_maskz_loadu_epi8(live, s);
+    bad |= _mm_mask_cmpeq_epi8_mask(live, b, _mm_set1_epi8(-1)) != 0;
+    const __m512i d = _mm512_cvtepu8_epi32(b);
+    const __m512i bits = _mm512_mask_mov_epi32(_mm512_slli_epi32(d, 23), _mm512_cmpeq_epi32_mask(d, _mm512_setzero_si512()),
+                                               _mm512_set1_epi32(0x00400000));
+    _mm512_storeu_ps(out, _mm512_castsi512_ps(bits));
+  }
+
+  static inline void decode_fp8(const uint8_t* row, int64_t k0, const float* s, vec& lo, vec& hi) {
+    const __m512 sv = _mm512_set1_ps(*s);
+    __m512i t = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k0)));
+    t = _mm512_and_si512(_mm512_slli_epi16(t, 7), _mm512_set1_epi16(static_cast<short>(0xBF80)));
+    lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(t)), sv);
+    hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(t, 1)), sv);
+  }
+
+  static inline void decode_fp4(const uint8_t* row, int64_t k0, const float* s, vec& lo, vec& hi) {
     const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
                                         -2.0f, -3.0f, -4.0f, -6.0f);
-    const __m512 lut = _mm512_mul_ps(table, _mm512_set1_ps(ue8m0_to_float(b)));
+    const __m512 lut = _mm512_mul_ps(table, _mm512_set1_ps(*s));
     const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k0 >> 1))));
     lo = _mm512_permutexvar_ps(idx, lut);
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
@@ -80,8 +93,8 @@ void prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
 }
 
 bool expert_gemm_rows(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                      const OutRows& out, float* scratch) {
-  return GemmKernels<V512>::run(a, m, w, n0, n1, out, scratch);
+                      const OutRows& out) {
+  return GemmKernels<V512>::run(a, m, w, n0, n1, out);
 }
 
 }  // namespace avx512

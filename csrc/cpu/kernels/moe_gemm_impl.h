@@ -6,8 +6,11 @@
 //
 // V provides (W = lanes; a "unit" is U = 2W consecutive k of one weight row, decoded into two vectors lo, hi):
 //   vec zero(); vec load(const float*); void store(float*, vec); vec fma(a, b, c) = a·b + c; float reduce(vec)
-//   decode_bf16(row, k0, lo, hi); decode_fp8(row, scale_row, k0, lo, hi); decode_fp4(row, scale_row, k0, lo, hi, bad)
-//   kFusedMaxRows, kFusedNR1, kFusedNR, kPanelMR, kPanelNR (blocking), kPanelNR <= kMaxPanelNR
+//   decode_bf16(row, k0, lo, hi); decode_fp8(row, k0, s, lo, hi); decode_fp4(row, k0, s, lo, hi), where s points
+//     at the unit's scale in a chunk prepared by fp8_scales(src, nb, out) (out = src · kFp8ScaleMul) or
+//     fp4_scales(src, nb, out, bad) (out = 2^(b-127), bad |= any b == 255), one chunk per kScaleChunk k of a row,
+//     so the per-unit work is vector-only (no scalar scale decode in the hot loop)
+//   kMR, kNR (blocking: MR activation rows × NR weight rows of accumulators), kNR1 (NR when there is one row)
 // Lane layout of a unit: lanes 0..W-1 then W..2W-1 hold k0+0..W-1, k0+W..2W-1 (bf16, fp8), or the even columns
 // k0+0,2,..,2W-2 then the odd ones k0+1,3,..,2W-1 (fp4: what a nibble split of W packed bytes gives).
 #pragma once
@@ -15,8 +18,6 @@
 namespace static_moe {
 namespace cpu {
 namespace {
-
-constexpr int kMaxPanelNR = 8;
 
 // e4m3fn code -> float32, exactly (NaN codes 0x7F / 0xFF give NaN), as torch's .float().
 inline float e4m3fn_to_float(uint8_t c) {
@@ -91,14 +92,32 @@ struct GemmKernels {
     return r;
   }
 
+  static constexpr int64_t kChunk = V::kScaleChunk;  // k per prepared chunk of scales
+  static_assert(kChunk % kFp8WeightBlock == 0 && kChunk % U == 0, "a scale chunk holds whole blocks and units");
   template <WeightFormat F>
-  static inline void decode(const RowPtrs& r, int64_t k0, vec& lo, vec& hi, uint32_t& bad) {
+  static constexpr int64_t block() { return F == WeightFormat::Fp8 ? kFp8WeightBlock : kFp4WeightBlock; }
+
+  // Scales of k in [kc, kend) of one weight row into `out` (floats; nothing for bf16).
+  template <WeightFormat F>
+  static inline void chunk_scales(const RowPtrs& r, int64_t kc, int64_t kend, float* out, uint32_t& bad) {
+    if constexpr (F == WeightFormat::Fp8) {
+      V::fp8_scales(static_cast<const float*>(r.s) + kc / kFp8WeightBlock,
+                    static_cast<int>((kend - kc) / kFp8WeightBlock), out);
+    } else if constexpr (F == WeightFormat::Fp4) {
+      V::fp4_scales(static_cast<const uint8_t*>(r.s) + kc / kFp4WeightBlock,
+                    static_cast<int>((kend - kc) / kFp4WeightBlock), out, bad);
+    }
+  }
+
+  // Unit [k0, k0 + U) of a row; s: the row's chunk of scales, prepared from column kc.
+  template <WeightFormat F>
+  static inline void decode(const RowPtrs& r, int64_t k0, int64_t kc, const float* s, vec& lo, vec& hi) {
     if constexpr (F == WeightFormat::Bf16) {
       V::decode_bf16(r.q, k0, lo, hi);
     } else if constexpr (F == WeightFormat::Fp8) {
-      V::decode_fp8(r.q, static_cast<const float*>(r.s), k0, lo, hi);
+      V::decode_fp8(r.q, k0, s + (k0 - kc) / kFp8WeightBlock, lo, hi);
     } else {
-      V::decode_fp4(r.q, static_cast<const uint8_t*>(r.s), k0, lo, hi, bad);
+      V::decode_fp4(r.q, k0, s + (k0 - kc) / kFp4WeightBlock, lo, hi);
     }
   }
 
@@ -113,128 +132,75 @@ struct GemmKernels {
 
   // Few rows: decode each unit of NR weight rows into registers and use it at once for all MR rows.
   template <WeightFormat F, int MR, int NR>
-  static void fused_block(const float* const* a, const ExpertWeight& w, int64_t n, const OutRows& out,
-                          uint32_t& bad) {
-    const float* ap[MR];
-    for (int i = 0; i < MR; ++i) ap[i] = a[i];
-    RowPtrs rp[NR];
-    for (int j = 0; j < NR; ++j) rp[j] = row_ptrs<F>(w, n + j);
-    vec acc[MR][NR];
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j] = V::zero();
-    const int64_t K = w.k;
-    for (int64_t k0 = 0; k0 < K; k0 += U) {
-      for (int j = 0; j < NR; ++j) {
-        vec lo, hi;
-        decode<F>(rp[j], k0, lo, hi, bad);
-        for (int i = 0; i < MR; ++i) {
-          acc[i][j] = V::fma(V::load(ap[i] + k0), lo, acc[i][j]);
-          acc[i][j] = V::fma(V::load(ap[i] + k0 + W), hi, acc[i][j]);
-        }
-      }
-    }
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) emit(out, i, n + j, V::reduce(acc[i][j]));
-  }
-
-  // Many rows: decode NR weight rows once into the panel [K/U][NR][U] ...
-  template <WeightFormat F, int NR>
-  static void decode_panel(const ExpertWeight& w, int64_t n, float* panel, uint32_t& bad) {
-    RowPtrs rp[NR];
-    for (int j = 0; j < NR; ++j) rp[j] = row_ptrs<F>(w, n + j);
-    const int64_t K = w.k;
-    for (int64_t k0 = 0; k0 < K; k0 += U) {
-      float* p = panel + k0 * NR;
-      for (int j = 0; j < NR; ++j) {
-        vec lo, hi;
-        decode<F>(rp[j], k0, lo, hi, bad);
-        V::store(p + j * U, lo);
-        V::store(p + j * U + W, hi);
-      }
-    }
-  }
-
-  // ... then run every block of MR rows over it, with the same per-(row, weight row) FMA sequence as fused_block.
-  template <int MR, int NR>
-  static void panel_block(const float* const* a, const float* panel, int64_t K, int64_t n, int64_t i0,
-                          const OutRows& out) {
+  static void fused_block(const float* const* a, int64_t i0, const ExpertWeight& w, int64_t n, const OutRows& out,
+                          uint32_t& bad_out) {
     const float* ap[MR];
     for (int i = 0; i < MR; ++i) ap[i] = a[i0 + i];
+    RowPtrs rp[NR];
+    for (int j = 0; j < NR; ++j) rp[j] = row_ptrs<F>(w, n + j);
+    alignas(64) float sc[NR][kChunk / kFp4WeightBlock];
+    uint32_t bad = 0;
     vec acc[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) acc[i][j] = V::zero();
-    for (int64_t k0 = 0; k0 < K; k0 += U) {
-      const float* p = panel + k0 * NR;
-      for (int i = 0; i < MR; ++i) {
-        const vec alo = V::load(ap[i] + k0), ahi = V::load(ap[i] + k0 + W);
+    const int64_t K = w.k;
+    for (int64_t kc = 0; kc < K; kc += kChunk) {
+      const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
+      for (int j = 0; j < NR; ++j) chunk_scales<F>(rp[j], kc, kend, sc[j], bad);
+      for (int64_t k0 = kc; k0 < kend; k0 += U) {
         for (int j = 0; j < NR; ++j) {
-          acc[i][j] = V::fma(alo, V::load(p + j * U), acc[i][j]);
-          acc[i][j] = V::fma(ahi, V::load(p + j * U + W), acc[i][j]);
+          vec lo, hi;
+          decode<F>(rp[j], k0, kc, sc[j], lo, hi);
+          for (int i = 0; i < MR; ++i) {
+            acc[i][j] = V::fma(V::load(ap[i] + k0), lo, acc[i][j]);
+            acc[i][j] = V::fma(V::load(ap[i] + k0 + W), hi, acc[i][j]);
+          }
         }
       }
     }
+    bad_out |= bad;
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) emit(out, i0 + i, n + j, V::reduce(acc[i][j]));
   }
 
-  template <WeightFormat F, int MR>
-  static void fused_rows(const float* const* a, const ExpertWeight& w, int64_t n0, int64_t n1, const OutRows& out,
+  // NR weight rows from n for all m rows: blocks of MR rows, each decoding the NR rows' units again (they stay in
+  // L1; re-decoding costs less than storing and reloading a decoded panel).
+  template <WeightFormat F, int NR>
+  static void row_blocks(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                          uint32_t& bad) {
-    constexpr int NR = MR == 1 ? V::kFusedNR1 : V::kFusedNR;
-    int64_t n = n0;
-    for (; n + NR <= n1; n += NR) fused_block<F, MR, NR>(a, w, n, out, bad);
-    for (; n < n1; ++n) fused_block<F, MR, 1>(a, w, n, out, bad);
-  }
-
-  template <int NR>
-  static void panel_rows(const float* const* a, int64_t m, const float* panel, int64_t K, int64_t n,
-                         const OutRows& out) {
-    constexpr int MR = V::kPanelMR;
+    constexpr int MR = V::kMR;
+    static_assert(MR <= 4, "tails below cover MR <= 4");
     int64_t i = 0;
-    for (; i + MR <= m; i += MR) panel_block<MR, NR>(a, panel, K, n, i, out);
-    switch (m - i) {  // MR <= 4
-      case 1: panel_block<1, NR>(a, panel, K, n, i, out); break;
-      case 2: panel_block<(MR > 2 ? 2 : 1), NR>(a, panel, K, n, i, out); break;
-      case 3: panel_block<(MR > 3 ? 3 : 1), NR>(a, panel, K, n, i, out); break;
+    for (; i + MR <= m; i += MR) fused_block<F, MR, NR>(a, i, w, n, out, bad);
+    switch (m - i) {
+      case 1: fused_block<F, 1, NR>(a, i, w, n, out, bad); break;
+      case 2: fused_block<F, (MR > 2 ? 2 : 1), NR>(a, i, w, n, out, bad); break;
+      case 3: fused_block<F, (MR > 3 ? 3 : 1), NR>(a, i, w, n, out, bad); break;
       default: break;
     }
   }
 
   template <WeightFormat F>
   static bool run_format(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                         const OutRows& out, float* panel) {
+                         const OutRows& out) {
     uint32_t bad = 0;
-    if (m <= V::kFusedMaxRows) {
-      switch (m) {
-        case 1: fused_rows<F, 1>(a, w, n0, n1, out, bad); break;
-        case 2: fused_rows<F, (V::kFusedMaxRows >= 2 ? 2 : 1)>(a, w, n0, n1, out, bad); break;
-        case 3: fused_rows<F, (V::kFusedMaxRows >= 3 ? 3 : 1)>(a, w, n0, n1, out, bad); break;
-        case 4: fused_rows<F, (V::kFusedMaxRows >= 4 ? 4 : 1)>(a, w, n0, n1, out, bad); break;
-        default: break;
-      }
-      return bad == 0;
-    }
-    constexpr int NR = V::kPanelNR;
-    static_assert(NR <= kMaxPanelNR, "panel scratch is sized for kMaxPanelNR weight rows");
     int64_t n = n0;
-    for (; n + NR <= n1; n += NR) {
-      decode_panel<F, NR>(w, n, panel, bad);
-      panel_rows<NR>(a, m, panel, w.k, n, out);
+    if (m == 1) {  // one row: more weight rows per block keep enough FMA chains in flight
+      for (; n + V::kNR1 <= n1; n += V::kNR1) fused_block<F, 1, V::kNR1>(a, 0, w, n, out, bad);
+    } else {
+      for (; n + V::kNR <= n1; n += V::kNR) row_blocks<F, V::kNR>(a, m, w, n, out, bad);
     }
-    for (; n < n1; ++n) {
-      decode_panel<F, 1>(w, n, panel, bad);
-      panel_rows<1>(a, m, panel, w.k, n, out);
-    }
+    for (; n < n1; ++n) row_blocks<F, 1>(a, m, w, n, out, bad);
     return bad == 0;
   }
 
   static bool run(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                  const OutRows& out, float* scratch) {
+                  const OutRows& out) {
     if (m <= 0 || n1 <= n0) return true;
     switch (w.format) {
-      case WeightFormat::Bf16: return run_format<WeightFormat::Bf16>(a, m, w, n0, n1, out, scratch);
-      case WeightFormat::Fp8: return run_format<WeightFormat::Fp8>(a, m, w, n0, n1, out, scratch);
-      case WeightFormat::Fp4: return run_format<WeightFormat::Fp4>(a, m, w, n0, n1, out, scratch);
+      case WeightFormat::Bf16: return run_format<WeightFormat::Bf16>(a, m, w, n0, n1, out);
+      case WeightFormat::Fp8: return run_format<WeightFormat::Fp8>(a, m, w, n0, n1, out);
+      case WeightFormat::Fp4: return run_format<WeightFormat::Fp4>(a, m, w, n0, n1, out);
     }
     return true;
   }

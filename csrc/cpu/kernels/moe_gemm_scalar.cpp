@@ -17,11 +17,9 @@ constexpr float kE2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.
 struct V1 {
   using vec = float;
   static constexpr int W = 1;
-  static constexpr int kFusedMaxRows = 4;
-  static constexpr int kFusedNR1 = 4;
-  static constexpr int kFusedNR = 2;
-  static constexpr int kPanelMR = 4;
-  static constexpr int kPanelNR = 2;
+  static constexpr int kMR = 4;
+  static constexpr int kNR = 2;
+  static constexpr int kNR1 = 4;
 
   static inline vec zero() { return 0.0f; }
   static inline vec load(const float* p) { return *p; }
@@ -34,19 +32,25 @@ struct V1 {
     lo = bf16_to_float(p[0]);
     hi = bf16_to_float(p[1]);
   }
-  static inline void decode_fp8(const uint8_t* row, const float* srow, int64_t k0, vec& lo, vec& hi) {
-    const float s = srow[k0 >> 7];
-    lo = e4m3fn_to_float(row[k0]) * s;
-    hi = e4m3fn_to_float(row[k0 + 1]) * s;
+  static constexpr int64_t kScaleChunk = 512;
+
+  static inline void fp8_scales(const float* s, int nb, float* out) {
+    for (int i = 0; i < nb; ++i) out[i] = s[i];
   }
-  static inline void decode_fp4(const uint8_t* row, const uint8_t* srow, int64_t k0, vec& lo, vec& hi,
-                                uint32_t& bad) {
-    const uint8_t b = srow[k0 >> 5];
-    bad |= b == 0xFFu;
-    const float s = ue8m0_to_float(b);
+  static inline void fp4_scales(const uint8_t* s, int nb, float* out, uint32_t& bad) {
+    for (int i = 0; i < nb; ++i) {
+      bad |= s[i] == 0xFFu;
+      out[i] = ue8m0_to_float(s[i]);
+    }
+  }
+  static inline void decode_fp8(const uint8_t* row, int64_t k0, const float* s, vec& lo, vec& hi) {
+    lo = e4m3fn_to_float(row[k0]) * *s;
+    hi = e4m3fn_to_float(row[k0 + 1]) * *s;
+  }
+  static inline void decode_fp4(const uint8_t* row, int64_t k0, const float* s, vec& lo, vec& hi) {
     const uint8_t q = row[k0 >> 1];
-    lo = kE2m1[q & 0xF] * s;
-    hi = kE2m1[q >> 4] * s;
+    lo = kE2m1[q & 0xF] * *s;
+    hi = kE2m1[q >> 4] * *s;
   }
 };
 
@@ -60,8 +64,8 @@ void prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
 }
 
 bool expert_gemm_rows(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                      const OutRows& out, float* scratch) {
-  return GemmKernels<V1>::run(a, m, w, n0, n1, out, scratch);
+                      const OutRows& out) {
+  return GemmKernels<V1>::run(a, m, w, n0, n1, out);
 }
 
 }  // namespace scalar
