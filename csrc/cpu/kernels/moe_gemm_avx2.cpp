@@ -26,8 +26,8 @@ namespace {
 struct V256 {
   using vec = __m256;
   static constexpr int W = 8;
-  static constexpr int kMR = 2;
-  static constexpr int kNR = 4;
+  static constexpr int kMR = 4;
+  static constexpr int kNR = 2;
   static constexpr int kNR1 = 4;
 
   static inline vec zero() { return _mm256_setzero_ps(); }

@@ -130,14 +130,23 @@ struct GemmKernels {
     }
   }
 
-  // Few rows: decode each unit of NR weight rows into registers and use it at once for all MR rows.
+  // k per 64-byte cache line of a weight row.
+  template <WeightFormat F>
+  static constexpr int64_t line_k() { return F == WeightFormat::Fp4 ? 128 : (F == WeightFormat::Fp8 ? 64 : 32); }
+
+  // Few rows: decode each unit of NR weight rows into registers and use it at once for all MR rows. With
+  // `prefetch`, the same lines of the next NR weight rows are requested one block ahead (one core alone does not
+  // keep enough DRAM reads in flight to stream the weights at full bandwidth).
   template <WeightFormat F, int MR, int NR>
   static void fused_block(const float* const* a, int64_t i0, const ExpertWeight& w, int64_t n, const OutRows& out,
-                          uint32_t& bad_out) {
+                          bool prefetch, uint32_t& bad_out) {
+    constexpr int64_t KL = line_k<F>() > U ? line_k<F>() : U;
+    static_assert(kChunk % KL == 0, "a scale chunk holds whole cache lines");
     const float* ap[MR];
     for (int i = 0; i < MR; ++i) ap[i] = a[i0 + i];
     RowPtrs rp[NR];
     for (int j = 0; j < NR; ++j) rp[j] = row_ptrs<F>(w, n + j);
+    const uint8_t* next = w.data + (n + NR) * w.row_stride;  // a hint only: never dereferenced
     alignas(64) float sc[NR][kChunk / kFp4WeightBlock];
     uint32_t bad = 0;
     vec acc[MR][NR];
@@ -147,13 +156,19 @@ struct GemmKernels {
     for (int64_t kc = 0; kc < K; kc += kChunk) {
       const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
       for (int j = 0; j < NR; ++j) chunk_scales<F>(rp[j], kc, kend, sc[j], bad);
-      for (int64_t k0 = kc; k0 < kend; k0 += U) {
-        for (int j = 0; j < NR; ++j) {
-          vec lo, hi;
-          decode<F>(rp[j], k0, kc, sc[j], lo, hi);
-          for (int i = 0; i < MR; ++i) {
-            acc[i][j] = V::fma(V::load(ap[i] + k0), lo, acc[i][j]);
-            acc[i][j] = V::fma(V::load(ap[i] + k0 + W), hi, acc[i][j]);
+      for (int64_t kl = kc; kl < kend; kl += KL) {
+        if (prefetch) {
+          const int64_t byte = kl * line_k<WeightFormat::Bf16>() / line_k<F>() * 2;  // kl's byte in a row
+          for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + byte, 0, 3);
+        }
+        for (int64_t k0 = kl; k0 < kl + KL; k0 += U) {
+          for (int j = 0; j < NR; ++j) {
+            vec lo, hi;
+            decode<F>(rp[j], k0, kc, sc[j], lo, hi);
+            for (int i = 0; i < MR; ++i) {
+              acc[i][j] = V::fma(V::load(ap[i] + k0), lo, acc[i][j]);
+              acc[i][j] = V::fma(V::load(ap[i] + k0 + W), hi, acc[i][j]);
+            }
           }
         }
       }
@@ -171,11 +186,11 @@ struct GemmKernels {
     constexpr int MR = V::kMR;
     static_assert(MR <= 4, "tails below cover MR <= 4");
     int64_t i = 0;
-    for (; i + MR <= m; i += MR) fused_block<F, MR, NR>(a, i, w, n, out, bad);
+    for (; i + MR <= m; i += MR) fused_block<F, MR, NR>(a, i, w, n, out, i == 0, bad);
     switch (m - i) {
-      case 1: fused_block<F, 1, NR>(a, i, w, n, out, bad); break;
-      case 2: fused_block<F, (MR > 2 ? 2 : 1), NR>(a, i, w, n, out, bad); break;
-      case 3: fused_block<F, (MR > 3 ? 3 : 1), NR>(a, i, w, n, out, bad); break;
+      case 1: fused_block<F, 1, NR>(a, i, w, n, out, i == 0, bad); break;
+      case 2: fused_block<F, (MR > 2 ? 2 : 1), NR>(a, i, w, n, out, i == 0, bad); break;
+      case 3: fused_block<F, (MR > 3 ? 3 : 1), NR>(a, i, w, n, out, i == 0, bad); break;
       default: break;
     }
   }
@@ -186,7 +201,7 @@ struct GemmKernels {
     uint32_t bad = 0;
     int64_t n = n0;
     if (m == 1) {  // one row: more weight rows per block keep enough FMA chains in flight
-      for (; n + V::kNR1 <= n1; n += V::kNR1) fused_block<F, 1, V::kNR1>(a, 0, w, n, out, bad);
+      for (; n + V::kNR1 <= n1; n += V::kNR1) fused_block<F, 1, V::kNR1>(a, 0, w, n, out, true, bad);
     } else {
       for (; n + V::kNR <= n1; n += V::kNR) row_blocks<F, V::kNR>(a, m, w, n, out, bad);
     }
