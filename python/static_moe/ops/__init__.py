@@ -5,6 +5,5 @@ from .forward import forward
 from .local_experts import local_experts
 from .pack_rows import pack_rows, unpack_rows
 from .swiglu_and_cast import swiglu_and_cast
-from . import _reference_fallback  # noqa: F401,E402  TEMPORARY: see the module docstring
 
 __all__ = ["pack_rows", "unpack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward"]
