@@ -52,7 +52,7 @@ def _run_and_check(act, wfmt, group, rows, k, n, mask, skip, seed, scale=1.0, wh
 
 
 @pytest.mark.parametrize("act,wfmt,group", PAIRS_G, ids=[f"{a}x{w}-g{g}" for a, w, g in PAIRS_G])
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, 200), kb=st.integers(1, 3), nb=st.integers(1, 3),
        density=st.sampled_from([0.0, 0.3, 1.0]), skip=st.booleans(), seed=st.integers(0, 2**16),
