@@ -121,6 +121,7 @@ def main(argv=None) -> None:
         elapsed[name] = time.perf_counter() - t0
         print(f"[{name}] {elapsed[name]:.0f} s", flush=True)
     report.meta["elapsed_s"] = elapsed
+    report.refresh_limits(H.measure_machine(report.limits.threads, quick=args.quick))  # best of start and end
 
     print()
     print(report.header())
