@@ -7,7 +7,8 @@
 // V provides (W = lanes; a "unit" is U = 2W consecutive k of one weight row, decoded into two vectors lo, hi):
 //   vec zero(); vec load(const float*); void store(float*, vec); vec fma(a, b, c) = a·b + c; float reduce(vec)
 //   decode_bf16(row, k0, lo, hi); decode_fp8(row, k0, s, lo, hi); decode_fp4(row, k0, s, lo, hi), where s points
-//     at the unit's scale in a chunk prepared by fp8_scales(src, nb, out) (out = src · kFp8ScaleMul) or
+//     at the unit's scale in a chunk prepared by fp8_scales(src, nb, out) (out = src times whatever factor that
+//     ISA's decode_fp8 expects) or
 //     fp4_scales(src, nb, out, bad) (out = 2^(b-127), bad |= any b == 255), one chunk per kScaleChunk k of a row,
 //     so the per-unit work is vector-only (no scalar scale decode in the hot loop)
 //   kMR, kNR (blocking: MR activation rows × NR weight rows of accumulators), kNR1 (NR when there is one row)
@@ -31,14 +32,7 @@ inline float e4m3fn_to_float(uint8_t c) {
 // UE8M0 byte -> 2^(b-127), exactly (b = 0 is the subnormal 2^-127; b = 255 gives +inf, callers flag it).
 inline float ue8m0_to_float(uint8_t b) { return bits_float(b == 0 ? 0x00400000u : static_cast<uint32_t>(b) << 23); }
 
-// Logical column (within its unit) that lane position p of a unit holds.
-template <int W>
-inline int64_t lane_column(WeightFormat wf, int64_t p) {
-  if (wf != WeightFormat::Fp4 || W == 1) return p;
-  const int64_t u = p / (2 * W) * (2 * W), r = p % (2 * W);
-  return u + (r < W ? 2 * r : 2 * (r - W) + 1);
-}
-
+// Activation values -> float32 in the lane layout of W-lane units (see above; W = 1: natural order).
 template <int W>
 void prepare_activation_impl(WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
                              int64_t k, float* out) {
@@ -94,8 +88,6 @@ struct GemmKernels {
 
   static constexpr int64_t kChunk = V::kScaleChunk;  // k per prepared chunk of scales
   static_assert(kChunk % kFp8WeightBlock == 0 && kChunk % U == 0, "a scale chunk holds whole blocks and units");
-  template <WeightFormat F>
-  static constexpr int64_t block() { return F == WeightFormat::Fp8 ? kFp8WeightBlock : kFp4WeightBlock; }
 
   // Scales of k in [kc, kend) of one weight row into `out` (floats; nothing for bf16).
   template <WeightFormat F>
