@@ -23,11 +23,11 @@ def _weights(num_experts, n, k, fmt, gen):
     return quantize_weight(w, fmt)
 
 
-def _activations(rows, k, act, group, gen, scale=1.0):
+def _activations(rows, k, act, group, gen, scale=1.0, pow2=True):
     x = torch.randn(rows, k, generator=gen) * scale
     if act == "bf16":
         return x.to(torch.bfloat16), None
-    return quantize_activation(x, group)
+    return quantize_activation(x, group, pow2_scale=pow2)
 
 
 def _poison_rows(a, a_scale, rows):
@@ -64,14 +64,15 @@ def _poison_other_experts(b, b_scale, keep):
     num_experts=st.integers(1, 4),
     mask_p=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
     scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    pow2=st.booleans(),
     data=st.data(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p, scale, data, seed):
+def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p, scale, pow2, data, seed):
     act, wf = pair
     gen = torch.Generator().manual_seed(seed)
     expert = data.draw(st.integers(0, num_experts - 1), label="expert")
-    a, a_s = _activations(rows, k, act, group, gen, scale)
+    a, a_s = _activations(rows, k, act, group, gen, scale, pow2)
     b, b_s = _weights(num_experts, n, k, wf, gen)
     mask = torch.rand(rows, generator=gen) < mask_p
     ref = reference.expert_gemm(a, a_s, b, b_s, mask, expert)
@@ -238,6 +239,12 @@ def test_rejects_nan_scale_byte_of_the_expert_it_reads(dtype, rng):
     # Expert 1's bytes are fine: an expert that is not computed is not read.
     assert_gemm_close(static_moe.expert_gemm(a, None, b, b_s, _M4, 1),
                       reference.expert_gemm(a, None, b, b_s.view(torch.uint8), _M4, 1))
+
+
+def test_rejects_unknown_forced_isa(monkeypatch):
+    monkeypatch.setenv("STATIC_MOE_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match=r"STATIC_MOE_CPU_ISA must be one of scalar, avx2, avx512, auto"):
+        static_moe.expert_gemm(_a(), None, _b(), None, _M4, 0)
 
 
 def test_fake_kernel_rejects_like_eager():
