@@ -26,6 +26,10 @@ quantized operand is *decoded* from its bytes with integer ops, never reinterpre
 
 The GEMM then runs in bf16 with fp32 PSUM accumulation over the whole K (scales are already in the operands).
 
+On trn3 (NeuronCore-v4, ``nisa.get_nc_version() == gen4``) e4m3fn is a matmul input: fp8 weights skip the
+decode and go to the TensorE as stored (transposed as bytes), each 128-wide K block its own PSUM group whose
+weight scale is applied when VectorE evacuates it. fp4 keeps the decode (the MX matmul is not used yet).
+
 Layout: weights stationary, tokens moving (as nki-library's decode MoE, core/moe/moe_tkg)
 -------------------------------------------------------------------------------------------
 The weights are stored as nn.Linear stores them, ``[N, K]`` ("EOI"), so a weight row-block DMAs contiguously onto
@@ -280,16 +284,65 @@ def weight_evac_engines(fmt: str):
     return (nisa.engine.scalar, nisa.engine.vector) if fmt == "bf16" else (nisa.engine.scalar,)
 
 
-def weight_kmajor(wT, b, b_scale, e, row0: int, fmt: str, k: int, w_nat=None):
-    """One 128-row weight block of expert ``e`` as K-major bf16 tiles ``wT [P(k), K/128, P(n)]``.
+def native_fp8_weights(fmt: str) -> bool:
+    """Whether fp8 weights reach the TensorE as stored: OCP e4m3fn is a matmul input on trn3 (NeuronCore-v4);
+    trn2 decodes them (module docstring)."""
+    return fmt == "fp8" and nisa.get_nc_version() == nisa.nc_version.gen4
 
-    If ``w_nat`` (SBUF bf16 ``[P, K]``) is given it already holds the decoded rows; otherwise they are loaded.
+
+def load_weight_group(b, b_scale, e, row0: int, nblk: int, fmt: str, k: int):
+    """Load ``nblk`` 128-row weight blocks of expert ``e`` for :func:`block_times_rows`.
+
+    Returns:
+        ``(w, None)`` with w SBUF bf16 ``[P, nblk, K]`` decoded (scales folded in), or on trn3 for fp8 weights
+        ``(w, w_s)``: the e4m3fn bytes as stored ``[P, nblk, K]`` and their float32 scales ``[P, nblk, K/128]``.
     """
-    if w_nat is None:
-        w_nat = nl.ndarray((P, 1, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="w_nat")
-        load_weight_blocks(w_nat, b, b_scale, e, row0, 1, fmt, k)
-        w_nat = w_nat.reshape((P, k))
-    transpose_blocks(wT, w_nat, P, k // P, weight_evac_engines(fmt))
+    if native_fp8_weights(fmt):
+        w = nl.ndarray((P, nblk, k), dtype=nl.float8_e4m3fn, buffer=nl.sbuf, name="w_e4m3fn")
+        nisa.dma_copy(dst=w, src=expert_rows(b, e, row0, nblk))
+        w_s = nl.ndarray((P, nblk, k // 128), dtype=nl.float32, buffer=nl.sbuf, name="w_s")
+        nisa.dma_copy(dst=w_s, src=expert_rows(b_scale, e, row0, nblk))
+        return w, w_s
+    w = nl.ndarray((P, nblk, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="w_nat")
+    load_weight_blocks(w, b, b_scale, e, row0, nblk, fmt, k)
+    return w, None
+
+
+def block_times_rows(dst, group, j: int, aT, fmt: str, k: int, r: int):
+    """``dst [P(n), R] = bf16(W_j · Aᵀ)`` for block j of a loaded group: transpose, GEMM, one bf16 rounding.
+
+    Args:
+        dst: SBUF bf16 ``[P, R]``.
+        group: what :func:`load_weight_group` returned.
+        aT: SBUF bf16 ``[P(k), K/128, R]``.
+
+    Notes:
+        Decoded weights (scales folded in) accumulate the whole K in one PSUM group. Native fp8 weights (trn3)
+        cannot: each 128-wide K block is its own PSUM group, evacuated by VectorE with its weight scale
+        ``s[n, kb]`` as the per-partition operand (weights stationary puts n on partitions) into an fp32 SBUF sum.
+    """
+    w, w_s = group
+    nkb = k // P
+    wT = nl.ndarray((P, nkb, P), dtype=w.dtype, buffer=nl.sbuf, name="wT")
+    transpose_blocks(wT, w[:, j, :], P, nkb, weight_evac_engines(fmt))
+    if w_s is None:
+        o_ps = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.psum, name="o_psum")
+        gemm_ws(o_ps, wT, aT, nkb, r)
+        nisa.tensor_copy(dst=dst, src=o_ps, engine=nisa.engine.vector)  # the one bf16 rounding
+        return
+    acc = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.sbuf, name="o_acc")
+    for m0 in range(0, r, MOVING_MAX):
+        mr = min(MOVING_MAX, r - m0)
+        a_m = acc[:, m0:m0 + mr]
+        for kb in range(nkb):
+            ps = nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.psum, name="o_kb_psum")
+            nisa.nc_matmul(dst=ps, stationary=wT[:, kb, :], moving=aT[:, kb, m0:m0 + mr], accumulate=False)
+            scale = w_s[:, j, kb:kb + 1]
+            if kb == 0:
+                nisa.tensor_scalar(dst=a_m, data=ps, op0=nl.multiply, operand0=scale)
+            else:
+                nisa.scalar_tensor_tensor(dst=a_m, data=ps, op0=nl.multiply, operand0=scale, op1=nl.add, operand1=a_m)
+    nisa.tensor_copy(dst=dst, src=acc, engine=nisa.engine.vector)  # the one bf16 rounding
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -475,17 +528,11 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
     def body(_i=None):
         grp = rows_per_dma(fmt_b, k, nnb)
         for g0 in range(0, nnb, grp):
-            w_nat = nl.ndarray((P, grp, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="w_nat")
-            load_weight_blocks(w_nat, b, b_scale, expert, g0 * P, grp, fmt_b, k)
+            group = load_weight_group(b, b_scale, expert, g0 * P, grp, fmt_b, k)
             for j in range(grp):
-                nb = g0 + j
-                wT = nl.ndarray((P, nkb, P), dtype=nl.bfloat16, buffer=nl.sbuf, name="wT")
-                transpose_blocks(wT, w_nat[:, j, :], P, nkb, weight_evac_engines(fmt_b))
-                o_ps = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.psum, name="o_psum")
-                gemm_ws(o_ps, wT, aT, nkb, r)
                 o_bf = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="o_bf16")
-                nisa.tensor_copy(dst=o_bf, src=o_ps, engine=nisa.engine.vector)  # the one bf16 rounding
-                rows_from_kmajor(out_rows, o_bf, nb * P, r)
+                block_times_rows(o_bf, group, j, aT, fmt_b, k, r)
+                rows_from_kmajor(out_rows, o_bf, (g0 + j) * P, r)
 
     if skip_unrouted:
         nl.fori_loop(0, any_row_register(masks), body)

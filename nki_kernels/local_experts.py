@@ -37,13 +37,12 @@ from .expert_gemm import (
     MOVING_MAX,
     P,
     act_format,
-    gemm_ws,
+    block_times_rows,
     load_a_kmajor,
-    load_weight_blocks,
+    load_weight_group,
     rows_from_kmajor,
     rows_per_dma,
     transpose_blocks,
-    weight_evac_engines,
     weight_format,
     weight_k,
 )
@@ -195,22 +194,17 @@ def _column(t, e):
 def _expert_body(e, xT, accT, w_all_tiles, w13, w13_scale, w2, w2_scale, fmt_w, h, inter, r, swiglu_limit,
                  fp8_max, group):
     """One expert (static int or register e): GEMM1 → swiglu-and-cast → GEMM2 → acc^T += bf16(d^T)."""
-    nkb_h, nkb_i = h // P, inter // P
+    nkb_i = inter // P
     # ---- GEMM1: h^T blocks → row tiles h [rt, 2I] bf16
     h_rows = [nl.ndarray((min(P, r - r0), 2 * inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="h_rows")
               for r0 in range(0, r, P)]
     n_blocks = 2 * inter // P
     grp = rows_per_dma(fmt_w, h, n_blocks)
     for g0 in range(0, n_blocks, grp):
-        w_nat = nl.ndarray((P, grp, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="w13_nat")
-        load_weight_blocks(w_nat, w13, w13_scale, e, g0 * P, grp, fmt_w, h)
+        w13_tiles = load_weight_group(w13, w13_scale, e, g0 * P, grp, fmt_w, h)
         for j in range(grp):
-            wT = nl.ndarray((P, nkb_h, P), dtype=nl.bfloat16, buffer=nl.sbuf, name="w13T")
-            transpose_blocks(wT, w_nat[:, j, :], P, nkb_h, weight_evac_engines(fmt_w))
-            o_ps = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.psum, name="h_psum")
-            gemm_ws(o_ps, wT, xT, nkb_h, r)
             hT = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="hT")
-            nisa.tensor_copy(dst=hT, src=o_ps, engine=nisa.engine.vector)  # h = bf16(GEMM1)
+            block_times_rows(hT, w13_tiles, j, xT, fmt_w, h, r)  # h = bf16(GEMM1)
             rows_from_kmajor(h_rows, hT, (g0 + j) * P, r)
     # ---- swiglu-and-cast per row tile (rows on partitions: groups along the free dim), z → z^T bf16
     zT = nl.ndarray((P, nkb_i, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="zT")
@@ -236,16 +230,11 @@ def _expert_body(e, xT, accT, w_all_tiles, w13, w13_scale, w2, w2_scale, fmt_w, 
     n_blocks2 = h // P
     grp2 = rows_per_dma(fmt_w, inter, n_blocks2)
     for g0 in range(0, n_blocks2, grp2):
-        w_nat = nl.ndarray((P, grp2, inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="w2_nat")
-        load_weight_blocks(w_nat, w2, w2_scale, e, g0 * P, grp2, fmt_w, inter)
+        w2_tiles = load_weight_group(w2, w2_scale, e, g0 * P, grp2, fmt_w, inter)
         for j in range(grp2):
             hb = g0 + j
-            wT = nl.ndarray((P, nkb_i, P), dtype=nl.bfloat16, buffer=nl.sbuf, name="w2T")
-            transpose_blocks(wT, w_nat[:, j, :], P, nkb_i, weight_evac_engines(fmt_w))
-            o_ps = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.psum, name="d_psum")
-            gemm_ws(o_ps, wT, zT, nkb_i, r)
             d_bf = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="dT")
-            nisa.tensor_copy(dst=d_bf, src=o_ps, engine=nisa.engine.vector)  # d = bf16(GEMM2)
+            block_times_rows(d_bf, w2_tiles, j, zT, fmt_w, inter, r)  # d = bf16(GEMM2)
             nisa.tensor_tensor(dst=accT[:, hb, :], data1=accT[:, hb, :], data2=d_bf, op=nl.add)
 
 

@@ -185,3 +185,21 @@ def test_neuron_device_dispatch():  # pragma: no cover - needs a Neuron device
     ref = ref_expert_gemm(a, a_s, b, b_s, mask, 1)
     out = torch.ops.static_moe.expert_gemm(a.to(dev), a_s.to(dev), b.to(dev), b_s.to(dev), mask.to(dev), 1)
     assert_gemm_close(out.cpu(), ref)
+
+
+@interpreter_only
+@pytest.mark.parametrize("act,group", [("bf16", 128), ("fp8", 32)])
+def test_trn3_feeds_fp8_weights_to_the_tensor_engine_undecoded(act, group):
+    """On trn3 (e4m3fn is a matmul input) fp8 weights skip the bit decode: per-K-block PSUM groups, scales on
+    evacuation. Same results within SPEC §2; no GpSimd (decode) instruction runs for bf16 A."""
+    from static_moe.nki import interpreter
+    from static_moe.nki.interpreter import last_run
+
+    rows, k, n = 70, 384, 256
+    mask = torch.rand(rows, generator=torch.Generator().manual_seed(1)) < 0.7
+    with interpreter.target("trn3"):
+        _run_and_check(act, "fp8", group, rows, k, n, mask, True, 21, what=f"trn3 {act}xfp8")
+        names = last_run().cost.by_name
+    # only the A side decodes on GpSimd (2 ORs + 2 scale folds per 128-row tile of fp8 A)
+    assert names.get("gpsimd.tensor_tensor", 0) == (0 if act == "bf16" else 4 * ((rows + 127) // 128))
+    assert last_run().target == "trn3"
