@@ -127,7 +127,7 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
 
   at::Tensor acc = at::zeros({R, H}, x.options().dtype(at::kFloat));
   const int64_t n_routed = static_cast<int64_t>(rt.routed.size());
-  if (n_routed == 0) return acc;
+  if (n_routed == 0 || H == 0) return acc;
 
   const cpu::WeightTensors w13t = cpu::weight_tensors(w13, w13_scale, sh.weight, H);
   const cpu::WeightTensors w2t = cpu::weight_tensors(w2, w2_scale, sh.weight, I);
