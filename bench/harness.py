@@ -484,7 +484,7 @@ class Report:
 
         paths = []
 
-        fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+        fig, axes = plt.subplots(1, len(shapes), figsize=(max(6.0, 5 * len(shapes)), 4), squeeze=False)
         for ax, shape in zip(axes[0], shapes):
             for lab, rs in series([r for r in recs if r["shape"] == shape]).items():
                 pts = [(r["tokens"], r["roofline_fraction"]) for r in rs if r.get("roofline_fraction")]
@@ -494,7 +494,7 @@ class Report:
             ax.axhline(1.0, color="grey", lw=0.5)
             style(ax, log_y=False)
             ax.set_ylim(0, max(1.05, ax.get_ylim()[1]))
-        fig.suptitle(f"{bench}: roofline fraction ({self.limits.threads} threads)")
+        fig.suptitle(f"{bench}: roofline fraction, fp32 compute limit ({self.limits.threads} threads)", fontsize=10)
         fig.tight_layout()
         paths.append(out_dir / f"{bench}_roofline.png")
         fig.savefig(paths[-1], dpi=90)
@@ -502,7 +502,7 @@ class Report:
 
         names = [n for n in BASELINES if any((r.get("speedup") or {}).get(n) for r in recs)]
         if names:
-            fig, axes = plt.subplots(len(shapes), len(names), figsize=(4.5 * len(names), 3.5 * len(shapes)),
+            fig, axes = plt.subplots(len(shapes), len(names), figsize=(max(6.0, 4.5 * len(names)), 3.5 * len(shapes)),
                                      squeeze=False)
             for i, shape in enumerate(shapes):
                 for j, name in enumerate(names):
@@ -514,7 +514,7 @@ class Report:
                     ax.axhline(1.0, color="grey", lw=0.5)
                     ax.set(xlabel="tokens per rank", ylabel=f"speed-up vs {name}", title=MODEL_SHAPES[shape].name)
                     style(ax, log_y=True)
-            fig.suptitle(f"{bench}: speed-up of static_moe over the baselines ({self.limits.threads} threads)")
+            fig.suptitle(f"{bench}: speed-up of static_moe over the baselines ({self.limits.threads} threads)", fontsize=10)
             fig.tight_layout()
             paths.append(out_dir / f"{bench}_speedup.png")
             fig.savefig(paths[-1], dpi=90)
