@@ -87,11 +87,11 @@ def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p
 
 @pytest.mark.parametrize("pair", FORMAT_PAIRS, ids=PAIR_IDS)
 def test_batch_invariance(cpu_isa, pair, rng):
-    # 24 rows × N=200 (not a multiple of any column block) × K=384: the batch runs threaded through the decoded
-    # panel path, single rows and small subsets through the register path on one thread. Bits must agree.
+    # 24 rows × N=600 (3 column chunks for the threads; not a multiple of any column block) × K=384: the batch runs
+    # threaded in blocks of several rows, single rows on one thread with the one-row blocking. Bits must agree.
     act, wf = pair
     a, a_s = _activations(24, 384, act, 32, rng)
-    b, b_s = _weights(2, 200, 384, wf, rng)
+    b, b_s = _weights(2, 600, 384, wf, rng)
     full = static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(24, dtype=torch.bool), 1)
     for r in [0, 5, 23]:
         mask = torch.zeros(24, dtype=torch.bool)

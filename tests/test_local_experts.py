@@ -100,11 +100,12 @@ def test_matches_reference(cpu_isa, pair, group, tokens, pad, hidden, inter, num
 
 @pytest.mark.parametrize("pair", FORMAT_PAIRS, ids=PAIR_IDS)
 def test_batch_invariance(cpu_isa, pair, rng):
-    # 20 rows over 3 local experts (top-2 of 6, skewed to expert 0): the batch runs threaded through the decoded
-    # panel path (> 4 rows per expert), single rows through the register path. Bits must agree.
+    # 20 rows over 3 local experts (top-2 of 6, skewed to expert 0), H = 512 and I = 256 (two chunks each for the
+    # threads): the batch runs in blocks of several rows per expert, single rows with the one-row blocking. Bits
+    # must agree.
     act, wf = pair
-    w = make_weights(3, 256, 256, wf, seed=1)
-    x, x_s = make_activations(20, 256, act, 32, seed=2)
+    w = make_weights(3, 512, 256, wf, seed=1)
+    x, x_s = make_activations(20, 512, act, 32, seed=2)
     idx, wts = make_routing(20, 2, 6, seed=3, skew=0.5)
     full = static_moe.local_experts(*_args(x, x_s, idx, wts, w, 0, 7.0))
     for r in [0, 7, 19]:

@@ -3,8 +3,8 @@
 //
 //   1. the active rows are the set bits of row_mask; only they are read (masked rows may hold NaN / 0xFF);
 //   2. they are converted once to float32 in the GEMM's lane layout (OpenMP over rows);
-//   3. the expert's N weight rows are split in contiguous column chunks across the OpenMP threads, so each thread
-//      streams its share of the weight bytes once, decoding it on the fly for every active row;
+//   3. the expert's N weight rows are cut in chunks of columns that the OpenMP threads take as they go, so each
+//      weight byte is streamed once, by one thread, and decoded on the fly for every active row;
 //   4. masked rows stay exact zeros.
 #include <ATen/ATen.h>
 #include <omp.h>
@@ -23,7 +23,9 @@ namespace {
 
 using namespace static_moe;
 
-constexpr int64_t kColumnTile = 64;        // columns per thread are whole tiles (a multiple of every NR)
+// Columns are handed out in chunks, first come first served, so a thread that streams faster does more of them;
+// a multiple of every NR, ~16 chunks at V4-Flash sizes.
+constexpr int64_t kColumnChunk = 256;
 constexpr int64_t kParallelMacs = 1 << 18; // below this many multiply-adds one thread beats waking a team
 
 at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>& a_scale, const at::Tensor& b,
@@ -72,14 +74,14 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   o.kind = cpu::OutKind::StoreBf16;
   o.rows = out_rows.data();
   o.col0 = 0;
-  const int max_threads = parallel ? omp_get_max_threads() : 1;
-  const int nt = static_cast<int>(std::min<int64_t>(max_threads, (N + kColumnTile - 1) / kColumnTile));
+  const int64_t chunks = (N + kColumnChunk - 1) / kColumnChunk;
+  const int nt = static_cast<int>(std::min<int64_t>(parallel ? omp_get_max_threads() : 1, chunks));
   int bad_scale = 0;
-#pragma omp parallel num_threads(nt) reduction(| : bad_scale)
-  {
-    int64_t n0, n1;
-    cpu::split_columns(N, kColumnTile, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
-    if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w, n0, n1, o)) bad_scale = 1;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(| : bad_scale)
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w, c * kColumnChunk, std::min(N, (c + 1) * kColumnChunk), o)) {
+      bad_scale = 1;
+    }
   }
   TORCH_CHECK_VALUE(!bad_scale, op, ": b_scale of expert ", expert,
                     " holds the UE8M0 NaN byte 255; scale bytes must be 0..254 (value 2^(b-127))");

@@ -5,15 +5,17 @@
 //             row's top-k weights whose id is e's global id; rows / slots naming other ids are never read further
 //   prepare   every routed row of x -> float32 in the GEMM lane layout, once (OpenMP over rows)
 //   per expert e with rows, in increasing e (experts without rows: no work, no weight reads):
-//     thread t owns the intermediate columns [i0, i1) (whole 128-column groups) and hidden columns [h0, h1)
-//     GEMM1  gate rows [i0, i1) and up rows [I+i0, I+i1) of W13_e -> h_t = bf16 [m, gate | up]   (thread-local)
-//     SwiGLU + cast of h_t with w (kernel of csrc/cpu/kernels/swiglu_and_cast.h; an fp8 group never straddles
-//            threads, so scales are those of the whole row) -> z columns [i0, i1) -> float32 into zf[e % 2]
+//     for each chunk [i0, i1) of intermediate columns (whole 128-column groups), by whichever thread takes it:
+//       GEMM1  gate rows [i0, i1) and up rows [I+i0, I+i1) of W13_e -> h = bf16 [m, gate | up]  (thread-local)
+//       SwiGLU + cast of h with w (kernel of csrc/cpu/kernels/swiglu_and_cast.h; an fp8 group never straddles
+//              chunks, so scales are those of the whole row) -> z columns [i0, i1) -> float32 into zf[e % 2]
 //     barrier (GEMM2 needs every column of z)
-//     GEMM2  rows [h0, h1) of W2_e over zf[e % 2] -> acc[row, h0:h1] += float(bf16(d))
-//   zf is double-buffered, so one barrier per expert suffices: a thread can only write zf[e % 2] again (expert
-//   e + 2) after the barrier of e + 1, which every thread reaches only after its GEMM2 of e. Each acc column is
-//   owned by one thread for all experts, so the fp32 adds run in increasing expert order, as the reference.
+//     for each chunk [h0, h1) of hidden columns: GEMM2 rows [h0, h1) of W2_e over zf[e % 2]
+//                                                -> acc[row, h0:h1] += float(bf16(d))
+//   No barrier after GEMM2: a thread moves on to the next expert's GEMM1. zf is double-buffered, so that is safe:
+//   a thread can only write zf[e % 2] again (expert e + 2) after the barrier of e + 1, which every thread reaches
+//   only after its GEMM2 chunks of e; and GEMM2 chunks of e + 1 start after that barrier too, so every acc element
+//   gets its fp32 adds in increasing expert order, as the reference, whichever threads do them.
 #include <ATen/ATen.h>
 #include <omp.h>
 #include <torch/library.h>
@@ -47,8 +49,12 @@ namespace {
 
 using namespace static_moe;
 
-constexpr int64_t kInterTile = 128;   // intermediate columns per thread: whole fp8 groups (g <= 128)
-constexpr int64_t kHiddenTile = 64;   // hidden columns per thread: a multiple of every NR
+// Work is handed out in chunks, first come first served (OpenMP dynamic schedule), so a thread that streams its
+// weights faster does not wait at the barrier for a slower one. Chunk sizes: whole fp8 groups (g <= 128) and a
+// multiple of every NR; small enough for ~16 chunks per expert at V4-Flash sizes, large enough that the
+// prefetch run-in at a chunk start costs little.
+constexpr int64_t kInterChunk = 128;   // intermediate columns: gate rows and the matching up rows of W13
+constexpr int64_t kHiddenChunk = 256;  // hidden columns: rows of W2
 
 // Rows routed to each local expert, grouped by expert (CSR), and the routing weight of each.
 struct Routing {
@@ -146,20 +152,18 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
   std::vector<float> xf(static_cast<size_t>(n_routed * H));     // routed rows of x, prepared for W13
   std::vector<float> zf(static_cast<size_t>(2 * M * I));        // z of the current / previous expert, for W2
 
-  const int nt = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), (H + kHiddenTile - 1) / kHiddenTile));
+  const int64_t n_inter_chunks = (I + kInterChunk - 1) / kInterChunk;
+  const int64_t n_hidden_chunks = (H + kHiddenChunk - 1) / kHiddenChunk;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), n_hidden_chunks)));
+  const int64_t z_bytes = fp8 ? 1 : 2;
   int bad13 = 0, bad2 = 0;
 #pragma omp parallel num_threads(nt) reduction(| : bad13, bad2)
   {
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t i0, i1, h0, h1;
-    cpu::split_columns(I, kInterTile, t, T, &i0, &i1);
-    cpu::split_columns(H, kHiddenTile, t, T, &h0, &h1);
-    const int64_t It = i1 - i0;
-    const int64_t z_bytes = fp8 ? 1 : 2;
-    std::vector<uint16_t> h(static_cast<size_t>(M * 2 * It));               // bf16 [m, gate | up]
-    std::vector<uint8_t> z(static_cast<size_t>(M * It * z_bytes));          // z columns [i0, i1)
-    std::vector<float> zs(static_cast<size_t>(fp8 ? M * (It / group) : 0));  // their group scales
-    std::vector<float> v(static_cast<size_t>(It));                           // swiglu scratch
+    // Per-thread buffers for one intermediate chunk of one expert.
+    std::vector<uint16_t> h(static_cast<size_t>(M * 2 * kInterChunk));        // bf16 [m, gate | up]
+    std::vector<uint8_t> z(static_cast<size_t>(M * kInterChunk * z_bytes));    // z of the chunk's columns
+    std::vector<float> zs(static_cast<size_t>(M * (kInterChunk / 32)));        // their group scales (fp8)
+    std::vector<float> v(static_cast<size_t>(kInterChunk));                    // swiglu scratch
     std::vector<const float*> a_rows(M);
     std::vector<void*> out_rows(M);
 
@@ -173,14 +177,14 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
     int par = 0;
     for (int64_t e = 0; e < L; ++e) {
       const int64_t b = rt.begin[e], m = rt.begin[e + 1] - b;
-      if (m == 0) continue;  // the same on every thread: the barrier count matches
+      if (m == 0) continue;  // the same on every thread: the worksharing constructs and barriers match
       float* zfe = zf.data() + par * M * I;
-      if (It > 0) {
-        const cpu::ExpertWeight w1 = cpu::expert_view(w13t, e);
-        for (int64_t i = 0; i < m; ++i) {
-          a_rows[i] = xf.data() + rt.slot_of[rt.rows[b + i]] * H;
-          out_rows[i] = h.data() + i * 2 * It;
-        }
+      const cpu::ExpertWeight w1 = cpu::expert_view(w13t, e);
+      for (int64_t i = 0; i < m; ++i) a_rows[i] = xf.data() + rt.slot_of[rt.rows[b + i]] * H;
+#pragma omp for schedule(dynamic, 1) nowait
+      for (int64_t c = 0; c < n_inter_chunks; ++c) {
+        const int64_t i0 = c * kInterChunk, i1 = std::min(I, i0 + kInterChunk), It = i1 - i0;
+        for (int64_t i = 0; i < m; ++i) out_rows[i] = h.data() + i * 2 * It;
         cpu::OutRows o;
         o.kind = cpu::OutKind::StoreBf16;
         o.rows = out_rows.data();
@@ -211,17 +215,21 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         }
       }
 #pragma omp barrier
-      if (h1 > h0) {
-        const cpu::ExpertWeight w2e = cpu::expert_view(w2t, e);
-        for (int64_t i = 0; i < m; ++i) {
-          a_rows[i] = zfe + i * I;
-          out_rows[i] = acc_base + rt.rows[b + i] * H;
+      const cpu::ExpertWeight w2e = cpu::expert_view(w2t, e);
+      for (int64_t i = 0; i < m; ++i) {
+        a_rows[i] = zfe + i * I;
+        out_rows[i] = acc_base + rt.rows[b + i] * H;
+      }
+      cpu::OutRows o;
+      o.kind = cpu::OutKind::AddBf16ToF32;
+      o.rows = out_rows.data();
+      o.col0 = 0;
+#pragma omp for schedule(dynamic, 1) nowait
+      for (int64_t c = 0; c < n_hidden_chunks; ++c) {
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w2e, c * kHiddenChunk, std::min(H, (c + 1) * kHiddenChunk),
+                                   o)) {
+          bad2 = 1;
         }
-        cpu::OutRows o;
-        o.kind = cpu::OutKind::AddBf16ToF32;
-        o.rows = out_rows.data();
-        o.col0 = 0;
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w2e, h0, h1, o)) bad2 = 1;
       }
       par ^= 1;
     }

@@ -1,11 +1,10 @@
 // Torch-side glue shared by the CPU bindings of expert_gemm and local_experts (csrc/cpu/expert_gemm.cpp,
 // csrc/cpu/local_experts.cpp): the ISA choice as a torch error, views of weight tensors for the torch-free GEMM
-// core (csrc/cpu/kernels/moe_gemm.h), and the split of output columns across threads.
+// core (csrc/cpu/kernels/moe_gemm.h).
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -66,14 +65,6 @@ inline ExpertWeight expert_view(const WeightTensors& t, int64_t e) {
     w.scale_row_stride = t.s.stride(1);
   }
   return w;
-}
-
-// Thread `t` of `nt` owns columns [begin, end) of [0, n): contiguous chunks of whole `align`-column tiles.
-inline void split_columns(int64_t n, int64_t align, int t, int nt, int64_t* begin, int64_t* end) {
-  const int64_t tiles = (n + align - 1) / align;
-  const int64_t per = (tiles + nt - 1) / nt;
-  *begin = std::min(n, t * per * align);
-  *end = std::min(n, (t + 1) * per * align);
 }
 
 }  // namespace cpu

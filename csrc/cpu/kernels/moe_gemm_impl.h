@@ -127,8 +127,8 @@ struct GemmKernels {
   static constexpr int64_t line_k() { return F == WeightFormat::Fp4 ? 128 : (F == WeightFormat::Fp8 ? 64 : 32); }
 
   // Few rows: decode each unit of NR weight rows into registers and use it at once for all MR rows. With
-  // `prefetch`, the same lines of the next NR weight rows are requested one block ahead (one core alone does not
-  // keep enough DRAM reads in flight to stream the weights at full bandwidth).
+  // `prefetch` (set when the next NR weight rows are in the caller's range), their same lines are requested one
+  // block ahead: one core alone does not keep enough DRAM reads in flight to stream the weights at full bandwidth.
   template <WeightFormat F, int MR, int NR>
   static void fused_block(const float* const* a, int64_t i0, const ExpertWeight& w, int64_t n, const OutRows& out,
                           bool prefetch, uint32_t& bad_out) {
@@ -174,16 +174,30 @@ struct GemmKernels {
   // L1; re-decoding costs less than storing and reloading a decoded panel).
   template <WeightFormat F, int NR>
   static void row_blocks(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
-                         uint32_t& bad) {
+                         bool prefetch, uint32_t& bad) {
     constexpr int MR = V::kMR;
     static_assert(MR <= 4, "tails below cover MR <= 4");
     int64_t i = 0;
-    for (; i + MR <= m; i += MR) fused_block<F, MR, NR>(a, i, w, n, out, i == 0, bad);
+    for (; i + MR <= m; i += MR) fused_block<F, MR, NR>(a, i, w, n, out, prefetch && i == 0, bad);
     switch (m - i) {
-      case 1: fused_block<F, 1, NR>(a, i, w, n, out, i == 0, bad); break;
-      case 2: fused_block<F, (MR > 2 ? 2 : 1), NR>(a, i, w, n, out, i == 0, bad); break;
-      case 3: fused_block<F, (MR > 3 ? 3 : 1), NR>(a, i, w, n, out, i == 0, bad); break;
+      case 1: fused_block<F, 1, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
+      case 2: fused_block<F, (MR > 2 ? 2 : 1), NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
+      case 3: fused_block<F, (MR > 3 ? 3 : 1), NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
       default: break;
+    }
+  }
+
+  // Blocks of NR weight rows from n while they fit before n1 (advances n).
+  template <WeightFormat F, int NR>
+  static void column_blocks(const float* const* a, int64_t m, const ExpertWeight& w, int64_t& n, int64_t n1,
+                            const OutRows& out, uint32_t& bad) {
+    for (; n + NR <= n1; n += NR) {
+      const bool prefetch = n + 2 * NR <= n1;
+      if (m == 1) {
+        fused_block<F, 1, NR>(a, 0, w, n, out, prefetch, bad);
+      } else {
+        row_blocks<F, NR>(a, m, w, n, out, prefetch, bad);
+      }
     }
   }
 
@@ -192,12 +206,12 @@ struct GemmKernels {
                          const OutRows& out) {
     uint32_t bad = 0;
     int64_t n = n0;
-    if (m == 1) {  // one row: more weight rows per block keep enough FMA chains in flight
-      for (; n + V::kNR1 <= n1; n += V::kNR1) fused_block<F, 1, V::kNR1>(a, 0, w, n, out, true, bad);
-    } else {
-      for (; n + V::kNR <= n1; n += V::kNR) row_blocks<F, V::kNR>(a, m, w, n, out, bad);
-    }
-    for (; n < n1; ++n) row_blocks<F, 1>(a, m, w, n, out, bad);
+    // One row: more weight rows per block keep enough FMA chains in flight. Tails: narrower blocks, so that few
+    // weight rows run as a single latency-bound chain.
+    if (m == 1) column_blocks<F, V::kNR1>(a, m, w, n, n1, out, bad);
+    column_blocks<F, V::kNR>(a, m, w, n, n1, out, bad);
+    column_blocks<F, 2>(a, m, w, n, n1, out, bad);
+    column_blocks<F, 1>(a, m, w, n, n1, out, bad);
     return bad == 0;
   }
 
