@@ -34,6 +34,7 @@ import torch
 
 import baselines as B
 import harness as H
+from static_moe.testing.generators import SlicedRouting, sliced_routing
 
 BENCH = "forward"
 DEFAULT_PAIRS = [("fp8", "fp4")]
@@ -85,7 +86,7 @@ def _worker(rank: int, s: int, cfg: dict, store_path: str, out_path: str) -> Non
         dist.destroy_process_group()
 
 
-def _rank_inputs(shape, act_fmt: str, tokens: int, rank: int, routing: H.SlicedRouting) -> dict:
+def _rank_inputs(shape, act_fmt: str, tokens: int, rank: int, routing: SlicedRouting) -> dict:
     """Rank ``rank``'s tokens: x (+ x_scale), its routing, a bf16 shared-expert output; deterministic."""
     from static_moe.testing.generators import gen, make_activations
 
@@ -137,7 +138,7 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
     gname = group.group_name
     num_experts = s * num_local
     cap = t
-    routing = H.sliced_routing(shape, [t] * s, num_experts, seed=t)
+    routing = sliced_routing(shape, [t] * s, num_experts, seed=t)
     inp = _rank_inputs(shape, act_fmt, t, rank, routing)
     x, xs, idx, tw, shared = inp["x"], inp["x_scale"], inp["topk_idx"], inp["topk_weights"], inp["shared"]
     parts = [x] + ([xs] if xs is not None else []) + [idx.to(torch.int32), tw.float()]

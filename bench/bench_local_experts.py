@@ -2,7 +2,7 @@
 seed_dense, torch_cached and (fp8 weights) torch_scaled_mm on the same inputs (docs BENCH.md).
 
 One EP rank at S = 1: the T tokens are the gathered rows. The number of local experts is scaled down (H, I, k
-are not; see harness.sliced_routing): the kept experts keep their real rows, so rows per expert match the
+are not; see static_moe.testing.generators.sliced_routing): the kept experts keep their real rows, so rows per expert match the
 full model, and the table prints experts run / experts the real routing touches.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_local_experts.py --shape v4_flash --tokens 1 16
@@ -18,7 +18,7 @@ import torch
 import baselines as B
 import harness as H
 from static_moe import reference
-from static_moe.testing.generators import MODEL_SHAPES, make_activations
+from static_moe.testing.generators import MODEL_SHAPES, make_activations, sliced_routing
 from static_moe.testing.numeric import assert_gemm_close, calc_diff
 
 BENCH = "local_experts"
@@ -46,7 +46,7 @@ def run(report: H.Report, shapes: list[str], tokens: list[int], quick: bool,
             smm = B.TorchScaledMM(*args_w) if (w_fmt == "fp8" and smm_reason is None) else None
             for act_fmt in [a for a, wf in pairs if wf == w_fmt]:
                 for t in tokens:
-                    routing = H.sliced_routing(shape, [t], num_local, seed=t)
+                    routing = sliced_routing(shape, [t], num_local, seed=t)
                     idx, tw = routing.topk_idx[0], routing.topk_weights[0]
                     x, xs = make_activations(t, hid, act_fmt, GROUP, seed=t)
                     stats = H.routing_stats(idx, 0, num_local)

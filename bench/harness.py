@@ -2,8 +2,9 @@
 roofline, the results table, JSON and PNG plots.
 
 Every figure a benchmark prints is a ratio measured in the same run on the same pinned thread count:
-against the machine's own limits (``measure_machine``: a STREAM-style triad far beyond the last-level cache
-for bandwidth, the best fp32 GFLOP/s of a large torch matmul for compute), and against baselines run on the
+against the machine's own limits (``static_moe.testing.machine.measure_machine``: a STREAM-style triad far
+beyond the last-level cache for bandwidth, the best fp32 GFLOP/s of a large torch matmul for compute; the demo
+measures with the same code), and against baselines run on the
 same inputs in the same process (bench/baselines.py).
 
 Roofline (BENCH.md): a call must move ``bytes`` (the weights of the experts it touches, scales included;
@@ -17,7 +18,6 @@ Everything runs on the CPU, in the calling process; tensors are torch CPU tensor
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import math
@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-from static_moe.testing.generators import MODEL_SHAPES, ModelShape, make_routing, make_weights
+from static_moe.testing.generators import MODEL_SHAPES, make_weights
+from static_moe.testing.machine import MachineLimits, llc_bytes, measure_machine
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_TOKENS = (1, 4, 16, 64, 128)
@@ -40,86 +41,20 @@ MIN_REPEAT = 5  # BENCH.md: median of at least 5 timed runs
 
 # Local experts kept per shape, so that the full `make bench` fits in memory and in 10 minutes on 2 threads
 # (the seed baseline dequantizes every local expert on every call). H and I are never scaled. See
-# ``sliced_routing`` for how the kept experts are chosen so that rows per expert stay those of the real model.
+# ``static_moe.testing.generators.sliced_routing`` for how the kept experts are chosen so that rows per expert
+# stay those of the real model.
 LOCAL_EXPERTS = {"v4_flash": 4, "v3": 2, "qwen3_30b_a3b": 8}
 QUICK_LOCAL_EXPERTS = 2
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Threads and machine limits
+# Threads (the machine limits measured on them: static_moe.testing.machine)
 # ----------------------------------------------------------------------------------------------------------------
 def pin_threads(threads: int | None = None) -> int:
     """Pin torch's intra-op thread count (default: $OMP_NUM_THREADS, else 2) and return what torch reports."""
     n = threads or int(os.environ.get("OMP_NUM_THREADS", "2"))
     torch.set_num_threads(n)
     return torch.get_num_threads()
-
-
-def llc_bytes() -> int:
-    """Size of the last-level cache in bytes (from sysfs; 32 MiB when it cannot be read)."""
-    best = 0
-    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (idx / "size").read_text().strip()
-        except OSError:
-            continue
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        best = max(best, int(text.rstrip("KMG")) * mult)
-    return best or 32 << 20
-
-
-@dataclass
-class MachineLimits:
-    """The machine's own limits, measured in this run on ``threads`` threads."""
-
-    threads: int
-    bandwidth: float  # bytes/s, STREAM triad (2 reads + 1 write counted, no write-allocate)
-    flops: float  # FLOP/s, best fp32 torch matmul: the roofline's compute limit (BENCH.md)
-    triad_array_bytes: int  # size of each of the three triad arrays
-    llc_bytes: int
-    matmul_n: int
-    bf16_flops: float = 0.0  # FLOP/s, best bf16 torch matmul: what bf16 dot-product instructions reach (info)
-
-    def best(self, other: "MachineLimits") -> "MachineLimits":
-        """The higher of two measurements of each limit (contention from other processes only lowers them)."""
-        return dataclasses.replace(self, bandwidth=max(self.bandwidth, other.bandwidth),
-                                   flops=max(self.flops, other.flops), bf16_flops=max(self.bf16_flops, other.bf16_flops))
-
-
-def measure_bandwidth(array_bytes: int, repeat: int = 5) -> float:
-    """STREAM triad ``a = b + s·c`` over three float32 arrays of ``array_bytes`` each: best bytes/s."""
-    n = array_bytes // 4
-    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-    torch.add(b, c, alpha=3.0, out=a)  # first touch: page faults are not bandwidth
-    best = math.inf
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        torch.add(b, c, alpha=3.0, out=a)
-        best = min(best, time.perf_counter() - t0)
-    return 3 * n * 4 / best
-
-
-def measure_flops(n: int = 2048, repeat: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """Best FLOP/s of an n×n×n torch matmul in ``dtype``."""
-    x, y = torch.rand(n, n).to(dtype), torch.rand(n, n).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    torch.mm(x, y, out=out)
-    best = math.inf
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        torch.mm(x, y, out=out)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
-def measure_machine(threads: int, *, quick: bool = False) -> MachineLimits:
-    """Bandwidth and compute limits on the pinned thread count. Triad arrays are ≥ 4× the LLC each
-    (≥ 128 MiB; 16× LLC in all), so the triad streams from DRAM."""
-    llc = llc_bytes()
-    array_bytes = max(4 * llc, 128 << 20)
-    n = 1024 if quick else 2048
-    return MachineLimits(threads, measure_bandwidth(array_bytes), measure_flops(n), array_bytes, llc, n,
-                         measure_flops(n, dtype=torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -292,45 +227,6 @@ def routing_stats(topk_idx: torch.Tensor, expert_offset: int, num_local: int) ->
 # ----------------------------------------------------------------------------------------------------------------
 # Scaled-down shapes: keep H, I, k and the real rows per expert; keep fewer local experts
 # ----------------------------------------------------------------------------------------------------------------
-@dataclass
-class SlicedRouting:
-    """Routing of each rank's tokens, relabelled so that only ``kept`` experts exist (ids 0 … kept−1).
-
-    The routing is drawn over the model's real E experts (top-k, distinct ids per row); the experts the
-    tokens touch are counted (``touched_real``), ``kept`` of them — picked at random among the touched ones,
-    untouched ones only if fewer were touched — become global ids 0 … kept−1, and every other slot becomes −1
-    (an expert on a rank that is not simulated). Each kept expert keeps exactly its real rows, so rows per
-    expert and the compute intensity are those of the full model; only the number of experts shrinks (by
-    ``touched_real / touched_kept``, printed as the scale)."""
-
-    topk_idx: list[torch.Tensor]  # per rank, int32 [T, k]
-    topk_weights: list[torch.Tensor]  # per rank, float32 [T, k]
-    kept: int
-    touched_real: int
-    num_experts_real: int
-
-
-def sliced_routing(shape: ModelShape, tokens: list[int], kept: int, seed: int = 0) -> SlicedRouting:
-    """``tokens[r]`` tokens on each rank r, routed over the real ``shape.num_experts``; keep ``kept`` experts."""
-    e = shape.num_experts
-    idxs, ws = [], []
-    for r, t in enumerate(tokens):
-        i, w = make_routing(t, shape.topk, e, seed=seed + 7919 * r)
-        idxs.append(i.long())
-        ws.append(w)
-    all_idx = torch.cat(idxs).flatten() if idxs else torch.zeros(0, dtype=torch.long)
-    touched = torch.unique(all_idx[all_idx >= 0])
-    g = torch.Generator().manual_seed(seed + 1)
-    untouched = torch.tensor(sorted(set(range(e)) - set(touched.tolist())), dtype=torch.long)
-    order = torch.cat([touched[torch.randperm(touched.numel(), generator=g)],
-                       untouched[torch.randperm(untouched.numel(), generator=g)]])
-    chosen = order[:kept]
-    relabel = torch.full((e,), -1, dtype=torch.long)
-    relabel[chosen] = torch.randperm(kept, generator=g)  # spread the touched experts over the ranks
-    out = [torch.where(i >= 0, relabel[i.clamp_min(0)], i).to(torch.int32) for i in idxs]
-    return SlicedRouting(out, ws, kept, int(touched.numel()), e)
-
-
 def local_experts_for(shape_key: str, quick: bool) -> int:
     """Local experts kept per rank for a shape (``LOCAL_EXPERTS``; 2 with --quick)."""
     return QUICK_LOCAL_EXPERTS if quick else LOCAL_EXPERTS[shape_key]

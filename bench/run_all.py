@@ -25,6 +25,7 @@ import bench_pack_rows
 import bench_swiglu_and_cast
 import harness as H
 from static_moe.testing.generators import MODEL_SHAPES
+from static_moe.testing.machine import measure_machine
 
 SECTIONS = ("pack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward")
 PLOTTED = {"pack_rows": ["pack_rows", "unpack_rows"], "swiglu_and_cast": ["swiglu_and_cast"],
@@ -123,7 +124,7 @@ def main(argv=None) -> None:
         elapsed[name] = time.perf_counter() - t0
         print(f"[{name}] {elapsed[name]:.0f} s", flush=True)
     report.meta["elapsed_s"] = elapsed
-    report.refresh_limits(H.measure_machine(report.limits.threads, quick=args.quick))  # best of start and end
+    report.refresh_limits(measure_machine(report.limits.threads, quick=args.quick))  # best of start and end
 
     print()
     print(report.header())

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from static_moe import reference
-from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, make_activations, make_routing, make_weights
+from static_moe.testing.generators import (FORMAT_PAIRS, MODEL_SHAPES, make_activations, make_routing, make_weights,
+                                           sliced_routing)
+from static_moe.testing.machine import MachineLimits
 from static_moe.testing.numeric import calc_diff
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
@@ -90,17 +92,16 @@ def test_cost_accounting(bench_modules):
     assert (st.rows_active, st.experts_touched, st.pairs) == (3, 3, 5)  # pairs: {0,3} {3} {} {1,0}
     le = H.cost_local_experts("bf16", "bf16", 4, st.rows_active, 2, hid, inter, st.experts_touched, st.pairs)
     assert le.flops == 2 * 5 * 3 * hid * inter
-    limits = H.MachineLimits(2, bandwidth=1e10, flops=1e11, triad_array_bytes=0, llc_bytes=0, matmul_n=0)
+    limits = MachineLimits(2, bandwidth=1e10, flops=1e11, triad_array_bytes=0, llc_bytes=0, matmul_n=0)
     roof = H.roofline(H.Cost(1e9, 1e9), limits, measured_s=0.2)
     assert roof["t_mem_s"] == pytest.approx(0.1) and roof["t_compute_s"] == pytest.approx(0.01)
     assert roof["bound"] == "memory" and roof["roofline_fraction"] == pytest.approx(0.5)
 
 
-def test_sliced_routing_keeps_real_rows(bench_modules):
-    H, _ = bench_modules
+def test_sliced_routing_keeps_real_rows():
     shape = MODEL_SHAPES["v4_flash"]
-    full = H.sliced_routing(shape, [16], shape.num_experts, seed=1)
-    kept = H.sliced_routing(shape, [16], 8, seed=1)
+    full = sliced_routing(shape, [16], shape.num_experts, seed=1)
+    kept = sliced_routing(shape, [16], 8, seed=1)
     assert kept.touched_real == full.touched_real
     idx = kept.topk_idx[0].long()
     assert idx.min() >= -1 and idx.max() < 8
@@ -119,7 +120,7 @@ def test_timer_table_json(bench_modules, tmp_path):
     assert first == 1 and len(timing.samples_s) == 5 and timing.median_s > 0
     op, out = H.measure(lambda: (_ for _ in ()).throw(NotImplementedError("no kernel")))
     assert op == {"available": False, "reason": "NotImplementedError: no kernel"} and out is None
-    limits = H.MachineLimits(2, 1e10, 1e11, 0, 0, 0)
+    limits = MachineLimits(2, 1e10, 1e11, 0, 0, 0)
     report = H.Report(limits)
     rec = {"bench": "local_experts", "shape": "v4_flash", "fmt": "fp8×fp4", "tokens": 4, "rows_per_expert": 1.0,
            "experts": "8/24", "op": {"available": True, "median_s": 1e-3},

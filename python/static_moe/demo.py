@@ -11,14 +11,15 @@ runs decode steps of ``--tokens`` tokens per rank, and prints:
 * the collectives' share of a step (all-gather + reduce-scatter, from the op's torch.profiler ranges);
 * bytes of expert weights touched per step, and the roofline fraction (docs BENCH.md): per rank,
   ``max(bytes / bandwidth, flops / peak)`` over the measured step, with bandwidth (STREAM triad) and fp32
-  matmul peak measured here, on both ranks at once, with the same thread count, before and after the steps
-  (the better of the two is taken).
+  matmul peak measured here (``static_moe.testing.machine``, as the benchmarks do), on both ranks at once, with
+  the same thread count, before and after the steps (the better of the two is taken).
 
 Scale: the real model has 256 routed experts. Routing is drawn over all 256 (top-6, per token); only
 ``--experts`` of the experts those tokens touch are kept (global ids 0 … E−1, E/2 per rank), each with exactly
 its real rows, and slots routed to the others become −1 (experts of ranks not simulated). So rows per expert,
 hence weight traffic per row and compute intensity, are those of the full model at this batch; only the
-number of experts computed shrinks, and the scale is printed.
+number of experts computed shrinks, and the scale is printed (``static_moe.testing.generators.sliced_routing``,
+as the benchmarks scale their shapes).
 """
 
 from __future__ import annotations
@@ -34,33 +35,21 @@ import time
 
 import torch
 
-REAL = dict(hidden=4096, intermediate=2048, num_experts=256, topk=6)
+from .testing.generators import MODEL_SHAPES, sliced_routing
+from .testing.machine import measure_bandwidth, measure_flops
+
+REAL = MODEL_SHAPES["v4_flash"]  # hidden 4096, intermediate 2048, 256 routed experts, top-6
 ACT_GROUP = 128
 LIMIT = 10.0
+# Machine limits (docs BENCH.md), measured on every rank at once: STREAM triad over 3 float32 arrays of this many
+# bytes each (far beyond the LLC), fp32 matmul of this size.
+TRIAD_ARRAY_BYTES = 256 << 20
+MATMUL_N = 1536
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Inputs (deterministic on every rank)
 # ----------------------------------------------------------------------------------------------------------------
-def sliced_routing(tokens: list[int], kept: int, seed: int):
-    """Per-rank (topk_idx int32 [T, 6], topk_weights fp32 [T, 6]) over ``kept`` experts, and the number of real
-    experts the tokens touched. See the module docstring."""
-    from .testing.generators import make_routing
-
-    e, k = REAL["num_experts"], REAL["topk"]
-    draws = [make_routing(t, k, e, seed=seed + 7919 * r) for r, t in enumerate(tokens)]
-    all_ids = torch.cat([i.long().flatten() for i, _ in draws])
-    touched = torch.unique(all_ids[all_ids >= 0])
-    g = torch.Generator().manual_seed(seed + 1)
-    untouched = torch.tensor(sorted(set(range(e)) - set(touched.tolist())), dtype=torch.long)
-    order = torch.cat([touched[torch.randperm(touched.numel(), generator=g)],
-                       untouched[torch.randperm(untouched.numel(), generator=g)]])
-    relabel = torch.full((e,), -1, dtype=torch.long)
-    relabel[order[:kept]] = torch.randperm(kept, generator=g)  # spread the touched experts over the ranks
-    out = [(torch.where(i >= 0, relabel[i.long().clamp_min(0)], -1).to(torch.int32), w) for i, w in draws]
-    return out, int(touched.numel())
-
-
 def random_fp4(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random FP4 weights [n, k]: uniform e2m1 codes (both signs) packed two per byte, and UE8M0 1×32 scales
     of 2^e or 2^(e+1), e chosen so that the weights' RMS is about 1/sqrt(k) (a fan-in initialisation). Made
@@ -78,7 +67,7 @@ def expert_weights(global_ids, seed: int) -> dict:
     """FP4 weights of the given global experts, each from its own seed (so any rank can rebuild any)."""
     from .testing.generators import gen
 
-    h, i = REAL["hidden"], REAL["intermediate"]
+    h, i = REAL.hidden, REAL.intermediate
     parts = {"w13": [], "w13_scale": [], "w2": [], "w2_scale": []}
     for e in global_ids:
         g = gen(seed * 1000 + e)
@@ -93,7 +82,7 @@ def shared_weights(seed: int) -> dict:
     from .formats import quantize_weight_fp8
     from .testing.generators import gen
 
-    h, i = REAL["hidden"], REAL["intermediate"]
+    h, i = REAL.hidden, REAL.intermediate
     g = gen(seed * 1000 + 999)
     w13, w13_s = quantize_weight_fp8(torch.randn(1, 2 * i, h, generator=g) / h**0.5)
     w2, w2_s = quantize_weight_fp8(torch.randn(1, h, i, generator=g) / i**0.5)
@@ -103,35 +92,7 @@ def shared_weights(seed: int) -> dict:
 def hidden_states(tokens: int, rank: int, seed: int) -> torch.Tensor:
     from .testing.generators import gen
 
-    return torch.randn(tokens, REAL["hidden"], generator=gen(seed * 31 + rank)).to(torch.bfloat16)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Machine limits (docs BENCH.md), measured on every rank at once
-# ----------------------------------------------------------------------------------------------------------------
-def triad_bandwidth(array_bytes: int = 256 << 20, repeat: int = 5) -> float:
-    """STREAM triad a = b + 3·c over float32 arrays far larger than the LLC: best bytes/s (3 arrays counted)."""
-    n = array_bytes // 4
-    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-    torch.add(b, c, alpha=3.0, out=a)
-    best = math.inf
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        torch.add(b, c, alpha=3.0, out=a)
-        best = min(best, time.perf_counter() - t0)
-    return 3 * array_bytes / best
-
-
-def matmul_flops(n: int = 1536, repeat: int = 5) -> float:
-    """Best fp32 FLOP/s of an n×n×n torch matmul."""
-    x, y, out = torch.rand(n, n), torch.rand(n, n), torch.empty(n, n)
-    torch.mm(x, y, out=out)
-    best = math.inf
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        torch.mm(x, y, out=out)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return torch.randn(tokens, REAL.hidden, generator=gen(seed * 31 + rank)).to(torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -176,7 +137,7 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
 
     world = dist.group.WORLD
     e, t, cap, seed = cfg["experts"], cfg["tokens"], cfg["capacity"], cfg["seed"]
-    h, inter, k = REAL["hidden"], REAL["intermediate"], REAL["topk"]
+    h, inter, k = REAL.hidden, REAL.intermediate, REAL.topk
     num_local = e // size
     mine = list(range(rank * num_local, (rank + 1) * num_local))
     t0 = time.perf_counter()
@@ -195,9 +156,9 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     #     jobs on a shared machine only ever lower a measurement) ---------------------------------------------------
     def machine_limits():
         dist.barrier()
-        bw = triad_bandwidth()
+        bw = measure_bandwidth(TRIAD_ARRAY_BYTES)
         dist.barrier()
-        return bw, matmul_flops()
+        return bw, measure_flops(MATMUL_N)
 
     _say(rank, t0, "measuring bandwidth (STREAM triad) and fp32 matmul peak on both ranks at once ...")
     limits = [machine_limits()]
@@ -205,8 +166,9 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     # --- steps --------------------------------------------------------------------------------------------------
     steps = []
     for s in range(cfg["warmup"] + cfg["steps"]):
-        routing, touched_real = sliced_routing([t] * size, e, seed=seed + 100 * s)
-        steps.append((hidden_states(t, rank, seed + 100 * s), *routing[rank], routing, touched_real))
+        routing = sliced_routing(REAL, [t] * size, e, seed=seed + 100 * s)
+        steps.append((hidden_states(t, rank, seed + 100 * s), routing.topk_idx[rank], routing.topk_weights[rank],
+                      routing))
     _say(rank, t0, f"running {cfg['warmup']} warm-up + {cfg['steps']} timed steps of {t} tokens per rank ...")
     outs, timed = [], []
     ws_ptrs = layer.workspace.data_ptrs()
@@ -217,12 +179,12 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
         outs.append(layer(x, idx, tw))
         return time.perf_counter() - t1
 
-    for x, idx, tw, _, _ in steps[: cfg["warmup"]]:
+    for x, idx, tw, _ in steps[: cfg["warmup"]]:
         step(x, idx, tw)
     prof = profile(activities=[ProfilerActivity.CPU])  # the op's phases are record_function ranges
     with _quiet_stderr():
         prof.start()
-    for x, idx, tw, _, _ in steps[cfg["warmup"]:]:
+    for x, idx, tw, _ in steps[cfg["warmup"]:]:
         timed.append(step(x, idx, tw))
     with _quiet_stderr():
         prof.stop()
@@ -238,14 +200,14 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     per_expert = sum(w[n][0].numel() * w[n].element_size() for n in w)
     shared_bytes = sum(v.numel() * v.element_size() for v in sw.values())
     costs = []
-    for x, idx, tw, routing, touched_real in steps[cfg["warmup"]:]:
-        gathered_idx = torch.cat([i for i, _ in routing]).long()
+    for _, _, _, routing in steps[cfg["warmup"]:]:
+        gathered_idx = torch.cat(routing.topk_idx).long()
         rows = [int((gathered_idx == g).any(dim=1).sum()) for g in mine]
         touched = sum(r > 0 for r in rows)
         weight_bytes = touched * per_expert + shared_bytes
         act_bytes = size * cap * (h + 4 * h // ACT_GROUP + 8 * k) + 4 * size * cap * h + 2 * t * h
         flops = sum(2 * r * 3 * h * inter for r in rows) + 2 * t * 3 * h * inter
-        costs.append((touched, weight_bytes, weight_bytes + act_bytes, flops, sum(rows), touched_real))
+        costs.append((touched, weight_bytes, weight_bytes + act_bytes, flops, sum(rows), routing.touched_real))
 
     rank_report = {
         "times": timed, "phase_s": phase_s, "bandwidth": bandwidth, "peak": peak, "costs": costs,
@@ -264,13 +226,13 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
                  for r in range(size)]
         checks = []
         for j, s in enumerate(parity_steps):
-            _, _, _, routing, _ = steps[s]
+            _, _, _, routing = steps[s]
             xs = [quantize_activation(hidden_states(t, r, seed + 100 * s), ACT_GROUP) for r in range(size)]
             shared_out = [reference.local_experts(xq, xsc, torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, 1),
                                                   sw["w13"], sw["w13_scale"], sw["w2"], sw["w2_scale"], 0, LIMIT)
                           for xq, xsc in xs]
             refs = reference.forward_simulated(
-                [a for a, _ in xs], [b for _, b in xs], [i for i, _ in routing], [v for _, v in routing],
+                [a for a, _ in xs], [b for _, b in xs], routing.topk_idx, routing.topk_weights,
                 [a["w13"] for a in all_w], [a["w13_scale"] for a in all_w], [a["w2"] for a in all_w],
                 [a["w2_scale"] for a in all_w], shared_out, e, cap, LIMIT)
             for r in range(size):
@@ -307,18 +269,18 @@ def report(cfg: dict, ranks: list[dict], threads: int) -> bool:
     step_s = [max(r["times"][i] for r in ranks) for i in range(n)]
     median = statistics.median(step_s)
     print()
-    print(f"DeepSeek-V4-Flash-shaped MoE layer: hidden {REAL['hidden']}, intermediate {REAL['intermediate']}, "
-          f"top-{REAL['topk']}; FP4 (e2m1 + UE8M0 1x32) routed experts, fp8 activations (1x{ACT_GROUP}), fp8 shared "
+    print(f"DeepSeek-V4-Flash-shaped MoE layer: hidden {REAL.hidden}, intermediate {REAL.intermediate}, "
+          f"top-{REAL.topk}; FP4 (e2m1 + UE8M0 1x32) routed experts, fp8 activations (1x{ACT_GROUP}), fp8 shared "
           f"expert, swiglu_limit {LIMIT}")
     touched_real = [c[5] for c in ranks[0]["costs"]]
-    print(f"scale: {e} of the model's {REAL['num_experts']} routed experts kept ({e // size} per rank, 1/"
-          f"{REAL['num_experts'] // e} of the model); the {t * size} tokens of a step touch "
+    print(f"scale: {e} of the model's {REAL.num_experts} routed experts kept ({e // size} per rank, 1/"
+          f"{REAL.num_experts // e} of the model); the {t * size} tokens of a step touch "
           f"{statistics.median(touched_real):.0f} real experts (median), {e} of them are computed with their real "
           "rows, slots of the others are empty")
     print(f"EP size {size} over gloo on this machine, {threads} thread(s) per rank; tokens per rank T = {t}, "
           f"capacity C = {cfg['capacity']}; {n} timed steps after {cfg['warmup']} warm-up")
-    spec = WorkspaceSpec(capacity=cfg["capacity"], hidden=REAL["hidden"], intermediate=REAL["intermediate"],
-                         num_experts=e, topk=REAL["topk"], ep_size=size, act_format="fp8", act_group=ACT_GROUP,
+    spec = WorkspaceSpec(capacity=cfg["capacity"], hidden=REAL.hidden, intermediate=REAL.intermediate,
+                         num_experts=e, topk=REAL.topk, ep_size=size, act_format="fp8", act_group=ACT_GROUP,
                          weight_format="fp4")
     print(f"memory per rank: expert + shared weights {_fmt_bytes(ranks[0]['weights_bytes'])}, workspace "
           f"{_fmt_bytes(memory_plan(spec).total_bytes)} (= (S+1)·C·(W+4H), W = {spec.row_width}), peak RSS "
@@ -390,8 +352,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = vars(args)
     cfg["capacity"] = cfg["capacity"] or args.tokens
-    if args.experts % args.ranks or not REAL["topk"] <= args.experts <= REAL["num_experts"]:
-        p.error(f"--experts must divide by --ranks and lie in [{REAL['topk']}, {REAL['num_experts']}]")
+    if args.experts % args.ranks or not REAL.topk <= args.experts <= REAL.num_experts:
+        p.error(f"--experts must divide by --ranks and lie in [{REAL.topk}, {REAL.num_experts}]")
     if args.tokens > cfg["capacity"]:
         p.error("--tokens must not exceed --capacity")
     threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "2")) // args.ranks)
@@ -401,7 +363,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     print(f"[demo] {args.ranks} gloo ranks, {threads} thread(s) each; {args.experts} routed experts of "
-          f"{REAL['num_experts']}", flush=True)
+          f"{REAL.num_experts}", flush=True)
     ranks = run_ranks(rank_fn, args.ranks, cfg, timeout=args.timeout, pg_timeout=args.timeout, threads=threads)
     ok = report(cfg, ranks, threads)
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -1,1 +1,2 @@
-"""Testing helpers shipped with the package: numerics (SPEC §2 tolerances) and input generators."""
+"""Testing helpers shipped with the package: numerics (SPEC §2 tolerances), input generators, the machine's
+measured limits (roofline) and gloo multi-rank runs."""

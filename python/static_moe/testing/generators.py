@@ -1,5 +1,6 @@
-"""Input generators shared by tests and benchmarks: real model shapes and builders for activations, routing and
-expert weights in every format (SPEC §1). Deterministic from a seed; everything on the CPU unless ``device`` says.
+"""Input generators shared by tests, benchmarks and the demo: real model shapes and builders for activations, routing
+and expert weights in every format (SPEC §1), and the scaled-down routing (``sliced_routing``) that keeps a real
+model's rows per expert with fewer experts. Deterministic from a seed; everything on the CPU unless ``device`` says.
 """
 
 from __future__ import annotations
@@ -79,3 +80,41 @@ def make_routing(rows: int, topk: int, num_experts: int, seed: int = 0, *, empty
         idx = torch.where(torch.rand(idx.shape, generator=g) < empty_frac, torch.full_like(idx, -1), idx)
     w = torch.softmax(torch.randn(rows, topk, generator=g), dim=-1)
     return idx.to(index_dtype).to(device), w.float().to(device)
+
+
+@dataclass
+class SlicedRouting:
+    """Routing of each rank's tokens, relabelled so that only ``kept`` experts exist (ids 0 … kept−1).
+
+    The routing is drawn over the model's real E experts (top-k, distinct ids per row); the experts the
+    tokens touch are counted (``touched_real``), ``kept`` of them — picked at random among the touched ones,
+    untouched ones only if fewer were touched — become global ids 0 … kept−1, and every other slot becomes −1
+    (an expert on a rank that is not simulated). Each kept expert keeps exactly its real rows, so rows per
+    expert and the compute intensity are those of the full model; only the number of experts shrinks (by
+    ``touched_real / touched_kept``, printed as the scale by the benchmarks and the demo)."""
+
+    topk_idx: list[torch.Tensor]  # per rank, int32 [T, k]
+    topk_weights: list[torch.Tensor]  # per rank, float32 [T, k]
+    kept: int
+    touched_real: int
+    num_experts_real: int
+
+
+def sliced_routing(shape: ModelShape, tokens: list[int], kept: int, seed: int = 0) -> SlicedRouting:
+    """``tokens[r]`` tokens on each rank r, routed over the real ``shape.num_experts``; keep ``kept`` experts."""
+    e = shape.num_experts
+    idxs, ws = [], []
+    for r, t in enumerate(tokens):
+        i, w = make_routing(t, shape.topk, e, seed=seed + 7919 * r)
+        idxs.append(i.long())
+        ws.append(w)
+    all_idx = torch.cat(idxs).flatten() if idxs else torch.zeros(0, dtype=torch.long)
+    touched = torch.unique(all_idx[all_idx >= 0])
+    g = gen(seed + 1)
+    untouched = torch.tensor(sorted(set(range(e)) - set(touched.tolist())), dtype=torch.long)
+    order = torch.cat([touched[torch.randperm(touched.numel(), generator=g)],
+                       untouched[torch.randperm(untouched.numel(), generator=g)]])
+    relabel = torch.full((e,), -1, dtype=torch.long)
+    relabel[order[:kept]] = torch.randperm(kept, generator=g)  # spread the touched experts over the ranks
+    out = [torch.where(i >= 0, relabel[i.clamp_min(0)], i).to(torch.int32) for i in idxs]
+    return SlicedRouting(out, ws, kept, int(touched.numel()), e)
