@@ -9,7 +9,9 @@ import torch
 import static_moe
 from static_moe import reference, workspace
 from static_moe.testing.distributed import RankFailure, run_ranks
-from static_moe.testing.generators import FORMAT_PAIRS, gen, make_activations, make_routing, make_weights
+from static_moe.formats import quantize_activation, quantize_weight
+from static_moe.testing.generators import (FORMAT_PAIRS, gen, make_activations, make_fp8_max_sensitive, make_routing,
+                                           make_weights)
 from static_moe.testing.numeric import assert_equal, assert_gemm_close
 
 H, I, K, C = 256, 128, 3, 8
@@ -102,6 +104,27 @@ def test_forward_s1_bf16_topk_weights_are_widened():
     assert out.shape == ref.shape
 
 
+@pytest.mark.parametrize("wfmt,group", [("fp8", 128), ("fp4", 32)])
+def test_forward_fp8_max_240_for_trn2(wfmt, group):
+    """fp8_max (trn2 needs 240) reaches the re-quantization of the SwiGLU output: on an input where some re-quantized
+    values exceed 240 at 448 (make_fp8_max_sensitive), the op with 240 matches the reference run with 240, which
+    lies outside the SPEC §2 tolerance of the 448 run; 448 stays the default; the wrapper passes it on."""
+    x, w13, w2, idx, tw = make_fp8_max_sensitive(5, 4, H, I, seed=5)
+    x_q, x_s = quantize_activation(x, group)
+    w = (*quantize_weight(w13, wfmt), *quantize_weight(w2, wfmt))
+    args = (x_q, x_s, idx, tw, *w, None, 4, C, None, "", 0, 1)
+    op = torch.ops.static_moe.forward
+    out = {m: op(*args, m) for m in (240.0, 448.0)}
+    ref = {m: reference.forward(*args, m) for m in (240.0, 448.0)}
+    for m in out:
+        assert_gemm_close(out[m], ref[m], f"fp8x{wfmt} fp8_max={m}")
+    with pytest.raises(AssertionError):  # the check above tells 240 from 448 apart on this input
+        assert_gemm_close(ref[240.0], ref[448.0], "240 vs 448")
+    assert_equal(op(*args), out[448.0], "448 is the default")
+    wrapped = static_moe.forward(x_q, x_s, idx, tw, *w, None, num_experts=4, capacity=C, fp8_max=240.0)
+    assert_equal(wrapped, out[240.0], "wrapper passes fp8_max")
+
+
 def _args(case, **over):
     names = ["x", "x_scale", "idx", "tw", "w13", "w13_scale", "w2", "w2_scale", "shared"]
     a = {n: case[n][0] for n in names}
@@ -150,6 +173,9 @@ def test_forward_errors_name_the_argument():
         op(*_args(f8, w13=bf["w13"][0], w2=bf["w2"][0], w13_scale=None, w2_scale=None))
     with pytest.raises(TypeError, match="must share one weight format"):
         op(*_args(f8, w2=f4["w2"][0]))
+    for fp8_max in (500.0, 0.0, float("nan")):
+        with pytest.raises(ValueError, match=r"fp8_max must be in \(0, 448\]"):
+            op(*_args(f8), fp8_max)
     # The fake (trace-time) path gives the same messages.
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in _args(big)]

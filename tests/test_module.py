@@ -15,7 +15,7 @@ from static_moe import reference
 from static_moe.formats import dequantize_activation, expand_block_scales, quantize_activation, quantize_weight
 from static_moe.module import StaticMoE
 from static_moe.testing.distributed import run_ranks
-from static_moe.testing.generators import FORMAT_PAIRS, gen, make_routing
+from static_moe.testing.generators import FORMAT_PAIRS, gen, make_fp8_max_sensitive, make_routing
 from static_moe.testing.numeric import assert_equal, assert_gemm_close
 
 H, I, E, K, C = 256, 128, 8, 3, 8
@@ -105,6 +105,8 @@ def test_constructor_validation():
         (dict(swiglu_limit=math.inf), ValueError, "swiglu_limit"),
         (dict(swiglu_limit=1e39), ValueError, "float32-representable"),
         (dict(swiglu_limit=True), ValueError, "swiglu_limit"),
+        (dict(fp8_max=500.0), ValueError, r"fp8_max must be in \(0, 448\]"),
+        (dict(fp8_max=0), ValueError, "fp8_max"),
         (dict(ep_size=2), ValueError, "ep_size=2 does not match the EP group's size"),
         (dict(ep_size=0), ValueError, "ep_size must be a positive integer"),
         (dict(shared_weight_format="fp8"), ValueError, "shared_weight_format was given without"),
@@ -221,6 +223,38 @@ def test_bf16_shared_expert_with_fp8_activations():
     x_deq = dequantize_activation(x_q, x_s).to(torch.bfloat16)
     ref = reference_layer(x_deq, idx, tw, experts, "fp8", 128, None, shared)  # re-quantizing x_deq gives the same values
     assert_gemm_close(layer((x_q, x_s), idx, tw), ref, "pre-quantized input")
+
+
+def test_fp8_max_for_trn2_reaches_routed_and_shared_experts():
+    """StaticMoE(fp8_max=240) (what trn2 needs) passes it to the forward and to the shared expert: on an input where
+    fp8_max changes the result (make_fp8_max_sensitive), each matches the reference run with its fp8_max."""
+    t = 5
+    x, w13, w2, idx, tw = make_fp8_max_sensitive(t, E, H, I, seed=23)
+    _, sw13, sw2, _, _ = make_fp8_max_sensitive(t, 1, H, IS, seed=24)
+    experts = (*quantize_weight(w13, "fp8"), *quantize_weight(w2, "fp8"))
+    shared = (*quantize_weight(sw13, "fp4"), *quantize_weight(sw2, "fp4"))
+    x_q, x_s = quantize_activation(x, 128)
+    ones = torch.ones(t, 1)
+    outs, shared_outs = {}, {}
+    for m in (448.0, 240.0):
+        layer = StaticMoE(H, I, E, K, C, weight_format="fp8", act_format="fp8", shared_intermediate_size=IS,
+                          shared_weight_format="fp4", fp8_max=m)
+        assert layer.fp8_max == m and layer.shared.fp8_max == m
+        layer.set_expert_weights(*experts)
+        layer.shared.set_weights(*shared)
+        shared_outs[m] = layer.shared(x_q, x_s)
+        ref_shared = reference.local_experts(x_q, x_s, idx, ones, *shared, 0, None, m)
+        assert_gemm_close(shared_outs[m], ref_shared, f"shared expert fp8_max={m}")
+        full_idx = torch.cat((idx, torch.full((t, K - 1), -1, dtype=torch.int32)), dim=1)
+        full_tw = torch.cat((tw, torch.zeros(t, K - 1)), dim=1)
+        outs[m] = layer(x.to(torch.bfloat16), full_idx, full_tw)
+        ref = reference.forward(x_q, x_s, full_idx, full_tw, *experts, ref_shared, E, C, None, "", 0, 1, m)
+        assert_gemm_close(outs[m], ref, f"layer fp8_max={m}")
+        layer.close()
+    with pytest.raises(AssertionError):  # the checks above tell 240 from 448 apart on this input
+        assert_gemm_close(shared_outs[240.0], shared_outs[448.0], "shared 240 vs 448")
+    with pytest.raises(AssertionError):
+        assert_gemm_close(outs[240.0], outs[448.0], "240 vs 448")
 
 
 def test_from_module_rejections():

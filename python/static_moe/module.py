@@ -33,6 +33,7 @@ from torch import nn
 
 from . import workspace as _workspace
 from .formats import (
+    FP8_E4M3FN_MAX,
     WEIGHT_FP4_BLOCK,
     WEIGHT_FP8_BLOCK,
     as_uint8,
@@ -69,6 +70,15 @@ def _check_swiglu_limit(name: str, limit) -> float | None:
     if not ok:
         raise ValueError(f"{name} must be None or a finite positive float32-representable number, got {limit!r}")
     return float(limit)
+
+
+def _check_fp8_max(fp8_max) -> float:
+    """A number in (0, 448]: the range of the experts' fp8 re-quantization (448 OCP e4m3fn, 240 trn2)."""
+    ok = isinstance(fp8_max, (int, float)) and not isinstance(fp8_max, bool) and 0 < fp8_max <= FP8_E4M3FN_MAX
+    if not ok:
+        raise ValueError(f"fp8_max must be in (0, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3), "
+                         f"got {fp8_max!r}")
+    return float(fp8_max)
 
 
 def _materialized(name: str, t) -> torch.Tensor:
@@ -161,11 +171,12 @@ class SharedExpert(nn.Module):
 
     Stored as one expert in the routed layout (``w13 [1, 2I, H]``, ``w2 [1, H, I]`` + scales) and computed by
     ``torch.ops.static_moe.local_experts`` with every row routed to it at weight 1, so it has exactly the routed
-    experts' numerics (SPEC §1.7) and every backend's kernels. Returns float32 [T, H].
+    experts' numerics (SPEC §1.7) and every backend's kernels. Returns float32 [T, H]. ``fp8_max``: as
+    :class:`StaticMoE`'s (240 on trn2), used with fp8 activations.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, weight_format: str = "bf16",
-                 swiglu_limit: float | None = None, device=None):
+                 swiglu_limit: float | None = None, fp8_max: float = FP8_E4M3FN_MAX, device=None):
         super().__init__()
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.intermediate_size = _positive_int("shared intermediate_size", intermediate_size)
@@ -176,6 +187,7 @@ class SharedExpert(nn.Module):
             raise ValueError(f"shared weight_format must be one of {_workspace.WEIGHT_FORMATS}, got {weight_format!r}")
         self.weight_format = weight_format
         self.swiglu_limit = _check_swiglu_limit("shared swiglu_limit", swiglu_limit)
+        self.fp8_max = _check_fp8_max(fp8_max)
         _init_weights(self, 1, hidden_size, intermediate_size, weight_format, device)
 
     def set_weights(self, w13, w13_scale, w2, w2_scale) -> None:
@@ -188,7 +200,7 @@ class SharedExpert(nn.Module):
         idx = torch.zeros((t, 1), dtype=torch.int32, device=x.device)
         weights = torch.ones((t, 1), dtype=torch.float32, device=x.device)
         return torch.ops.static_moe.local_experts(x, x_scale, idx, weights, self.w13, self.w13_scale, self.w2,
-                                                  self.w2_scale, 0, self.swiglu_limit)
+                                                  self.w2_scale, 0, self.swiglu_limit, self.fp8_max)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -244,6 +256,11 @@ class StaticMoE(nn.Module):
         act_format: "bf16" or "fp8": what the experts consume; bf16 hidden states are quantized per SPEC §1.1
             with ``act_group`` (32 or 128) when "fp8".
         swiglu_limit: optional SwiGLU clamp (SPEC §1.4).
+        fp8_max: with act_format "fp8", the range of the experts' fp8 re-quantization of the SwiGLU output
+            (SPEC §1.5, §1.7; shared expert included), in (0, 448]. 448 (default) is OCP float8_e4m3fn; use 240
+            on Trainium2 (trn2), whose on-chip float8_e4m3 tops out at 240 — its kernels refuse 448 rather than
+            change the numerics. Hidden states are still quantized with 448 (every backend decodes e4m3fn up to
+            448). Unused with act_format "bf16".
         shared_intermediate_size: I of the shared expert, or None for no shared expert.
         shared_weight_format: its format (default: weight_format); shared_swiglu_limit: its clamp (default:
             swiglu_limit).
@@ -261,7 +278,7 @@ class StaticMoE(nn.Module):
                  weight_format: str = "bf16", act_format: str = "bf16", act_group: int = 128,
                  swiglu_limit: float | None = None, shared_intermediate_size: int | None = None,
                  shared_weight_format: str | None = None, shared_swiglu_limit: float | None | str = "same",
-                 ep_group=None, ep_size: int | None = None, device=None):
+                 ep_group=None, ep_size: int | None = None, device=None, fp8_max: float = FP8_E4M3FN_MAX):
         super().__init__()
         self.ep_size, self.ep_rank, self.group_name = _group_info(ep_group)
         self._closed = True  # until the workspace lease is held
@@ -270,7 +287,7 @@ class StaticMoE(nn.Module):
             _check_ep_size(ep_size, self.ep_size)
             self._configure(hidden_size, intermediate_size, num_experts, top_k, capacity, weight_format,
                             act_format, act_group, swiglu_limit, shared_intermediate_size, shared_weight_format,
-                            shared_swiglu_limit, device)
+                            shared_swiglu_limit, device, fp8_max)
         except (ValueError, TypeError) as e:
             error = e
         if self.ep_size > 1:
@@ -283,13 +300,14 @@ class StaticMoE(nn.Module):
 
     def _configure(self, hidden_size, intermediate_size, num_experts, top_k, capacity, weight_format, act_format,
                    act_group, swiglu_limit, shared_intermediate_size, shared_weight_format, shared_swiglu_limit,
-                   device):
+                   device, fp8_max):
         device = torch.device("cpu") if device is None else torch.device(device)
         if device.type == "meta":
             raise ValueError("StaticMoE cannot live on the meta device: it owns a workspace of real buffers; "
                              "build it on the target device and load weights")
         self._device = device
         self.swiglu_limit = _check_swiglu_limit("swiglu_limit", swiglu_limit)
+        self.fp8_max = _check_fp8_max(fp8_max)
         # WorkspaceSpec checks sizes, divisibility, formats and the format pair.
         self.workspace_spec = _workspace.WorkspaceSpec(
             capacity=capacity, hidden=hidden_size, intermediate=intermediate_size, num_experts=num_experts,
@@ -305,7 +323,7 @@ class StaticMoE(nn.Module):
             limit = self.swiglu_limit if shared_swiglu_limit == "same" else shared_swiglu_limit
             self.shared = SharedExpert(hidden_size, shared_intermediate_size,
                                        weight_format=shared_weight_format or weight_format, swiglu_limit=limit,
-                                       device=device)
+                                       fp8_max=self.fp8_max, device=device)
         else:
             if shared_weight_format is not None:
                 raise ValueError("shared_weight_format was given without shared_intermediate_size")
@@ -494,7 +512,7 @@ class StaticMoE(nn.Module):
         out = _forward_op(x, x_scale, topk_idx, topk_weights, self.w13, self.w13_scale, self.w2, self.w2_scale,
                           shared_out, num_experts=self.num_experts, capacity=self.capacity,
                           swiglu_limit=self.swiglu_limit, group_name=self.group_name, ep_rank=self.ep_rank,
-                          ep_size=self.ep_size)
+                          ep_size=self.ep_size, fp8_max=self.fp8_max)
         return out.reshape(*lead, self.hidden_size)
 
     def extra_repr(self) -> str:
@@ -502,6 +520,7 @@ class StaticMoE(nn.Module):
                 f"num_experts={self.num_experts} (local {self.num_local_experts} from {self.expert_offset}), "
                 f"top_k={self.top_k}, capacity={self.capacity}, weight_format={self.weight_format!r}, "
                 f"act_format={self.act_format!r}" + (f", act_group={self.act_group}" if self.act_group else "")
+                + (f", fp8_max={self.fp8_max}" if self.act_group else "")
                 + f", swiglu_limit={self.swiglu_limit}, ep={self.ep_rank}/{self.ep_size}")
 
 

@@ -7,7 +7,7 @@ S with T ≤ C tokens:
     send      = pack_rows([x, (x_scale,) topk_idx:int32, topk_weights:fp32], C)    uint8 [C, W]
     gathered  = all_gather(send)                                                    uint8 [S·C, W]   (S > 1)
     x, ...    = unpack_rows(gathered, span) for every part
-    acc       = local_experts(x, ..., expert_offset = r·L)                          fp32  [S·C, H]
+    acc       = local_experts(x, ..., expert_offset = r·L, fp8_max)                 fp32  [S·C, H]
     scattered = reduce_scatter_sum(acc)                                             fp32  [C, H]     (S > 1)
     out       = bf16(scattered[:T] + shared_output)                                 bf16  [T, H]
 
@@ -27,6 +27,7 @@ import torch
 from torch.profiler import record_function
 
 from .. import workspace as _workspace
+from ..formats import FP8_E4M3FN_MAX
 from ..formats import weight_format as _weight_format
 from ..reference.pack_rows import pack_layout, part_nbytes
 
@@ -53,7 +54,8 @@ def _shape(t: torch.Tensor) -> list[int]:
 
 
 def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                  num_experts: int, capacity: int, swiglu_limit, ep_rank: int, ep_size: int) -> ForwardDims:
+                  num_experts: int, capacity: int, swiglu_limit, ep_rank: int, ep_size: int,
+                  fp8_max: float = FP8_E4M3FN_MAX) -> ForwardDims:
     """Metadata-only checks of forward's arguments (SPEC §5), shared by the kernel and the fake.
 
     Raises ValueError / TypeError naming the argument, what was expected and what came. Reads no tensor values.
@@ -148,6 +150,9 @@ def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
         raise ValueError(f"forward: top-k={k} exceeds num_experts={num_experts}")
     if swiglu_limit is not None and not swiglu_limit > 0:
         raise ValueError(f"forward: swiglu_limit must be None or positive, got {swiglu_limit!r}")
+    if act == "fp8" and not 0 < fp8_max <= FP8_E4M3FN_MAX:  # NaN fails too
+        raise ValueError(f"forward: fp8_max must be in (0, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3), "
+                         f"got {fp8_max!r}")
 
     # --- shared expert output, devices -------------------------------------------------------------------------
     if shared_output is not None:
@@ -205,9 +210,9 @@ def _packed_parts(x, x_scale, topk_idx, topk_weights) -> list[torch.Tensor]:
 
 @torch.library.impl("static_moe::forward", "CompositeExplicitAutograd")
 def _forward_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                    num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size):
+                    num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX):
     dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                         num_experts, capacity, swiglu_limit, ep_rank, ep_size)
+                         num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max)
     if x.device.type == "cpu":
         check_topk_range(topk_idx, num_experts)  # free on the host; device inputs: see forward()
     s, c = ep_size, capacity
@@ -237,7 +242,7 @@ def _forward_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_s
 
     with record_function(PHASE_PREFIX + "local_experts"):
         acc = torch.ops.static_moe.local_experts(g_x, g_xs, g_idx, g_w, w13, w13_scale, w2, w2_scale,
-                                                 ep_rank * dims.num_local, swiglu_limit)
+                                                 ep_rank * dims.num_local, swiglu_limit, fp8_max)
 
     if s > 1:
         with record_function(PHASE_PREFIX + "reduce_scatter"):
@@ -259,9 +264,9 @@ def _forward_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_s
 
 @torch.library.register_fake("static_moe::forward")
 def _forward_fake(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                  num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size):
+                  num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX):
     dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                         num_experts, capacity, swiglu_limit, ep_rank, ep_size)
+                         num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max)
     return x.new_empty((dims.tokens, dims.hidden), dtype=torch.bfloat16)
 
 
@@ -273,7 +278,7 @@ def _tracing() -> bool:
 
 def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output=None, *,
             num_experts: int, capacity: int, swiglu_limit=None, group_name: str = "", ep_rank: int = 0,
-            ep_size: int = 1) -> torch.Tensor:
+            ep_size: int = 1, fp8_max: float = FP8_E4M3FN_MAX) -> torch.Tensor:
     """bf16 [T, H]: the routed experts of one MoE layer over this rank's T ≤ capacity tokens (SPEC §0).
 
     Args:
@@ -284,6 +289,10 @@ def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, sh
             float32 1×128 scales / fp4 uint8 [.., K/2] with UE8M0 1×32 scales), global ids ep_rank·L … +L−1.
         shared_output: optional [T, H] added in fp32 before the bf16 cast.
         group_name: the EP process group's name (``group.group_name``); unused when ep_size = 1.
+        fp8_max: with fp8 x, the range of the experts' fp8 re-quantization of the SwiGLU output (SPEC §1.5,
+            §1.7), in (0, 448]: 448 for OCP float8_e4m3fn; use 240 on Trainium2, whose on-chip float8_e4m3 tops
+            out there (its NKI kernel refuses 448 rather than change the numerics). x itself may hold e4m3fn
+            values up to 448 either way. Ignored with bf16 x.
 
     All tensors live on one device. Collective over the EP group when ep_size > 1: every rank must call it.
     In eager mode (not under torch.compile or CUDA graph capture) ``topk_idx`` is range-checked first.
@@ -292,4 +301,4 @@ def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, sh
         check_topk_range(topk_idx, num_experts)  # a host sync: eager only
     return torch.ops.static_moe.forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
                                         shared_output, num_experts, capacity, swiglu_limit, group_name, ep_rank,
-                                        ep_size)
+                                        ep_size, fp8_max)

@@ -81,11 +81,13 @@ def forward(
     group_name: str,
     ep_rank: int,
     ep_size: int,
+    fp8_max: float = FP8_E4M3FN_MAX,
 ) -> torch.Tensor:
-    """The op's signature at S = 1 (no collective): bf16 [T, H]."""
+    """The op's signature at S = 1 (no collective): bf16 [T, H]. fp8_max: range of the fp8 re-quantization of the
+    SwiGLU output with fp8 x (448 OCP e4m3fn; 240 on trn2), as in local_experts."""
     if ep_size != 1:
         raise ValueError(f"reference forward runs S = 1 only (got ep_size={ep_size}); use forward_simulated")
     return forward_simulated(
         [x], [x_scale], [topk_idx], [topk_weights], [w13], [w13_scale], [w2], [w2_scale],
-        [shared_output], num_experts, capacity, swiglu_limit,
+        [shared_output], num_experts, capacity, swiglu_limit, fp8_max,
     )[0]

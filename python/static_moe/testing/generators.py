@@ -118,3 +118,32 @@ def sliced_routing(shape: ModelShape, tokens: list[int], kept: int, seed: int = 
     relabel[order[:kept]] = torch.randperm(kept, generator=g)  # spread the touched experts over the ranks
     out = [torch.where(i >= 0, relabel[i.clamp_min(0)], i).to(torch.int32) for i in idxs]
     return SlicedRouting(out, ws, kept, int(touched.numel()), e)
+
+
+def make_fp8_max_sensitive(rows: int, num_local: int, hidden: int, inter: int, seed: int = 0):
+    """``(x float32 [R, H], w13 float32 [L, 2I, H], w2 float32 [L, H, I], topk_idx int32 [R, 1], topk_weights
+    float32 [R, 1])``: a local_experts / forward input whose output depends on fp8_max (the range of the fp8
+    re-quantization of the SwiGLU output, SPEC §1.5, §1.7: 240 on trn2, 448 OCP e4m3fn).
+
+    With power-of-two scales, fp8_max only matters for a group of z whose largest value is re-quantized above 240
+    at 448 (then 240 doubles the group's scale) and only through z's small values, which lose a bit when halved
+    into e4m3fn subnormals. So: every row of x is 1 at column 0 (0 elsewhere) and is routed to local expert 0
+    alone (weight in [0.5, 1)); expert 0's gate/up columns 0 give, for every 32 columns of z, one large value
+    (silu(8)·w ≈ 4…8, above 240 after quantizing at 448) and 31 values of about 2^-10 … 2^-16 of it; w2 reads
+    only the small ones, one per output column (exact products). Other experts are zero. Quantize x with
+    ``quantize_activation(x, g)`` (g = 32 or 128, exact) and the weights with ``quantize_weight`` (exact in
+    every format: each [N, K] row holds one power of two)."""
+    g = gen(seed)
+    x = torch.zeros(rows, hidden)
+    x[:, 0] = 1.0
+    w13 = torch.zeros(num_local, 2 * inter, hidden)
+    w2 = torch.zeros(num_local, hidden, inter)
+    j = torch.arange(inter)
+    big = j % 32 == 0
+    w13[0, :inter, 0] = torch.where(big, 8.0, 2.0 ** -(j % 3).float())  # gate: silu(8), silu(1 / 0.5 / 0.25)
+    w13[0, inter:, 0] = torch.where(big, 1.0, 2.0 ** -(10 + j % 6).float())  # up
+    small = j[~big]
+    w2[0, torch.arange(hidden), small[torch.arange(hidden) % small.numel()]] = 1.0
+    idx = torch.zeros(rows, 1, dtype=torch.int32)
+    tw = 0.5 + 0.5 * torch.rand(rows, 1, generator=g)
+    return x, w13, w2, idx, tw
