@@ -108,6 +108,46 @@ def test_batch_invariance(cpu_isa, pair, rng):
         assert_equal(sub[subset], full[subset], f"rows {subset}")
 
 
+def test_batch_invariance_rows_of_both_operand_forms(cpu_isa, rng):
+    # fp8 rows with power-of-two scales are exact in bf16 (the avx512bf16 dot-product path takes them), rows with
+    # other scales are not (float32 path): one GEMM runs both, and each row must come out as when alone.
+    x = torch.randn(10, 256, generator=rng)
+    q2, s2 = quantize_activation(x, 128, pow2_scale=True)
+    q1, s1 = quantize_activation(x, 128, pow2_scale=False)
+    odd = torch.arange(10) % 2 == 1
+    a = torch.where(odd[:, None], q1.view(torch.uint8), q2.view(torch.uint8)).view(torch.float8_e4m3fn)
+    a_s = torch.where(odd[:, None], s1, s2)
+    b, b_s = _weights(1, 640, 256, "fp4", rng)
+    full = static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(10, dtype=torch.bool), 0)
+    assert_gemm_close(full, reference.expert_gemm(a, a_s, b, b_s, torch.ones(10, dtype=torch.bool), 0))
+    for r in range(10):
+        one = static_moe.expert_gemm(a[r : r + 1], a_s[r : r + 1], b, b_s, torch.ones(1, dtype=torch.bool), 0)
+        assert_equal(one[0], full[r], f"row {r} alone")
+
+
+def test_fp4_extreme_scale_bytes(cpu_isa, rng):
+    # Scale bytes 0 and 1 (values below 2^-126, subnormal) and 253 (2^126): outside the range where the avx512bf16
+    # path scales its bf16 table by an exponent add, so it builds the table in fp32 instead.
+    from static_moe.formats import pack_fp4
+    codes = torch.randint(0, 16, (1, 96, 256), generator=rng, dtype=torch.uint8)
+    codes[:, 32:64] &= 0x9  # rows with byte 253: magnitudes 0 and 0.5 only, so 2^126-sized values stay finite
+    s = torch.randint(118, 126, (1, 96, 8), generator=rng, dtype=torch.uint8)
+    s[:, :32] = torch.randint(0, 2, (1, 32, 8), generator=rng, dtype=torch.uint8)
+    s[:, 32:64] = 253
+    b = pack_fp4(codes)
+    a = torch.randn(3, 256, generator=rng).to(torch.bfloat16)
+    tiny = (a.float() * 2.0**-120).to(torch.bfloat16)  # products with 2^126-sized weights stay moderate
+    mask = torch.ones(3, dtype=torch.bool)
+    for x, cols in ((a, slice(0, 32)), (a, slice(64, 96)), (tiny, slice(32, 64))):
+        out = static_moe.expert_gemm(x, None, b, s, mask, 0)[:, cols]
+        ref = reference.expert_gemm(x, None, b, s, mask, 0)[:, cols]
+        assert not torch.isinf(ref.float()).any()
+        if cols.start == 0:  # ~1e-38 values: only their (negligible) size is checked
+            assert bool((out.float().abs() < 1e-30).all()) and bool((ref.float().abs() < 1e-30).all())
+        else:
+            assert_gemm_close(out, ref, f"{cpu_isa} columns {cols}")
+
+
 def test_fp4_dtype_views_and_strided_inputs(rng):
     a, _ = _activations(7, 256, "bf16", 128, rng)
     b, b_s = _weights(3, 160, 256, "fp4", rng)
@@ -243,7 +283,7 @@ def test_rejects_nan_scale_byte_of_the_expert_it_reads(dtype, rng):
 
 def test_rejects_unknown_forced_isa(monkeypatch):
     monkeypatch.setenv("STATIC_MOE_CPU_ISA", "avx9000")
-    with pytest.raises(ValueError, match=r"STATIC_MOE_CPU_ISA must be one of scalar, avx2, avx512, auto"):
+    with pytest.raises(ValueError, match=r"STATIC_MOE_CPU_ISA must be one of scalar, avx2, avx512, avx512bf16, auto"):
         static_moe.expert_gemm(_a(), None, _b(), None, _M4, 0)
 
 

@@ -117,6 +117,18 @@ def test_batch_invariance(cpu_isa, pair, rng):
     assert_equal(part, full[sub], "row subset")
 
 
+@pytest.mark.parametrize("pair", FORMAT_PAIRS, ids=PAIR_IDS)
+def test_several_column_chunks(cpu_isa, pair):
+    # I = 384 and H = 768: several chunks of intermediate and hidden columns, handed to threads and prepared
+    # piece by piece; 9 rows over 2 experts: row blocks of 4 and tails.
+    act, wf = pair
+    w = make_weights(2, 768, 384, wf, seed=21)
+    x, x_s = make_activations(9, 768, act, 32, seed=22)
+    idx, wts = make_routing(9, 2, 3, seed=23)
+    args = _args(x, x_s, idx, wts, w, 0, 7.0)
+    assert_gemm_close(static_moe.local_experts(*args), reference.local_experts(*args), f"{cpu_isa} {act}x{wf}")
+
+
 def test_routing_weights_duplicates_and_other_ranks(rng):
     # Row 0 names local expert 1 twice (weights add, in slot order), row 1 only other ranks' ids and -1,
     # row 2 a NaN weight on a slot of another rank (never read), row 3 nothing but -1.

@@ -2,7 +2,8 @@
 // (csrc/cpu/kernels/moe_gemm.h). Torch types stay in this file and csrc/cpu/moe_gemm_binding.h.
 //
 //   1. the active rows are the set bits of row_mask; only they are read (masked rows may hold NaN / 0xFF);
-//   2. they are converted once to float32 in the GEMM's lane layout (OpenMP over rows);
+//   2. they are converted once to the GEMM's operand form (float32, or bf16 where exact) and lane layout (OpenMP
+//      over rows);
 //   3. the expert's N weight rows are cut in chunks of columns that the OpenMP threads take as they go, so each
 //      weight byte is streamed once, by one thread, and decoded on the fly for every active row;
 //   4. masked rows stay exact zeros.
@@ -24,8 +25,8 @@ namespace {
 using namespace static_moe;
 
 // Columns are handed out in chunks, first come first served, so a thread that streams faster does more of them;
-// a multiple of every NR, ~16 chunks at V4-Flash sizes.
-constexpr int64_t kColumnChunk = 256;
+// a multiple of every NR; 8 chunks of the V4-Flash gate/up GEMM (fewer chunk starts, each a prefetch run-in).
+constexpr int64_t kColumnChunk = 512;
 constexpr int64_t kParallelMacs = 1 << 18; // below this many multiply-adds one thread beats waking a team
 
 at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>& a_scale, const at::Tensor& b,
@@ -53,6 +54,7 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   const at::Tensor s_c = sh.act == checks::Format::FP8 ? a_scale->contiguous() : at::Tensor();
   const cpu::ActFormat af = sh.act == checks::Format::FP8 ? cpu::ActFormat::Fp8 : cpu::ActFormat::Bf16;
   std::vector<float> a32(static_cast<size_t>(m * K));
+  std::vector<uint8_t> a_bf16(m);  // the form prepare_activation chose for each row
   std::vector<const float*> a_rows(m);
   std::vector<void*> out_rows(m);
   const uint8_t* a_base = static_cast<const uint8_t*>(a_c.const_data_ptr());
@@ -66,8 +68,8 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
 #pragma omp parallel for schedule(static) if (parallel && m > 1)
   for (int64_t i = 0; i < m; ++i) {
     const float* srow = s_c.defined() ? s_c.const_data_ptr<float>() + rows[i] * s_c.stride(0) : nullptr;
-    cpu::prepare_activation(isa, w.format, af, a_base + rows[i] * a_row_bytes, srow, sh.group, K,
-                            a32.data() + i * K);
+    a_bf16[i] = cpu::prepare_activation(isa, w.format, af, a_base + rows[i] * a_row_bytes, srow, sh.group, 0, K,
+                                        a32.data() + i * K);
   }
 
   cpu::OutRows o;
@@ -79,7 +81,8 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   int bad_scale = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(| : bad_scale)
   for (int64_t c = 0; c < chunks; ++c) {
-    if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w, c * kColumnChunk, std::min(N, (c + 1) * kColumnChunk), o)) {
+    if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w, c * kColumnChunk,
+                               std::min(N, (c + 1) * kColumnChunk), o)) {
       bad_scale = 1;
     }
   }

@@ -150,14 +150,18 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
 
   const int64_t M = rt.max_rows;
   std::vector<float> xf(static_cast<size_t>(n_routed * H));     // routed rows of x, prepared for W13
+  std::vector<uint8_t> xf_bf16(n_routed);                       // the form prepare_activation chose for each
   std::vector<float> zf(static_cast<size_t>(2 * M * I));        // z of the current / previous expert, for W2
+  // z's form per row and intermediate chunk; a row's chunks always agree (z has power-of-two scales >= the amax
+  // floor's, so every chunk is exact in bf16 where bf16 is used at all); checked before GEMM2 reads them.
+  std::vector<uint8_t> zf_bf16(static_cast<size_t>(2 * M * ((I + kInterChunk - 1) / kInterChunk)));
 
   const int64_t n_inter_chunks = (I + kInterChunk - 1) / kInterChunk;
   const int64_t n_hidden_chunks = (H + kHiddenChunk - 1) / kHiddenChunk;
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), n_hidden_chunks)));
   const int64_t z_bytes = fp8 ? 1 : 2;
-  int bad13 = 0, bad2 = 0;
-#pragma omp parallel num_threads(nt) reduction(| : bad13, bad2)
+  int bad13 = 0, bad2 = 0, mixed_z = 0;
+#pragma omp parallel num_threads(nt) reduction(| : bad13, bad2, mixed_z)
   {
     // Per-thread buffers for one intermediate chunk of one expert.
     std::vector<uint16_t> h(static_cast<size_t>(M * 2 * kInterChunk));        // bf16 [m, gate | up]
@@ -165,13 +169,14 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
     std::vector<float> zs(static_cast<size_t>(M * (kInterChunk / 32)));        // their group scales (fp8)
     std::vector<float> v(static_cast<size_t>(kInterChunk));                    // swiglu scratch
     std::vector<const float*> a_rows(M);
+    std::vector<uint8_t> a_bf16(M);
     std::vector<void*> out_rows(M);
 
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < n_routed; ++p) {
       const int64_t r = rt.routed[p];
       const float* srow = fp8 ? xs_c.const_data_ptr<float>() + r * xs_c.stride(0) : nullptr;
-      cpu::prepare_activation(isa, wf, af, x_base + r * x_row_bytes, srow, group, H, xf.data() + p * H);
+      xf_bf16[p] = cpu::prepare_activation(isa, wf, af, x_base + r * x_row_bytes, srow, group, 0, H, xf.data() + p * H);
     }  // implicit barrier: xf complete
 
     int par = 0;
@@ -180,7 +185,11 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
       if (m == 0) continue;  // the same on every thread: the worksharing constructs and barriers match
       float* zfe = zf.data() + par * M * I;
       const cpu::ExpertWeight w1 = cpu::expert_view(w13t, e);
-      for (int64_t i = 0; i < m; ++i) a_rows[i] = xf.data() + rt.slot_of[rt.rows[b + i]] * H;
+      uint8_t* zfe_bf16 = zf_bf16.data() + par * M * n_inter_chunks;
+      for (int64_t i = 0; i < m; ++i) {
+        a_rows[i] = xf.data() + rt.slot_of[rt.rows[b + i]] * H;
+        a_bf16[i] = xf_bf16[rt.slot_of[rt.rows[b + i]]];
+      }
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t c = 0; c < n_inter_chunks; ++c) {
         const int64_t i0 = c * kInterChunk, i1 = std::min(I, i0 + kInterChunk), It = i1 - i0;
@@ -189,9 +198,9 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         o.kind = cpu::OutKind::StoreBf16;
         o.rows = out_rows.data();
         o.col0 = i0;  // gate rows [i0, i1) -> h[i][0, It)
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w1, i0, i1, o)) bad13 = 1;
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w1, i0, i1, o)) bad13 = 1;
         o.col0 = I + i0 - It;  // up rows [I+i0, I+i1) -> h[i][It, 2It)
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w1, I + i0, I + i1, o)) bad13 = 1;
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w1, I + i0, I + i1, o)) bad13 = 1;
 
         cpu::SwigluParams sp;
         sp.rows = m;
@@ -210,14 +219,17 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         sp.scale = fp8 ? zs.data() : nullptr;
         swiglu_rows(sp, v.data());
         for (int64_t i = 0; i < m; ++i) {
-          cpu::prepare_activation(isa, wf, af, z.data() + i * It * z_bytes, fp8 ? zs.data() + i * (It / group) : nullptr,
-                                  group, It, zfe + i * I + i0);
+          zfe_bf16[i * n_inter_chunks + c] =
+              cpu::prepare_activation(isa, wf, af, z.data() + i * It * z_bytes,
+                                      fp8 ? zs.data() + i * (It / group) : nullptr, group, i0, It, zfe + i * I);
         }
       }
 #pragma omp barrier
       const cpu::ExpertWeight w2e = cpu::expert_view(w2t, e);
       for (int64_t i = 0; i < m; ++i) {
         a_rows[i] = zfe + i * I;
+        a_bf16[i] = n_inter_chunks > 0 ? zfe_bf16[i * n_inter_chunks] : 0;
+        for (int64_t c = 1; c < n_inter_chunks; ++c) mixed_z |= zfe_bf16[i * n_inter_chunks + c] != a_bf16[i];
         out_rows[i] = acc_base + rt.rows[b + i] * H;
       }
       cpu::OutRows o;
@@ -226,14 +238,17 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
       o.col0 = 0;
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t c = 0; c < n_hidden_chunks; ++c) {
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), m, w2e, c * kHiddenChunk, std::min(H, (c + 1) * kHiddenChunk),
-                                   o)) {
+        if (mixed_z) continue;  // never happens (see zf_bf16); reported below rather than computed wrongly
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w2e, c * kHiddenChunk,
+                                   std::min(H, (c + 1) * kHiddenChunk), o)) {
           bad2 = 1;
         }
       }
       par ^= 1;
     }
   }
+  TORCH_CHECK(!mixed_z, op, ": internal error: z rows prepared in mixed forms; please report (STATIC_MOE_CPU_ISA=avx512 "
+              "avoids it)");
   TORCH_CHECK_VALUE(!bad13, op, ": w13_scale holds the UE8M0 NaN byte 255 in a routed expert; scale bytes must be "
                     "0..254 (value 2^(b-127))");
   TORCH_CHECK_VALUE(!bad2, op, ": w2_scale holds the UE8M0 NaN byte 255 in a routed expert; scale bytes must be "

@@ -3,10 +3,11 @@
 // The default build compiles for baseline x86-64 (no -march=native). Kernels that want SIMD keep one source file
 // per instruction set, compiled under `#pragma GCC target(...)` (see csrc/cpu/kernels/moe_gemm_avx512.cpp), and
 // pick one per call with select_isa():
+//   Isa::Avx512Bf16  Avx512 plus AVX512_BF16 (vdpbf16ps: bf16 dot products with fp32 accumulation)
 //   Isa::Avx512  AVX-512 F+BW+DQ+VL (x86-64-v4)
 //   Isa::Avx2    AVX2 + FMA + F16C (x86-64-v3 without the rest)
 //   Isa::Scalar  portable C++
-// STATIC_MOE_CPU_ISA=scalar|avx2|avx512|auto forces a path (tests use it to check every path on one machine).
+// STATIC_MOE_CPU_ISA=scalar|avx2|avx512|avx512bf16|auto forces a path (tests use it to check every path on one machine).
 // The variable is read on every call, so a test may switch paths between calls; nothing is cached but the CPU
 // feature probe, which cannot change while the process runs.
 #pragma once
@@ -17,13 +18,14 @@
 namespace static_moe {
 namespace cpu {
 
-enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
 
 inline const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::Scalar: return "scalar";
     case Isa::Avx2: return "avx2";
     case Isa::Avx512: return "avx512";
+    case Isa::Avx512Bf16: return "avx512bf16";
   }
   return "?";
 }
@@ -36,7 +38,7 @@ inline Isa detected_isa() {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
-      return Isa::Avx512;
+      return __builtin_cpu_supports("avx512bf16") ? Isa::Avx512Bf16 : Isa::Avx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
       return Isa::Avx2;
     return Isa::Scalar;
@@ -62,13 +64,16 @@ inline bool select_isa(Isa* isa, const char** error) {
     want = Isa::Avx2;
   } else if (std::strcmp(env, "avx512") == 0) {
     want = Isa::Avx512;
+  } else if (std::strcmp(env, "avx512bf16") == 0) {
+    want = Isa::Avx512Bf16;
   } else {
-    *error = "STATIC_MOE_CPU_ISA must be one of scalar, avx2, avx512, auto";
+    *error = "STATIC_MOE_CPU_ISA must be one of scalar, avx2, avx512, avx512bf16, auto";
     return false;
   }
   if (static_cast<int>(want) > static_cast<int>(best)) {
-    *error = want == Isa::Avx512 ? "STATIC_MOE_CPU_ISA=avx512 but this CPU lacks AVX-512 F/BW/DQ/VL"
-                                 : "STATIC_MOE_CPU_ISA=avx2 but this CPU lacks AVX2/FMA/F16C";
+    *error = want == Isa::Avx512Bf16 ? "STATIC_MOE_CPU_ISA=avx512bf16 but this CPU lacks AVX-512 F/BW/DQ/VL + BF16"
+             : want == Isa::Avx512   ? "STATIC_MOE_CPU_ISA=avx512 but this CPU lacks AVX-512 F/BW/DQ/VL"
+                                     : "STATIC_MOE_CPU_ISA=avx2 but this CPU lacks AVX2/FMA/F16C";
     return false;
   }
   *isa = want;

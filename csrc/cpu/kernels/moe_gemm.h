@@ -12,6 +12,11 @@
 // accumulator per (row, weight row) walked through K in increasing order, then a fixed horizontal sum: the
 // arithmetic of a row never depends on which or how many other rows, weight rows or threads there are (batch
 // invariance). Different ISAs use different lane counts and may differ in the last bits.
+// Avx512Bf16 (moe_gemm_avx512bf16.cpp) multiplies in bf16 with vdpbf16ps where that is exact: operands that are
+// bf16 numbers anyway (bf16 weights and activations; e2m1 times a power-of-two scale; e4m3fn times a power-of-two
+// scale), products exact in fp32, pairs summed into 16 fp32 lanes; other rows and fp8 weights take the AVX-512
+// float32 path. vdpbf16ps treats bf16 subnormals as zero: only fp4 blocks with scale bytes 0 or 1 (values below
+// 2^-126) are affected.
 //
 // A operand: the GEMM reads float32 rows in a "lane layout" that depends on the ISA and, for fp4 weights, pairs
 // each lane with the nibble order of the packed weights (see prepare_activation). Produce it with
@@ -54,21 +59,30 @@ struct OutRows {
   int64_t col0 = 0;             // column of rows[i][0]
 };
 
-// Converts k activation values into float32 in the lane layout of `isa` for weights of format `wf`.
-//   x: bf16 bits (af = Bf16) or e4m3fn codes (af = Fp8), x[0] is logical column c0 where c0 is a multiple of 32
-//   (and of `group` for fp8); x_scale: the float32 group scales from the one covering x[0] (fp8 only);
-//   out: k floats; out[p] holds logical column c0 + lane_column(isa, wf, p). k must be a multiple of 32.
-// Values are x.float() (bf16) or e4m3fn(x)·scale rounded once in fp32 (fp8), exactly as the reference.
-void prepare_activation(Isa isa, WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
-                        int64_t k, float* out);
+// Converts columns [c0, c0 + k) of one activation row into the form the GEMM of `isa` reads for weights of format
+// `wf`, in the prepared row `row` (room for K floats, K the row's full length).
+//   x: bf16 bits (af = Bf16) or e4m3fn codes (af = Fp8) of those columns; c0 and k multiples of 32 (and of `group`
+//   for fp8); x_scale: the float32 group scales from the one covering column c0 (fp8 only). Returns the form:
+//   false  float32: ((float*)row)[c] for the k columns in the lane layout (position c holds column
+//          lane_column(c)): x.float() (bf16) or e4m3fn(x)·scale rounded once in fp32 (fp8), exactly as the reference
+//   true   bf16: ((uint16_t*)row)[c], same layout (Avx512Bf16 only, for bf16 / fp4 weights, when every value is
+//          exact in bf16: always for bf16 x; for fp8 x when the scales are powers of two >= 2^-117, so that every
+//          e4m3fn(x)·scale is a normal bf16 number — the float32 value itself)
+// The form depends only on the row's own values, so a row's arithmetic never depends on other rows; when a row is
+// prepared in pieces, every piece must come back with the same form. Rows of one GEMM may mix both forms (pass
+// the flags to expert_gemm_rows).
+bool prepare_activation(Isa isa, WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
+                        int64_t c0, int64_t k, float* row);
 
-// C for the m rows a[0..m) (prepared for w.format, each w.k floats) and the weight rows [n0, n1), written through
-// `out`. Single-threaded: callers split [0, N) across threads.
-// Returns false if an fp4 UE8M0 scale byte it read was 255 (NaN); the outputs are then meaningless.
-bool expert_gemm_rows(Isa isa, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                      const OutRows& out);
+// C for the m rows a[0..m) (prepared for w.format by prepare_activation; a_bf16[i] its return value, or
+// a_bf16 = nullptr when all are float32) and the weight rows [n0, n1), written through `out`. Single-threaded:
+// callers split [0, N) across threads. Returns false if an fp4 UE8M0 scale byte it read was 255 (NaN); the outputs
+// are then meaningless.
+bool expert_gemm_rows(Isa isa, const float* const* a, const uint8_t* a_bf16, int64_t m, const ExpertWeight& w,
+                      int64_t n0, int64_t n1, const OutRows& out);
 
-// The same, one instruction set each (defined in moe_gemm_<isa>.cpp; dispatch in moe_gemm.cpp).
+// The same, one instruction set each (defined in moe_gemm_<isa>.cpp; dispatch in moe_gemm.cpp). The float32-only
+// instances take float32 rows.
 namespace scalar {
 void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);
 bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&);
@@ -81,6 +95,11 @@ namespace avx512 {
 void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);
 bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&);
 }  // namespace avx512
+namespace avx512bf16 {
+bool prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, int64_t, float*);
+bool expert_gemm_rows(const float* const*, const uint8_t*, int64_t, const ExpertWeight&, int64_t, int64_t,
+                      const OutRows&);
+}  // namespace avx512bf16
 
 }  // namespace cpu
 }  // namespace static_moe

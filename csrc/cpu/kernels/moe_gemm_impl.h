@@ -32,6 +32,16 @@ inline float e4m3fn_to_float(uint8_t c) {
 // UE8M0 byte -> 2^(b-127), exactly (b = 0 is the subnormal 2^-127; b = 255 gives +inf, callers flag it).
 inline float ue8m0_to_float(uint8_t b) { return bits_float(b == 0 ? 0x00400000u : static_cast<uint32_t>(b) << 23); }
 
+// C[i, n] = c through `out` (rounded to bf16 first, as the reference's GEMM output).
+inline void emit_output(const OutRows& out, int64_t i, int64_t n, float c) {
+  const uint16_t h = float_to_bf16(c);
+  if (out.kind == OutKind::StoreBf16) {
+    static_cast<uint16_t*>(out.rows[i])[n - out.col0] = h;
+  } else {
+    static_cast<float*>(out.rows[i])[n - out.col0] += bf16_to_float(h);
+  }
+}
+
 // Activation values -> float32 in the lane layout of W-lane units (see above; W = 1: natural order).
 template <int W>
 void prepare_activation_impl(WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
@@ -113,14 +123,7 @@ struct GemmKernels {
     }
   }
 
-  static inline void emit(const OutRows& out, int64_t i, int64_t n, float c) {
-    const uint16_t h = float_to_bf16(c);
-    if (out.kind == OutKind::StoreBf16) {
-      static_cast<uint16_t*>(out.rows[i])[n - out.col0] = h;
-    } else {
-      static_cast<float*>(out.rows[i])[n - out.col0] += bf16_to_float(h);
-    }
-  }
+  static inline void emit(const OutRows& out, int64_t i, int64_t n, float c) { emit_output(out, i, n, c); }
 
   // k per 64-byte cache line of a weight row.
   template <WeightFormat F>

@@ -1,0 +1,257 @@
+// AVX-512 + AVX512_BF16 instance of the expert GEMM: bf16 products with vdpbf16ps (32 k per instruction into 16 fp32
+// lanes, twice the multiply-adds of an fp32 FMA), used only where every operand is a bf16 number anyway, so each
+// product is exact in fp32 as on the float32 path:
+//   weights  bf16: loaded as they are. fp4: e2m1 times the block's power-of-two scale is a bf16 number; a 32-entry
+//            bf16 table (the 16 e2m1 values, twice, so vpermw may ignore index bit 4) gets the scale added to its
+//            exponent field (non-zero entries; scale bytes 2..252), or, for other bytes, is built in fp32 and
+//            rounded (exact; values below 2^-126 become 0, as vdpbf16ps flushes bf16 subnormals anyway); 16 packed
+//            bytes zero-extended to words, shifted by 4 for the high nibbles, give the 32 indices of one vpermw.
+//            fp8 weights: float32 scales per 1×128 are not powers of two: the AVX-512 float32 path.
+//   activations  rows prepared as bf16 when exact (see prepare_activation in moe_gemm.h), others float32 for the
+//            AVX-512 path; a GEMM splits its rows by form.
+// Lane layout of a 32-k unit: natural for bf16 weights; even k then odd k for fp4 (the nibble split), as the AVX-512
+// float32 instance, so activations are permuted the same way.
+// GCC 12 flags the intrinsics headers' own `__m512i __Y = __Y;` placeholders wherever they are inlined.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cpu/kernels/cast.h"
+#include "cpu/kernels/moe_gemm.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c,bmi,bmi2")
+
+#include "cpu/kernels/moe_gemm_impl.h"
+
+namespace static_moe {
+namespace cpu {
+namespace {
+
+constexpr int64_t kUnit = 32;     // k per unit: one zmm of 32 bf16
+constexpr int64_t kChunk = 512;   // k per prepared chunk of fp4 scales (16 blocks)
+constexpr int kMR = 4;            // activation rows per block
+constexpr int kNR = 6;            // weight rows per block
+constexpr int kNR1 = 4;           // weight rows per block when there is one activation row
+
+// Power-of-two scale whose products with any e4m3fn value are normal bf16 numbers (or inf, as in fp32).
+inline bool exact_bf16_scale(float s) {
+  const uint32_t u = float_bits(s);
+  return (u & 0x007FFFFFu) == 0 && ((u >> 23) & 0xFFu) >= 10u;  // 2^-117 · 2^-9 = 2^-126
+}
+
+// The fp4 scales of one chunk of a weight row.
+struct Fp4Chunk {
+  alignas(32) int16_t delta[16];  // (b - 127) << 7: added to a bf16 exponent field
+  alignas(16) uint8_t byte[16];
+  bool fast;                      // every b in [2, 252]: the exponent add is exact for all non-zero e2m1 values
+};
+
+inline void fp4_chunk(const uint8_t* s, int nb, Fp4Chunk& c, uint32_t& bad) {
+  const __mmask16 live = static_cast<__mmask16>((1u << nb) - 1u);
+  const __m128i b = _mm_maskz_loadu_epi8(live, s);
+  bad |= _mm_mask_cmpeq_epi8_mask(live, b, _mm_set1_epi8(-1)) != 0;
+  const __mmask16 low = _mm_mask_cmplt_epu8_mask(live, b, _mm_set1_epi8(2));
+  const __mmask16 high = _mm_mask_cmpgt_epu8_mask(live, b, _mm_set1_epi8(static_cast<char>(252)));
+  c.fast = (low | high) == 0;
+  _mm_store_si128(reinterpret_cast<__m128i*>(c.byte), b);
+  const __m256i d = _mm256_slli_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(b), _mm256_set1_epi16(127)), 7);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c.delta), d);
+}
+
+alignas(64) constexpr uint16_t kE2m1Bf16[32] = {
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+
+// bf16 table of e2m1 · 2^(b-127) for a scale byte outside [2, 252]: built in fp32 (exact), rounded to bf16.
+inline __m512i fp4_table_slow(uint8_t b) {
+  const __m512 t = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f,
+                                  -3.0f, -4.0f, -6.0f);
+  const __m256i h = (__m256i)(_mm512_cvtneps_pbh(_mm512_mul_ps(t, _mm512_set1_ps(ue8m0_to_float(b)))));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+}
+
+template <WeightFormat F, bool Fast>
+inline __m512i decode(const uint8_t* row, int64_t k0, const Fp4Chunk& c, int u) {
+  if constexpr (F == WeightFormat::Bf16) {
+    return _mm512_loadu_si512(row + 2 * k0);
+  } else {
+    const __m512i table = _mm512_load_si512(kE2m1Bf16);
+    const __m512i lut = Fast ? _mm512_mask_add_epi16(table, 0xFEFEFEFEu, table, _mm512_set1_epi16(c.delta[u]))
+                             : fp4_table_slow(c.byte[u]);
+    const __m256i w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k0 >> 1))));
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(w16), _mm256_srli_epi16(w16, 4), 1);
+    return _mm512_permutexvar_epi16(idx, lut);
+  }
+}
+
+// MR bf16 activation rows × NR weight rows, all of K: one 16-lane fp32 accumulator each, walked through K in order.
+template <WeightFormat F, int MR, int NR>
+void dot_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int64_t n, const OutRows& out,
+               bool prefetch, uint32_t& bad_out) {
+  constexpr int64_t KL = F == WeightFormat::Fp4 ? 128 : kUnit;  // k per 64-byte line of a weight row
+  const uint16_t* ap[MR];
+  for (int i = 0; i < MR; ++i) ap[i] = a[i0 + i];
+  const uint8_t* rq[NR];
+  const uint8_t* rs[NR];
+  for (int j = 0; j < NR; ++j) {
+    rq[j] = w.data + (n + j) * w.row_stride;
+    rs[j] = F == WeightFormat::Fp4 ? static_cast<const uint8_t*>(w.scale) + (n + j) * w.scale_row_stride : nullptr;
+  }
+  const uint8_t* next = w.data + (n + NR) * w.row_stride;  // a hint only: never dereferenced
+  Fp4Chunk ch[NR];
+  uint32_t bad = 0;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t K = w.k;
+  for (int64_t kc = 0; kc < K; kc += kChunk) {
+    const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
+    if constexpr (F == WeightFormat::Fp4) {
+      for (int j = 0; j < NR; ++j) fp4_chunk(rs[j] + kc / kFp4WeightBlock, static_cast<int>((kend - kc) / 32), ch[j], bad);
+    }
+    // The chunk's units, with the fp4 table built by exponent add (Fast) or in fp32 (rare scale bytes).
+    auto units = [&](auto fast) {
+      for (int64_t kl = kc; kl < kend; kl += KL) {
+        if (prefetch) {
+          const int64_t byte = F == WeightFormat::Fp4 ? kl / 2 : kl * 2;
+          for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + byte, 0, 3);
+        }
+        for (int64_t k0 = kl; k0 < kl + KL; k0 += kUnit) {
+          const int u = static_cast<int>((k0 - kc) / kUnit);
+          for (int j = 0; j < NR; ++j) {
+            const __m512bh wv = (__m512bh)(decode<F, decltype(fast)::value>(rq[j], k0, ch[j], u));
+            for (int i = 0; i < MR; ++i) {
+              acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)(_mm512_loadu_si512(ap[i] + k0)), wv);
+            }
+          }
+        }
+      }
+    };
+    bool fast = true;
+    if constexpr (F == WeightFormat::Fp4) {
+      for (int j = 0; j < NR; ++j) fast = fast && ch[j].fast;
+    }
+    if (fast) {
+      units(std::true_type());
+    } else {
+      units(std::false_type());
+    }
+  }
+  bad_out |= bad;
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) emit_output(out, i0 + i, n + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+template <WeightFormat F, int NR>
+void dot_row_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
+                    bool prefetch, uint32_t& bad) {
+  int64_t i = 0;
+  for (; i + kMR <= m; i += kMR) dot_block<F, kMR, NR>(a, i, w, n, out, prefetch && i == 0, bad);
+  switch (m - i) {
+    case 1: dot_block<F, 1, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
+    case 2: dot_block<F, 2, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
+    case 3: dot_block<F, 3, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
+    default: break;
+  }
+}
+
+template <WeightFormat F, int NR>
+void dot_column_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t& n, int64_t n1,
+                       const OutRows& out, uint32_t& bad) {
+  for (; n + NR <= n1; n += NR) {
+    const bool prefetch = n + 2 * NR <= n1;
+    if (m == 1) {
+      dot_block<F, 1, NR>(a, 0, w, n, out, prefetch, bad);
+    } else {
+      dot_row_blocks<F, NR>(a, m, w, n, out, prefetch, bad);
+    }
+  }
+}
+
+template <WeightFormat F>
+bool dot_run(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1, const OutRows& out) {
+  static_assert(kChunk % 128 == 0, "a chunk holds whole cache lines of fp4 rows");
+  uint32_t bad = 0;
+  int64_t n = n0;
+  if (m == 1) dot_column_blocks<F, kNR1>(a, m, w, n, n1, out, bad);
+  dot_column_blocks<F, kNR>(a, m, w, n, n1, out, bad);
+  dot_column_blocks<F, 2>(a, m, w, n, n1, out, bad);
+  dot_column_blocks<F, 1>(a, m, w, n, n1, out, bad);
+  return bad == 0;
+}
+
+bool dot_gemm(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1, const OutRows& out) {
+  if (m <= 0 || n1 <= n0) return true;
+  const uint16_t* const* ab = reinterpret_cast<const uint16_t* const*>(a);  // rows hold bf16 (see prepare)
+  return w.format == WeightFormat::Fp4 ? dot_run<WeightFormat::Fp4>(ab, m, w, n0, n1, out)
+                                       : dot_run<WeightFormat::Bf16>(ab, m, w, n0, n1, out);
+}
+
+}  // namespace
+
+namespace avx512bf16 {
+
+bool prepare_activation(WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group, int64_t c0,
+                        int64_t k, float* row) {
+  bool exact = wf != WeightFormat::Fp8;
+  if (exact && af == ActFormat::Fp8) {
+    for (int64_t g = 0; g < (k + group - 1) / group; ++g) exact = exact && exact_bf16_scale(x_scale[g]);
+  }
+  if (!exact) {
+    avx512::prepare_activation(wf, af, x, x_scale, group, k, row + c0);
+    return false;
+  }
+  uint16_t* o = reinterpret_cast<uint16_t*>(row) + c0;
+  const bool permute = wf == WeightFormat::Fp4;
+  auto value = [&](int64_t c) -> uint16_t {  // an exact bf16 number: its top 16 bits
+    if (af == ActFormat::Bf16) return static_cast<const uint16_t*>(x)[c];
+    return static_cast<uint16_t>(
+        float_bits(e4m3fn_to_float(static_cast<const uint8_t*>(x)[c]) * x_scale[c / group]) >> 16);
+  };
+  if (!permute) {
+    for (int64_t c = 0; c < k; ++c) o[c] = value(c);
+  } else {
+    for (int64_t u = 0; u < k; u += kUnit)
+      for (int64_t r = 0; r < kUnit / 2; ++r) {
+        o[u + r] = value(u + 2 * r);
+        o[u + kUnit / 2 + r] = value(u + 2 * r + 1);
+      }
+  }
+  return true;
+}
+
+bool expert_gemm_rows(const float* const* a, const uint8_t* a_bf16, int64_t m, const ExpertWeight& w, int64_t n0,
+                      int64_t n1, const OutRows& out) {
+  int64_t n_bf16 = 0;
+  if (a_bf16 != nullptr && w.format != WeightFormat::Fp8)
+    for (int64_t i = 0; i < m; ++i) n_bf16 += a_bf16[i] != 0;
+  if (n_bf16 == 0) return avx512::expert_gemm_rows(a, m, w, n0, n1, out);
+  if (n_bf16 == m) return dot_gemm(a, m, w, n0, n1, out);
+  // Mixed rows: each form runs its own path (a row's arithmetic depends on its own form only).
+  std::vector<const float*> rows[2];
+  std::vector<void*> outs[2];
+  for (int64_t i = 0; i < m; ++i) {
+    rows[a_bf16[i] != 0].push_back(a[i]);
+    outs[a_bf16[i] != 0].push_back(out.rows[i]);
+  }
+  OutRows o32 = out, o16 = out;
+  o32.rows = outs[0].data();
+  o16.rows = outs[1].data();
+  const bool ok32 = avx512::expert_gemm_rows(rows[0].data(), static_cast<int64_t>(rows[0].size()), w, n0, n1, o32);
+  const bool ok16 = dot_gemm(rows[1].data(), static_cast<int64_t>(rows[1].size()), w, n0, n1, o16);
+  return ok32 && ok16;
+}
+
+}  // namespace avx512bf16
+}  // namespace cpu
+}  // namespace static_moe
+
+#pragma GCC pop_options
