@@ -3,7 +3,8 @@
 // The default build compiles for baseline x86-64 (no -march=native). Kernels that want SIMD keep one source file
 // per instruction set, compiled under `#pragma GCC target(...)` (see csrc/cpu/kernels/moe_gemm_avx512.cpp), and
 // pick one per call with select_isa():
-//   Isa::Avx512Bf16  Avx512 plus AVX512_BF16 (vdpbf16ps: bf16 dot products with fp32 accumulation)
+//   Isa::Avx512Bf16  Avx512 plus AVX512_BF16 (vdpbf16ps: bf16 dot products with fp32 accumulation) and
+//                    AVX512_VBMI (vpmultishiftqb), as on Zen 4 / Zen 5 / Sapphire Rapids
 //   Isa::Avx512  AVX-512 F+BW+DQ+VL (x86-64-v4)
 //   Isa::Avx2    AVX2 + FMA + F16C (x86-64-v3 without the rest)
 //   Isa::Scalar  portable C++
@@ -38,7 +39,8 @@ inline Isa detected_isa() {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
-      return __builtin_cpu_supports("avx512bf16") ? Isa::Avx512Bf16 : Isa::Avx512;
+      return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi") ? Isa::Avx512Bf16
+                                                                                          : Isa::Avx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
       return Isa::Avx2;
     return Isa::Scalar;
@@ -71,7 +73,7 @@ inline bool select_isa(Isa* isa, const char** error) {
     return false;
   }
   if (static_cast<int>(want) > static_cast<int>(best)) {
-    *error = want == Isa::Avx512Bf16 ? "STATIC_MOE_CPU_ISA=avx512bf16 but this CPU lacks AVX-512 F/BW/DQ/VL + BF16"
+    *error = want == Isa::Avx512Bf16 ? "STATIC_MOE_CPU_ISA=avx512bf16 but this CPU lacks AVX-512 F/BW/DQ/VL + BF16 + VBMI"
              : want == Isa::Avx512   ? "STATIC_MOE_CPU_ISA=avx512 but this CPU lacks AVX-512 F/BW/DQ/VL"
                                      : "STATIC_MOE_CPU_ISA=avx2 but this CPU lacks AVX2/FMA/F16C";
     return false;

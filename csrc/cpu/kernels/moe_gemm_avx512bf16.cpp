@@ -4,13 +4,14 @@
 //   weights  bf16: loaded as they are. fp4: e2m1 times the block's power-of-two scale is a bf16 number; a 32-entry
 //            bf16 table (the 16 e2m1 values, twice, so vpermw may ignore index bit 4) gets the scale added to its
 //            exponent field (non-zero entries; scale bytes 2..252), or, for other bytes, is built in fp32 and
-//            rounded (exact; values below 2^-126 become 0, as vdpbf16ps flushes bf16 subnormals anyway); 16 packed
-//            bytes zero-extended to words, shifted by 4 for the high nibbles, give the 32 indices of one vpermw.
+//            rounded (exact; values below 2^-126 become 0, as vdpbf16ps flushes bf16 subnormals anyway); the 16
+//            packed bytes, broadcast to the four 128-bit lanes, give the 32 word indices of one vpermw through one
+//            vpmultishiftqb (AVX512_VBMI: each index byte picks a nibble at any bit offset of its qword).
 //            fp8 weights: float32 scales per 1×128 are not powers of two: the AVX-512 float32 path.
 //   activations  rows prepared as bf16 when exact (see prepare_activation in moe_gemm.h), others float32 for the
 //            AVX-512 path; a GEMM splits its rows by form.
-// Lane layout of a 32-k unit: natural for bf16 weights; even k then odd k for fp4 (the nibble split), as the AVX-512
-// float32 instance, so activations are permuted the same way.
+// Lane layout of a 32-k unit: natural for bf16 weights; for fp4, position w holds column fp4_column(w) (the order
+// the multishift produces), and activations are permuted the same way.
 // GCC 12 flags the intrinsics headers' own `__m512i __Y = __Y;` placeholders wherever they are inlined.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -25,7 +26,7 @@
 #include "cpu/kernels/moe_gemm.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c,bmi,bmi2")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c,bmi,bmi2")
 
 #include "cpu/kernels/moe_gemm_impl.h"
 
@@ -78,6 +79,21 @@ inline __m512i fp4_table_slow(uint8_t b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
 }
 
+// Column (within its 32-k unit) that position w of a decoded fp4 unit holds. The 16 packed bytes are broadcast to
+// the four 128-bit lanes, so qword lane L = w / 4 holds bytes 0-7 (columns 0-15) for even L and bytes 8-15 (columns
+// 16-31) for odd L; its four words take four consecutive nibbles of that qword.
+constexpr int fp4_column(int w) { return 16 * ((w / 4) % 2) + 4 * (w / 8) + w % 4; }
+
+// vpmultishiftqb control: word w's low byte starts at the bit of its column's nibble within its qword (the next bit
+// comes along as index bit 4, which the doubled table ignores); the high byte is don't-care.
+struct Fp4Control {
+  alignas(64) uint8_t b[64];
+  constexpr Fp4Control() : b() {
+    for (int w = 0; w < 32; ++w) b[2 * w] = b[2 * w + 1] = static_cast<uint8_t>(4 * (fp4_column(w) % 16));
+  }
+};
+constexpr Fp4Control kFp4Control;
+
 template <WeightFormat F, bool Fast>
 inline __m512i decode(const uint8_t* row, int64_t k0, const Fp4Chunk& c, int u) {
   if constexpr (F == WeightFormat::Bf16) {
@@ -86,8 +102,8 @@ inline __m512i decode(const uint8_t* row, int64_t k0, const Fp4Chunk& c, int u) 
     const __m512i table = _mm512_load_si512(kE2m1Bf16);
     const __m512i lut = Fast ? _mm512_mask_add_epi16(table, 0xFEFEFEFEu, table, _mm512_set1_epi16(c.delta[u]))
                              : fp4_table_slow(c.byte[u]);
-    const __m256i w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k0 >> 1))));
-    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(w16), _mm256_srli_epi16(w16, 4), 1);
+    const __m512i data = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k0 >> 1))));
+    const __m512i idx = _mm512_multishift_epi64_epi8(_mm512_load_si512(kFp4Control.b), data);
     return _mm512_permutexvar_epi16(idx, lut);
   }
 }
@@ -220,10 +236,7 @@ bool prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
     for (int64_t c = 0; c < k; ++c) o[c] = value(c);
   } else {
     for (int64_t u = 0; u < k; u += kUnit)
-      for (int64_t r = 0; r < kUnit / 2; ++r) {
-        o[u + r] = value(u + 2 * r);
-        o[u + kUnit / 2 + r] = value(u + 2 * r + 1);
-      }
+      for (int w = 0; w < kUnit; ++w) o[u + w] = value(u + fp4_column(w));
   }
   return true;
 }
