@@ -53,10 +53,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                   const at::Tensor& topk_weights, const at::Tensor& w13,
                                   std::optional<at::Tensor> w13_scale, const at::Tensor& w2,
                                   std::optional<at::Tensor> w2_scale, int64_t expert_offset,
-                                  std::optional<double> swiglu_limit, double fp8_max) {
+                                  std::optional<double> swiglu_limit, double fp8_max, const std::string& op) {
     static_moe::checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
-                                            expert_offset, swiglu_limit, fp8_max);
-  }, "local_experts argument checks");
+                                            expert_offset, swiglu_limit, fp8_max, op.c_str());
+  }, "local_experts argument checks; op names the op in the messages (forward runs them too)",
+     py::arg("x"), py::arg("x_scale"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("w13"),
+     py::arg("w13_scale"), py::arg("w2"), py::arg("w2_scale"), py::arg("expert_offset"), py::arg("swiglu_limit"),
+     py::arg("fp8_max"), py::arg("op") = "local_experts");
   // Test hooks: the CPU kernels' exact float32 -> e4m3fn / bf16 casts, elementwise (tests/test_swiglu_and_cast.py
   // compares them with torch's casts bit for bit).
   m.def("_cast_e4m3fn", [](const at::Tensor& x) {

@@ -144,34 +144,41 @@ def test_forward_errors_name_the_argument():
     cases = [
         (dict(idx=torch.tensor([[0, 1, 4]] * 5, dtype=torch.int32)), ValueError, r"topk_idx.*\[-1, 4\).*\[0, 4\]"),
         (dict(idx=torch.tensor([[0, 1, -2]] * 5, dtype=torch.int32)), ValueError, r"got values in \[-2, 1\]"),
-        (dict(idx=bf["idx"][0].float()), TypeError, "topk_idx must be int32 or int64"),
-        (dict(idx=bf["idx"][0][:, :2]), ValueError, "topk_weights must have topk_idx's shape"),
-        (dict(tw=bf["tw"][0].double()), TypeError, "topk_weights must be float32 or bfloat16"),
-        (dict(x=bf["x"][0].float()), TypeError, "x must be bfloat16 or float8_e4m3fn"),
-        (dict(x=bf["x"][0][:, :128]), ValueError, r"w13 must be \[4, 256, 128\]"),
-        (dict(x_scale=torch.ones(5, 2)), ValueError, "x is bf16, so x_scale must be None"),
+        (dict(idx=bf["idx"][0].float()), TypeError, "topk_idx must have dtype torch.int32 or torch.int64"),
+        (dict(idx=bf["idx"][0][:, :2]), ValueError, r"topk_weights must have shape \[R, k\] like topk_idx"),
+        (dict(tw=bf["tw"][0].double()), TypeError, "topk_weights must have dtype torch.float32 or torch.bfloat16"),
+        (dict(x=bf["x"][0].float()), TypeError, r"x must have an activation dtype: torch.bfloat16 \(bf16\) or "
+                                                 r"torch.float8_e4m3fn \(fp8\)"),
+        (dict(x=bf["x"][0][:, :128]), ValueError, r"w13 must have shape \[L, N, K\] = \[4, 256, 128\]"),
+        (dict(x_scale=torch.ones(5, 2)), ValueError, "x_scale must be None when x is bf16"),
         (dict(num_experts=8), ValueError, r"num_experts=8 must equal local experts"),
         (dict(rank=1), ValueError, r"ep_rank must be in \[0, ep_size=1\)"),
         (dict(capacity=0), ValueError, "capacity must be a positive int"),
         (dict(shared=torch.zeros(5, 128)), ValueError, r"shared_output must be \[T=5, H=256\]"),
-        (dict(w2=bf["w2"][0][:, :, :64]), ValueError, r"w2 must be \[4, 256, 128\]"),
-        (dict(w13_scale=torch.ones(4, 256, 2)), ValueError, "w13 is bf16, so w13_scale must be None"),
-        (dict(limit=-1.0), ValueError, "swiglu_limit must be None or positive"),
+        (dict(w2=bf["w2"][0][:, :, :64]), ValueError, r"w2 must have shape \[L, N, K\] = \[4, 256, 128\]"),
+        (dict(w13_scale=torch.ones(4, 256, 2)), ValueError, "w13_scale must be None for bf16 w13"),
+        (dict(limit=-1.0), ValueError, "swiglu_limit must be None or a positive"),
+        (dict(tw=bf["tw"][0].to("meta")), ValueError,
+         r"topk_weights must be on the same device as x \(cpu\), got meta"),
+        (dict(shared=torch.zeros(5, 256, device="meta")), ValueError,
+         r"shared_output must be on the same device as x \(cpu\), got meta"),
     ]
     for over, exc, pattern in cases:
-        with pytest.raises(exc, match=pattern):
+        with pytest.raises(exc, match=pattern) as info:
             op(*_args(bf, **over))
-    with pytest.raises(ValueError, match="x_scale .* is required"):
+        assert str(info.value).startswith("forward: "), info.value  # the op the user called, not local_experts
+    with pytest.raises(ValueError, match="x_scale is required when x is fp8"):
         op(*_args(f8, x_scale=None))
-    with pytest.raises(ValueError, match=r"activation group H / x_scale.size\(1\) = 256/4 = 64"):
+    with pytest.raises(ValueError, match=r"activation group x.size\(1\) / x_scale.size\(1\) must be 32 or 128, got "
+                                         r"256 / 4 = 64"):
         op(*_args(f8, x_scale=torch.ones(5, 4)))
-    with pytest.raises(ValueError, match="w13_scale must be torch.uint8 or torch.float8_e8m0fnu"):
+    with pytest.raises(TypeError, match="w13_scale must have dtype torch.uint8 or torch.float8_e8m0fnu"):
         op(*_args(f4, w13_scale=f4["w13_scale"][0].float()))
     with pytest.raises(ValueError, match="w2_scale is required"):
         op(*_args(f8, w2_scale=None))
-    with pytest.raises(ValueError, match="not a supported pair"):  # fp8 activations × bf16 weights
+    with pytest.raises(ValueError, match="unsupported format pair: x is fp8 and w13 is bf16"):
         op(*_args(f8, w13=bf["w13"][0], w2=bf["w2"][0], w13_scale=None, w2_scale=None))
-    with pytest.raises(TypeError, match="must share one weight format"):
+    with pytest.raises(ValueError, match=r"w2 must have the weight format of w13 \(fp8"):
         op(*_args(f8, w2=f4["w2"][0]))
     for fp8_max in (500.0, 0.0, float("nan")):
         with pytest.raises(ValueError, match=r"fp8_max must be in \(0, 448\]"):
@@ -181,6 +188,9 @@ def test_forward_errors_name_the_argument():
         fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in _args(big)]
         with pytest.raises(ValueError, match="9 tokens exceed the capacity of 8"):
             op(*fake)
+        bad_pair = _args(f8, w13=bf["w13"][0], w2=bf["w2"][0], w13_scale=None, w2_scale=None)
+        with pytest.raises(ValueError, match="forward: unsupported format pair"):
+            op(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in bad_pair])
 
 
 def test_forward_opcheck_and_export_s1():

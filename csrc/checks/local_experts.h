@@ -1,6 +1,8 @@
 // Argument checks of local_experts (SPEC §1.3, §1.7, §4, §5), over tensor metadata only: shared by the CPU and CUDA
-// bindings and by the Python fake kernel (through static_moe._C.check_local_experts). The routing ids are values:
-// the eager kernels check them (ids < -1 are an error; ids >= 0 outside this rank's experts are other ranks').
+// bindings and by the Python fake kernel (through static_moe._C.check_local_experts), and run by forward's checks for
+// the arguments it hands to local_experts (with op = "forward", so messages name the op the user called). The
+// routing ids are values: the eager kernels check them (ids < -1 are an error; ids >= 0 outside this rank's experts
+// are other ranks').
 #pragma once
 
 #include "checks/common.h"
@@ -25,14 +27,13 @@ struct LocalExpertsShape {
 // x bf16 / float8_e4m3fn [R, H] (+ x_scale float32 [R, H/g], g in {32, 128}); topk_idx int32 / int64 [R, k];
 // topk_weights float32 / bf16 [R, k]; w13 [L, 2I, H] and w2 [L, H, I] of one weight format with their scales;
 // H and I multiples of 128; a supported format pair; expert_offset >= 0; swiglu_limit None or positive finite;
-// for fp8 x, 0 < fp8_max <= 448; everything on x's device.
+// for fp8 x, 0 < fp8_max <= 448; everything on x's device. `op` prefixes the messages.
 inline LocalExpertsShape check_local_experts(const at::Tensor& x, const std::optional<at::Tensor>& x_scale,
                                              const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                                              const at::Tensor& w13, const std::optional<at::Tensor>& w13_scale,
                                              const at::Tensor& w2, const std::optional<at::Tensor>& w2_scale,
                                              int64_t expert_offset, std::optional<double> swiglu_limit,
-                                             double fp8_max) {
-  const char* op = "local_experts";
+                                             double fp8_max, const char* op = "local_experts") {
   LocalExpertsShape sh;
   sh.group = check_activation(x, x_scale, op, "x", "x_scale");
   sh.act = activation_format(x, op, "x");

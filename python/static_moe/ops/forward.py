@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from torch.profiler import record_function
 
+from .. import _C
 from .. import workspace as _workspace
 from ..formats import FP8_E4M3FN_MAX
 from ..formats import weight_format as _weight_format
@@ -53,119 +54,68 @@ def _shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 
 
+def _symbolic(*tensors: torch.Tensor | None) -> bool:
+    """Whether any size is symbolic (torch.compile with dynamic shapes): the C++ checks cannot read those."""
+    return any(isinstance(s, torch.SymInt) for t in tensors if t is not None for s in t.shape)
+
+
 def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                   num_experts: int, capacity: int, swiglu_limit, ep_rank: int, ep_size: int,
                   fp8_max: float = FP8_E4M3FN_MAX) -> ForwardDims:
     """Metadata-only checks of forward's arguments (SPEC §5), shared by the kernel and the fake.
 
+    What forward hands on to local_experts — activation dtype, x_scale and the activation group, routing dtypes and
+    shapes, weight formats and the format pair, weight and scale shapes and dtypes, H and I multiples of 128,
+    swiglu_limit, fp8_max, and all of their devices — is checked by local_experts' own C++ check
+    (csrc/checks/local_experts.h through ``_C.check_local_experts``, messages prefixed "forward:"), so each of
+    those checks exists once, and it runs here, before the pack and the all-gather touch any buffer. Checked here:
+    what is forward's own — positive H, I and k (the workspace is sized by them), T ≤ C, the EP topology and
+    shared_output. Under symbolic sizes (torch.compile with dynamic shapes) the C++ check cannot read sizes and
+    is left to the kernel, as in local_experts' fake.
+
     Raises ValueError / TypeError naming the argument, what was expected and what came. Reads no tensor values.
     """
-    # --- activations -------------------------------------------------------------------------------------------
-    if x.dim() != 2:
-        raise ValueError(f"forward: x must be 2-D [T, H], got shape {_shape(x)}")
-    t, h = x.shape
-    if x.dtype == torch.bfloat16:
-        act, group = "bf16", 0
-        if x_scale is not None:
-            raise ValueError(f"forward: x is bf16, so x_scale must be None, got {x_scale.dtype}{_shape(x_scale)}")
-    elif x.dtype == torch.float8_e4m3fn:
-        act = "fp8"
-        if x_scale is None:
-            raise ValueError("forward: x is float8_e4m3fn, so x_scale (float32 [T, H/g]) is required, got None")
-        if x_scale.dtype != torch.float32 or x_scale.dim() != 2 or x_scale.shape[0] != t or x_scale.shape[1] == 0:
-            raise ValueError(f"forward: x_scale must be float32 [T={t}, H/g], got {x_scale.dtype}{_shape(x_scale)}")
-        if h % x_scale.shape[1]:
-            raise ValueError(f"forward: x_scale's {x_scale.shape[1]} columns do not divide H={h}")
-        group = h // x_scale.shape[1]
-        if group not in _workspace.ACT_GROUPS:
-            raise ValueError(f"forward: activation group H / x_scale.size(1) = {h}/{x_scale.shape[1]} = {group}, "
-                             f"expected one of {_workspace.ACT_GROUPS}")
-    else:
-        raise TypeError(f"forward: x must be bfloat16 or float8_e4m3fn, got {x.dtype}")
-    if h == 0 or h % 128:
-        raise ValueError(f"forward: H (x.size(1)) must be a positive multiple of 128, got {h}")
-    if not isinstance(capacity, int) or capacity <= 0:
-        raise ValueError(f"forward: capacity must be a positive int, got {capacity!r}")
-    if t > capacity:
-        raise ValueError(f"forward: {t} tokens exceed the capacity of {capacity} (T ≤ C is required; "
-                         "raise the capacity or split the batch)")
-
-    # --- routing -----------------------------------------------------------------------------------------------
-    if topk_idx.dim() != 2 or topk_idx.shape[0] != t or topk_idx.shape[1] == 0:
-        raise ValueError(f"forward: topk_idx must be [T={t}, k ≥ 1], got shape {_shape(topk_idx)}")
-    if topk_idx.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"forward: topk_idx must be int32 or int64, got {topk_idx.dtype}")
-    if _shape(topk_weights) != _shape(topk_idx):
-        raise ValueError(f"forward: topk_weights must have topk_idx's shape {_shape(topk_idx)}, "
-                         f"got {_shape(topk_weights)}")
-    if topk_weights.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"forward: topk_weights must be float32 or bfloat16, got {topk_weights.dtype}")
-    k = topk_idx.shape[1]
-
-    # --- expert weights ----------------------------------------------------------------------------------------
-    wfmt = _weight_format(w13)
-    if _weight_format(w2) != wfmt:
-        raise TypeError(f"forward: w13 ({w13.dtype}) and w2 ({w2.dtype}) must share one weight format")
-    if (act, wfmt) not in _workspace.SUPPORTED_PAIRS:
-        raise ValueError(f"forward: activation {act} ({x.dtype}) with {wfmt} weights ({w13.dtype}) is not a "
-                         f"supported pair; supported: {sorted(_workspace.SUPPORTED_PAIRS)}")
-    if w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"forward: w13 and w2 must be 3-D [L, N, K], got {_shape(w13)} and {_shape(w2)}")
-    pack = 2 if wfmt == "fp4" else 1
-    num_local = w13.shape[0]
-    if w13.shape[1] == 0 or w13.shape[1] % 2:
-        raise ValueError(f"forward: w13 must be [L, 2I, H{'/2' if pack == 2 else ''}], got {_shape(w13)}")
-    inter = w13.shape[1] // 2
-    if inter % 128:
-        raise ValueError(f"forward: I (w13.size(1) / 2) must be a multiple of 128, got {inter}")
-    want13 = [num_local, 2 * inter, h // pack]
-    want2 = [num_local, h, inter // pack]
-    if _shape(w13) != want13:
-        raise ValueError(f"forward: w13 must be {want13} for x of H={h} ({wfmt}), got {_shape(w13)}")
-    if _shape(w2) != want2:
-        raise ValueError(f"forward: w2 must be {want2} (L, H, I{'/2' if pack == 2 else ''}), got {_shape(w2)}")
-    for name, w, s, kdim in (("w13", w13, w13_scale, h), ("w2", w2, w2_scale, inter)):
-        if wfmt == "bf16":
-            if s is not None:
-                raise ValueError(f"forward: {name} is bf16, so {name}_scale must be None, got {s.dtype}{_shape(s)}")
-            continue
-        if s is None:
-            raise ValueError(f"forward: {name} is {wfmt}, so {name}_scale is required, got None")
-        block = 128 if wfmt == "fp8" else 32
-        want = [num_local, w.shape[1], kdim // block]
-        dtypes = (torch.float32,) if wfmt == "fp8" else (torch.uint8, torch.float8_e8m0fnu)
-        if s.dtype not in dtypes or _shape(s) != want:
-            raise ValueError(f"forward: {name}_scale must be {' or '.join(map(str, dtypes))} {want} "
-                             f"(1×{block} scales along K), got {s.dtype}{_shape(s)}")
-
-    # --- topology ----------------------------------------------------------------------------------------------
+    # --- topology first: ep_rank >= 0 makes this rank's expert offset ep_rank·L valid for the check below --------
     if not isinstance(ep_size, int) or ep_size <= 0:
         raise ValueError(f"forward: ep_size must be a positive int, got {ep_size!r}")
     if not isinstance(ep_rank, int) or not 0 <= ep_rank < ep_size:
         raise ValueError(f"forward: ep_rank must be in [0, ep_size={ep_size}), got {ep_rank!r}")
+    if not isinstance(capacity, int) or capacity <= 0:
+        raise ValueError(f"forward: capacity must be a positive int, got {capacity!r}")
+
+    # --- everything local_experts will be given (its offset ep_rank·L >= 0 is checked above, so 0 stands in) ----
+    if not _symbolic(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale):
+        _C.check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, 0, swiglu_limit,
+                               fp8_max, "forward")
+    t, h = x.shape
+    act = "fp8" if x.dtype == torch.float8_e4m3fn else "bf16"
+    group = h // x_scale.shape[1] if act == "fp8" else 0
+    num_local, inter, k = w13.shape[0], w13.shape[1] // 2, topk_idx.shape[1]
+
+    # --- forward's own -----------------------------------------------------------------------------------------
+    if h == 0:
+        raise ValueError(f"forward: H (x.size(1)) must be a positive multiple of 128, got {h}")
+    if inter == 0:
+        raise ValueError(f"forward: I (w13.size(1) / 2) must be a positive multiple of 128, got {inter}")
+    if k == 0:
+        raise ValueError(f"forward: topk_idx must be [T={t}, k ≥ 1], got shape {_shape(topk_idx)}")
+    if t > capacity:
+        raise ValueError(f"forward: {t} tokens exceed the capacity of {capacity} (T ≤ C is required; "
+                         "raise the capacity or split the batch)")
     if num_experts != num_local * ep_size:
         raise ValueError(f"forward: num_experts={num_experts} must equal local experts (w13.size(0)={num_local}) "
                          f"× ep_size={ep_size} = {num_local * ep_size}")
     if k > num_experts:
         raise ValueError(f"forward: top-k={k} exceeds num_experts={num_experts}")
-    if swiglu_limit is not None and not swiglu_limit > 0:
-        raise ValueError(f"forward: swiglu_limit must be None or positive, got {swiglu_limit!r}")
-    if act == "fp8" and not 0 < fp8_max <= FP8_E4M3FN_MAX:  # NaN fails too
-        raise ValueError(f"forward: fp8_max must be in (0, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3), "
-                         f"got {fp8_max!r}")
-
-    # --- shared expert output, devices -------------------------------------------------------------------------
     if shared_output is not None:
         if _shape(shared_output) != [t, h]:
             raise ValueError(f"forward: shared_output must be [T={t}, H={h}], got {_shape(shared_output)}")
         if shared_output.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"forward: shared_output must be float32, bfloat16 or float16, got {shared_output.dtype}")
-    named = {"x_scale": x_scale, "topk_idx": topk_idx, "topk_weights": topk_weights, "w13": w13,
-             "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale, "shared_output": shared_output}
-    for name, tensor in named.items():
-        if tensor is not None and tensor.device != x.device:
-            raise ValueError(f"forward: {name} is on {tensor.device}, expected x's device {x.device}")
-    return ForwardDims(t, h, inter, num_local, k, act, group, wfmt)
+        if shared_output.device != x.device:
+            raise ValueError(f"forward: shared_output must be on the same device as x ({x.device}), got "
+                             f"{shared_output.device}")
+    return ForwardDims(t, h, inter, num_local, k, act, group, _weight_format(w13))
 
 
 def workspace_spec(dims: ForwardDims, num_experts: int, capacity: int, ep_size: int,
