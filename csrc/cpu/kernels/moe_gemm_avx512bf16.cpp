@@ -132,6 +132,10 @@ void dot_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int6
     const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
     if constexpr (F == WeightFormat::Fp4) {
       for (int j = 0; j < NR; ++j) fp4_chunk(rs[j] + kc / kFp4WeightBlock, static_cast<int>((kend - kc) / 32), ch[j], bad);
+      if (prefetch) {  // the next rows' scales of this chunk: a stream of its own
+        const uint8_t* ns = static_cast<const uint8_t*>(w.scale) + (n + NR) * w.scale_row_stride + kc / kFp4WeightBlock;
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(ns + j * w.scale_row_stride, 0, 3);
+      }
     }
     // The chunk's units, with the fp4 table built by exponent add (Fast) or in fp32 (rare scale bytes).
     auto units = [&](auto fast) {

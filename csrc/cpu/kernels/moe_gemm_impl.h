@@ -151,6 +151,17 @@ struct GemmKernels {
     for (int64_t kc = 0; kc < K; kc += kChunk) {
       const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
       for (int j = 0; j < NR; ++j) chunk_scales<F>(rp[j], kc, kend, sc[j], bad);
+      if (prefetch && F != WeightFormat::Bf16) {  // the next rows' scales of this chunk: a stream of its own
+        const RowPtrs nx = row_ptrs<F>(w, n + NR);
+        for (int j = 0; j < NR; ++j) {
+          const uint8_t* s = static_cast<const uint8_t*>(nx.s);
+          if (F == WeightFormat::Fp8) {
+            __builtin_prefetch(s + (j * w.scale_row_stride + kc / kFp8WeightBlock) * sizeof(float), 0, 3);
+          } else {
+            __builtin_prefetch(s + j * w.scale_row_stride + kc / kFp4WeightBlock, 0, 3);
+          }
+        }
+      }
       for (int64_t kl = kc; kl < kend; kl += KL) {
         if (prefetch) {
           const int64_t byte = kl * line_k<WeightFormat::Bf16>() / line_k<F>() * 2;  // kl's byte in a row
