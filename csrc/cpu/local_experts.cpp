@@ -3,12 +3,13 @@
 //
 //   routing   per local expert e, its rows in increasing order and their weights w = Σ (in slot order) of the
 //             row's top-k weights whose id is e's global id; rows / slots naming other ids are never read further
-//   prepare   every routed row of x -> float32 in the GEMM lane layout, once (OpenMP over rows)
+//   prepare   every routed row of x -> the GEMM operand form (float32, or bf16 where exact) and lane layout, once
+//             (OpenMP over rows)
 //   per expert e with rows, in increasing e (experts without rows: no work, no weight reads):
 //     for each chunk [i0, i1) of intermediate columns (whole 128-column groups), by whichever thread takes it:
 //       GEMM1  gate rows [i0, i1) and up rows [I+i0, I+i1) of W13_e -> h = bf16 [m, gate | up]  (thread-local)
 //       SwiGLU + cast of h with w (kernel of csrc/cpu/kernels/swiglu_and_cast.h; an fp8 group never straddles
-//              chunks, so scales are those of the whole row) -> z columns [i0, i1) -> float32 into zf[e % 2]
+//              chunks, so scales are those of the whole row) -> z columns [i0, i1) -> prepared into zf[e % 2]
 //     barrier (GEMM2 needs every column of z)
 //     for each chunk [h0, h1) of hidden columns: GEMM2 rows [h0, h1) of W2_e over zf[e % 2]
 //                                                -> acc[row, h0:h1] += float(bf16(d))

@@ -4,8 +4,10 @@
 //
 // B is one expert's weight matrix, stored as nn.Linear stores it ([N, K], K contiguous) in bf16, fp8 e4m3fn with
 // float32 1×128 scales, or fp4 e2m1 (two per byte, low nibble = even k) with UE8M0 1×32 scales. It is decoded on
-// the fly, 2W values at a time, straight into registers, and used there by a block of up to MR activation rows
-// (more rows: the NR weight rows, still in L1, are decoded again per row block) — never a whole weight tensor.
+// the fly, one unit (a few dozen k of one weight row) at a time, straight into registers, and used there by a block
+// of up to MR activation rows × NR weight rows of accumulators (more rows: the NR weight rows, still in L1, are
+// decoded again per row block) — never a whole weight tensor. The next NR weight rows and their scales are
+// prefetched one block ahead, so one core keeps enough DRAM reads in flight.
 //
 // Numerics: every operand is decoded to float32 exactly as formats.py dequantizes it (fp8: q·s rounded once in
 // fp32; fp4: e2m1 · 2^(b-127), exact), so products are those of the reference. Each output is one W-lane fp32
@@ -18,9 +20,9 @@
 // float32 path. vdpbf16ps treats bf16 subnormals as zero: only fp4 blocks with scale bytes 0 or 1 (values below
 // 2^-126) are affected.
 //
-// A operand: the GEMM reads float32 rows in a "lane layout" that depends on the ISA and, for fp4 weights, pairs
-// each lane with the nibble order of the packed weights (see prepare_activation). Produce it with
-// prepare_activation; rows may live anywhere (an array of row pointers), so callers gather rows for free.
+// A operand: the GEMM reads float32 (or, on Avx512Bf16, bf16) rows in a "lane layout" that depends on the ISA and,
+// for fp4 weights, pairs each lane with the nibble order of the packed weights (see prepare_activation). Produce it
+// with prepare_activation; rows may live anywhere (an array of row pointers), so callers gather rows for free.
 #pragma once
 
 #include <cstddef>
@@ -63,9 +65,10 @@ struct OutRows {
 // `wf`, in the prepared row `row` (room for K floats, K the row's full length).
 //   x: bf16 bits (af = Bf16) or e4m3fn codes (af = Fp8) of those columns; c0 and k multiples of 32 (and of `group`
 //   for fp8); x_scale: the float32 group scales from the one covering column c0 (fp8 only). Returns the form:
-//   false  float32: ((float*)row)[c] for the k columns in the lane layout (position c holds column
-//          lane_column(c)): x.float() (bf16) or e4m3fn(x)·scale rounded once in fp32 (fp8), exactly as the reference
-//   true   bf16: ((uint16_t*)row)[c], same layout (Avx512Bf16 only, for bf16 / fp4 weights, when every value is
+//   false  float32: ((float*)row)[c] for the k columns, in the ISA's lane layout (a fixed permutation within each
+//          32-column unit for fp4 weights, see moe_gemm_impl.h): x.float() (bf16) or e4m3fn(x)·scale rounded once
+//          in fp32 (fp8), exactly as the reference
+//   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 only, for bf16 / fp4 weights, when every value is
 //          exact in bf16: always for bf16 x; for fp8 x when the scales are powers of two >= 2^-117, so that every
 //          e4m3fn(x)·scale is a normal bf16 number — the float32 value itself)
 // The form depends only on the row's own values, so a row's arithmetic never depends on other rows; when a row is
