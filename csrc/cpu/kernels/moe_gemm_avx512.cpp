@@ -2,7 +2,8 @@
 //   bf16 weights: zero-extend to 32 bits and shift into the fp32 high half.
 //   fp8 weights:  e4m3fn byte -> fp16 bits with one sign-extend, shift and mask (sign, then exponent and mantissa
 //                 moved down so the value is q·2^-8, subnormals included), vcvtph2ps, then · (s·2^8): q·2^-8 and
-//                 s·2^8 are exact, so the product is q·s rounded once, as the reference.
+//                 s·2^8 are exact, so the product is q·s rounded once, as the reference (for scales below 2^120;
+//                 larger ones, absurd for weights, overflow s·2^8 to inf).
 //   fp4 weights:  16 packed bytes -> 16 dword indices; vpermps on a 16-entry table of e2m1 values already times
 //                 the block's power-of-two scale (exact) gives the even columns, and again on index >> 4 the odd
 //                 ones (vpermps only reads the low 4 bits of each index).
