@@ -8,9 +8,7 @@ import torch  # noqa: F401  (libtorch must be loaded before the extension)
 
 from . import _C  # noqa: F401  (loads the library: schemas + backend kernels)
 from . import ops  # noqa: F401  (fake kernels, Python-side op bodies)
-from .nki import dispatch as _nki_dispatch
-
-_nki_dispatch.register_neuron_kernels()  # NKI kernels as the Neuron-device impls; no-op without torch-neuronx
+from . import workspace
 from .formats import (
     dequantize_activation,
     dequantize_weight,
@@ -19,11 +17,12 @@ from .formats import (
     quantize_weight_fp4,
     quantize_weight_fp8,
 )
-from .ops import expert_gemm, local_experts, pack_rows, swiglu_and_cast, unpack_rows
-from .ops import forward
-from . import workspace
 from .module import SharedExpert, StaticMoE
+from .nki import dispatch as _nki_dispatch
+from .ops import expert_gemm, forward, local_experts, pack_rows, swiglu_and_cast, unpack_rows
 from .workspace import WorkspaceSpec, memory_plan
+
+_nki_dispatch.register_neuron_kernels()  # NKI kernels as the Neuron-device impls; a no-op without torch-neuronx
 
 __all__ = [
     "pack_rows",
