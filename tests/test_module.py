@@ -14,7 +14,7 @@ from torch import nn
 from static_moe import reference
 from static_moe.formats import dequantize_activation, expand_block_scales, quantize_activation, quantize_weight
 from static_moe.module import StaticMoE
-from static_moe.testing.distributed import run_ranks
+from static_moe.testing.distributed import expect_raises, gather_objects, run_ranks
 from static_moe.testing.generators import FORMAT_PAIRS, gen, make_fp8_max_sensitive, make_routing
 from static_moe.testing.numeric import assert_equal, assert_gemm_close
 
@@ -407,22 +407,6 @@ def test_state_dict_round_trip_and_export_s1():
 # ----------------------------------------------------------------------------------------------------------------
 # Two gloo ranks
 # ----------------------------------------------------------------------------------------------------------------
-def _gather(obj):
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _expect(exc_type, fn, *needles) -> str:
-    try:
-        fn()
-    except exc_type as e:
-        for n in needles:
-            assert n in str(e), f"{n!r} not in {e}"
-        return str(e)
-    raise AssertionError(f"{exc_type.__name__} not raised")
 
 
 def _layers_worker(rank: int, size: int) -> dict:
@@ -454,7 +438,7 @@ def _layers_worker(rank: int, size: int) -> dict:
             idx, tw = make_routing(tokens, K, E, seed=60 + 10 * step + layer_id + 3 * rank, empty_frac=0.2)
             y = layer(x, idx, tw) if fn is None else fn(layer_id, x, idx, tw)
             # Check against the single-process reference on every rank's actual inputs of this layer.
-            inputs = _gather((x, idx, tw))
+            inputs = gather_objects((x, idx, tw))
             xq = [activations(a[0], act, 128) for a in inputs]
             w = full[layer_id]
             refs = reference.forward_simulated(
@@ -488,17 +472,17 @@ def _layers_worker(rank: int, size: int) -> dict:
     assert layers[2](hidden_states(tokens, 1), *make_routing(tokens, K, E, seed=2)).shape == (tokens, H)
     layers[2].close()
     assert ws.closed and not other.workspace.closed
-    _expect(RuntimeError, lambda: layers[0](hidden_states(2, 1), *make_routing(2, K, E, seed=2)), "closed")
+    expect_raises(RuntimeError, lambda: layers[0](hidden_states(2, 1), *make_routing(2, K, E, seed=2)), "closed")
     other.close()
     report["close"] = True
 
     # Construction is collective: differing specs and a bad argument on one rank both fail on every rank.
     t0 = time.monotonic()
-    _expect(ValueError, lambda: StaticMoE(H, I, E, K, C + rank, ep_group=world), "capacity: 8 on ranks [0]; 9 on "
+    expect_raises(ValueError, lambda: StaticMoE(H, I, E, K, C + rank, ep_group=world), "capacity: 8 on ranks [0]; 9 on "
             "ranks [1]")
-    _expect(ValueError, lambda: StaticMoE(H if rank == 0 else 200, I, E, K, C, ep_group=world),
+    expect_raises(ValueError, lambda: StaticMoE(H if rank == 0 else 200, I, E, K, C, ep_group=world),
             "construction failed on group rank(s) [1]" if rank == 0 else "hidden must be a multiple of 128")
-    _expect(ValueError, lambda: StaticMoE(H, I, E, K, C, ep_group=world, ep_size=4), "ep_size=4 does not match")
+    expect_raises(ValueError, lambda: StaticMoE(H, I, E, K, C, ep_group=world, ep_size=4), "ep_size=4 does not match")
     report["collective errors"] = time.monotonic() - t0
 
     # DTensor EP shards, and a global HF expert list: each rank keeps its own experts by global id.

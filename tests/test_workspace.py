@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from static_moe.reference.pack_rows import pack_rows
-from static_moe.testing.distributed import run_ranks
+from static_moe.testing.distributed import expect_raises, run_ranks
 from static_moe.workspace import WorkspaceManager, WorkspaceSpec, memory_plan
 
 
@@ -133,15 +133,6 @@ class _FailOnce:
         return t
 
 
-def _expect(exc_type, fn, *needles) -> str:
-    try:
-        fn()
-    except exc_type as e:
-        for n in needles:
-            assert n in str(e), f"{n!r} not in {e}"
-        return str(e)
-    raise AssertionError(f"{exc_type.__name__} not raised")
-
 
 def _lifecycle_worker(rank: int, size: int) -> dict:
     import torch.distributed as dist
@@ -152,9 +143,9 @@ def _lifecycle_worker(rank: int, size: int) -> dict:
     # 1. Differing manifests raise ValueError on every rank, naming the fields and ranks, within bounded time.
     t0 = time.monotonic()
     mgr = WorkspaceManager()
-    msg = _expect(ValueError, lambda: mgr.acquire(spec(capacity=16 if rank == 0 else 32), group),
+    msg = expect_raises(ValueError, lambda: mgr.acquire(spec(capacity=16 if rank == 0 else 32), group),
                   "capacity: 16 on ranks [0]; 32 on ranks [1]")
-    msg2 = _expect(ValueError, lambda: mgr.acquire(spec(weight_format="fp8" if rank else "fp4", topk=2 + rank), group),
+    msg2 = expect_raises(ValueError, lambda: mgr.acquire(spec(weight_format="fp8" if rank else "fp4", topk=2 + rank), group),
                    "weight_format", "topk: 2 on ranks [0]; 3 on ranks [1]")
     seen["mismatch"] = (msg, msg2, time.monotonic() - t0)
     assert mgr.workspaces() == []
@@ -163,9 +154,9 @@ def _lifecycle_worker(rank: int, size: int) -> dict:
     alloc = _FailOnce(rank, fail_rank=1, fail_buffer="acc")
     mgr = WorkspaceManager(allocator=alloc)
     if rank == 1:
-        _expect(MemoryError, lambda: mgr.acquire(spec(), group), "injected: no room for acc")
+        expect_raises(MemoryError, lambda: mgr.acquire(spec(), group), "injected: no room for acc")
     else:
-        _expect(RuntimeError, lambda: mgr.acquire(spec(), group), "allocation failed on group rank(s) [1]",
+        expect_raises(RuntimeError, lambda: mgr.acquire(spec(), group), "allocation failed on group rank(s) [1]",
                 "injected")
     gc.collect()
     assert mgr.workspaces() == [] and all(r() is None for r in alloc.handed_out), "partial allocation kept"
@@ -194,11 +185,11 @@ def _lifecycle_worker(rank: int, size: int) -> dict:
     lease.close()
     same.close()
     assert not ws.closed and ws.data_ptrs() == ptrs
-    _expect(RuntimeError, lambda: lease.workspace, "lease is closed")
+    expect_raises(RuntimeError, lambda: lease.workspace, "lease is closed")
     twin.close()
     gc.collect()
     assert ws.closed and all(r() is None for r in refs), "buffers outlived the last lease"
-    _expect(RuntimeError, lambda: ws.send, "closed")
+    expect_raises(RuntimeError, lambda: ws.send, "closed")
     assert mgr.find(group.group_name, spec()) is None
     seen["close"] = True
 
@@ -206,7 +197,7 @@ def _lifecycle_worker(rank: int, size: int) -> dict:
     keep = mgr.acquire(spec(capacity=4), group)
     if rank == 1:
         keep.close()
-    _expect(ValueError, lambda: mgr.acquire(spec(capacity=4), group), "holds workspace: True on ranks [0]; "
+    expect_raises(ValueError, lambda: mgr.acquire(spec(capacity=4), group), "holds workspace: True on ranks [0]; "
             "False on ranks [1]")
     keep.close()
     other.close()

@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from .testing.distributed import gather_objects
 from .testing.generators import MODEL_SHAPES, sliced_routing
 from .testing.machine import measure_bandwidth, measure_flops
 
@@ -98,13 +99,6 @@ def hidden_states(tokens: int, rank: int, seed: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # One rank
 # ----------------------------------------------------------------------------------------------------------------
-def _gather(obj) -> list:
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
 
 @contextlib.contextmanager
 def _quiet_stderr():
@@ -218,7 +212,7 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     # --- parity: rank 0 rebuilds every rank's experts and runs the single-process reference ---------------------
     _say(rank, t0, "checking parity against reference.forward_simulated (rank 0 rebuilds every expert) ...")
     parity_steps = [0, len(steps) - 1]
-    gathered = _gather([outs[s] for s in parity_steps])
+    gathered = gather_objects([outs[s] for s in parity_steps])
     if rank == 0:
         from .formats import quantize_activation
 

@@ -90,3 +90,26 @@ def run_ranks(fn, size: int, *args, timeout: float = 120.0, pg_timeout: float = 
         parts += [f"--- rank {r}: {kind}\n{tb}" for r, (kind, tb) in sorted(errors.items())]
         raise RankFailure("\n".join(parts), {r: (k, str(tb)) for r, (k, tb) in errors.items()})
     return [got[r][1] for r in range(size)]
+
+
+def gather_objects(obj) -> list:
+    """Inside a rank: every rank's ``obj`` (picklable), in rank order, over the default group."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def expect_raises(exc_type, fn, *needles: str) -> str:
+    """Inside a rank: call ``fn``, require ``exc_type`` whose message contains every needle; return the message.
+
+    Workers report results back to the parent as plain data, so they check errors with this instead of
+    pytest.raises (whose failure would only surface as a dead worker)."""
+    try:
+        fn()
+    except exc_type as e:
+        for n in needles:
+            assert n in str(e), f"{n!r} not in {e}"
+        return str(e)
+    raise AssertionError(f"{exc_type.__name__} not raised")
