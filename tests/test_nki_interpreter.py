@@ -486,8 +486,8 @@ def test_iota_predicated_copy_and_fp32_to_int_rounding():
 
 
 def test_register_driven_loop_with_scalar_offset_skips_work():
-    """What issue 5 uses to skip unrouted experts: a count loaded into a register bounds a device loop, and
-    the loop index addresses HBM through .ap(scalar_offset=...)."""
+    """What the skip-unrouted expert kernels (nki_kernels/expert_gemm.py, local_experts.py) rely on: a count
+    loaded into a register bounds a device loop, and the loop index addresses HBM through .ap(scalar_offset=...)."""
     table = np.arange(5 * 4, dtype=F32).reshape(5, 4)  # 5 "experts" of 4 values
     count = np.array([[3]], np.int32)
 
