@@ -1,7 +1,8 @@
 """The one place kernels get ``nl`` / ``nisa`` from: the real NKI when it is importable, our interpreter
 otherwise.
 
-Targeted NKI: the standalone ``nki`` package, NKI >= 0.3 (Neuron SDK >= 2.29; API as of NKI 0.6 / SDK 2.32):
+Targeted NKI: the standalone ``nki`` package, API as of NKI 0.6 / Neuron SDK 2.32 (the NKI >= 0.3 programming
+model; the ``.broadcast`` view needs >= 0.5, the skip-unrouted register loops >= 0.6; not checked at import):
 ``import nki``, ``nki.language as nl``, ``nki.isa as nisa``. The PyPI package named ``nki`` is an empty
 placeholder, so "importable" means ``nki.language``, ``nki.isa`` and ``nki.jit`` all exist.
 
@@ -19,8 +20,6 @@ Exports:
 from __future__ import annotations
 
 import os
-
-MIN_NKI_VERSION = (0, 3)
 
 
 def _load_real():
