@@ -70,14 +70,8 @@ def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cac
     base, outs = {}, {}
     timing, outs["seed_dense"] = H.time_fn(lambda: B.seed_dense_expert_gemm(*op_args), cold=True)
     base["seed_dense"] = H.timing_dict(timing)
-    variants = {}
-    for dt, c in cached.items():
-        timing, o = H.time_fn(lambda c=c: c.expert_gemm(a, a_s, mask, 0), cold=True)
-        variants[str(dt).replace("torch.", "")] = (timing, o)
-    best = min(variants, key=lambda v: variants[v][0].median_s)
-    base["torch_cached"] = {**H.timing_dict(variants[best][0]), "variant": best,
-                            **{f"{v}_median_s": tv[0].median_s for v, tv in variants.items()}}
-    outs["torch_cached"] = variants[best][1]
+    base["torch_cached"], outs["torch_cached"] = H.time_fastest_variant(
+        cached, lambda c: c.expert_gemm(a, a_s, mask, 0), cold=True)
     if w_fmt == "fp8":
         if smm is None:
             base["torch_scaled_mm"] = {"available": False, "reason": smm_reason}

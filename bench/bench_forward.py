@@ -174,14 +174,8 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
         scattered = fc.wait_tensor(fc.reduce_scatter_tensor(acc, "sum", s, gname)) if s > 1 else acc
         return (scattered[:t] + shared.float()).to(torch.bfloat16)
 
-    variants = {}
-    for dt, c in cached.items():
-        timing, o = H.time_fn(lambda c=c: cached_step(c), **timer)
-        variants[str(dt).replace("torch.", "")] = (timing, o)
-    best = min(variants, key=lambda v: variants[v][0].median_s)
-    base = {"torch_cached": {**H.timing_dict(variants[best][0]), "variant": best,
-                             **{f"{v}_median_s": tv[0].median_s for v, tv in variants.items()}}}
-    cached_out = variants[best][1]
+    cached_entry, cached_out = H.time_fastest_variant(cached, cached_step, **timer)
+    base = {"torch_cached": cached_entry}
 
     # --- the collectives alone ---------------------------------------------------------------------------------
     coll = None

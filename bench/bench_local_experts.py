@@ -73,14 +73,8 @@ def _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached,
     timing, seed_out = H.time_fn(lambda: B.seed_dense_local_experts(*op_args), cold=True)
     base["seed_dense"] = H.timing_dict(timing)
     outs = {"seed_dense": seed_out}
-    variants = {}
-    for dt, c in cached.items():
-        timing, o = H.time_fn(lambda c=c: c.local_experts(x, xs, idx, tw, 0, limit), cold=True)
-        variants[str(dt).replace("torch.", "")] = (timing, o)
-    best = min(variants, key=lambda k: variants[k][0].median_s)
-    base["torch_cached"] = {**H.timing_dict(variants[best][0]), "variant": best,
-                            **{f"{k}_median_s": v[0].median_s for k, v in variants.items()}}
-    outs["torch_cached"] = variants[best][1]
+    base["torch_cached"], outs["torch_cached"] = H.time_fastest_variant(
+        cached, lambda c: c.local_experts(x, xs, idx, tw, 0, limit), cold=True)
     if w_fmt == "fp8":
         if smm is None:
             base["torch_scaled_mm"] = {"available": False, "reason": smm_reason}

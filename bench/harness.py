@@ -139,6 +139,21 @@ def timing_dict(t: Timing) -> dict:
     return {"median_s": t.median_s, "samples_s": t.samples_s, "inner": t.inner}
 
 
+def time_fastest_variant(variants: dict, call: Callable[[Any], Any], **timer) -> tuple[dict, Any]:
+    """Time ``call(v)`` for every value of ``variants`` (keyed by dtype, e.g. torch_cached's fp32 and bf16
+    weight caches) with :func:`time_fn` and keep the fastest, as BENCH.md asks of torch_cached.
+
+    Returns (the fastest's timing dict with its ``variant`` name and every variant's median, its output)."""
+    timed = {}
+    for key, v in variants.items():
+        timing, out = time_fn(lambda v=v: call(v), **timer)
+        timed[str(key).replace("torch.", "")] = (timing, out)
+    best = min(timed, key=lambda name: timed[name][0].median_s)
+    entry = {**timing_dict(timed[best][0]), "variant": best,
+             **{f"{name}_median_s": t.median_s for name, (t, _) in timed.items()}}
+    return entry, timed[best][1]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Bytes and FLOPs (BENCH.md roofline rules)
 # ----------------------------------------------------------------------------------------------------------------
