@@ -81,3 +81,17 @@ def fp8_step(v: torch.Tensor) -> torch.Tensor:
     """Spacing of the e4m3fn grid around each value (subnormal spacing 2^-9 below 2^-6)."""
     a = v.abs().clamp_min(2.0**-6)
     return torch.exp2(torch.floor(torch.log2(a)) - 3)
+
+
+def assert_rejected_untouched(op, args, exc: type, match: str) -> None:
+    """``op(*args)`` must raise ``exc`` whose message matches the regex ``match``, leaving every CPU tensor
+    argument bitwise as it was (SPEC §5: checks run before any buffer is touched)."""
+    import pytest
+
+    before = [t.clone() for t in args if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    with pytest.raises(exc, match=match):
+        op(*args)
+    after = [t for t in args if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    for t0, t1 in zip(before, after):
+        assert_equal(t1, t0, "inputs untouched")
+
