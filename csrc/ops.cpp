@@ -1,4 +1,4 @@
-// The public op schemas of the `static_moe` namespace, defined once (SPEC.md §4).
+// The public op schemas of the `static_moe` namespace, defined once (SPEC §4, docs/spec.md).
 // Backends only implement them: csrc/cpu/<op>.cpp registers the CPU kernels, csrc/cuda/<op>_binding.cpp the CUDA
 // ones; fake (meta) kernels live in Python beside each op's wrapper (python/static_moe/ops/<op>.py).
 // Later arguments may be added only with defaults, at the end.

@@ -1,4 +1,4 @@
-"""Pure-torch reference ops: the executable spec (SPEC.md). Each has the same signature as its op in
+"""Pure-torch reference ops: the executable spec (docs/spec.md). Each has the same signature as its op in
 ``torch.ops.static_moe``; every backend is tested against these."""
 
 from .expert_gemm import expert_gemm
