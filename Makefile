@@ -29,6 +29,7 @@ demo: build
 
 bench: build
 	OMP_NUM_THREADS=$(THREADS) $(VPY) bench/run_all.py
+	mkdir -p docs/img && cp bench/results/*.png docs/img/   # the plots docs/benchmarks.md shows
 
 clean:
 	rm -rf build *.egg-info python/static_moe/*.so
