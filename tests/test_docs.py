@@ -137,7 +137,8 @@ def broken_links(md: Path, root: Path = REPO) -> list[str]:
 SECTION = r"\d+(?:\.\d+)*"
 # "SPEC §1.6", "SPEC §1, §4", "SPEC §1.8, §4, §5", "SPEC §1.4-1.5", "SPEC §1.2/§1.3": a list continues only with
 # another "§" (after "," or "/") or with a range dash, so a number after a comma ("SPEC §2, 128 rows") is prose.
-CITATION = re.compile(rf"SPEC(?:'s)?\s*§\s?({SECTION}(?:\s*[,/]\s*§\s?{SECTION}|\s*[–-]\s*§?\s?{SECTION})*)")
+# Case-insensitive: the docs say "spec §1.8" in prose and diagrams, the code "SPEC §1.8".
+CITATION = re.compile(rf"(?i:SPEC)(?:'s)?\s*§\s?({SECTION}(?:\s*[,/]\s*§\s?{SECTION}|\s*[–-]\s*§?\s?{SECTION})*)")
 SPEC_HEADING = re.compile(rf"^#{{1,6}}\s+§({SECTION})\b")
 BARE_REF = re.compile(rf"§\s?({SECTION})")
 
@@ -335,6 +336,7 @@ def test_citation_checker_catches_missing_sections(fake_repo):
         f"code.py:2: cites {spec} §1.9, which docs/spec.md does not have",
         f"code.py:3: cites {spec} §7, which docs/spec.md does not have"]
     assert [s for _, s in citations("SPEC §1.4–1.5 and SPEC §1.2/§1.3.")] == ["1.4", "1.5", "1.2", "1.3"]
+    assert [s for _, s in citations("the spec's §6.1, Spec §2")] == ["6.1", "2"]
 
 
 def test_runnable_checker_runs_blocks_and_reports_failures(tmp_path):
