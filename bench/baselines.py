@@ -1,4 +1,4 @@
-"""Baselines of docs BENCH.md: the same maths as the static_moe ops, on the same inputs, written the ways a user
+"""Baselines of docs/benchmarks.md: the same maths as the static_moe ops, on the same inputs, written the ways a user
 would without static_moe. Everything on the CPU, in the calling process.
 
 - ``seed_dense``: the seed's host path — every local expert over every gathered row, weights dequantized to fp32

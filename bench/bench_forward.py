@@ -1,5 +1,5 @@
 """Layer benchmark of torch.ops.static_moe.forward (SPEC §0) at EP size S = 1 and S = 2 over gloo, against
-``torch_cached`` composed with the same collectives (docs BENCH.md), with the collectives timed on their own.
+``torch_cached`` composed with the same collectives (docs/benchmarks.md), with the collectives timed on their own.
 
 S processes share this machine: each rank runs ``threads // S`` threads (printed), so the S ranks together use
 the pinned thread count the machine's limits were measured on, and the roofline counts the bytes and FLOPs of
@@ -33,7 +33,13 @@ from pathlib import Path
 import torch
 
 import baselines as B
-import harness as H
+from harness.checks import check_baseline, check_op, check_point
+from harness.cli import add_common_args, finish, parse_pairs, resolve_args, start
+from harness.costs import Cost, cost_forward, roofline
+from harness.report import Report, json_default, progress
+from harness.routing import routing_stats
+from harness.timing import measure, time_fastest_variant, time_fn
+from harness.workload import bench_weights, local_experts_for
 from static_moe.testing.generators import SlicedRouting, sliced_routing
 
 BENCH = "forward"
@@ -42,7 +48,7 @@ EP_SIZES = (1, 2)
 GROUP = 128
 
 
-def run(report: H.Report, shapes: list[str], tokens: list[int], quick: bool,
+def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
         pairs: list[tuple[str, str]] = DEFAULT_PAIRS, ep_sizes: tuple[int, ...] = EP_SIZES,
         swiglu_limit: float | None = None) -> list[dict]:
     """Spawn S rank processes per EP size; append one record per (S, shape, pair, tokens) to ``report``."""
@@ -59,10 +65,10 @@ def run(report: H.Report, shapes: list[str], tokens: list[int], quick: bool,
             mp.spawn(_worker, args=(s, cfg, str(Path(tmp) / "store"), str(out_path)), nprocs=s, join=True)
             got = json.loads(out_path.read_text())
         for rec in got:
-            cost = H.Cost(**rec.pop("cost"))
-            rec.update(H.roofline(cost, report.limits, rec["op"].get("median_s") if rec["op"]["available"] else None))
+            cost = Cost(**rec.pop("cost"))
+            rec.update(roofline(cost, report.limits, rec["op"].get("median_s") if rec["op"]["available"] else None))
             records.append(report.add(rec))
-            H.progress(rec)
+            progress(rec)
     return records
 
 
@@ -82,7 +88,7 @@ def _worker(rank: int, s: int, cfg: dict, store_path: str, out_path: str) -> Non
             records += _run_shape(rank, s, shape_key, cfg, threads)
     finally:
         if rank == 0:
-            Path(out_path).write_text(json.dumps(records, default=H._json_default))
+            Path(out_path).write_text(json.dumps(records, default=json_default))
         dist.destroy_process_group()
 
 
@@ -97,7 +103,7 @@ def _rank_inputs(shape, act_fmt: str, tokens: int, rank: int, routing: SlicedRou
 
 
 def _rank_weights(num_local: int, shape, w_fmt: str, rank: int) -> dict:
-    return H.bench_weights(num_local, shape.hidden, shape.intermediate, w_fmt, seed=10 + rank)
+    return bench_weights(num_local, shape.hidden, shape.intermediate, w_fmt, seed=10 + rank)
 
 
 def _run_shape(rank: int, s: int, shape_key: str, cfg: dict, threads: int) -> list[dict]:
@@ -105,9 +111,9 @@ def _run_shape(rank: int, s: int, shape_key: str, cfg: dict, threads: int) -> li
 
     shape = MODEL_SHAPES[shape_key]
     # The op rejects top-k > num_experts (= S·L), so keep at least ceil(k / S) experts per rank.
-    num_local = max(H.local_experts_for(shape_key, cfg["quick"]), -(-shape.topk // s))
+    num_local = max(local_experts_for(shape_key, cfg["quick"]), -(-shape.topk // s))
     pairs = [tuple(p) for p in cfg["pairs"]]
-    t_check = H.check_point(cfg["tokens"])
+    t_check = check_point(cfg["tokens"])
     records = []
     if rank == 0:
         print(f"[{BENCH}] S={s} {shape.name}: H={shape.hidden} I={shape.intermediate} k={shape.topk}; local "
@@ -159,7 +165,7 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
                gname, rank, s)
     lease, ws_note = _lease_workspace(op_args, group)
     try:
-        op, out = H.measure(lambda: torch.ops.static_moe.forward(*op_args), **timer)
+        op, out = measure(lambda: torch.ops.static_moe.forward(*op_args), **timer)
     finally:
         if lease is not None:
             lease.close()
@@ -174,7 +180,7 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
         scattered = fc.wait_tensor(fc.reduce_scatter_tensor(acc, "sum", s, gname)) if s > 1 else acc
         return (scattered[:t] + shared.float()).to(torch.bfloat16)
 
-    cached_entry, cached_out = H.time_fastest_variant(cached, cached_step, **timer)
+    cached_entry, cached_out = time_fastest_variant(cached, cached_step, **timer)
     base = {"torch_cached": cached_entry}
 
     # --- the collectives alone ---------------------------------------------------------------------------------
@@ -187,7 +193,7 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
             fc.wait_tensor(fc.all_gather_into_tensor(send_buf, s, gname))
             return fc.wait_tensor(fc.reduce_scatter_tensor(acc_buf, "sum", s, gname))
 
-        coll, _ = H.time_fn(collectives, **timer)
+        coll, _ = time_fn(collectives, **timer)
 
     # --- once per configuration: every rank's outputs against the reference ------------------------------------
     if check:
@@ -201,9 +207,9 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
     if rank != 0:
         return {}
     gathered_idx = torch.cat(routing.topk_idx)  # C = T: no padded rows
-    stats = [H.routing_stats(gathered_idx, r * num_local, num_local) for r in range(s)]
+    stats = [routing_stats(gathered_idx, r * num_local, num_local) for r in range(s)]
     row_bytes = sum(part_nbytes(p) for p in parts)
-    cost = H.cost_forward(act_fmt, w_fmt, t, cap, s, row_bytes, width, shape.hidden, shape.intermediate, shape.topk,
+    cost = cost_forward(act_fmt, w_fmt, t, cap, s, row_bytes, width, shape.hidden, shape.intermediate, shape.topk,
                           stats, GROUP)
     touched = sum(st.experts_touched for st in stats)
     pairs = sum(st.pairs for st in stats)
@@ -249,25 +255,25 @@ def _check_against_reference(op, base, outs, shape, shape_key, s, num_local, act
     what = f"{BENCH} S={s} {shape_key} {act_fmt}x{w_fmt} T={t}"
     ref = torch.cat(refs)
     cached = torch.cat([o[1] for o in outs])
-    base["torch_cached"]["calc_diff_vs_reference"] = H.check_baseline(
+    base["torch_cached"]["calc_diff_vs_reference"] = check_baseline(
         "torch_cached", cached, ref, B.CHECK_TOLERANCE["torch_cached"], what)
     if op["available"]:
         got = torch.cat([o[0] for o in outs])
-        op["parity"] = H.check_op(got, ref, lambda o, r: assert_gemm_close(o, r, what))
+        op["parity"] = check_op(got, ref, lambda o, r: assert_gemm_close(o, r, what))
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_common_args(p)
+    add_common_args(p)
     p.add_argument("--pairs", nargs="+", default=None, help="act×weight pairs as actxweight (default: fp8xfp4)")
     p.add_argument("--ep", type=int, nargs="+", default=list(EP_SIZES), help="EP sizes (default: 1 2)")
     p.add_argument("--swiglu-limit", type=float, default=None)
     args = p.parse_args(argv)
-    shapes, tokens = H.resolve_args(args)
-    report = H.start(args, BENCH)
-    run(report, shapes, tokens, args.quick, H.parse_pairs(args.pairs, DEFAULT_PAIRS), tuple(args.ep),
+    shapes, tokens = resolve_args(args)
+    report = start(args, BENCH)
+    run(report, shapes, tokens, args.quick, parse_pairs(args.pairs, DEFAULT_PAIRS), tuple(args.ep),
         args.swiglu_limit)
-    H.finish(report, args, BENCH, [BENCH])
+    finish(report, args, BENCH, [BENCH])
 
 
 if __name__ == "__main__":

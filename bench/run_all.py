@@ -1,4 +1,4 @@
-"""`make bench`: every static_moe benchmark on the docs/BENCH.md shapes (DeepSeek-V4-Flash, DeepSeek-V3,
+"""`make bench`: every static_moe benchmark on the docs/benchmarks.md shapes (DeepSeek-V4-Flash, DeepSeek-V3,
 Qwen3-30B-A3B; tokens per rank 1, 4, 16, 64, 128), with the machine's limits measured once in the same run.
 
 Prints one table per benchmark (median time, collective time, bytes, FLOPs, both roofline terms, the bound,
@@ -23,7 +23,9 @@ import bench_forward
 import bench_local_experts
 import bench_pack_rows
 import bench_swiglu_and_cast
-import harness as H
+from harness.cli import add_common_args, resolve_args, start
+from harness.report import Report
+from harness.workload import local_experts_for
 from static_moe.testing.generators import MODEL_SHAPES
 from static_moe.testing.machine import measure_machine
 
@@ -43,7 +45,7 @@ TARGETS = [  # (bench, weight format, min roofline fraction, min speed-up vs tor
 FORWARD_TARGET = 3.0  # forward at S = 2 vs torch_cached composed with the same collectives
 
 
-def run_section(name: str, report: H.Report, shapes, tokens, quick: bool) -> None:
+def run_section(name: str, report: Report, shapes, tokens, quick: bool) -> None:
     if name == "pack_rows":
         bench_pack_rows.run(report, shapes, tokens, quick)
     elif name == "swiglu_and_cast":
@@ -56,7 +58,7 @@ def run_section(name: str, report: H.Report, shapes, tokens, quick: bool) -> Non
         bench_forward.run(report, shapes, tokens, quick)
 
 
-def targets(report: H.Report) -> list[dict]:
+def targets(report: Report) -> list[dict]:
     """The issue's targets against what this run measured (a report, never an assertion)."""
     out = []
     for bench, w_fmt, min_frac, min_speedup in TARGETS:
@@ -106,13 +108,13 @@ def print_targets(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_common_args(p)
+    add_common_args(p)
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="benchmarks to run")
     args = p.parse_args(argv)
-    shapes, tokens = H.resolve_args(args)
+    shapes, tokens = resolve_args(args)
     t_start = time.perf_counter()
-    report = H.start(args, "run_all")
-    scale = {s: (H.local_experts_for(s, args.quick), MODEL_SHAPES[s].num_experts) for s in shapes}
+    report = start(args, "run_all")
+    scale = {s: (local_experts_for(s, args.quick), MODEL_SHAPES[s].num_experts) for s in shapes}
     report.meta.update(shapes=shapes, tokens=tokens, local_experts_scale=scale)
     print("scale: local experts kept per rank (H, I, k unscaled): "
           + ", ".join(f"{MODEL_SHAPES[s].name} {kept} of {full}" for s, (kept, full) in scale.items())

@@ -9,7 +9,7 @@ runs decode steps of ``--tokens`` tokens per rank, and prints:
 * parity: every rank's output against ``reference.forward_simulated`` (SPEC §2 tolerance), "parity OK" or not;
 * per-step latency (median over steps of the slowest rank; every step starts after a barrier);
 * the collectives' share of a step (all-gather + reduce-scatter, from the op's torch.profiler ranges);
-* bytes of expert weights touched per step, and the roofline fraction (docs BENCH.md): per rank,
+* bytes of expert weights touched per step, and the roofline fraction (docs/benchmarks.md): per rank,
   ``max(bytes / bandwidth, flops / peak)`` over the measured step, with bandwidth (STREAM triad) and fp32
   matmul peak measured here (``static_moe.testing.machine``, as the benchmarks do), on both ranks at once, with
   the same thread count, before and after the steps (the better of the two is taken).
@@ -42,7 +42,7 @@ from .testing.machine import measure_bandwidth, measure_flops
 REAL = MODEL_SHAPES["v4_flash"]  # hidden 4096, intermediate 2048, 256 routed experts, top-6
 ACT_GROUP = 128
 LIMIT = 10.0
-# Machine limits (docs BENCH.md), measured on every rank at once: STREAM triad over 3 float32 arrays of this many
+# Machine limits (docs/benchmarks.md), measured on every rank at once: STREAM triad over 3 float32 arrays of this many
 # bytes each (far beyond the LLC), fp32 matmul of this size.
 TRIAD_ARRAY_BYTES = 256 << 20
 MATMUL_N = 1536
@@ -190,7 +190,7 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
         if ev.key.startswith(PHASE_PREFIX):
             phase_s[ev.key[len(PHASE_PREFIX):]] += ev.cpu_time_total * 1e-6 / len(timed)
 
-    # --- bytes and FLOPs of this rank's step (docs BENCH.md roofline) -------------------------------------------
+    # --- bytes and FLOPs of this rank's step (docs/benchmarks.md roofline) -------------------------------------------
     per_expert = sum(w[n][0].numel() * w[n].element_size() for n in w)
     shared_bytes = sum(v.numel() * v.element_size() for v in sw.values())
     costs = []

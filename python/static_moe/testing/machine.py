@@ -1,4 +1,4 @@
-"""The machine's own limits (docs BENCH.md), measured in the calling process: memory bandwidth from a STREAM-style
+"""The machine's own limits (docs/benchmarks.md), measured in the calling process: memory bandwidth from a STREAM-style
 triad over arrays far beyond the last-level cache, compute from the best fp32 (and bf16) GFLOP/s of a large torch
 matmul. Shared by the benchmarks (bench/harness.py) and the demo (static_moe.demo), so both report rooflines
 against the same measurement.
@@ -36,7 +36,7 @@ class MachineLimits:
 
     threads: int
     bandwidth: float  # bytes/s, STREAM triad (2 reads + 1 write counted, no write-allocate)
-    flops: float  # FLOP/s, best fp32 torch matmul: the roofline's compute limit (BENCH.md)
+    flops: float  # FLOP/s, best fp32 torch matmul: the roofline's compute limit (docs/benchmarks.md)
     triad_array_bytes: int  # size of each of the three triad arrays
     llc_bytes: int
     matmul_n: int
