@@ -15,10 +15,10 @@
 // arithmetic of a row never depends on which or how many other rows, weight rows or threads there are (batch
 // invariance). Different ISAs use different lane counts and may differ in the last bits.
 // Avx512Bf16 (moe_gemm_avx512bf16.cpp) multiplies in bf16 with vdpbf16ps where that is exact: operands that are
-// bf16 numbers anyway (bf16 weights and activations; e2m1 times a power-of-two scale; e4m3fn times a power-of-two
-// scale), products exact in fp32, pairs summed into 16 fp32 lanes; other rows and fp8 weights take the AVX-512
-// float32 path. vdpbf16ps treats bf16 subnormals as zero: only fp4 blocks with scale bytes 0 or 1 (values below
-// 2^-126) are affected.
+// bf16 numbers anyway (bf16 weights and activations; e2m1 times a power-of-two scale; e4m3fn values, and e4m3fn
+// times a power-of-two scale), products exact in fp32, pairs summed into 16 fp32 lanes; an fp8 weight's float32
+// block scale is applied once per 128-k block sum. Other rows take the AVX-512 float32 path. vdpbf16ps treats
+// bf16 subnormals as zero: only fp4 blocks with scale bytes 0 or 1 (values below 2^-126) are affected.
 //
 // A operand: the GEMM reads float32 (or, on Avx512Bf16, bf16) rows in a "lane layout" that depends on the ISA and,
 // for fp4 weights, pairs each lane with the nibble order of the packed weights (see prepare_activation). Produce it
@@ -68,7 +68,7 @@ struct OutRows {
 //   false  float32: ((float*)row)[c] for the k columns, in the ISA's lane layout (a fixed permutation within each
 //          32-column unit for fp4 weights, see moe_gemm_impl.h): x.float() (bf16) or e4m3fn(x)·scale rounded once
 //          in fp32 (fp8), exactly as the reference
-//   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 only, for bf16 / fp4 weights, when every value is
+//   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 only, any weight format, when every value is
 //          exact in bf16: always for bf16 x; for fp8 x when the scales are powers of two >= 2^-117, so that every
 //          e4m3fn(x)·scale is a normal bf16 number — the float32 value itself)
 // The form depends only on the row's own values, so a row's arithmetic never depends on other rows; when a row is
