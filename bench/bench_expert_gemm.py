@@ -1,5 +1,5 @@
 """Benchmark of torch.ops.static_moe.expert_gemm (SPEC §1.6) per activation × weight format pair, against
-seed_dense, torch_cached and (fp8 weights) torch_scaled_mm on the same inputs (docs/benchmarks.md).
+seed_dense, torch_cached, (fp8 weights) torch_scaled_mm and (fp4 weights) torch_int4pack on the same inputs (docs/benchmarks.md).
 
 One expert's GEMM over T gathered rows, all routed to it (rows per expert = T): the gate/up GEMM
 (N = 2I, K = H) and, with --gemm both, the down GEMM (N = H, K = I). Every call is cold (caches flushed), so the
@@ -24,6 +24,7 @@ from harness.timing import measure, time_fastest_variant, time_fn, timing_dict
 from static_moe import reference
 from static_moe.formats import quantize_weight
 from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, gen, make_activations
+from static_moe.testing.machine import bf16_dot_products
 from static_moe.testing.numeric import assert_gemm_close, calc_diff
 
 BENCH = "expert_gemm"
@@ -43,6 +44,7 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
     pairs = pairs or list(FORMAT_PAIRS)
     records = []
     smm_reason = B.scaled_mm_unavailable_reason()
+    int4_reason = B.int4pack_unavailable_reason()
     t_check = check_point(tokens)
     for shape_key in shapes:
         shape = MODEL_SHAPES[shape_key]
@@ -53,22 +55,24 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
                 b, b_s = expert_weight(n, k, w_fmt, seed=2)
                 cached = {dt: B.TorchCached(b, b_s, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
                 smm = B.TorchScaledMM(b, b_s) if (w_fmt == "fp8" and smm_reason is None) else None
+                int4 = B.TorchInt4Pack(b, b_s) if (w_fmt == "fp4" and int4_reason is None) else None
                 for act_fmt in [a for a, wf in pairs if wf == w_fmt]:
                     for t in tokens:
                         a, a_s = make_activations(t, k, act_fmt, GROUP, seed=t)
                         mask = torch.ones(t, dtype=torch.bool)
                         rec = _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cached, smm,
-                                             smm_reason, check=(t == t_check))
+                                             smm_reason, int4, int4_reason, check=(t == t_check))
                         cost = cost_expert_gemm(act_fmt, w_fmt, t, t, n, k, GROUP)
-                        rec.update(roofline(cost, report.limits, rec["op"].get("median_s")))
+                        rec.update(roofline(cost, report.limits, rec["op"].get("median_s"), bf16_dot_products(act_fmt)))
                         rec.update(rows=t, rows_active=t, rows_per_expert=float(t), experts="1/1", n=n, k=k)
                         records.append(report.add(rec))
                         progress(rec)
-                del cached, smm, b, b_s
+                del cached, smm, int4, b, b_s
     return records
 
 
-def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cached, smm, smm_reason, check):
+def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cached, smm, smm_reason, int4,
+                   int4_reason, check):
     op_args = (a, a_s, b, b_s, mask, 0)
     op, out = measure(lambda: torch.ops.static_moe.expert_gemm(*op_args), cold=True)
     base, outs = {}, {}
@@ -82,6 +86,12 @@ def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cac
         else:
             timing, outs["torch_scaled_mm"] = time_fn(lambda: smm.expert_gemm(a, a_s, mask, 0), cold=True)
             base["torch_scaled_mm"] = timing_dict(timing)
+    if w_fmt == "fp4":
+        if int4 is None:
+            base["torch_int4pack"] = {"available": False, "reason": int4_reason}
+        else:
+            timing, outs["torch_int4pack"] = time_fn(lambda: int4.expert_gemm(a, a_s, mask, 0), cold=True)
+            base["torch_int4pack"] = timing_dict(timing)
     what = f"{BENCH} {shape_key} {gemm} {act_fmt}x{w_fmt} T={t}"
     if check:
         ref = reference.expert_gemm(*op_args)

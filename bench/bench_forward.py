@@ -41,6 +41,7 @@ from harness.routing import routing_stats
 from harness.timing import measure, time_fastest_variant, time_fn
 from harness.workload import bench_weights, local_experts_for
 from static_moe.testing.generators import SlicedRouting, sliced_routing
+from static_moe.testing.machine import bf16_dot_products
 
 BENCH = "forward"
 DEFAULT_PAIRS = [("fp8", "fp4")]
@@ -66,7 +67,8 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
             got = json.loads(out_path.read_text())
         for rec in got:
             cost = Cost(**rec.pop("cost"))
-            rec.update(roofline(cost, report.limits, rec["op"].get("median_s") if rec["op"]["available"] else None))
+            rec.update(roofline(cost, report.limits, rec["op"].get("median_s") if rec["op"]["available"] else None,
+                                bf16_dot_products(rec["act"])))
             records.append(report.add(rec))
             progress(rec)
     return records
@@ -215,7 +217,7 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
     pairs = sum(st.pairs for st in stats)
     rec = {"bench": BENCH, "ep_size": s, "shape": shape_key, "fmt": f"{act_fmt}×{w_fmt}", "act": act_fmt,
            "weight": w_fmt, "tokens": t, "capacity": cap, "rows": s * cap, "op": op, "baselines": base,
-           "cost": {"bytes": cost.bytes, "flops": cost.flops}, "pairs": pairs, "experts_touched": touched,
+           "cost": {"bytes": cost.bytes, "flops": cost.flops, "read_bytes": cost.read_bytes}, "pairs": pairs, "experts_touched": touched,
            "experts_real": routing.touched_real, "experts": f"{touched}/{routing.touched_real}",
            "rows_per_expert": pairs / max(touched, 1), "local_experts": num_local,
            "local_experts_real": shape.num_experts // s}

@@ -1,5 +1,5 @@
 """Benchmark of torch.ops.static_moe.local_experts (the fused step 2, SPEC §1.7) per weight format, against
-seed_dense, torch_cached and (fp8 weights) torch_scaled_mm on the same inputs (docs/benchmarks.md).
+seed_dense, torch_cached, (fp8 weights) torch_scaled_mm and (fp4 weights) torch_int4pack on the same inputs (docs/benchmarks.md).
 
 One EP rank at S = 1: the T tokens are the gathered rows. The number of local experts is scaled down (H, I, k
 are not; see static_moe.testing.generators.sliced_routing): the kept experts keep their real rows, so rows per expert match the
@@ -25,6 +25,7 @@ from harness.timing import measure, time_fastest_variant, time_fn, timing_dict
 from harness.workload import bench_weights, local_experts_for
 from static_moe import reference
 from static_moe.testing.generators import MODEL_SHAPES, make_activations, sliced_routing
+from static_moe.testing.machine import bf16_dot_products
 from static_moe.testing.numeric import assert_gemm_close, calc_diff
 
 BENCH = "local_experts"
@@ -38,6 +39,7 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
     """Append one record per (shape, pair, tokens) to ``report``."""
     records = []
     smm_reason = B.scaled_mm_unavailable_reason()
+    int4_reason = B.int4pack_unavailable_reason()
     t_check = check_point(tokens)
     for shape_key in shapes:
         shape = MODEL_SHAPES[shape_key]
@@ -50,6 +52,7 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
             args_w = (w["w13"], w["w13_scale"], w["w2"], w["w2_scale"])
             cached = {dt: B.TorchCached(*args_w, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
             smm = B.TorchScaledMM(*args_w) if (w_fmt == "fp8" and smm_reason is None) else None
+            int4 = B.TorchInt4Pack(*args_w) if (w_fmt == "fp4" and int4_reason is None) else None
             for act_fmt in [a for a, wf in pairs if wf == w_fmt]:
                 for t in tokens:
                     routing = sliced_routing(shape, [t], num_local, seed=t)
@@ -57,10 +60,10 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
                     x, xs = make_activations(t, hid, act_fmt, GROUP, seed=t)
                     stats = routing_stats(idx, 0, num_local)
                     rec = _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached, smm,
-                                         smm_reason, swiglu_limit, check=(t == t_check))
+                                         smm_reason, int4, int4_reason, swiglu_limit, check=(t == t_check))
                     cost = cost_local_experts(act_fmt, w_fmt, t, stats.rows_active, shape.topk, hid, inter,
                                                 stats.experts_touched, stats.pairs, GROUP)
-                    rec.update(roofline(cost, report.limits, rec["op"].get("median_s")))
+                    rec.update(roofline(cost, report.limits, rec["op"].get("median_s"), bf16_dot_products(act_fmt)))
                     rec.update(rows=t, rows_active=stats.rows_active, pairs=stats.pairs,
                                experts_touched=stats.experts_touched, experts_real=routing.touched_real,
                                experts=f"{stats.experts_touched}/{routing.touched_real}",
@@ -68,11 +71,12 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
                                local_experts=num_local, local_experts_real=shape.num_experts)
                     records.append(report.add(rec))
                     progress(rec)
-            del cached, smm, w
+            del cached, smm, int4, w
     return records
 
 
-def _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached, smm, smm_reason, limit, check):
+def _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached, smm, smm_reason, int4, int4_reason,
+                   limit, check):
     op_args = (x, xs, idx, tw, *args_w, 0, limit, 448.0)
     op, out = measure(lambda: torch.ops.static_moe.local_experts(*op_args), cold=True)
     base = {}
@@ -87,6 +91,12 @@ def _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached,
         else:
             timing, outs["torch_scaled_mm"] = time_fn(lambda: smm.local_experts(x, xs, idx, tw, 0, limit), cold=True)
             base["torch_scaled_mm"] = timing_dict(timing)
+    if w_fmt == "fp4":
+        if int4 is None:
+            base["torch_int4pack"] = {"available": False, "reason": int4_reason}
+        else:
+            timing, outs["torch_int4pack"] = time_fn(lambda: int4.local_experts(x, xs, idx, tw, 0, limit), cold=True)
+            base["torch_int4pack"] = timing_dict(timing)
     what = f"{BENCH} {shape_key} {act_fmt}x{w_fmt} T={t}"
     if check:  # once per configuration: every baseline (and the op) against the reference
         ref = reference.local_experts(*op_args)

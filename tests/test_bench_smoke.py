@@ -59,6 +59,12 @@ def test_baselines_match_reference(bench_modules, act_fmt, w_fmt):
     got_g = B.TorchCached(w["w13"], w["w13_scale"], dtype=torch.bfloat16).expert_gemm(x, xs, mask, 2)
     assert calc_diff(got_g, ref_g) <= B.CHECK_TOLERANCE["torch_cached"]
     assert torch.all(got_g[~mask] == 0)
+    if w_fmt == "fp4" and B.int4pack_unavailable_reason() is None:  # PyTorch's own 4-bit GEMM, re-quantized weights
+        i4 = B.TorchInt4Pack(*args_w)
+        assert calc_diff(i4.local_experts(x, xs, idx, tw, offset, 7.0), ref) <= B.CHECK_TOLERANCE["torch_int4pack"]
+        got_i = i4.expert_gemm(x, xs, mask, 2)
+        assert calc_diff(got_i, ref_g) <= B.CHECK_TOLERANCE["torch_int4pack"]
+        assert torch.all(got_i[~mask] == 0)
     if w_fmt == "fp8":
         if B.scaled_mm_unavailable_reason() is not None:
             pytest.skip(B.scaled_mm_unavailable_reason())
@@ -100,6 +106,14 @@ def test_cost_accounting(bench_modules):
     roof = H.costs.roofline(H.costs.Cost(1e9, 1e9), limits, measured_s=0.2)
     assert roof["t_mem_s"] == pytest.approx(0.1) and roof["t_compute_s"] == pytest.approx(0.01)
     assert roof["bound"] == "memory" and roof["roofline_fraction"] == pytest.approx(0.5)
+    # Weights (read_bytes) at the read-only stream's rate, the rest at the triad's; bf16 kernels against the bf16
+    # peak.
+    limits = MachineLimits(2, bandwidth=1e10, flops=1e11, triad_array_bytes=0, llc_bytes=0, matmul_n=0,
+                           bf16_flops=4e11, read_bandwidth=2e10)
+    roof = H.costs.roofline(H.costs.Cost(1e9, 4e10, read_bytes=8e8), limits, measured_s=0.1, bf16_dot=True)
+    assert roof["t_mem_s"] == pytest.approx(0.04 + 0.02) and roof["t_compute_s"] == pytest.approx(0.1)
+    assert roof["bound"] == "compute" and roof["compute_peak"] == "bf16" and roof["roofline_fraction"] == pytest.approx(1)
+    assert H.costs.roofline(H.costs.Cost(1e9, 4e10), limits, 0.4)["t_compute_s"] == pytest.approx(0.4)  # fp32 peak
 
 
 def test_sliced_routing_keeps_real_rows():

@@ -1,9 +1,13 @@
 """Bytes and FLOPs a call must move and do, and the roofline they give (docs/benchmarks.md).
 
 A call must move ``bytes`` (the weights of the experts it touches, scales included; activations in; results out)
-and do ``flops`` (2·rows·N·K per GEMM, rows actually routed); ``roofline_s = max(bytes / bandwidth, flops /
-peak)`` and ``roofline_fraction = roofline_s / measured_s``. Elementwise ops (pack, unpack, swiglu_and_cast) are
-counted by bytes only: their FLOPs are not matmul FLOPs and the matmul peak is not their limit.
+and do ``flops`` (2·rows·N·K per GEMM, rows actually routed). The weights (``read_bytes``, part of ``bytes``) are
+only read, so their roof is the machine's read-only stream; the rest moves at the triad's rate:
+``t_mem = read_bytes / read_bandwidth + (bytes − read_bytes) / triad_bandwidth``. The compute roof is the bf16
+matmul peak where the kernel multiplies in bf16 (vdpbf16ps: ``static_moe.testing.machine.bf16_dot_products``),
+the fp32 one otherwise: ``roofline_s = max(t_mem, flops / peak)``, ``roofline_fraction = roofline_s /
+measured_s``. Elementwise ops (pack, unpack, swiglu_and_cast) are counted by bytes only: their FLOPs are not
+matmul FLOPs and the matmul peak is not their limit.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ from .routing import RoutingStats
 
 @dataclass
 class Cost:
-    """Bytes a call must move and FLOPs it must do (matmul FLOPs only)."""
+    """Bytes a call must move, of which ``read_bytes`` are only read (weights), and FLOPs it must do (matmul only)."""
 
     bytes: float
     flops: float = 0.0
+    read_bytes: float = 0.0
 
     def __add__(self, other: "Cost") -> "Cost":
-        return Cost(self.bytes + other.bytes, self.flops + other.flops)
+        return Cost(self.bytes + other.bytes, self.flops + other.flops, self.read_bytes + other.read_bytes)
 
 
 def weight_bytes(fmt: str, n: int, k: int) -> int:
@@ -49,8 +54,9 @@ def act_bytes(fmt: str, rows: int, k: int, group: int = 128) -> int:
 def cost_expert_gemm(act_fmt: str, w_fmt: str, rows_total: int, rows_active: int, n: int, k: int,
                      group: int = 128) -> Cost:
     """One expert's weight, the active rows of A, the mask, and the whole bf16 [R, N] output (zeros too)."""
-    moved = weight_bytes(w_fmt, n, k) + act_bytes(act_fmt, rows_active, k, group) + rows_total + 2 * rows_total * n
-    return Cost(moved, 2.0 * rows_active * n * k)
+    w = weight_bytes(w_fmt, n, k)
+    moved = w + act_bytes(act_fmt, rows_active, k, group) + rows_total + 2 * rows_total * n
+    return Cost(moved, 2.0 * rows_active * n * k, w)
 
 
 def cost_local_experts(act_fmt: str, w_fmt: str, rows_total: int, rows_active: int, topk: int, hidden: int,
@@ -59,7 +65,7 @@ def cost_local_experts(act_fmt: str, w_fmt: str, rows_total: int, rows_active: i
     row; the fp32 [R, H] result. FLOPs: each (row, expert) pair does GEMM1 (2I×H) and GEMM2 (H×I)."""
     w = experts_touched * (weight_bytes(w_fmt, 2 * inter, hidden) + weight_bytes(w_fmt, hidden, inter))
     moved = w + act_bytes(act_fmt, rows_active, hidden, group) + rows_total * topk * 8 + 4 * rows_total * hidden
-    return Cost(moved, 2.0 * pairs * (2 * inter * hidden + hidden * inter))
+    return Cost(moved, 2.0 * pairs * (2 * inter * hidden + hidden * inter), w)
 
 
 def cost_swiglu_and_cast(rows: int, inter: int, in_bytes: int, out_fmt: str, group: int) -> Cost:
@@ -98,17 +104,21 @@ def cost_forward(act_fmt: str, w_fmt: str, tokens: int, capacity: int, ep_size: 
     return total
 
 
-def roofline(cost: Cost, limits: MachineLimits, measured_s: float | None) -> dict:
-    """Both roofline terms, the bound that applies, and the fraction of the roofline ``measured_s`` reaches."""
-    t_mem = cost.bytes / limits.bandwidth
-    t_flop = cost.flops / limits.flops
+def roofline(cost: Cost, limits: MachineLimits, measured_s: float | None, bf16_dot: bool = False) -> dict:
+    """Both roofline terms, the bound that applies, and the fraction of the roofline ``measured_s`` reaches.
+
+    bf16_dot: the kernel multiplies in bf16 (its compute roof is the bf16 matmul peak, else the fp32 one).
+    ``roofline_fraction_bf16_peak`` is the fraction against the bf16 peak whatever the kernel uses."""
+    t_mem = cost.read_bytes / limits.weight_bandwidth() + (cost.bytes - cost.read_bytes) / limits.bandwidth
+    peak16 = max(limits.bf16_flops, limits.flops)
+    t_flop = cost.flops / (peak16 if bf16_dot else limits.flops)
     t_roof = max(t_mem, t_flop)
-    # The same roofline with the bf16 matmul rate as the compute limit: kernels that decode weights exactly to
-    # bf16 and use bf16 dot-product instructions can beat the fp32 limit (roofline_fraction > 1).
-    t_roof16 = max(t_mem, cost.flops / max(limits.bf16_flops, limits.flops))
+    t_roof16 = max(t_mem, cost.flops / peak16)
     return {
         "bytes": cost.bytes,
+        "read_bytes": cost.read_bytes,
         "flops": cost.flops,
+        "compute_peak": "bf16" if bf16_dot else "fp32",
         "t_mem_s": t_mem,
         "t_compute_s": t_flop,
         "roofline_s": t_roof,

@@ -16,7 +16,7 @@ from static_moe.testing.machine import MachineLimits
 from .costs import Cost, roofline
 
 
-BASELINES = ("seed_dense", "torch_cached", "torch_scaled_mm", "torch_ref")
+BASELINES = ("seed_dense", "torch_cached", "torch_scaled_mm", "torch_int4pack", "torch_ref")
 
 
 @dataclass
@@ -44,19 +44,22 @@ class Report:
         for r in self.records:
             op = r.get("op", {})
             t = op.get("median_s") if op.get("available", True) else None
-            r.update(roofline(Cost(r["bytes"], r["flops"]), self.limits, t))
+            r.update(roofline(Cost(r["bytes"], r["flops"], r.get("read_bytes", 0.0)), self.limits, t,
+                              r.get("compute_peak") == "bf16"))
 
     def header(self) -> str:
         m = self.limits
         cpu = f"{self.meta.get('cpu', '?')} ({self.meta.get('cpu_capability', '?')})  " if self.meta else ""
         return (f"{cpu}threads={m.threads}  bandwidth={m.bandwidth / 1e9:.1f} GB/s (triad, 3×{m.triad_array_bytes >> 20} "
-                f"MiB arrays, LLC {m.llc_bytes >> 20} MiB)  fp32 peak={m.flops / 1e9:.1f} GFLOP/s "
-                f"(matmul n={m.matmul_n}; bf16 matmul {m.bf16_flops / 1e9:.0f} GFLOP/s)")
+                f"MiB arrays, LLC {m.llc_bytes >> 20} MiB)  read-only={m.read_bandwidth / 1e9:.1f} GB/s (sum over "
+                f"{m.read_array_bytes >> 20} MiB: the weights' roof)  fp32 peak={m.flops / 1e9:.1f} GFLOP/s "
+                f"(matmul n={m.matmul_n}; bf16 matmul {m.bf16_flops / 1e9:.0f} GFLOP/s: the roof where the kernel "
+                f"uses bf16 dot products)")
 
     def table(self, records: list[dict] | None = None) -> str:
         recs = self.records if records is None else records
         cols = ["bench", "shape", "fmt", "T", "rows/e", "experts", "median", "coll", "MB", "GFLOP", "t_mem", "t_flop",
-                "bound", "roof%", "roof%bf16", "×seed", "×cached", "×scaled", "×ref"]
+                "bound", "roof%", "roof%bf16", "×seed", "×cached", "×scaled", "×int4", "×ref"]
         rows = [cols]
         for r in recs:
             op = r.get("op", {})
@@ -151,7 +154,8 @@ class Report:
             ax.axhline(1.0, color="grey", lw=0.5)
             style(ax, log_y=False)
             ax.set_ylim(0, max(1.05, ax.get_ylim()[1]))
-        fig.suptitle(f"{bench}: roofline fraction, fp32 compute limit ({self.limits.threads} threads)", fontsize=10)
+        fig.suptitle(f"{bench}: roofline fraction (compute limit: the peak of the units the kernel uses; "
+                     f"{self.limits.threads} threads)", fontsize=10)
         fig.tight_layout()
         paths.append(out_dir / f"{bench}_roofline.png")
         fig.savefig(paths[-1], dpi=90)
