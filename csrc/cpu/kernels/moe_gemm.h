@@ -27,6 +27,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "cpu/simd.h"
 
@@ -76,6 +77,25 @@ struct OutRows {
 // the flags to expert_gemm_rows).
 bool prepare_activation(Isa isa, WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
                         int64_t c0, int64_t k, float* row);
+
+// Room for `rows` prepared rows of k columns. Each row starts on a 64-byte line (a vector load never straddles two
+// lines) and rows are k + 16 floats apart, one line more than k: with a stride of k floats (a multiple of 4 KiB at
+// model sizes) the MR rows of a GEMM block would sit in one L1 set at every column, and evict each other and the
+// streamed weight lines (measured: ~30% of the bf16 dot-product rate at 16+ rows).
+class PreparedRows {
+ public:
+  PreparedRows(int64_t rows, int64_t k)
+      : stride_(k + 16), buf_(static_cast<size_t>(rows * (k + 16) + 16)) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(buf_.data());
+    base_ = buf_.data() + ((64 - p % 64) % 64) / sizeof(float);
+  }
+  float* row(int64_t i) { return base_ + i * stride_; }
+
+ private:
+  int64_t stride_;
+  std::vector<float> buf_;
+  float* base_;
+};
 
 // C for the m rows a[0..m) (prepared for w.format by prepare_activation; a_bf16[i] its return value, or
 // a_bf16 = nullptr when all are float32) and the weight rows [n0, n1), written through `out`. Single-threaded:
