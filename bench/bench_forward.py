@@ -16,6 +16,12 @@ experts and S·L of the touched ones are kept, with their real rows), capacity C
   the shared expert's output, bf16.
 - ``collectives``: the all-gather of the [C, W] packed rows and the reduce-scatter of the fp32 [S·C, H]
   accumulator alone, on the same group (the part of a step no kernel can speed up).
+- phases: a few more profiled calls of the op give each rank's time per phase (pack, all_gather, unpack,
+  local_experts, reduce_scatter, combine: the op's record_function ranges); ``collective_share`` is the
+  collectives' part of a step (largest over ranks; it includes waiting for the slower rank). At S > 1 each rank
+  also times its local_experts call alone on the same gathered rows and thread count while the others wait
+  (``local_experts_in_step_vs_alone``: > 1 means the ranks slow each other down, e.g. by sharing cores or
+  bandwidth).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_forward.py --shape v4_flash --tokens 1 16 --ep 2
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_forward.py --quick
@@ -24,8 +30,10 @@ experts and S·L of the touched ones are kept, with their real rows), capacity C
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -38,7 +46,7 @@ from harness.cli import add_common_args, finish, parse_pairs, resolve_args, star
 from harness.costs import Cost, cost_forward, roofline
 from harness.report import Report, json_default, progress
 from harness.routing import routing_stats
-from harness.timing import measure, time_fastest_variant, time_fn
+from harness.timing import flush_caches, measure, time_fastest_variant, time_fn
 from harness.workload import bench_weights, local_experts_for
 from static_moe.testing.generators import SlicedRouting, sliced_routing
 from static_moe.testing.machine import bf16_dot_products
@@ -168,6 +176,7 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
     lease, ws_note = _lease_workspace(op_args, group)
     try:
         op, out = measure(lambda: torch.ops.static_moe.forward(*op_args), **timer)
+        phases = _phases(lambda: torch.ops.static_moe.forward(*op_args), barrier) if op["available"] else None
     finally:
         if lease is not None:
             lease.close()
@@ -197,6 +206,25 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
 
         coll, _ = time_fn(collectives, **timer)
 
+    # --- this rank's local experts on the same gathered rows, alone (every other rank waits at a barrier) -------
+    alone = None
+    if s > 1 and phases is not None:
+        gathered = fc.wait_tensor(fc.all_gather_into_tensor(reference.pack_rows(parts, cap), s, gname))
+        g = [reference.unpack_rows(gathered, off, n, p.dtype, list(p.shape[1:])) for (off, n), p in zip(spans, parts)]
+        le_args = (g[0], g[1] if xs is not None else None, g[-2], g[-1], w["w13"], w["w13_scale"], w["w2"],
+                   w["w2_scale"], rank * num_local, limit, 448.0)
+        for r in range(s):
+            barrier()
+            if r == rank:
+                alone = time_fn(lambda: torch.ops.static_moe.local_experts(*le_args), cold=True)[0].median_s
+        barrier()
+    if phases is not None:
+        per_rank = [None] * s
+        dist.all_gather_object(per_rank, (phases, alone), group=group)
+        op["phases_s"] = [ph for ph, _ in per_rank]
+        if s > 1:
+            op["local_experts_alone_s"] = [a for _, a in per_rank]
+
     # --- once per configuration: every rank's outputs against the reference ------------------------------------
     if check:
         outs = [None] * s
@@ -223,7 +251,55 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
            "local_experts_real": shape.num_experts // s}
     if coll is not None:
         rec.update(collective_s=coll.median_s, collective_samples_s=coll.samples_s)
+    if "phases_s" in op:
+        # The collectives' share of a step, from the op's own phases (their time includes waiting for the slower
+        # rank), the largest over ranks; and a rank's local experts inside the step against the same call alone.
+        rec["collective_share"] = max((ph["all_gather"] + ph["reduce_scatter"]) / max(sum(ph.values()), 1e-12)
+                                      for ph in op["phases_s"])
+        if "local_experts_alone_s" in op:
+            rec["local_experts_in_step_vs_alone"] = max(
+                ph["local_experts"] / a for ph, a in zip(op["phases_s"], op["local_experts_alone_s"]) if a)
     return rec
+
+
+@contextlib.contextmanager
+def _fd2_silenced():
+    """File descriptor 2 to /dev/null for the duration."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+PROFILED_CALLS = 3  # forward calls profiled per point for the phase breakdown (after the timed ones)
+
+
+def _phases(call, barrier, n: int = PROFILED_CALLS) -> dict[str, float]:
+    """Mean seconds per call of each phase of forward on this rank (the op's record_function ranges), over
+    ``n`` cold calls each after a barrier, as the timed ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from static_moe.ops.forward import PHASE_PREFIX, PHASES
+
+    out = {p: 0.0 for p in PHASES}
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _fd2_silenced():  # the profiler's C++ side prints a line at every start and stop
+        prof.start()
+    for _ in range(n):
+        flush_caches()
+        barrier()
+        call()
+    with _fd2_silenced():
+        prof.stop()
+    for ev in prof.key_averages():
+        if ev.key.startswith(PHASE_PREFIX):
+            out[ev.key[len(PHASE_PREFIX):]] += ev.cpu_time_total * 1e-6 / n
+    return out
 
 
 def _lease_workspace(op_args, group):

@@ -248,6 +248,11 @@ def progress(rec: dict) -> None:
     t = _fmt_time(op.get("median_s")) if op.get("available", True) else "n/a"
     sp = " ".join(f"×{k}={v:.2f}" for k, v in rec["speedup"].items() if v)
     frac = rec.get("roofline_fraction")
+    extra = ""
+    if rec.get("collective_share") is not None:
+        extra += f" collectives {100 * rec['collective_share']:.0f}% of the step"
+    if rec.get("local_experts_in_step_vs_alone"):
+        extra += f"; local_experts in step / alone ×{rec['local_experts_in_step_vs_alone']:.2f}"
     print(f"  {rec['bench']} {rec.get('shape', '')} {rec.get('fmt', '')} T={rec['tokens']}: op {t} roof "
-          f"{_fmt_num(frac and 100 * frac, '{:.0f}%')} {sp}" + (f" parity {op['parity']}" if "parity" in op else ""),
-          flush=True)
+          f"{_fmt_num(frac and 100 * frac, '{:.0f}%')} {sp}" + (f" parity {op['parity']}" if "parity" in op else "")
+          + extra, flush=True)
