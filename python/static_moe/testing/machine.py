@@ -53,8 +53,10 @@ class MachineLimits:
                                    read_bandwidth=max(self.read_bandwidth, other.read_bandwidth))
 
     def weight_bandwidth(self) -> float:
-        """The roof for bytes that are only read (weights): the read-only stream, or the triad if not measured."""
-        return self.read_bandwidth or self.bandwidth
+        """The roof for bytes that are only read (weights): the read-only stream, never below the triad (a stream
+        that only reads cannot be slower than one that also writes; a lower figure means the sum did not keep
+        enough reads in flight, and would make the roof too easy to reach)."""
+        return max(self.read_bandwidth, self.bandwidth)
 
 
 def measure_bandwidth(array_bytes: int, repeat: int = 5) -> float:
