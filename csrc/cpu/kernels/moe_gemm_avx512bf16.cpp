@@ -13,7 +13,8 @@
 //            in fp32. The float32 1×128 block scale is not a power of two, so it cannot be folded into bf16
 //            values: each 128-k block sums into accumulators of its own, then acc = fma(block, s, acc) (the
 //            scale applied once per block instead of per weight: the last bits differ from the float32 path's
-//            q·s rounding, within the reference tolerance).
+//            q·s rounding, within the reference tolerance; a product a·q below 2^-126, which vdpbf16ps flushes,
+//            needs an activation within 2^9 of the bf16 normal floor).
 //   activations  rows prepared as bf16 when exact (see prepare_activation in moe_gemm.h), others float32 for the
 //            AVX-512 path; a GEMM splits its rows by form.
 // Lane layout of a 32-k unit: natural for bf16 weights; for fp4, position w holds column fp4_column(w) (the order
