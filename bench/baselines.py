@@ -1,4 +1,4 @@
-"""Baselines of docs BENCH.md: the same maths as the static_moe ops, on the same inputs, written the ways a user
+"""Baselines of docs/benchmarks.md: the same maths as the static_moe ops, on the same inputs, written the ways a user
 would without static_moe. Everything on the CPU, in the calling process.
 
 - ``seed_dense``: the seed's host path — every local expert over every gathered row, weights dequantized to fp32
@@ -13,6 +13,11 @@ would without static_moe. Everything on the CPU, in the calling process.
   activations are quantized per row on every call. The weight is passed as the first operand ([N, K]
   row-major) and the activations as the second (column-major): on the CPU in torch 2.13 that is about 3× faster
   than the other orientation.
+- ``torch_int4pack`` (fp4 weights only): PyTorch's own 4-bit CPU GEMM, ``torch.ops.aten._weight_int4pack_mm_for_cpu``
+  (bf16 activations, uint4 weights with a bf16 scale and zero per 32 along K: the byte count of fp4's). The
+  weights are re-quantized once at load to that format (asymmetric min/max per group of 32, from the dequantized
+  fp4 values: e2m1 levels are not uniform, so this is close, not exact) and packed with
+  ``torch.ops.aten._convert_weight_to_int4pack_for_cpu``; fp8 activations are dequantized to bf16 on every call.
 
 Each baseline is checked once against ``static_moe.reference`` by the benchmarks (loose tolerances in
 ``CHECK_TOLERANCE``), so a broken baseline is caught rather than timed.
@@ -28,7 +33,7 @@ from static_moe.reference.swiglu_and_cast import swiglu_and_cast as ref_swiglu_a
 
 # calc_diff bound of a baseline vs the reference: loose (baselines are not held to SPEC §2), tight enough to catch
 # wrong maths (a wrong expert, a lost routing weight, a transposed weight: calc_diff ≳ 0.1).
-CHECK_TOLERANCE = {"seed_dense": 1e-4, "torch_cached": 5e-3, "torch_scaled_mm": 2e-2}
+CHECK_TOLERANCE = {"seed_dense": 1e-4, "torch_cached": 5e-3, "torch_scaled_mm": 2e-2, "torch_int4pack": 3e-2}
 
 
 def _dequantize_a(a: torch.Tensor, a_scale: torch.Tensor | None) -> torch.Tensor:
@@ -186,4 +191,80 @@ class TorchScaledMM:
                 g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
             z = F.silu(g) * u * w[:, None]
             acc.index_add_(0, rows, self._mm(self.w2[e], self.s2[e], z).float())
+        return acc
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch_int4pack
+# ----------------------------------------------------------------------------------------------------------------
+INT4_GROUP = 32  # K per bf16 scale/zero pair of the int4 weights (the fp4 format's scale block)
+
+
+def int4pack_unavailable_reason() -> str | None:
+    """None when torch's 4-bit CPU GEMM runs here; otherwise why not."""
+    ops = torch.ops.aten
+    if not (hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")):
+        return f"torch {torch.__version__} has no aten._weight_int4pack_mm_for_cpu"
+    return None
+
+
+def quantize_int4_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [N, K] → (int32 [N, K] codes 0..15, bf16 [K/group, N, 2] scale and zero) in the layout
+    ``_weight_int4pack_mm_for_cpu`` reads: w ≈ (q − 8)·scale + zero per group of ``group`` along K. Scale and zero
+    are rounded to bf16 before the codes are chosen, so the codes fit the values the kernel will use."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-20).to(torch.bfloat16)
+    zero = (lo + 8 * scale.float()).to(torch.bfloat16)
+    q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]) + 8
+    q = q.clamp(0, 15).to(torch.int32).reshape(n, k)
+    return q, torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+
+
+class TorchInt4Pack:
+    """fp4 weights re-quantized once to torch's int4 format (see the module docstring): per expert a packed uint8
+    [N, K/2] weight and bf16 [K/32, N, 2] scales and zeros, for w13 [L, 2I, H] and w2 [L, H, I]."""
+
+    def __init__(self, w13, w13_scale, w2=None, w2_scale=None):
+        if w13.dtype != torch.uint8:
+            raise TypeError(f"torch_int4pack baseline takes fp4 weights (uint8 packed e2m1) only, got {w13.dtype}")
+        self.w13 = self._pack(w13, w13_scale)
+        self.w2 = None if w2 is None else self._pack(w2, w2_scale)
+        self.n13, self.hidden = w13.shape[1], 2 * w13.shape[2]  # fp4 rows hold K/2 bytes
+
+    @staticmethod
+    def _pack(w, s):
+        out = []
+        for e in range(w.shape[0]):
+            q, sz = quantize_int4_groups(dequantize_weight(w[e], s[e]))
+            out.append((torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), sz))
+        return out
+
+    @staticmethod
+    def _mm(packed, a_bf16: torch.Tensor) -> torch.Tensor:
+        """bf16 [R, N] = a [R, K] (bf16) · w [N, K]ᵀ on the int4 weights."""
+        w, sz = packed
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(a_bf16, w, INT4_GROUP, sz)
+
+    def expert_gemm(self, a, a_scale, row_mask, expert: int) -> torch.Tensor:
+        rows = row_mask.nonzero().squeeze(1)
+        a_rows = a.index_select(0, rows)
+        if a.dtype == torch.float8_e4m3fn:
+            a_rows = _dequantize_a(a_rows, a_scale.index_select(0, rows)).to(torch.bfloat16)
+        out = torch.zeros((a.shape[0], self.n13), dtype=torch.bfloat16)
+        out.index_copy_(0, rows, self._mm(self.w13[expert], a_rows))
+        return out
+
+    def local_experts(self, x, x_scale, topk_idx, topk_weights, expert_offset: int, swiglu_limit=None) -> torch.Tensor:
+        xb = _dequantize_a(x, x_scale).to(torch.bfloat16) if x.dtype == torch.float8_e4m3fn else x
+        inter = self.n13 // 2
+        acc = torch.zeros((x.shape[0], self.hidden), dtype=torch.float32)
+        for e, rows, w in local_routing(topk_idx, topk_weights, expert_offset, len(self.w13)):
+            gu = self._mm(self.w13[e], xb.index_select(0, rows))
+            g, u = gu[:, :inter], gu[:, inter:]
+            if swiglu_limit is not None:
+                g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
+            z = F.silu(g) * u * w.to(torch.bfloat16)[:, None]
+            acc.index_add_(0, rows, self._mm(self.w2[e], z).float())
         return acc

@@ -1,4 +1,4 @@
-"""CUDA microbenchmark of static_moe on one GPU (docs BENCH.md): local_experts and expert_gemm against torch_cached
+"""CUDA microbenchmark of static_moe on one GPU (docs/benchmarks.md): local_experts and expert_gemm against torch_cached
 (and DeepGEMM's masked grouped GEMM when it is importable), at real decode shapes.
 
 Figures are ratios measured in the same run: against the GPU's own limits (device-to-device copy bandwidth and

@@ -1,5 +1,5 @@
 """Layer benchmark of torch.ops.static_moe.forward (SPEC §0) at EP size S = 1 and S = 2 over gloo, against
-``torch_cached`` composed with the same collectives (docs BENCH.md), with the collectives timed on their own.
+``torch_cached`` composed with the same collectives (docs/benchmarks.md), with the collectives timed on their own.
 
 S processes share this machine: each rank runs ``threads // S`` threads (printed), so the S ranks together use
 the pinned thread count the machine's limits were measured on, and the roofline counts the bytes and FLOPs of
@@ -16,6 +16,12 @@ experts and S·L of the touched ones are kept, with their real rows), capacity C
   the shared expert's output, bf16.
 - ``collectives``: the all-gather of the [C, W] packed rows and the reduce-scatter of the fp32 [S·C, H]
   accumulator alone, on the same group (the part of a step no kernel can speed up).
+- phases: a few more profiled calls of the op give each rank's time per phase (pack, all_gather, unpack,
+  local_experts, reduce_scatter, combine: the op's record_function ranges); ``collective_share`` is the
+  collectives' part of a step (largest over ranks; it includes waiting for the slower rank). At S > 1 each rank
+  also times its local_experts call alone on the same gathered rows and thread count while the others wait
+  (``local_experts_in_step_vs_alone``: > 1 means the ranks slow each other down, e.g. by sharing cores or
+  bandwidth).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_forward.py --shape v4_flash --tokens 1 16 --ep 2
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_forward.py --quick
@@ -24,8 +30,10 @@ experts and S·L of the touched ones are kept, with their real rows), capacity C
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -33,8 +41,15 @@ from pathlib import Path
 import torch
 
 import baselines as B
-import harness as H
+from harness.checks import check_baseline, check_op, check_point
+from harness.cli import add_common_args, finish, parse_pairs, resolve_args, start
+from harness.costs import Cost, cost_forward, roofline
+from harness.report import Report, json_default, progress
+from harness.routing import routing_stats
+from harness.timing import flush_caches, measure, time_fastest_variant, time_fn
+from harness.workload import bench_weights, local_experts_for
 from static_moe.testing.generators import SlicedRouting, sliced_routing
+from static_moe.testing.machine import bf16_dot_products
 
 BENCH = "forward"
 DEFAULT_PAIRS = [("fp8", "fp4")]
@@ -42,7 +57,7 @@ EP_SIZES = (1, 2)
 GROUP = 128
 
 
-def run(report: H.Report, shapes: list[str], tokens: list[int], quick: bool,
+def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
         pairs: list[tuple[str, str]] = DEFAULT_PAIRS, ep_sizes: tuple[int, ...] = EP_SIZES,
         swiglu_limit: float | None = None) -> list[dict]:
     """Spawn S rank processes per EP size; append one record per (S, shape, pair, tokens) to ``report``."""
@@ -59,10 +74,11 @@ def run(report: H.Report, shapes: list[str], tokens: list[int], quick: bool,
             mp.spawn(_worker, args=(s, cfg, str(Path(tmp) / "store"), str(out_path)), nprocs=s, join=True)
             got = json.loads(out_path.read_text())
         for rec in got:
-            cost = H.Cost(**rec.pop("cost"))
-            rec.update(H.roofline(cost, report.limits, rec["op"].get("median_s") if rec["op"]["available"] else None))
+            cost = Cost(**rec.pop("cost"))
+            rec.update(roofline(cost, report.limits, rec["op"].get("median_s") if rec["op"]["available"] else None,
+                                bf16_dot_products(rec["act"])))
             records.append(report.add(rec))
-            H.progress(rec)
+            progress(rec)
     return records
 
 
@@ -82,7 +98,7 @@ def _worker(rank: int, s: int, cfg: dict, store_path: str, out_path: str) -> Non
             records += _run_shape(rank, s, shape_key, cfg, threads)
     finally:
         if rank == 0:
-            Path(out_path).write_text(json.dumps(records, default=H._json_default))
+            Path(out_path).write_text(json.dumps(records, default=json_default))
         dist.destroy_process_group()
 
 
@@ -97,7 +113,7 @@ def _rank_inputs(shape, act_fmt: str, tokens: int, rank: int, routing: SlicedRou
 
 
 def _rank_weights(num_local: int, shape, w_fmt: str, rank: int) -> dict:
-    return H.bench_weights(num_local, shape.hidden, shape.intermediate, w_fmt, seed=10 + rank)
+    return bench_weights(num_local, shape.hidden, shape.intermediate, w_fmt, seed=10 + rank)
 
 
 def _run_shape(rank: int, s: int, shape_key: str, cfg: dict, threads: int) -> list[dict]:
@@ -105,9 +121,9 @@ def _run_shape(rank: int, s: int, shape_key: str, cfg: dict, threads: int) -> li
 
     shape = MODEL_SHAPES[shape_key]
     # The op rejects top-k > num_experts (= S·L), so keep at least ceil(k / S) experts per rank.
-    num_local = max(H.local_experts_for(shape_key, cfg["quick"]), -(-shape.topk // s))
+    num_local = max(local_experts_for(shape_key, cfg["quick"]), -(-shape.topk // s))
     pairs = [tuple(p) for p in cfg["pairs"]]
-    t_check = H.check_point(cfg["tokens"])
+    t_check = check_point(cfg["tokens"])
     records = []
     if rank == 0:
         print(f"[{BENCH}] S={s} {shape.name}: H={shape.hidden} I={shape.intermediate} k={shape.topk}; local "
@@ -159,7 +175,8 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
                gname, rank, s)
     lease, ws_note = _lease_workspace(op_args, group)
     try:
-        op, out = H.measure(lambda: torch.ops.static_moe.forward(*op_args), **timer)
+        op, out = measure(lambda: torch.ops.static_moe.forward(*op_args), **timer)
+        phases = _phases(lambda: torch.ops.static_moe.forward(*op_args), barrier) if op["available"] else None
     finally:
         if lease is not None:
             lease.close()
@@ -174,7 +191,7 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
         scattered = fc.wait_tensor(fc.reduce_scatter_tensor(acc, "sum", s, gname)) if s > 1 else acc
         return (scattered[:t] + shared.float()).to(torch.bfloat16)
 
-    cached_entry, cached_out = H.time_fastest_variant(cached, cached_step, **timer)
+    cached_entry, cached_out = time_fastest_variant(cached, cached_step, **timer)
     base = {"torch_cached": cached_entry}
 
     # --- the collectives alone ---------------------------------------------------------------------------------
@@ -187,7 +204,26 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
             fc.wait_tensor(fc.all_gather_into_tensor(send_buf, s, gname))
             return fc.wait_tensor(fc.reduce_scatter_tensor(acc_buf, "sum", s, gname))
 
-        coll, _ = H.time_fn(collectives, **timer)
+        coll, _ = time_fn(collectives, **timer)
+
+    # --- this rank's local experts on the same gathered rows, alone (every other rank waits at a barrier) -------
+    alone = None
+    if s > 1 and phases is not None:
+        gathered = fc.wait_tensor(fc.all_gather_into_tensor(reference.pack_rows(parts, cap), s, gname))
+        g = [reference.unpack_rows(gathered, off, n, p.dtype, list(p.shape[1:])) for (off, n), p in zip(spans, parts)]
+        le_args = (g[0], g[1] if xs is not None else None, g[-2], g[-1], w["w13"], w["w13_scale"], w["w2"],
+                   w["w2_scale"], rank * num_local, limit, 448.0)
+        for r in range(s):
+            barrier()
+            if r == rank:
+                alone = time_fn(lambda: torch.ops.static_moe.local_experts(*le_args), cold=True)[0].median_s
+        barrier()
+    if phases is not None:
+        per_rank = [None] * s
+        dist.all_gather_object(per_rank, (phases, alone), group=group)
+        op["phases_s"] = [ph for ph, _ in per_rank]
+        if s > 1:
+            op["local_experts_alone_s"] = [a for _, a in per_rank]
 
     # --- once per configuration: every rank's outputs against the reference ------------------------------------
     if check:
@@ -201,21 +237,69 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
     if rank != 0:
         return {}
     gathered_idx = torch.cat(routing.topk_idx)  # C = T: no padded rows
-    stats = [H.routing_stats(gathered_idx, r * num_local, num_local) for r in range(s)]
+    stats = [routing_stats(gathered_idx, r * num_local, num_local) for r in range(s)]
     row_bytes = sum(part_nbytes(p) for p in parts)
-    cost = H.cost_forward(act_fmt, w_fmt, t, cap, s, row_bytes, width, shape.hidden, shape.intermediate, shape.topk,
+    cost = cost_forward(act_fmt, w_fmt, t, cap, s, row_bytes, width, shape.hidden, shape.intermediate, shape.topk,
                           stats, GROUP)
     touched = sum(st.experts_touched for st in stats)
     pairs = sum(st.pairs for st in stats)
     rec = {"bench": BENCH, "ep_size": s, "shape": shape_key, "fmt": f"{act_fmt}×{w_fmt}", "act": act_fmt,
            "weight": w_fmt, "tokens": t, "capacity": cap, "rows": s * cap, "op": op, "baselines": base,
-           "cost": {"bytes": cost.bytes, "flops": cost.flops}, "pairs": pairs, "experts_touched": touched,
+           "cost": {"bytes": cost.bytes, "flops": cost.flops, "read_bytes": cost.read_bytes}, "pairs": pairs, "experts_touched": touched,
            "experts_real": routing.touched_real, "experts": f"{touched}/{routing.touched_real}",
            "rows_per_expert": pairs / max(touched, 1), "local_experts": num_local,
            "local_experts_real": shape.num_experts // s}
     if coll is not None:
         rec.update(collective_s=coll.median_s, collective_samples_s=coll.samples_s)
+    if "phases_s" in op:
+        # The collectives' share of a step, from the op's own phases (their time includes waiting for the slower
+        # rank), the largest over ranks; and a rank's local experts inside the step against the same call alone.
+        rec["collective_share"] = max((ph["all_gather"] + ph["reduce_scatter"]) / max(sum(ph.values()), 1e-12)
+                                      for ph in op["phases_s"])
+        if "local_experts_alone_s" in op:
+            rec["local_experts_in_step_vs_alone"] = max(
+                ph["local_experts"] / a for ph, a in zip(op["phases_s"], op["local_experts_alone_s"]) if a)
     return rec
+
+
+@contextlib.contextmanager
+def _fd2_silenced():
+    """File descriptor 2 to /dev/null for the duration."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+PROFILED_CALLS = 3  # forward calls profiled per point for the phase breakdown (after the timed ones)
+
+
+def _phases(call, barrier, n: int = PROFILED_CALLS) -> dict[str, float]:
+    """Mean seconds per call of each phase of forward on this rank (the op's record_function ranges), over
+    ``n`` cold calls each after a barrier, as the timed ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from static_moe.ops.forward import PHASE_PREFIX, PHASES
+
+    out = {p: 0.0 for p in PHASES}
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _fd2_silenced():  # the profiler's C++ side prints a line at every start and stop
+        prof.start()
+    for _ in range(n):
+        flush_caches()
+        barrier()
+        call()
+    with _fd2_silenced():
+        prof.stop()
+    for ev in prof.key_averages():
+        if ev.key.startswith(PHASE_PREFIX):
+            out[ev.key[len(PHASE_PREFIX):]] += ev.cpu_time_total * 1e-6 / n
+    return out
 
 
 def _lease_workspace(op_args, group):
@@ -249,25 +333,25 @@ def _check_against_reference(op, base, outs, shape, shape_key, s, num_local, act
     what = f"{BENCH} S={s} {shape_key} {act_fmt}x{w_fmt} T={t}"
     ref = torch.cat(refs)
     cached = torch.cat([o[1] for o in outs])
-    base["torch_cached"]["calc_diff_vs_reference"] = H.check_baseline(
+    base["torch_cached"]["calc_diff_vs_reference"] = check_baseline(
         "torch_cached", cached, ref, B.CHECK_TOLERANCE["torch_cached"], what)
     if op["available"]:
         got = torch.cat([o[0] for o in outs])
-        op["parity"] = H.check_op(got, ref, lambda o, r: assert_gemm_close(o, r, what))
+        op["parity"] = check_op(got, ref, lambda o, r: assert_gemm_close(o, r, what))
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_common_args(p)
+    add_common_args(p)
     p.add_argument("--pairs", nargs="+", default=None, help="act×weight pairs as actxweight (default: fp8xfp4)")
     p.add_argument("--ep", type=int, nargs="+", default=list(EP_SIZES), help="EP sizes (default: 1 2)")
     p.add_argument("--swiglu-limit", type=float, default=None)
     args = p.parse_args(argv)
-    shapes, tokens = H.resolve_args(args)
-    report = H.start(args, BENCH)
-    run(report, shapes, tokens, args.quick, H.parse_pairs(args.pairs, DEFAULT_PAIRS), tuple(args.ep),
+    shapes, tokens = resolve_args(args)
+    report = start(args, BENCH)
+    run(report, shapes, tokens, args.quick, parse_pairs(args.pairs, DEFAULT_PAIRS), tuple(args.ep),
         args.swiglu_limit)
-    H.finish(report, args, BENCH, [BENCH])
+    finish(report, args, BENCH, [BENCH])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,10 +24,13 @@ BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 
 @pytest.fixture(scope="module")
 def bench_modules():
-    """bench/harness.py and bench/baselines.py, imported by file location (bench/ holds scripts, not a package)."""
+    """bench/harness/ (its modules as attributes of one namespace) and bench/baselines.py, imported from bench/'s
+    folder as the scripts do (bench/ holds scripts, not a package)."""
     sys.path.insert(0, str(BENCH_DIR))
     try:
-        yield importlib.import_module("harness"), importlib.import_module("baselines")
+        names = ("checks", "costs", "report", "routing", "timing")
+        harness = SimpleNamespace(**{n: importlib.import_module(f"harness.{n}") for n in names})
+        yield harness, importlib.import_module("baselines")
     finally:
         sys.path.remove(str(BENCH_DIR))
 
@@ -55,6 +59,12 @@ def test_baselines_match_reference(bench_modules, act_fmt, w_fmt):
     got_g = B.TorchCached(w["w13"], w["w13_scale"], dtype=torch.bfloat16).expert_gemm(x, xs, mask, 2)
     assert calc_diff(got_g, ref_g) <= B.CHECK_TOLERANCE["torch_cached"]
     assert torch.all(got_g[~mask] == 0)
+    if w_fmt == "fp4" and B.int4pack_unavailable_reason() is None:  # PyTorch's own 4-bit GEMM, re-quantized weights
+        i4 = B.TorchInt4Pack(*args_w)
+        assert calc_diff(i4.local_experts(x, xs, idx, tw, offset, 7.0), ref) <= B.CHECK_TOLERANCE["torch_int4pack"]
+        got_i = i4.expert_gemm(x, xs, mask, 2)
+        assert calc_diff(got_i, ref_g) <= B.CHECK_TOLERANCE["torch_int4pack"]
+        assert torch.all(got_i[~mask] == 0)
     if w_fmt == "fp8":
         if B.scaled_mm_unavailable_reason() is not None:
             pytest.skip(B.scaled_mm_unavailable_reason())
@@ -74,28 +84,36 @@ def test_baseline_check_catches_wrong_maths(bench_modules):
     ref = reference.local_experts(x, None, idx, tw, *args_w, 0, None)
     wrong = B.TorchCached(*args_w).local_experts(x, None, idx, tw.flip(1), 0, None)  # weights on the wrong slots
     with pytest.raises(AssertionError, match="torch_cached"):
-        H.check_baseline("torch_cached", wrong, ref, B.CHECK_TOLERANCE["torch_cached"], "smoke")
+        H.checks.check_baseline("torch_cached", wrong, ref, B.CHECK_TOLERANCE["torch_cached"], "smoke")
 
 
 def test_cost_accounting(bench_modules):
     H, _ = bench_modules
     hid, inter = 4096, 2048
     # fp4: half a byte per weight plus one UE8M0 byte per 32; fp8: one byte plus a float32 per 128.
-    assert H.weight_bytes("fp4", 2 * inter, hid) == 2 * inter * hid // 2 + 2 * inter * hid // 32
-    assert H.weight_bytes("fp8", hid, inter) == hid * inter + 4 * hid * inter // 128
-    assert H.weight_bytes("bf16", hid, inter) == 2 * hid * inter
-    c = H.cost_expert_gemm("fp8", "fp4", rows_total=8, rows_active=5, n=2 * inter, k=hid)
+    assert H.costs.weight_bytes("fp4", 2 * inter, hid) == 2 * inter * hid // 2 + 2 * inter * hid // 32
+    assert H.costs.weight_bytes("fp8", hid, inter) == hid * inter + 4 * hid * inter // 128
+    assert H.costs.weight_bytes("bf16", hid, inter) == 2 * hid * inter
+    c = H.costs.cost_expert_gemm("fp8", "fp4", rows_total=8, rows_active=5, n=2 * inter, k=hid)
     assert c.flops == 2 * 5 * 2 * inter * hid
-    assert c.bytes == H.weight_bytes("fp4", 2 * inter, hid) + 5 * hid + 4 * 5 * hid // 128 + 8 + 2 * 8 * 2 * inter
+    assert c.bytes == H.costs.weight_bytes("fp4", 2 * inter, hid) + 5 * hid + 4 * 5 * hid // 128 + 8 + 2 * 8 * 2 * inter
     idx = torch.tensor([[0, 3], [3, 3], [-1, 9], [1, 0]])  # local experts 0..3; a duplicate; a foreign id
-    st = H.routing_stats(idx, 0, 4)
+    st = H.routing.routing_stats(idx, 0, 4)
     assert (st.rows_active, st.experts_touched, st.pairs) == (3, 3, 5)  # pairs: {0,3} {3} {} {1,0}
-    le = H.cost_local_experts("bf16", "bf16", 4, st.rows_active, 2, hid, inter, st.experts_touched, st.pairs)
+    le = H.costs.cost_local_experts("bf16", "bf16", 4, st.rows_active, 2, hid, inter, st.experts_touched, st.pairs)
     assert le.flops == 2 * 5 * 3 * hid * inter
     limits = MachineLimits(2, bandwidth=1e10, flops=1e11, triad_array_bytes=0, llc_bytes=0, matmul_n=0)
-    roof = H.roofline(H.Cost(1e9, 1e9), limits, measured_s=0.2)
+    roof = H.costs.roofline(H.costs.Cost(1e9, 1e9), limits, measured_s=0.2)
     assert roof["t_mem_s"] == pytest.approx(0.1) and roof["t_compute_s"] == pytest.approx(0.01)
     assert roof["bound"] == "memory" and roof["roofline_fraction"] == pytest.approx(0.5)
+    # Weights (read_bytes) at the read-only stream's rate, the rest at the triad's; bf16 kernels against the bf16
+    # peak.
+    limits = MachineLimits(2, bandwidth=1e10, flops=1e11, triad_array_bytes=0, llc_bytes=0, matmul_n=0,
+                           bf16_flops=4e11, read_bandwidth=2e10)
+    roof = H.costs.roofline(H.costs.Cost(1e9, 4e10, read_bytes=8e8), limits, measured_s=0.1, bf16_dot=True)
+    assert roof["t_mem_s"] == pytest.approx(0.04 + 0.02) and roof["t_compute_s"] == pytest.approx(0.1)
+    assert roof["bound"] == "compute" and roof["compute_peak"] == "bf16" and roof["roofline_fraction"] == pytest.approx(1)
+    assert H.costs.roofline(H.costs.Cost(1e9, 4e10), limits, 0.4)["t_compute_s"] == pytest.approx(0.4)  # fp32 peak
 
 
 def test_sliced_routing_keeps_real_rows():
@@ -116,16 +134,16 @@ def test_sliced_routing_keeps_real_rows():
 def test_timer_table_json(bench_modules, tmp_path):
     H, _ = bench_modules
     calls = []
-    timing, first = H.time_fn(lambda: calls.append(1) or len(calls), warmup=1, repeat=5)
+    timing, first = H.timing.time_fn(lambda: calls.append(1) or len(calls), warmup=1, repeat=5)
     assert first == 1 and len(timing.samples_s) == 5 and timing.median_s > 0
-    op, out = H.measure(lambda: (_ for _ in ()).throw(NotImplementedError("no kernel")))
+    op, out = H.timing.measure(lambda: (_ for _ in ()).throw(NotImplementedError("no kernel")))
     assert op == {"available": False, "reason": "NotImplementedError: no kernel"} and out is None
     limits = MachineLimits(2, 1e10, 1e11, 0, 0, 0)
-    report = H.Report(limits)
+    report = H.report.Report(limits)
     rec = {"bench": "local_experts", "shape": "v4_flash", "fmt": "fp8×fp4", "tokens": 4, "rows_per_expert": 1.0,
            "experts": "8/24", "op": {"available": True, "median_s": 1e-3},
            "baselines": {"torch_cached": {"median_s": 4e-3}, "torch_scaled_mm": {"available": False, "reason": "x"}}}
-    rec.update(H.roofline(H.Cost(5e6, 1e8), limits, 1e-3))
+    rec.update(H.costs.roofline(H.costs.Cost(5e6, 1e8), limits, 1e-3))
     report.add(rec)
     assert rec["speedup"]["torch_cached"] == pytest.approx(4.0)
     table = report.table()

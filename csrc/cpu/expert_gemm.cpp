@@ -53,7 +53,7 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   const at::Tensor a_c = a.stride(1) == 1 ? a : a.contiguous();
   const at::Tensor s_c = sh.act == checks::Format::FP8 ? a_scale->contiguous() : at::Tensor();
   const cpu::ActFormat af = sh.act == checks::Format::FP8 ? cpu::ActFormat::Fp8 : cpu::ActFormat::Bf16;
-  std::vector<float> a32(static_cast<size_t>(m * K));
+  cpu::PreparedRows a32(m, K);
   std::vector<uint8_t> a_bf16(m);  // the form prepare_activation chose for each row
   std::vector<const float*> a_rows(m);
   std::vector<void*> out_rows(m);
@@ -61,7 +61,7 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   const int64_t a_row_bytes = a_c.stride(0) * a_c.element_size();
   uint16_t* out_base = static_cast<uint16_t*>(out.mutable_data_ptr());
   for (int64_t i = 0; i < m; ++i) {
-    a_rows[i] = a32.data() + i * K;
+    a_rows[i] = a32.row(i);
     out_rows[i] = out_base + rows[i] * N;
   }
   const bool parallel = m * N * K >= kParallelMacs;
@@ -69,7 +69,7 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   for (int64_t i = 0; i < m; ++i) {
     const float* srow = s_c.defined() ? s_c.const_data_ptr<float>() + rows[i] * s_c.stride(0) : nullptr;
     a_bf16[i] = cpu::prepare_activation(isa, w.format, af, a_base + rows[i] * a_row_bytes, srow, sh.group, 0, K,
-                                        a32.data() + i * K);
+                                        a32.row(i));
   }
 
   cpu::OutRows o;

@@ -150,9 +150,9 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
   float* acc_base = acc.mutable_data_ptr<float>();
 
   const int64_t M = rt.max_rows;
-  std::vector<float> xf(static_cast<size_t>(n_routed * H));     // routed rows of x, prepared for W13
+  cpu::PreparedRows xf(n_routed, H);                            // routed rows of x, prepared for W13
   std::vector<uint8_t> xf_bf16(n_routed);                       // the form prepare_activation chose for each
-  std::vector<float> zf(static_cast<size_t>(2 * M * I));        // z of the current / previous expert, for W2
+  cpu::PreparedRows zf(2 * M, I);                               // z of the current / previous expert, for W2
   // z's form per row and intermediate chunk; a row's chunks always agree (z has power-of-two scales >= the amax
   // floor's, so every chunk is exact in bf16 where bf16 is used at all); checked before GEMM2 reads them.
   std::vector<uint8_t> zf_bf16(static_cast<size_t>(2 * M * ((I + kInterChunk - 1) / kInterChunk)));
@@ -177,18 +177,17 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
     for (int64_t p = 0; p < n_routed; ++p) {
       const int64_t r = rt.routed[p];
       const float* srow = fp8 ? xs_c.const_data_ptr<float>() + r * xs_c.stride(0) : nullptr;
-      xf_bf16[p] = cpu::prepare_activation(isa, wf, af, x_base + r * x_row_bytes, srow, group, 0, H, xf.data() + p * H);
+      xf_bf16[p] = cpu::prepare_activation(isa, wf, af, x_base + r * x_row_bytes, srow, group, 0, H, xf.row(p));
     }  // implicit barrier: xf complete
 
     int par = 0;
     for (int64_t e = 0; e < L; ++e) {
       const int64_t b = rt.begin[e], m = rt.begin[e + 1] - b;
       if (m == 0) continue;  // the same on every thread: the worksharing constructs and barriers match
-      float* zfe = zf.data() + par * M * I;
       const cpu::ExpertWeight w1 = cpu::expert_view(w13t, e);
       uint8_t* zfe_bf16 = zf_bf16.data() + par * M * n_inter_chunks;
       for (int64_t i = 0; i < m; ++i) {
-        a_rows[i] = xf.data() + rt.slot_of[rt.rows[b + i]] * H;
+        a_rows[i] = xf.row(rt.slot_of[rt.rows[b + i]]);
         a_bf16[i] = xf_bf16[rt.slot_of[rt.rows[b + i]]];
       }
 #pragma omp for schedule(dynamic, 1) nowait
@@ -222,13 +221,13 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         for (int64_t i = 0; i < m; ++i) {
           zfe_bf16[i * n_inter_chunks + c] =
               cpu::prepare_activation(isa, wf, af, z.data() + i * It * z_bytes,
-                                      fp8 ? zs.data() + i * (It / group) : nullptr, group, i0, It, zfe + i * I);
+                                      fp8 ? zs.data() + i * (It / group) : nullptr, group, i0, It, zf.row(par * M + i));
         }
       }
 #pragma omp barrier
       const cpu::ExpertWeight w2e = cpu::expert_view(w2t, e);
       for (int64_t i = 0; i < m; ++i) {
-        a_rows[i] = zfe + i * I;
+        a_rows[i] = zf.row(par * M + i);
         a_bf16[i] = n_inter_chunks > 0 ? zfe_bf16[i * n_inter_chunks] : 0;
         for (int64_t c = 1; c < n_inter_chunks; ++c) mixed_z |= zfe_bf16[i * n_inter_chunks + c] != a_bf16[i];
         out_rows[i] = acc_base + rt.rows[b + i] * H;

@@ -9,10 +9,12 @@ runs decode steps of ``--tokens`` tokens per rank, and prints:
 * parity: every rank's output against ``reference.forward_simulated`` (SPEC §2 tolerance), "parity OK" or not;
 * per-step latency (median over steps of the slowest rank; every step starts after a barrier);
 * the collectives' share of a step (all-gather + reduce-scatter, from the op's torch.profiler ranges);
-* bytes of expert weights touched per step, and the roofline fraction (docs BENCH.md): per rank,
-  ``max(bytes / bandwidth, flops / peak)`` over the measured step, with bandwidth (STREAM triad) and fp32
-  matmul peak measured here (``static_moe.testing.machine``, as the benchmarks do), on both ranks at once, with
-  the same thread count, before and after the steps (the better of the two is taken).
+* bytes of expert weights touched per step, and the roofline fraction (docs/benchmarks.md): per rank,
+  ``max(weight bytes / read bandwidth + other bytes / triad bandwidth, flops / peak)`` over the measured step,
+  with the read-only stream (weights are only read), the STREAM triad and the matmul peak of the units the
+  kernels use (bf16 where they multiply with vdpbf16ps, as here on AVX512_BF16 CPUs: fp8 activations with
+  power-of-two scales; else fp32) measured here (``static_moe.testing.machine``, as the benchmarks do), on both
+  ranks at once, with the same thread count, before and after the steps (the better of the two is taken).
 
 Scale: the real model has 256 routed experts. Routing is drawn over all 256 (top-6, per token); only
 ``--experts`` of the experts those tokens touch are kept (global ids 0 … E−1, E/2 per rank), each with exactly
@@ -37,13 +39,13 @@ import torch
 
 from .testing.distributed import gather_objects
 from .testing.generators import MODEL_SHAPES, sliced_routing
-from .testing.machine import measure_bandwidth, measure_flops
+from .testing.machine import bf16_dot_products, measure_bandwidth, measure_flops, measure_read_bandwidth
 
 REAL = MODEL_SHAPES["v4_flash"]  # hidden 4096, intermediate 2048, 256 routed experts, top-6
 ACT_GROUP = 128
 LIMIT = 10.0
-# Machine limits (docs BENCH.md), measured on every rank at once: STREAM triad over 3 float32 arrays of this many
-# bytes each (far beyond the LLC), fp32 matmul of this size.
+# Machine limits (docs/benchmarks.md), measured on every rank at once: STREAM triad over 3 float32 arrays of this many
+# bytes each (far beyond the LLC), a read-only sum over one array of 3× that, matmuls of this size.
 TRIAD_ARRAY_BYTES = 256 << 20
 MATMUL_N = 1536
 
@@ -152,9 +154,12 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
         dist.barrier()
         bw = measure_bandwidth(TRIAD_ARRAY_BYTES)
         dist.barrier()
-        return bw, measure_flops(MATMUL_N)
+        read_bw = measure_read_bandwidth(3 * TRIAD_ARRAY_BYTES)
+        dist.barrier()
+        dtype = torch.bfloat16 if bf16_dot_products("fp8") else torch.float32  # the units the kernels use
+        return bw, read_bw, measure_flops(MATMUL_N, dtype=dtype)
 
-    _say(rank, t0, "measuring bandwidth (STREAM triad) and fp32 matmul peak on both ranks at once ...")
+    _say(rank, t0, "measuring bandwidth (STREAM triad, read-only sum) and the matmul peak on both ranks at once ...")
     limits = [machine_limits()]
 
     # --- steps --------------------------------------------------------------------------------------------------
@@ -184,13 +189,13 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
         prof.stop()
     assert layer.workspace.data_ptrs() == ws_ptrs, "workspace buffers moved"
     limits.append(machine_limits())
-    bandwidth, peak = max(b for b, _ in limits), max(f for _, f in limits)
+    bandwidth, read_bandwidth, peak = (max(lim[i] for lim in limits) for i in range(3))
     phase_s = {p: 0.0 for p in PHASES}
     for ev in prof.key_averages():
         if ev.key.startswith(PHASE_PREFIX):
             phase_s[ev.key[len(PHASE_PREFIX):]] += ev.cpu_time_total * 1e-6 / len(timed)
 
-    # --- bytes and FLOPs of this rank's step (docs BENCH.md roofline) -------------------------------------------
+    # --- bytes and FLOPs of this rank's step (docs/benchmarks.md roofline) -------------------------------------------
     per_expert = sum(w[n][0].numel() * w[n].element_size() for n in w)
     shared_bytes = sum(v.numel() * v.element_size() for v in sw.values())
     costs = []
@@ -204,7 +209,8 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
         costs.append((touched, weight_bytes, weight_bytes + act_bytes, flops, sum(rows), routing.touched_real))
 
     rank_report = {
-        "times": timed, "phase_s": phase_s, "bandwidth": bandwidth, "peak": peak, "costs": costs,
+        "times": timed, "phase_s": phase_s, "bandwidth": bandwidth, "read_bandwidth": read_bandwidth, "peak": peak,
+        "costs": costs,
         "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "weights_bytes": num_local * per_expert + shared_bytes, "workspace_bytes": layer.workspace.nbytes(),
     }
@@ -313,23 +319,27 @@ def report(cfg: dict, ranks: list[dict], threads: int) -> bool:
     for i in range(n):
         per_rank = []
         for r in ranks:
-            _, _, nbytes, flops, _, _ = r["costs"][i]
-            tb, tf = nbytes / r["bandwidth"], flops / r["peak"]
+            _, weight_bytes, nbytes, flops, _, _ = r["costs"][i]
+            tb = weight_bytes / max(r["read_bandwidth"], r["bandwidth"]) + (nbytes - weight_bytes) / r["bandwidth"]
+            tf = flops / r["peak"]
             per_rank.append((max(tb, tf), tb, tf))
         slowest = max(per_rank)
         bounds.append(slowest)
         fractions.append(slowest[0] / step_s[i])
     bw = statistics.mean(r["bandwidth"] for r in ranks)
+    rbw = statistics.mean(r["read_bandwidth"] for r in ranks)
     pk = statistics.mean(r["peak"] for r in ranks)
     b = bounds[len(bounds) // 2]
-    print(f"machine limits per rank (both ranks running): bandwidth {bw / 1e9:.1f} GB/s (STREAM triad), "
-          f"fp32 matmul peak {pk / 1e9:.1f} GFLOP/s")
+    units = "bf16" if bf16_dot_products("fp8") else "fp32"
+    print(f"machine limits per rank (both ranks running): read-only bandwidth {rbw / 1e9:.1f} GB/s (the weights' "
+          f"roof), STREAM triad {bw / 1e9:.1f} GB/s (activations, results), {units} matmul peak {pk / 1e9:.1f} "
+          f"GFLOP/s (the kernels multiply in {units})")
     print(f"roofline per step: memory term {b[1] * 1e3:.2f} ms, compute term {b[2] * 1e3:.2f} ms "
           f"({'compute' if b[2] > b[1] else 'memory'}-bound); roofline fraction {statistics.median(fractions):.1%}")
     print("(a CPU without FP4 units also pays for decoding e2m1 nibbles, which the roofline does not count)")
     if statistics.median(fractions) > 1:
-        print("(above 100 %: the step beat the fp32 matmul ceiling measured in this run — the kernels' SIMD can "
-              "outrun torch's fp32 matmul on one thread, or other jobs loaded the machine while it was measured)")
+        print(f"(above 100 %: the step beat the {units} matmul ceiling measured in this run — the kernels' SIMD can "
+              f"outrun torch's matmul on one thread, or other jobs loaded the machine while it was measured)")
     return ok
 
 

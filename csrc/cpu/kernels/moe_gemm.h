@@ -15,10 +15,10 @@
 // arithmetic of a row never depends on which or how many other rows, weight rows or threads there are (batch
 // invariance). Different ISAs use different lane counts and may differ in the last bits.
 // Avx512Bf16 (moe_gemm_avx512bf16.cpp) multiplies in bf16 with vdpbf16ps where that is exact: operands that are
-// bf16 numbers anyway (bf16 weights and activations; e2m1 times a power-of-two scale; e4m3fn times a power-of-two
-// scale), products exact in fp32, pairs summed into 16 fp32 lanes; other rows and fp8 weights take the AVX-512
-// float32 path. vdpbf16ps treats bf16 subnormals as zero: only fp4 blocks with scale bytes 0 or 1 (values below
-// 2^-126) are affected.
+// bf16 numbers anyway (bf16 weights and activations; e2m1 times a power-of-two scale; e4m3fn values, and e4m3fn
+// times a power-of-two scale), products exact in fp32, pairs summed into 16 fp32 lanes; an fp8 weight's float32
+// block scale is applied once per 128-k block sum. Other rows take the AVX-512 float32 path. vdpbf16ps treats
+// bf16 subnormals as zero: only fp4 blocks with scale bytes 0 or 1 (values below 2^-126) are affected.
 //
 // A operand: the GEMM reads float32 (or, on Avx512Bf16, bf16) rows in a "lane layout" that depends on the ISA and,
 // for fp4 weights, pairs each lane with the nibble order of the packed weights (see prepare_activation). Produce it
@@ -27,6 +27,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "cpu/simd.h"
 
@@ -68,7 +69,7 @@ struct OutRows {
 //   false  float32: ((float*)row)[c] for the k columns, in the ISA's lane layout (a fixed permutation within each
 //          32-column unit for fp4 weights, see moe_gemm_impl.h): x.float() (bf16) or e4m3fn(x)·scale rounded once
 //          in fp32 (fp8), exactly as the reference
-//   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 only, for bf16 / fp4 weights, when every value is
+//   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 only, any weight format, when every value is
 //          exact in bf16: always for bf16 x; for fp8 x when the scales are powers of two >= 2^-117, so that every
 //          e4m3fn(x)·scale is a normal bf16 number — the float32 value itself)
 // The form depends only on the row's own values, so a row's arithmetic never depends on other rows; when a row is
@@ -76,6 +77,25 @@ struct OutRows {
 // the flags to expert_gemm_rows).
 bool prepare_activation(Isa isa, WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
                         int64_t c0, int64_t k, float* row);
+
+// Room for `rows` prepared rows of k columns. Each row starts on a 64-byte line (a vector load never straddles two
+// lines) and rows are k + 16 floats apart, one line more than k: with a stride of k floats (a multiple of 4 KiB at
+// model sizes) the MR rows of a GEMM block would sit in one L1 set at every column, and evict each other and the
+// streamed weight lines (measured: ~30% of the bf16 dot-product rate at 16+ rows).
+class PreparedRows {
+ public:
+  PreparedRows(int64_t rows, int64_t k)
+      : stride_(k + 16), buf_(static_cast<size_t>(rows * (k + 16) + 16)) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(buf_.data());
+    base_ = buf_.data() + ((64 - p % 64) % 64) / sizeof(float);
+  }
+  float* row(int64_t i) { return base_ + i * stride_; }
+
+ private:
+  int64_t stride_;
+  std::vector<float> buf_;
+  float* base_;
+};
 
 // C for the m rows a[0..m) (prepared for w.format by prepare_activation; a_bf16[i] its return value, or
 // a_bf16 = nullptr when all are float32) and the weight rows [n0, n1), written through `out`. Single-threaded:

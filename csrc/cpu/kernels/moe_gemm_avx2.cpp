@@ -1,5 +1,5 @@
 // AVX2 + FMA + F16C instance of the expert GEMM: 8 fp32 lanes, units of 16 k per weight row.
-//   bf16 and fp8 weights: as the AVX-512 instance (moe_gemm_avx512.cpp), 16 values per unit.
+//   bf16 and fp8 weights: as the AVX-512 instance (moe_gemm_avx512.cpp), 16 values per unit, NaN codes included.
 //   fp4 weights: 8 packed bytes -> 8 dword indices; vpermps has only 8 entries, so it looks up the magnitude
 //                (low 3 bits, table already times the block's power-of-two scale) and the sign bit 3 is moved to
 //                bit 31 and xor-ed in (e2m1 is sign-magnitude, -0 included).
@@ -66,8 +66,12 @@ struct V256 {
 
   static inline void decode_fp8(const uint8_t* row, int64_t k0, const float* s, vec& lo, vec& hi) {
     const __m256 sv = _mm256_set1_ps(*s);
-    __m256i t = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0)));
-    t = _mm256_and_si256(_mm256_slli_epi16(t, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+    const __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0)));
+    __m256i t = _mm256_and_si256(_mm256_slli_epi16(q, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+    // The NaN codes 0x7F / 0xFF (low 7 bits all ones) get the fp16 NaN exponent; the shift alone gives ±480.
+    const __m256i low7 = _mm256_set1_epi16(0x7F);
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(q, low7), low7);
+    t = _mm256_or_si256(t, _mm256_and_si256(nan, _mm256_set1_epi16(0x7C00)));
     lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(t)), sv);
     hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(t, 1)), sv);
   }

@@ -3,7 +3,8 @@
 //   fp8 weights:  e4m3fn byte -> fp16 bits with one sign-extend, shift and mask (sign, then exponent and mantissa
 //                 moved down so the value is q·2^-8, subnormals included), vcvtph2ps, then · (s·2^8): q·2^-8 and
 //                 s·2^8 are exact, so the product is q·s rounded once, as the reference (for scales below 2^120;
-//                 larger ones, absurd for weights, overflow s·2^8 to inf).
+//                 larger ones, absurd for weights, overflow s·2^8 to inf). The NaN codes 0x7F / 0xFF get the fp16
+//                 NaN exponent (the shift alone would make them ±480).
 //   fp4 weights:  16 packed bytes -> 16 dword indices; vpermps on a 16-entry table of e2m1 values already times
 //                 the block's power-of-two scale (exact) gives the even columns, and again on index >> 4 the odd
 //                 ones (vpermps only reads the low 4 bits of each index).
@@ -68,8 +69,12 @@ struct V512 {
 
   static inline void decode_fp8(const uint8_t* row, int64_t k0, const float* s, vec& lo, vec& hi) {
     const __m512 sv = _mm512_set1_ps(*s);
-    __m512i t = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k0)));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k0));
+    __m512i t = _mm512_cvtepi8_epi16(q);
     t = _mm512_and_si512(_mm512_slli_epi16(t, 7), _mm512_set1_epi16(static_cast<short>(0xBF80)));
+    // The NaN codes 0x7F / 0xFF land on 1.875·2^7 (480 after the scale): set the fp16 exponent to all ones (NaN).
+    const __mmask32 nan = _mm256_cmpeq_epi8_mask(_mm256_and_si256(q, _mm256_set1_epi8(0x7F)), _mm256_set1_epi8(0x7F));
+    t = _mm512_mask_blend_epi16(nan, t, _mm512_or_si512(t, _mm512_set1_epi16(0x7C00)));
     lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(t)), sv);
     hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(t, 1)), sv);
   }

@@ -7,7 +7,14 @@
 //            rounded (exact; values below 2^-126 become 0, as vdpbf16ps flushes bf16 subnormals anyway); the 16
 //            packed bytes, broadcast to the four 128-bit lanes, give the 32 word indices of one vpermw through one
 //            vpmultishiftqb (AVX512_VBMI: each index byte picks a nibble at any bit offset of its qword).
-//            fp8 weights: float32 scales per 1×128 are not powers of two: the AVX-512 float32 path.
+//            fp8: every e4m3fn value is a bf16 number (3 mantissa bits, exponents 2^-9..2^8): a 128-entry bf16
+//            table of the magnitudes (two vpermt2w over 64 entries each, a blend on bit 6; NaN codes give NaN)
+//            plus the sign bit gives the 32 weights of a unit exactly; products with bf16 activations are exact
+//            in fp32. The float32 1×128 block scale is not a power of two, so it cannot be folded into bf16
+//            values: each 128-k block sums into accumulators of its own, then acc = fma(block, s, acc) (the
+//            scale applied once per block instead of per weight: the last bits differ from the float32 path's
+//            q·s rounding, within the reference tolerance; a product a·q below 2^-126, which vdpbf16ps flushes,
+//            needs an activation within 2^9 of the bf16 normal floor).
 //   activations  rows prepared as bf16 when exact (see prepare_activation in moe_gemm.h), others float32 for the
 //            AVX-512 path; a GEMM splits its rows by form.
 // Lane layout of a 32-k unit: natural for bf16 weights; for fp4, position w holds column fp4_column(w) (the order
@@ -36,9 +43,16 @@ namespace {
 
 constexpr int64_t kUnit = 32;     // k per unit: one zmm of 32 bf16
 constexpr int64_t kChunk = 512;   // k per prepared chunk of fp4 scales (16 blocks)
-constexpr int kMR = 4;            // activation rows per block
-constexpr int kNR = 6;            // weight rows per block
+// Blocking: MR activation rows × NR weight rows of accumulators (24 of the 32 zmm registers). Each decoded weight
+// unit serves MR rows, so a larger MR spends less decode per vdpbf16ps: 6 × 4 ran ~6% faster than 4 × 6 at 16 and
+// 64 rows (fp4, V4-Flash w13, one thread, same run).
+constexpr int kMR = 6;            // activation rows per block
+constexpr int kNR = 4;            // weight rows per block
 constexpr int kNR1 = 4;           // weight rows per block when there is one activation row
+// fp8 weights keep two accumulators per (row, weight row) (the running sum and the 128-k block's): a smaller
+// block, so that both sets stay in the 32 zmm registers next to the decode table.
+constexpr int kMRFp8 = 4;
+constexpr int kNRFp8 = 3;
 
 // Power-of-two scale whose products with any e4m3fn value are normal bf16 numbers (or inf, as in fp32).
 inline bool exact_bf16_scale(float s) {
@@ -170,28 +184,131 @@ void dot_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int6
     for (int j = 0; j < NR; ++j) emit_output(out, i0 + i, n + j, _mm512_reduce_add_ps(acc[i][j]));
 }
 
-template <WeightFormat F, int NR>
+// bf16 bits of the e4m3fn magnitude c (7 bits: eeeemmm, bias 7), exactly; 0x7F (NaN) -> a bf16 NaN.
+constexpr uint16_t e4m3fn_magnitude_bf16(int c) {
+  const int e = c >> 3, m = c & 7;
+  if (e == 15 && m == 7) return 0x7FC0;
+  if (e != 0) return static_cast<uint16_t>(((e + 120) << 7) | (m << 4));
+  if (m == 0) return 0;
+  const int p = m >= 4 ? 2 : (m >= 2 ? 1 : 0);  // m·2^-9 = 2^(p-9) · (m / 2^p), 1 <= m / 2^p < 2
+  return static_cast<uint16_t>(((118 + p) << 7) | ((m - (1 << p)) << (7 - p)));
+}
+
+struct Fp8Bf16Table {
+  alignas(64) uint16_t v[128];
+  constexpr Fp8Bf16Table() : v() {
+    for (int c = 0; c < 128; ++c) v[c] = e4m3fn_magnitude_bf16(c);
+  }
+};
+constexpr Fp8Bf16Table kFp8Bf16;
+
+// The four 32-entry quarters of kFp8Bf16, loaded once per block of weight rows.
+struct Fp8Decoder {
+  __m512i t0, t1, t2, t3;
+  Fp8Decoder()
+      : t0(_mm512_load_si512(kFp8Bf16.v)), t1(_mm512_load_si512(kFp8Bf16.v + 32)),
+        t2(_mm512_load_si512(kFp8Bf16.v + 64)), t3(_mm512_load_si512(kFp8Bf16.v + 96)) {}
+
+  // 32 e4m3fn codes at p -> 32 bf16 numbers of the same values (natural order).
+  inline __m512i operator()(const uint8_t* p) const {
+    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i lo = _mm512_permutex2var_epi16(t0, c, t1);  // index bits 0-5: magnitudes 0..63
+    const __m512i hi = _mm512_permutex2var_epi16(t2, c, t3);  // 64..127
+    const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40)), lo, hi);
+    // | (code << 8) & 0x8000: the sign bit (e4m3fn and bf16 are both sign-magnitude)
+    return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(c, 8), _mm512_set1_epi16(static_cast<short>(0x8000)),
+                                     0xF8);
+  }
+};
+
+// dot_block for fp8 weights: per 128-k block, bf16 dot products into block accumulators, then the block's float32
+// scale once: acc = fma(block, s, acc). Blocks in increasing k, units in increasing k within a block.
+template <int MR, int NR>
+void dot_block_fp8(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int64_t n, const OutRows& out,
+                   bool prefetch) {
+  constexpr int64_t KL = 64;  // k per 64-byte line of an fp8 weight row
+  static_assert(kFp8WeightBlock % KL == 0 && KL % kUnit == 0, "a block holds whole lines, a line whole units");
+  const Fp8Decoder decode8;
+  const uint16_t* ap[MR];
+  for (int i = 0; i < MR; ++i) ap[i] = a[i0 + i];
+  const uint8_t* rq[NR];
+  const float* rs[NR];
+  for (int j = 0; j < NR; ++j) {
+    rq[j] = w.data + (n + j) * w.row_stride;
+    rs[j] = static_cast<const float*>(w.scale) + (n + j) * w.scale_row_stride;
+  }
+  const uint8_t* next = w.data + (n + NR) * w.row_stride;  // hints only: never dereferenced
+  const float* next_s = static_cast<const float*>(w.scale) + (n + NR) * w.scale_row_stride;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t K = w.k;
+  for (int64_t kb = 0; kb < K; kb += kFp8WeightBlock) {
+    if (prefetch && kb % (16 * kFp8WeightBlock) == 0) {  // the next rows' scales: one line holds 16 blocks
+      for (int j = 0; j < NR; ++j) __builtin_prefetch(next_s + j * w.scale_row_stride + kb / kFp8WeightBlock, 0, 3);
+    }
+    __m512 blk[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) blk[i][j] = _mm512_setzero_ps();
+    for (int64_t kl = kb; kl < kb + kFp8WeightBlock; kl += KL) {
+      if (prefetch) {
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl, 0, 3);
+      }
+      for (int64_t k0 = kl; k0 < kl + KL; k0 += kUnit) {
+        for (int j = 0; j < NR; ++j) {
+          const __m512bh wv = (__m512bh)(decode8(rq[j] + k0));
+          for (int i = 0; i < MR; ++i) {
+            blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)(_mm512_loadu_si512(ap[i] + k0)), wv);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m512 sv = _mm512_set1_ps(rs[j][kb / kFp8WeightBlock]);
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(blk[i][j], sv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) emit_output(out, i0 + i, n + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+// One block of MR rows × NR weight rows in the format's dot-product kernel.
+template <WeightFormat F, int MR, int NR>
+inline void dot_any_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int64_t n, const OutRows& out,
+                          bool prefetch, uint32_t& bad) {
+  if constexpr (F == WeightFormat::Fp8) {
+    dot_block_fp8<MR, NR>(a, i0, w, n, out, prefetch);
+  } else {
+    dot_block<F, MR, NR>(a, i0, w, n, out, prefetch, bad);
+  }
+}
+
+template <WeightFormat F, int NR, int MR>
 void dot_row_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                     bool prefetch, uint32_t& bad) {
+  static_assert(MR <= 6, "tails below cover MR <= 6");
   int64_t i = 0;
-  for (; i + kMR <= m; i += kMR) dot_block<F, kMR, NR>(a, i, w, n, out, prefetch && i == 0, bad);
+  for (; i + MR <= m; i += MR) dot_any_block<F, MR, NR>(a, i, w, n, out, prefetch && i == 0, bad);
+  constexpr int c4 = MR > 4 ? 4 : 1, c5 = MR > 5 ? 5 : 1;  // never reached where MR <= 4 / 5
   switch (m - i) {
-    case 1: dot_block<F, 1, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
-    case 2: dot_block<F, 2, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
-    case 3: dot_block<F, 3, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
+    case 1: dot_any_block<F, 1, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
+    case 2: dot_any_block<F, 2, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
+    case 3: dot_any_block<F, 3, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
+    case 4: dot_any_block<F, c4, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
+    case 5: dot_any_block<F, c5, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
     default: break;
   }
 }
 
-template <WeightFormat F, int NR>
+template <WeightFormat F, int NR, int MR = 4>  // MR: rows per block (narrow tail blocks: 4)
 void dot_column_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t& n, int64_t n1,
                        const OutRows& out, uint32_t& bad) {
   for (; n + NR <= n1; n += NR) {
     const bool prefetch = n + 2 * NR <= n1;
     if (m == 1) {
-      dot_block<F, 1, NR>(a, 0, w, n, out, prefetch, bad);
+      dot_any_block<F, 1, NR>(a, 0, w, n, out, prefetch, bad);
     } else {
-      dot_row_blocks<F, NR>(a, m, w, n, out, prefetch, bad);
+      dot_row_blocks<F, NR, MR>(a, m, w, n, out, prefetch, bad);
     }
   }
 }
@@ -202,7 +319,11 @@ bool dot_run(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t
   uint32_t bad = 0;
   int64_t n = n0;
   if (m == 1) dot_column_blocks<F, kNR1>(a, m, w, n, n1, out, bad);
-  dot_column_blocks<F, kNR>(a, m, w, n, n1, out, bad);
+  if constexpr (F == WeightFormat::Fp8) {
+    dot_column_blocks<F, kNRFp8, kMRFp8>(a, m, w, n, n1, out, bad);
+  } else {
+    dot_column_blocks<F, kNR, kMR>(a, m, w, n, n1, out, bad);
+  }
   dot_column_blocks<F, 2>(a, m, w, n, n1, out, bad);
   dot_column_blocks<F, 1>(a, m, w, n, n1, out, bad);
   return bad == 0;
@@ -211,8 +332,12 @@ bool dot_run(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t
 bool dot_gemm(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1, const OutRows& out) {
   if (m <= 0 || n1 <= n0) return true;
   const uint16_t* const* ab = reinterpret_cast<const uint16_t* const*>(a);  // rows hold bf16 (see prepare)
-  return w.format == WeightFormat::Fp4 ? dot_run<WeightFormat::Fp4>(ab, m, w, n0, n1, out)
-                                       : dot_run<WeightFormat::Bf16>(ab, m, w, n0, n1, out);
+  switch (w.format) {
+    case WeightFormat::Fp4: return dot_run<WeightFormat::Fp4>(ab, m, w, n0, n1, out);
+    case WeightFormat::Fp8: return dot_run<WeightFormat::Fp8>(ab, m, w, n0, n1, out);
+    case WeightFormat::Bf16: break;
+  }
+  return dot_run<WeightFormat::Bf16>(ab, m, w, n0, n1, out);
 }
 
 }  // namespace
@@ -221,8 +346,8 @@ namespace avx512bf16 {
 
 bool prepare_activation(WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group, int64_t c0,
                         int64_t k, float* row) {
-  bool exact = wf != WeightFormat::Fp8;
-  if (exact && af == ActFormat::Fp8) {
+  bool exact = true;
+  if (af == ActFormat::Fp8) {
     for (int64_t g = 0; g < (k + group - 1) / group; ++g) exact = exact && exact_bf16_scale(x_scale[g]);
   }
   if (!exact) {
@@ -248,7 +373,7 @@ bool prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
 bool expert_gemm_rows(const float* const* a, const uint8_t* a_bf16, int64_t m, const ExpertWeight& w, int64_t n0,
                       int64_t n1, const OutRows& out) {
   int64_t n_bf16 = 0;
-  if (a_bf16 != nullptr && w.format != WeightFormat::Fp8)
+  if (a_bf16 != nullptr)
     for (int64_t i = 0; i < m; ++i) n_bf16 += a_bf16[i] != 0;
   if (n_bf16 == 0) return avx512::expert_gemm_rows(a, m, w, n0, n1, out);
   if (n_bf16 == m) return dot_gemm(a, m, w, n0, n1, out);

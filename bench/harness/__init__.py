@@ -1,0 +1,15 @@
+"""The measuring code of bench/ (docs/benchmarks.md), one module per job:
+
+- ``timing``    pinned threads, cache flushes, the timer (median of timed samples)
+- ``costs``     bytes and FLOPs a call must move and do, and the roofline against the machine's limits
+- ``routing``   what a routing asks of one rank's local experts (rows, touched experts, pairs)
+- ``workload``  the scaled-down shapes (fewer local experts) and their weights
+- ``checks``    correctness checks of baselines and of the op
+- ``report``    records, the printed table, JSON and PNG plots
+- ``cli``       the command line every script shares; the start and end of a run
+
+Every figure a benchmark prints is a ratio measured in the same run on the same pinned thread count: against the
+machine's own limits (``static_moe.testing.machine.measure_machine``; the demo measures with the same code), and
+against baselines run on the same inputs in the same process (bench/baselines.py). Everything runs on the CPU, in
+the calling process; tensors are torch CPU tensors.
+"""

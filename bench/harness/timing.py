@@ -1,0 +1,121 @@
+"""The timer of bench/: pinned threads, cache flushes, the median of timed samples (docs/benchmarks.md).
+
+Everything runs on the CPU, in the calling process; tensors are torch CPU tensors.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from static_moe.testing.machine import llc_bytes
+
+MIN_REPEAT = 5  # docs/benchmarks.md: median of at least 5 timed runs
+
+
+def pin_threads(threads: int | None = None) -> int:
+    """Pin torch's intra-op thread count (default: $OMP_NUM_THREADS, else 2) and return what torch reports."""
+    n = threads or int(os.environ.get("OMP_NUM_THREADS", "2"))
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+@dataclass
+class Timing:
+    """Median of ``len(samples_s)`` timed samples; each sample is the mean of ``inner`` back-to-back calls
+    (more than one only for calls shorter than ``min_sample_s``, where the clock's overhead would show)."""
+
+    median_s: float
+    samples_s: list[float]
+    inner: int
+    warmup: int
+
+
+_FLUSH: list[torch.Tensor] = []
+
+
+def flush_caches() -> None:
+    """Evict the caches: read and write a float32 buffer of 2× the LLC (untimed, before a cold call)."""
+    if not _FLUSH:
+        _FLUSH.append(torch.zeros(2 * llc_bytes() // 4))
+    _FLUSH[0].add_(1.0)
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = MIN_REPEAT, cold: bool = False,
+            min_sample_s: float = 2e-3, before: Callable[[], None] | None = None,
+            reduce: Callable[[list[float]], list[float]] | None = None) -> tuple[Timing, Any]:
+    """Time ``fn()`` on the calling thread: ``warmup`` untimed calls (at least 1; the first one's result is
+    returned, for correctness checks at no extra cost), then ``max(repeat, 5)`` samples, median taken.
+
+    cold: flush the caches before every timed call (one call per sample), as weights stream from DRAM in a real
+    decode step (the other layers evict them); otherwise a sample averages back-to-back calls until it lasts
+    ``min_sample_s``. before: an untimed hook run right before each timed call (after the flush), e.g. a
+    barrier. reduce: maps the per-sample times before the median (e.g. max over EP ranks), called once."""
+    warmup = max(1, warmup)
+    repeat = max(MIN_REPEAT, repeat)
+    result = fn()
+    last = 0.0
+    # Further warm-ups; a warm call's time sets the calls per sample (cold samples are single calls: no need).
+    for _ in range(max(warmup - 1, 0 if cold else 1)):
+        t0 = time.perf_counter()
+        fn()
+        last = time.perf_counter() - t0
+    inner = 1 if (cold or last >= min_sample_s) else min(1000, math.ceil(min_sample_s / max(last, 1e-7)))
+    if reduce is not None:  # every rank must take the same number of calls per sample
+        inner = int(max(reduce([float(inner)])))
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        samples = []
+        for _ in range(repeat):
+            if cold:
+                flush_caches()
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples.append((time.perf_counter() - t0) / inner)
+    finally:
+        if was_enabled:
+            gc.enable()
+    if reduce is not None:
+        samples = reduce(samples)
+    return Timing(statistics.median(samples), samples, inner, warmup), result
+
+
+def measure(fn: Callable[[], Any], **timer_kw) -> tuple[dict, Any]:
+    """``time_fn`` for the op under test: a failure (op not implemented yet, an error) is recorded as
+    ``{"available": False, "reason": ...}`` instead of stopping the run."""
+    try:
+        timing, out = time_fn(fn, **timer_kw)
+    except Exception as e:  # noqa: BLE001  the table says why the op has no number
+        return {"available": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, None
+    return {"available": True, **timing_dict(timing)}, out
+
+
+def timing_dict(t: Timing) -> dict:
+    return {"median_s": t.median_s, "samples_s": t.samples_s, "inner": t.inner}
+
+
+def time_fastest_variant(variants: dict, call: Callable[[Any], Any], **timer) -> tuple[dict, Any]:
+    """Time ``call(v)`` for every value of ``variants`` (keyed by dtype, e.g. torch_cached's fp32 and bf16
+    weight caches) with :func:`time_fn` and keep the fastest, as docs/benchmarks.md asks of torch_cached.
+
+    Returns (the fastest's timing dict with its ``variant`` name and every variant's median, its output)."""
+    timed = {}
+    for key, v in variants.items():
+        timing, out = time_fn(lambda v=v: call(v), **timer)
+        timed[str(key).replace("torch.", "")] = (timing, out)
+    best = min(timed, key=lambda name: timed[name][0].median_s)
+    entry = {**timing_dict(timed[best][0]), "variant": best,
+             **{f"{name}_median_s": t.median_s for name, (t, _) in timed.items()}}
+    return entry, timed[best][1]

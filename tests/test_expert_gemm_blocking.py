@@ -1,0 +1,28 @@
+"""expert_gemm gives a row the same bits whatever the number of rows beside it, for every row count up to two
+blocks of rows: every tail of every ISA's row blocking (blocks of 4 or 6 rows, the one-row path) is exercised on
+every weight format, on every CPU instruction set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import static_moe
+from static_moe.formats import quantize_activation, quantize_weight
+from static_moe.testing.numeric import assert_equal
+
+ROWS = 13  # > two blocks of 6 rows: every remainder mod 4 and mod 6 occurs among 1..ROWS
+PAIRS = [("bf16", "bf16"), ("bf16", "fp4"), ("fp8", "fp4"), ("bf16", "fp8"), ("fp8", "fp8")]
+
+
+@pytest.mark.parametrize("act,wf", PAIRS, ids=[f"{a}x{w}" for a, w in PAIRS])
+def test_every_row_count_matches_the_full_batch(cpu_isa, act, wf, rng):
+    k, n = 256, 200  # N: not a multiple of any weight-row block, so column tails run too
+    x = torch.randn(ROWS, k, generator=rng)
+    a, a_s = (x.to(torch.bfloat16), None) if act == "bf16" else quantize_activation(x, 128, pow2_scale=True)
+    b, b_s = quantize_weight(torch.randn(1, n, k, generator=rng) / k**0.5, wf)
+    full = static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(ROWS, dtype=torch.bool), 0)
+    for m in range(1, ROWS):
+        mask = torch.arange(ROWS) < m
+        part = static_moe.expert_gemm(a, a_s, b, b_s, mask, 0)
+        assert_equal(part[:m], full[:m], f"{cpu_isa} {act}x{wf}: the first {m} rows")
