@@ -69,9 +69,14 @@ inline void check_unpack_rows(const at::Tensor& packed, int64_t offset, int64_t 
   const int64_t width = packed.size(1);
   // Written so that nothing can overflow: offset + nbytes is never formed (offset = 2^63 - 8, nbytes = 16 would
   // wrap to a negative end and pass a naive `offset + nbytes <= width`).
-  TORCH_CHECK_VALUE(offset >= 0 && nbytes >= 0 && offset <= width && nbytes <= width - offset, op,
-                    ": the span [offset, offset + nbytes) must lie inside the packed row width W = packed.size(1) = ",
-                    width, ", got offset = ", offset, ", nbytes = ", nbytes);
+  if (!(offset >= 0 && nbytes >= 0 && offset <= width && nbytes <= width - offset)) {
+    int64_t end = 0;
+    const bool wraps = __builtin_add_overflow(offset, nbytes, &end);
+    TORCH_CHECK_VALUE(false, op, ": the span [offset, offset + nbytes) = [", offset, ", ",
+                      (wraps ? std::string("(overflows int64)") : std::to_string(end)),
+                      ") must lie inside the packed row width W = packed.size(1) = ", width, " (offset = ", offset,
+                      ", nbytes = ", nbytes, ")");
+  }
   const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
   int64_t elems = 1;
   bool overflow = false;
