@@ -38,8 +38,8 @@ def _case(rank: int, size: int, act: str = "bf16", wfmt: str = "bf16", tokens: i
                 fp8_max=448.0)
 
 
-def _call(case: dict, rank: int, size: int, group_name: str) -> torch.Tensor:
-    return torch.ops.static_moe.forward(case["x"], case["x_scale"], case["idx"], case["tw"], case["w13"],
+def _call(case: dict, rank: int, size: int, group_name: str, fn=None) -> torch.Tensor:
+    return (fn or torch.ops.static_moe.forward)(case["x"], case["x_scale"], case["idx"], case["tw"], case["w13"],
                                         case["w13_scale"], case["w2"], case["w2_scale"], case["shared"],
                                         case["num_experts"], case["capacity"], case["limit"], group_name, rank,
                                         size, case["fp8_max"])
@@ -210,6 +210,18 @@ def _fault_worker(rank: int, size: int) -> list[dict]:
         rec.update(kind="input", case=label, failing=failing, next_ok=bool(torch.equal(nxt, baselines[fmts])))
         records.append(rec)
 
+    # Under torch.compile(fullgraph=True) too: the fake must not raise at trace time on the failing rank only
+    # (the others would wait in their compiled all-gather); the kernel raises on every rank at run time.
+    compiled = torch.compile(torch.ops.static_moe.forward, fullgraph=True, backend="eager")
+    fmts = ("bf16", "bf16")
+    case = _case(rank, size, *fmts)
+    if rank == 1:
+        _more_tokens(case)
+    rec = _attempt(lambda: _call(case, rank, size, name, fn=compiled))
+    nxt = _call(_case(rank, size, *fmts), rank, size, name, fn=compiled)
+    rec.update(kind="input", case="T > C", compiled=True, next_ok=bool(torch.equal(nxt, baselines[fmts])))
+    records.append(rec)
+
     # Configurations that differ, after good steps (the group's workspace is agreed) ...
     for label, change, field, _ in _config_faults(size):
         fmts = ("bf16", "bf16")
@@ -218,6 +230,22 @@ def _fault_worker(rank: int, size: int) -> list[dict]:
         rec = _attempt(lambda: _call(case, rank, size, name))
         nxt = good(fmts)
         rec.update(kind="config", case=label, field=field, next_ok=bool(torch.equal(nxt, baselines[fmts])))
+        records.append(rec)
+
+    # A layer's workspace: its manifest carries the settings that change the maths, so they must agree too.
+    from static_moe import workspace
+
+    last = size - 1
+    for field, theirs in (("swiglu_limit", 7.0), ("fp8_max", 240.0)):
+        kw = dict(capacity=C, hidden=H, intermediate=I, num_experts=L * size, topk=K, ep_size=size,
+                  act_format="fp8", weight_format="fp8")
+        if rank == last:
+            kw[field] = theirs
+        ours = None if field == "swiglu_limit" else 448.0
+        rec = _attempt(lambda: workspace.acquire(workspace.WorkspaceSpec(**kw), dist.group.WORLD))
+        rec.update(kind="manifest", case=field, field=f"{field}: {ours} on ranks {list(range(last))}; {theirs} on "
+                                                       f"ranks [{last}]",
+                   next_ok=bool(torch.equal(good(("bf16", "bf16")), baselines[("bf16", "bf16")])))
         records.append(rec)
 
     # ... and on a step that is the group's first (no workspace yet: agreed through the workspace's manifests).
@@ -273,7 +301,7 @@ def _check_records(records: list[list[dict]], size: int) -> None:
         assert counted["good x3"] == {"all_gather": 3, "reduce_scatter": 3, "object": 0}, (rank, counted)
         assert counted["failed"] == {"all_gather": 1, "reduce_scatter": 0, "object": 0}, (rank, counted)
         for rec in recs:
-            where = f"rank {rank}, {rec['kind']} fault {rec['case']!r}"
+            where = f"rank {rank}, {rec['kind']} fault {rec['case']!r}" + (" (compiled)" if rec.get("compiled") else "")
             if rec["s"] > BOUND_S:
                 problems.append(f"{where}: took {rec['s']:.1f} s (bound {BOUND_S} s)")
             if not rec["next_ok"]:

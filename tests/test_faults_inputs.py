@@ -115,16 +115,16 @@ def test_activation_quantizer_non_finite_semantics():
     assert s_op[0, 0].view(torch.int32).item() == -(2**31)  # -0.0
 
 
-def test_forward_s1_rejects_a_poisoned_activation_scale_in_the_kernel_path():
-    """S = 1: the NaN scale reaches local_experts; its output is NaN for that token only (no other token)."""
+def test_forward_s1_rejects_a_poisoned_activation_scale():
+    """S = 1 too: an x_scale that is not positive and finite (here the −0.0 a NaN quantizes to) is an error."""
     w = make_weights(2, 256, 128, "fp8", seed=1)
     x = torch.randn(3, 256)
     x[1, 5] = float("nan")
     x_q, x_s = quantize_activation(x, 128, check_finite=False)
     idx, tw = make_routing(3, 2, 2, seed=2)
-    out = static_moe.forward(x_q, x_s, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], num_experts=2,
-                             capacity=4)
-    assert torch.isfinite(out[[0, 2]]).all()
+    with pytest.raises(ValueError, match=r"forward: x_scale must hold positive finite scales, but x_scale\[1, 0\]"):
+        static_moe.forward(x_q, x_s, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], num_experts=2,
+                           capacity=4)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -149,6 +149,18 @@ def check_topk_range(topk_idx: torch.Tensor, num_experts: int) -> None:
                          f"got values in [{lo}, {hi}]")
 
 
+def check_scale_range(x_scale: torch.Tensor | None) -> None:
+    """Eager-only value check (reads x_scale on the host): fp8 activation scales must be positive and finite (a NaN
+    or Inf in the activation gives −0.0 or Inf when quantized on a device, docs/errors.md)."""
+    if x_scale is None or x_scale.numel() == 0:
+        return
+    bad = ~(torch.isfinite(x_scale) & (x_scale > 0))
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"forward: x_scale must hold positive finite scales, but x_scale[{row}, {col}] is not (NaN, "
+                         "Inf, 0 or negative: e.g. a NaN or Inf in the activation it was quantized from)")
+
+
 def _resolve_group(group_name: str, ep_size):
     """(process group, its size, this process's rank in it). A name that names no group raises ValueError here,
     locally: without a group there is no collective to keep in step (every rank normally shares the name)."""
@@ -226,6 +238,7 @@ def _forward_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_s
                          num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max)
     if x.device.type == "cpu":
         check_topk_range(topk_idx, num_experts)  # free on the host; device inputs: see forward()
+        check_scale_range(x_scale)
     with record_function(PHASE_PREFIX + "pack"):
         parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
         packed = torch.ops.static_moe.pack_rows(parts, capacity)
@@ -517,11 +530,12 @@ def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, sh
 
     All tensors live on one device. Collective over the EP group when ep_size > 1: every rank must call it, and
     an error on any rank raises on every rank (docs/errors.md). With ep_size = 1 and device inputs in eager mode
-    (not under torch.compile or CUDA graph capture) ``topk_idx`` is range-checked first; with ep_size > 1 the
-    op checks it itself, in the step header, on every device.
+    (not under torch.compile or CUDA graph capture) ``topk_idx`` and ``x_scale`` are range-checked first; with
+    ep_size > 1 the op checks them itself, in the step header, on every device.
     """
     if ep_size == 1 and not _tracing() and x.device.type != "cpu":
         check_topk_range(topk_idx, num_experts)  # a host sync: eager only
+        check_scale_range(x_scale)
     return torch.ops.static_moe.forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
                                         shared_output, num_experts, capacity, swiglu_limit, group_name, ep_rank,
                                         ep_size, fp8_max)
