@@ -222,6 +222,28 @@ def _fault_worker(rank: int, size: int) -> list[dict]:
     rec.update(kind="input", case="T > C", compiled=True, next_ok=bool(torch.equal(nxt, baselines[fmts])))
     records.append(rec)
 
+    # A kernel that fails after the all-gather anyway (not expected: every check runs before it): the failing rank
+    # still joins the reduce-scatter, with NaN, then raises; the others' outputs are NaN, not silently wrong.
+    import importlib
+
+    fwd = importlib.import_module("static_moe.ops.forward")
+    real_step = fwd._local_step
+
+    def failing_step(*args):
+        if args[-3] > 0:  # the expert offset: rank > 0 only
+            raise RuntimeError("injected kernel failure")
+        return real_step(*args)
+
+    fwd._local_step = failing_step
+    try:
+        out = {}
+        rec = _attempt(lambda: out.setdefault("y", good(fmts)))
+    finally:
+        fwd._local_step = real_step
+    rec.update(kind="kernel", case="kernel fails after the all-gather", all_nan=bool(torch.isnan(out["y"]).all())
+               if "y" in out else None, next_ok=bool(torch.equal(good(fmts), baselines[fmts])))
+    records.append(rec)
+
     # Configurations that differ, after good steps (the group's workspace is agreed) ...
     for label, change, field, _ in _config_faults(size):
         fmts = ("bf16", "bf16")
@@ -306,6 +328,11 @@ def _check_records(records: list[list[dict]], size: int) -> None:
                 problems.append(f"{where}: took {rec['s']:.1f} s (bound {BOUND_S} s)")
             if not rec["next_ok"]:
                 problems.append(f"{where}: the next good step differs from the good step before")
+            if rec["kind"] == "kernel":
+                want = ("RuntimeError", None) if rank > 0 else (None, True)
+                if (rec["raised"], rec["all_nan"]) != want:
+                    problems.append(f"{where}: expected {want}, got {rec['raised']}, all NaN: {rec['all_nan']}")
+                continue
             if rec["kind"] == "input":
                 _, _, failing, _, own_type, own_msg, others_msg = faults[rec["case"]]
                 want_type, want_msg = (own_type, own_msg) if rank in failing else ("RuntimeError", others_msg)

@@ -242,12 +242,11 @@ def _forward_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_s
     with record_function(PHASE_PREFIX + "pack"):
         parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
         packed = torch.ops.static_moe.pack_rows(parts, capacity)
-    acc = _local_step(packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, dims, swiglu_limit,
-                      fp8_max)
+    acc = _local_step(packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, swiglu_limit, fp8_max)
     return _combine(acc, dims.tokens, shared_output)
 
 
-def _local_step(gathered, parts, has_scale, w13, w13_scale, w2, w2_scale, expert_offset, dims, swiglu_limit,
+def _local_step(gathered, parts, has_scale, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit,
                 fp8_max) -> torch.Tensor:
     """unpack every part of the gathered rows, then local_experts: fp32 [rows, H]."""
     with record_function(PHASE_PREFIX + "unpack"):
@@ -427,6 +426,9 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
     kind = _status.OK if error is None else _error_kind(error)
     if error is None and (spec is None or _workspace.frame_key(spec) != _workspace.frame_key(ws.spec)):
         kind = _status.NEED_FRAME  # fine, but not the current workspace's shapes: ask every rank to switch
+    if kind == _status.NEED_FRAME and _capturing(x):
+        raise RuntimeError("forward: this step's shapes need another workspace than the group's current one, which "
+                           "cannot be switched during CUDA graph capture: run one eager step with them first")
     c, pw = ws.spec.capacity, ws.spec.parts_width
 
     with record_function(PHASE_PREFIX + "pack"):
@@ -468,7 +470,7 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
     kernel_error = None
     try:
         acc = _local_step(gathered[:, :pw], parts, x_scale is not None, w13, w13_scale, w2, w2_scale,
-                          ep_rank * dims.num_local, dims, swiglu_limit, fp8_max)
+                          ep_rank * dims.num_local, swiglu_limit, fp8_max)
     except (ValueError, TypeError, RuntimeError) as e:
         # Not expected (everything a kernel checks was checked before the all-gather), but the other ranks are
         # already on their way to the reduce-scatter: take part with NaN, so their outputs show it, then raise.
