@@ -613,6 +613,8 @@ def acquire_implicit(spec: WorkspaceSpec, group) -> Workspace:
 
 
 def release_implicit() -> None:
-    """Close every lease the forward op took itself (local; the next raw step on a group re-acquires)."""
+    """Close every lease the forward op took itself. Local, like closing any lease: call it on every rank of the
+    groups alike (a rank that keeps a workspace its peers dropped would send through it while they acquire
+    anew); the next raw step on a group without workspaces acquires one again."""
     while _IMPLICIT:
         _IMPLICIT.pop().close()
