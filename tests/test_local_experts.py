@@ -230,7 +230,7 @@ BAD = [
     (_bad(expert_offset=-1), ValueError, r"expert_offset \(global id of local expert 0\) must be >= 0, got -1"),
     (_bad(swiglu_limit=0.0), ValueError, r"swiglu_limit must be None or a positive finite number, got 0"),
     (_bad(x=_XQ, x_scale=_XS, w13=_W["w13"], w13_scale=_W["w13_scale"], w2=_W["w2"], w2_scale=_W["w2_scale"],
-          fp8_max=500.0), ValueError, r"fp8_max must be in \(0, 448\]"),
+          fp8_max=500.0), ValueError, r"fp8_max must be in \[2, 448\]"),
     (_bad(topk_idx=_IDX.to("meta")), ValueError, r"topk_idx must be on the same device as x \(cpu\), got meta"),
 ]
 

@@ -12,7 +12,7 @@ import torch
 
 from static_moe.reference.pack_rows import pack_rows
 from static_moe.testing.distributed import expect_raises, run_ranks
-from static_moe.workspace import WorkspaceManager, WorkspaceSpec, memory_plan
+from static_moe.workspace import STEP_HEADER_NBYTES, WorkspaceManager, WorkspaceSpec, memory_plan
 
 
 def spec(**over) -> WorkspaceSpec:
@@ -32,18 +32,20 @@ def test_row_width_matches_pack_rows(act, group, topk):
     x = torch.zeros(2, h, dtype=torch.bfloat16 if act == "bf16" else torch.float8_e4m3fn)
     parts = [x] + ([] if act == "bf16" else [torch.zeros(2, h // group)]) + [torch.zeros(2, topk, dtype=torch.int32),
                                                                                torch.zeros(2, topk)]
-    assert pack_rows(parts, 4).shape[1] == s.row_width
+    assert pack_rows(parts, 4).shape[1] == s.parts_width
+    assert s.row_width == s.parts_width + STEP_HEADER_NBYTES  # the forward's step header (docs/errors.md)
 
 
 def test_memory_plan_formula_and_worked_example():
     # The README's example: DeepSeek-V4-Flash shapes, fp8 activations (g = 128), S = 8, C = 128.
     s = WorkspaceSpec(capacity=128, hidden=4096, intermediate=2048, num_experts=256, topk=6, ep_size=8,
                       act_format="fp8", act_group=128, weight_format="fp4")
-    assert s.row_width == 4096 + 128 + 32 + 32  # x, scales (32 × fp32), ids (6 × int32 → 24 → 32), weights
+    # x, scales (32 × fp32), ids (6 × int32 → 24 → 32), weights, the 64-byte step header
+    assert s.row_width == 4096 + 128 + 32 + 32 + 64
     plan = memory_plan(s)
     assert {b.name: b.shape for b in plan.buffers} == {
-        "send": (128, 4288), "gathered": (1024, 4288), "acc": (1024, 4096), "scattered": (128, 4096)}
-    assert plan.total_bytes == (8 + 1) * 128 * (4288 + 4 * 4096) == 23_814_144
+        "send": (128, 4352), "gathered": (1024, 4352), "acc": (1024, 4096), "scattered": (128, 4096)}
+    assert plan.total_bytes == (8 + 1) * 128 * (4352 + 4 * 4096) == 23_887_872
     assert plan.nbytes("acc") == 1024 * 4096 * 4
     assert "send" in str(plan)
     # Nothing is allocated to make a plan, however large.

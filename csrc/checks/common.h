@@ -20,6 +20,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -156,6 +157,49 @@ inline void check_device_type(const at::Tensor& t, const char* op, const char* n
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Scalar settings (SPEC §1.4, §1.5): one rule and one message each, shared by every op (the Python side
+// formats.check_swiglu_limit / check_fp8_max spell the same rules and messages)
+// ---------------------------------------------------------------------------------------------------------------
+
+// swiglu_limit: None, or a positive number that stays finite and positive once rounded to float32 (the kernels
+// clamp in float32: 1e39 would become inf and 1e-50 zero). NaN fails both comparisons.
+inline void check_swiglu_limit(std::optional<double> limit, const char* op) {
+  if (!limit.has_value()) return;
+  const double v = *limit;
+  const float f = static_cast<float>(v);  // rounds to nearest; out of range gives inf
+  TORCH_CHECK_VALUE(std::isfinite(v) && v > 0 && std::isfinite(f) && f > 0.0f, op,
+                    ": swiglu_limit must be None or a positive finite number, got ", v,
+                    " (it must stay finite and positive in float32, the kernels' type: at most 3.4028235e+38)");
+}
+
+// fp8_max, the range of an fp8 re-quantization with power-of-two scales, in [kFp8MaxMin, 448]. The lower bound
+// keeps every scale finite: a finite amax is below 2^128, and the scale amax / fp8_max, rounded UP to a power
+// of two, stays <= 2^127 (finite) exactly when amax / fp8_max <= 2^127, i.e. for every finite amax when
+// fp8_max >= (2 - 2^-23) (FLT_MAX / 2^127); 2 is that bound rounded to a number a user would write. Above it
+// the floor scale 1e-4 / fp8_max stays a normal float for any fp8_max <= 448.
+constexpr double kFp8MaxMin = 2.0;
+constexpr double kFp8MaxMax = 448.0;
+
+inline void check_fp8_max(double fp8_max, const char* op) {
+  TORCH_CHECK_VALUE(std::isfinite(fp8_max) && fp8_max >= kFp8MaxMin && fp8_max <= kFp8MaxMax, op,
+                    ": fp8_max must be in [2, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3; below 2 the "
+                    "power-of-two scale of a large amax overflows to inf), got ", fp8_max);
+}
+
+// a * b and a + b for non-negative sizes, or an error naming `what` instead of a silent int64 wrap-around.
+inline int64_t checked_mul(int64_t a, int64_t b, const char* op, const char* what) {
+  int64_t r = 0;
+  TORCH_CHECK_VALUE(!__builtin_mul_overflow(a, b, &r), op, ": ", what, " overflows int64 (", a, " * ", b, ")");
+  return r;
+}
+
+inline int64_t checked_add(int64_t a, int64_t b, const char* op, const char* what) {
+  int64_t r = 0;
+  TORCH_CHECK_VALUE(!__builtin_add_overflow(a, b, &r), op, ": ", what, " overflows int64 (", a, " + ", b, ")");
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Formats (SPEC §1, §4): named by dtypes
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -253,7 +297,7 @@ inline Format check_weight(const at::Tensor& w, const std::optional<at::Tensor>&
   check_dim(w, op, w_name, 3, f == Format::FP4 ? "[L, N, K/2]" : "[L, N, K]");
   if (L < 0) L = w.size(0);
   if (N < 0) N = w.size(1);
-  if (K < 0) K = f == Format::FP4 ? 2 * w.size(2) : w.size(2);
+  if (K < 0) K = f == Format::FP4 ? checked_mul(2, w.size(2), op, "K = 2 * w.size(2)") : w.size(2);
   const bool has_scale = scale.has_value() && scale->defined();
   switch (f) {
     case Format::BF16: {
@@ -286,7 +330,9 @@ inline Format check_weight(const at::Tensor& w, const std::optional<at::Tensor>&
 }
 
 // Logical K of a weight tensor (undoes the two-per-byte packing of fp4).
-inline int64_t weight_k(const at::Tensor& w, Format f) { return f == Format::FP4 ? 2 * w.size(2) : w.size(2); }
+inline int64_t weight_k(const at::Tensor& w, Format f) {
+  return f == Format::FP4 ? checked_mul(2, w.size(2), "weight_k", "K = 2 * w.size(2)") : w.size(2);
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Value checks (read data; eager CPU bindings only)

@@ -26,8 +26,8 @@ struct LocalExpertsShape {
 
 // x bf16 / float8_e4m3fn [R, H] (+ x_scale float32 [R, H/g], g in {32, 128}); topk_idx int32 / int64 [R, k];
 // topk_weights float32 / bf16 [R, k]; w13 [L, 2I, H] and w2 [L, H, I] of one weight format with their scales;
-// H and I multiples of 128; a supported format pair; expert_offset >= 0; swiglu_limit None or positive finite;
-// for fp8 x, 0 < fp8_max <= 448; everything on x's device. `op` prefixes the messages.
+// H and I multiples of 128; a supported format pair; expert_offset >= 0; swiglu_limit None or positive finite in
+// float32; for fp8 x, 2 <= fp8_max <= 448 (common.h says why); everything on x's device. `op` prefixes the messages.
 inline LocalExpertsShape check_local_experts(const at::Tensor& x, const std::optional<at::Tensor>& x_scale,
                                              const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                                              const at::Tensor& w13, const std::optional<at::Tensor>& w13_scale,
@@ -71,14 +71,8 @@ inline LocalExpertsShape check_local_experts(const at::Tensor& x, const std::opt
 
   TORCH_CHECK_VALUE(expert_offset >= 0, op, ": expert_offset (global id of local expert 0) must be >= 0, got ",
                     expert_offset);
-  if (swiglu_limit.has_value()) {
-    TORCH_CHECK_VALUE(std::isfinite(*swiglu_limit) && *swiglu_limit > 0, op,
-                      ": swiglu_limit must be None or a positive finite number, got ", *swiglu_limit);
-  }
-  if (sh.act == Format::FP8) {
-    TORCH_CHECK_VALUE(std::isfinite(fp8_max) && fp8_max > 0 && fp8_max <= 448.0, op,
-                      ": fp8_max must be in (0, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3), got ", fp8_max);
-  }
+  check_swiglu_limit(swiglu_limit, op);
+  if (sh.act == Format::FP8) check_fp8_max(fp8_max, op);
   return sh;
 }
 

@@ -44,12 +44,15 @@ inline PackLayout check_pack_rows(at::TensorList parts, int64_t capacity) {
                         shape_str(p.sizes()), ")");
       check_same_device(p, op, name.c_str(), parts[0], "parts[0]");
     }
+    // Sizes come from real tensors, but a view's sizes can still multiply past int64: check every step.
     int64_t n = static_cast<int64_t>(p.element_size());
-    for (int64_t d = 1; d < p.dim(); ++d) n *= p.size(d);
+    for (int64_t d = 1; d < p.dim(); ++d) n = checked_mul(n, p.size(d), op, (name + " row bytes").c_str());
     layout.offsets.push_back(layout.width);
     layout.nbytes.push_back(n);
-    layout.width += pack_aligned(n);
+    layout.width = checked_add(layout.width, checked_add(n, kPackAlign - 1, op, "row width W") / kPackAlign *
+                                                 kPackAlign, op, "row width W");
   }
+  checked_mul(capacity, layout.width, op, "capacity * W (bytes of the packed buffer)");
   TORCH_CHECK_VALUE(layout.rows <= capacity, op, ": T = ", layout.rows, " rows (parts[0].size(0)) exceed capacity = ",
                     capacity, "; T must be <= capacity");
   return layout;
@@ -64,18 +67,29 @@ inline void check_unpack_rows(const at::Tensor& packed, int64_t offset, int64_t 
   check_dtype(packed, op, "packed", c10::ScalarType::Byte);
   check_dim(packed, op, "packed", 2, "[R, W]");
   const int64_t width = packed.size(1);
-  TORCH_CHECK_VALUE(offset >= 0 && nbytes >= 0 && offset + nbytes <= width, op, ": the span [offset, offset + nbytes) = [",
-                    offset, ", ", offset + nbytes, ") must lie inside the packed row width W = packed.size(1) = ",
-                    width);
-  int64_t elems = 1;
-  for (size_t d = 0; d < row_shape.size(); ++d) {
-    TORCH_CHECK_VALUE(row_shape[d] >= 0, op, ": row_shape must be non-negative, got ", shape_str(row_shape));
-    elems *= row_shape[d];
+  // Written so that nothing can overflow: offset + nbytes is never formed (offset = 2^63 - 8, nbytes = 16 would
+  // wrap to a negative end and pass a naive `offset + nbytes <= width`).
+  if (!(offset >= 0 && nbytes >= 0 && offset <= width && nbytes <= width - offset)) {
+    int64_t end = 0;
+    const bool wraps = __builtin_add_overflow(offset, nbytes, &end);
+    TORCH_CHECK_VALUE(false, op, ": the span [offset, offset + nbytes) = [", offset, ", ",
+                      (wraps ? std::string("(overflows int64)") : std::to_string(end)),
+                      ") must lie inside the packed row width W = packed.size(1) = ", width, " (offset = ", offset,
+                      ", nbytes = ", nbytes, ")");
   }
   const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
-  TORCH_CHECK_VALUE(elems * itemsize == nbytes, op, ": nbytes must equal prod(row_shape) * itemsize = prod(",
-                    shape_str(row_shape), ") * ", itemsize, " = ", elems * itemsize, " for ", dtype_name(dtype),
-                    ", got ", nbytes);
+  int64_t elems = 1;
+  bool overflow = false;
+  for (size_t d = 0; d < row_shape.size(); ++d) {
+    TORCH_CHECK_VALUE(row_shape[d] >= 0, op, ": row_shape must be non-negative, got ", shape_str(row_shape));
+    overflow = overflow || __builtin_mul_overflow(elems, row_shape[d], &elems);
+  }
+  int64_t row_bytes = 0;
+  overflow = overflow || __builtin_mul_overflow(elems, itemsize, &row_bytes);
+  TORCH_CHECK_VALUE(!overflow && row_bytes == nbytes, op, ": nbytes must equal prod(row_shape) * itemsize = prod(",
+                    shape_str(row_shape), ") * ", itemsize, " = ",
+                    (overflow ? std::string("(overflows int64)") : std::to_string(row_bytes)), " for ",
+                    dtype_name(dtype), ", got ", nbytes);
 }
 
 }  // namespace checks

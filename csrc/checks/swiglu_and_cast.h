@@ -18,8 +18,9 @@ struct SwigluShape {
   bool out_fp8 = true;  // out_format == "fp8"
 };
 
-// gate_up bf16 / float32 [R, 2I]; row_weight float32 / bf16 [R] or None; swiglu_limit None or a positive finite
-// number; out_format "fp8" or "bf16"; for "fp8": group_size in {32, 128} dividing I and 0 < fp8_max <= 448.
+// gate_up bf16 / float32 [R, 2I]; row_weight float32 / bf16 [R] or None; swiglu_limit None or a positive number
+// finite in float32; out_format "fp8" or "bf16"; for "fp8": group_size in {32, 128} dividing I and
+// 2 <= fp8_max <= 448.
 inline SwigluShape check_swiglu_and_cast(const at::Tensor& gate_up, const std::optional<at::Tensor>& row_weight,
                                          std::optional<double> swiglu_limit, std::string_view out_format,
                                          int64_t group_size, double fp8_max, bool /*pow2_scale*/) {
@@ -41,16 +42,12 @@ inline SwigluShape check_swiglu_and_cast(const at::Tensor& gate_up, const std::o
     check_shape(w, op, "row_weight", {sh.rows}, "[R] with R = gate_up.size(0)");
     check_same_device(w, op, "row_weight", gate_up, "gate_up");
   }
-  if (swiglu_limit.has_value()) {
-    TORCH_CHECK_VALUE(std::isfinite(*swiglu_limit) && *swiglu_limit > 0, op,
-                      ": swiglu_limit must be None or a positive finite number, got ", *swiglu_limit);
-  }
+  check_swiglu_limit(swiglu_limit, op);
   if (sh.out_fp8) {
     TORCH_CHECK_VALUE(group_size == 32 || group_size == 128, op, ": group_size must be 32 or 128, got ", group_size);
     TORCH_CHECK_VALUE(sh.inter % group_size == 0, op, ": I = gate_up.size(1) / 2 must be a multiple of group_size = ",
                       group_size, ", got I = ", sh.inter);
-    TORCH_CHECK_VALUE(std::isfinite(fp8_max) && fp8_max > 0 && fp8_max <= 448.0, op,
-                      ": fp8_max must be in (0, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3), got ", fp8_max);
+    check_fp8_max(fp8_max, op);
   }
   return sh;
 }

@@ -13,6 +13,7 @@ Layouts (all "EOI": [experts, out, in] as nn.Linear stores weights):
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -29,6 +30,67 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 WeightFormat = Literal["bf16", "fp8", "fp4"]
 ActFormat = Literal["bf16", "fp8"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scalar settings: the same rules and messages as csrc/checks/common.h (check_swiglu_limit, check_fp8_max)
+# ----------------------------------------------------------------------------------------------------------------
+FLOAT32_MAX = 3.4028234663852886e38
+# fp8_max range. Below 2 the power-of-two scale of a large finite amax overflows: amax < 2^128, and
+# round_up_pow2(amax / fp8_max) ≤ 2^127 for every finite amax exactly when fp8_max ≥ FLOAT32_MAX / 2^127 = 2 − 2^-23.
+FP8_MAX_MIN = 2.0
+
+
+def _prefix(op: str | None) -> str:
+    return f"{op}: " if op else ""
+
+
+def check_swiglu_limit(limit, op: str | None = None, name: str = "swiglu_limit") -> float | None:
+    """None, or a positive number that stays finite and positive once rounded to float32 (the kernels' type).
+
+    Returns the limit as a Python float (or None). Raises ValueError otherwise — 1e39 (inf in float32), 1e-50
+    (0 in float32), NaN, ≤ 0 and non-numbers alike."""
+    if limit is None:
+        return None
+    ok = isinstance(limit, (int, float)) and not isinstance(limit, bool) and math.isfinite(limit) and limit > 0
+    if ok:
+        f32 = torch.tensor(float(limit), dtype=torch.float64).to(torch.float32).item()  # round-to-nearest, inf past
+        ok = math.isfinite(f32) and f32 > 0
+    if not ok:
+        raise ValueError(f"{_prefix(op)}{name} must be None or a positive finite number, got {limit!r} (it must stay "
+                         f"finite and positive in float32, the kernels' type: at most {FLOAT32_MAX:.8g})")
+    return float(limit)
+
+
+def check_fp8_max(fp8_max, op: str | None = None) -> float:
+    """A number in [2, 448]: the range of an fp8 re-quantization (448 OCP e4m3fn, 240 trn2). Raises ValueError."""
+    ok = (isinstance(fp8_max, (int, float)) and not isinstance(fp8_max, bool) and math.isfinite(fp8_max)
+          and FP8_MAX_MIN <= fp8_max <= FP8_E4M3FN_MAX)
+    if not ok:
+        raise ValueError(f"{_prefix(op)}fp8_max must be in [2, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3; "
+                         f"below 2 the power-of-two scale of a large amax overflows to inf), got {fp8_max!r}")
+    return float(fp8_max)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Non-finite inputs
+# ----------------------------------------------------------------------------------------------------------------
+def _values_readable(t: torch.Tensor) -> bool:
+    """Whether t's values can be read on the host here without a device sync or a trace-time guess."""
+    if torch.compiler.is_compiling() or t.device.type != "cpu":
+        return False
+    return not isinstance(t, torch._subclasses.FakeTensor) and not t.is_meta
+
+
+def check_finite_blocks(v: torch.Tensor, what: str, name: str, block_dims: str) -> None:
+    """Raise ValueError if the blocked float32 view ``v [..., nblocks, block]`` holds NaN or ±Inf, naming the tensor
+    and the first bad block's index (``block_dims`` spells the index, e.g. "row, group")."""
+    bad = ~torch.isfinite(v).all(dim=-1)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        count = int(bad.sum())
+        raise ValueError(f"{what}: {name} holds NaN or Inf in {count} block(s); the first is block "
+                         f"[{block_dims}] = {list(first)}; quantizing it would give finite garbage")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -72,20 +134,32 @@ def as_uint8(t: torch.Tensor) -> torch.Tensor:
 # Activations: fp8 e4m3fn with 1×g power-of-two scales (SPEC §1.1)
 # ----------------------------------------------------------------------------------------------------------------
 def quantize_activation(
-    x: torch.Tensor, group_size: int, fp8_max: float = FP8_E4M3FN_MAX, pow2_scale: bool = True
+    x: torch.Tensor, group_size: int, fp8_max: float = FP8_E4M3FN_MAX, pow2_scale: bool = True, *,
+    check_finite: bool | None = None, name: str = "x",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize rows of ``x`` [R, K] to fp8 e4m3fn per 1×``group_size`` group.
 
     Returns ``(x_q float8_e4m3fn [R, K], x_s float32 [R, K/group_size])`` with value = ``x_q * x_s``.
     Computed in fp32: ``amax = max(max|v|, 1e-4)``, ``s = amax / fp8_max`` (rounded up to a power of two when
-    ``pow2_scale``), ``q = e4m3fn(clamp(v / s, ±fp8_max))`` with round-to-nearest-even.
+    ``pow2_scale``), ``q = e4m3fn(clamp(v / s, ±fp8_max))`` with round-to-nearest-even. fp8_max ∈ [2, 448].
+
+    Non-finite values (docs/errors.md): with ``check_finite`` True a group holding NaN or ±Inf raises ValueError
+    naming ``name``, the row and the group. None (the default) checks where the values can be read for free —
+    CPU tensors outside torch.compile — and, elsewhere (device tensors: the check would be a host sync; traced
+    graphs) gives the defined result of the maths, which every backend shares bit for bit: a NaN makes the
+    group's scale −0.0 (its exponent carries into the sign bit), +Inf makes it +Inf; either way the scale is not
+    a positive finite number, and forward rejects such an x_scale on every rank. False never checks (what the
+    reference swiglu_and_cast uses, to mirror the kernels' bits on any input).
     """
     if x.dim() != 2:
-        raise ValueError(f"quantize_activation: x must be 2-D [R, K], got shape {tuple(x.shape)}")
+        raise ValueError(f"quantize_activation: {name} must be 2-D [R, K], got shape {tuple(x.shape)}")
     rows, k = x.shape
     if group_size <= 0 or k % group_size:
         raise ValueError(f"quantize_activation: K={k} must be a multiple of group_size={group_size}")
+    check_fp8_max(fp8_max, "quantize_activation")
     v = x.float().reshape(rows, k // group_size, group_size)
+    if check_finite or (check_finite is None and _values_readable(v)):
+        check_finite_blocks(v, "quantize_activation", name, "row, group")
     amax = v.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
     s = amax / fp8_max
     if pow2_scale:
@@ -143,10 +217,23 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # Weights (SPEC §1.2)
 # ----------------------------------------------------------------------------------------------------------------
-def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] → (float8_e4m3fn [..., N, K], float32 scales [..., N, K/128]); pow2 scales, fp8_max 448."""
+def _check_weight_finite(w: torch.Tensor, block: int, what: str, name: str) -> None:
+    """Weights are quantized offline: always read them (a host sync on a device is fine here)."""
+    if w.shape[-1] % block:
+        raise ValueError(f"{what}: K={w.shape[-1]} must be a multiple of {block}")
+    v = w.float().reshape(*w.shape[:-1], w.shape[-1] // block, block)
+    dims = ", ".join([f"d{i}" for i in range(w.dim() - 2)] + ["n", f"k/{block}"])
+    check_finite_blocks(v, what, name, dims)
+
+
+def quantize_weight_fp8(w: torch.Tensor, *, name: str = "w") -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] → (float8_e4m3fn [..., N, K], float32 scales [..., N, K/128]); pow2 scales, fp8_max 448.
+
+    NaN or ±Inf anywhere raises ValueError naming ``name`` and the first bad 1×128 block (its scale would
+    otherwise be −0.0 or inf, and the block finite garbage or NaN)."""
+    _check_weight_finite(w, WEIGHT_FP8_BLOCK, "quantize_weight_fp8", name)
     lead = w.shape[:-1]
-    q, s = quantize_activation(w.reshape(-1, w.shape[-1]), WEIGHT_FP8_BLOCK)
+    q, s = quantize_activation(w.reshape(-1, w.shape[-1]), WEIGHT_FP8_BLOCK, check_finite=False)
     return q.reshape(w.shape), s.reshape(*lead, -1)
 
 
@@ -160,15 +247,17 @@ def expand_block_scales(block_s: torch.Tensor, n: int) -> torch.Tensor:
     return block_s.float().repeat_interleave(WEIGHT_FP8_BLOCK, dim=-2)[..., :n, :].contiguous()
 
 
-def quantize_weight_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_fp4(w: torch.Tensor, *, name: str = "w") -> tuple[torch.Tensor, torch.Tensor]:
     """[..., N, K] → (uint8 [..., N, K/2] packed e2m1, uint8 UE8M0 scales [..., N, K/32]).
 
     Per 32-block: ``s = 2^clamp(ceil(log2(amax / 6)), −127, 127)`` (amax = 0 gives byte 0), ``q = e2m1(w / s)``.
-    ceil(log2(y)) is taken exactly from frexp, not from a floating log2.
+    ceil(log2(y)) is taken exactly from frexp, not from a floating log2. NaN or ±Inf anywhere raises ValueError
+    naming ``name`` and the first bad 1×32 block (e2m1 has neither: the block would become code 6.0 at 2^0).
     """
     k = w.shape[-1]
     if k % WEIGHT_FP4_BLOCK:
         raise ValueError(f"quantize_weight_fp4: K={k} must be a multiple of {WEIGHT_FP4_BLOCK}")
+    _check_weight_finite(w, WEIGHT_FP4_BLOCK, "quantize_weight_fp4", name)
     v = w.float().reshape(*w.shape[:-1], k // WEIGHT_FP4_BLOCK, WEIGHT_FP4_BLOCK)
     amax = v.abs().amax(dim=-1)
     y = amax / E2M1_MAX
@@ -213,12 +302,12 @@ def dequantize_weight(w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
     return dequantize_weight_fp4(w, s)
 
 
-def quantize_weight(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """bf16/fp32 weights [..., N, K] → the given format (bf16 returns scale None)."""
+def quantize_weight(w: torch.Tensor, fmt: WeightFormat, *, name: str = "w") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """bf16/fp32 weights [..., N, K] → the given format (bf16 returns scale None; fp8 / fp4 reject NaN / Inf)."""
     if fmt == "bf16":
         return w.to(torch.bfloat16), None
     if fmt == "fp8":
-        return quantize_weight_fp8(w)
+        return quantize_weight_fp8(w, name=name)
     if fmt == "fp4":
-        return quantize_weight_fp4(w)
+        return quantize_weight_fp4(w, name=name)
     raise ValueError(f"unknown weight format {fmt!r}: expected 'bf16', 'fp8' or 'fp4'")

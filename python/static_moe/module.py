@@ -57,28 +57,19 @@ def _positive_int(name: str, value) -> int:
 
 
 def _check_swiglu_limit(name: str, limit) -> float | None:
-    """None, or a finite positive number that stays finite and positive as a float32 (the kernels' type)."""
-    if limit is None:
-        return None
-    ok = isinstance(limit, (int, float)) and not isinstance(limit, bool) and math.isfinite(limit) and limit > 0
-    if ok:
-        try:
-            f32 = struct.unpack("<f", struct.pack("<f", float(limit)))[0]
-        except OverflowError:
-            f32 = math.inf
-        ok = math.isfinite(f32) and f32 > 0
-    if not ok:
-        raise ValueError(f"{name} must be None or a finite positive float32-representable number, got {limit!r}")
-    return float(limit)
+    """None, or a finite positive number that stays finite and positive as a float32 (the kernels' type); the one
+    rule and message of every entry point (formats.check_swiglu_limit, csrc/checks/common.h)."""
+    from .formats import check_swiglu_limit
+
+    return check_swiglu_limit(limit, name=name)
 
 
 def _check_fp8_max(fp8_max) -> float:
-    """A number in (0, 448]: the range of the experts' fp8 re-quantization (448 OCP e4m3fn, 240 trn2)."""
-    ok = isinstance(fp8_max, (int, float)) and not isinstance(fp8_max, bool) and 0 < fp8_max <= FP8_E4M3FN_MAX
-    if not ok:
-        raise ValueError(f"fp8_max must be in (0, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3), "
-                         f"got {fp8_max!r}")
-    return float(fp8_max)
+    """A number in [2, 448]: the range of the experts' fp8 re-quantization (448 OCP e4m3fn, 240 trn2); the one
+    rule and message of every entry point (formats.check_fp8_max, csrc/checks/common.h)."""
+    from .formats import check_fp8_max
+
+    return check_fp8_max(fp8_max)
 
 
 def _materialized(name: str, t) -> torch.Tensor:

@@ -12,7 +12,9 @@ buffer         shape               dtype    role
 ``scattered``  [C, H]              float32  the summed rows this rank owns: reduce-scatter output
 =============  ==================  =======  ====================================================================
 
-so a workspace takes ``(S + 1)·C·(W + 4·H)`` bytes (:func:`memory_plan` gives the figure without allocating).
+where W is the bytes of one packed row plus the 64-byte step header (``STEP_HEADER_NBYTES``: every rank's status
+and configuration, read by every rank after the all-gather — ops/step_status.py, docs/errors.md), so a workspace
+takes ``(S + 1)·C·(W + 4·H)`` bytes (:func:`memory_plan` gives the figure without allocating).
 At S = 1 the forward runs no collective and the workspace owns nothing.
 
 Lifecycle:
@@ -28,8 +30,13 @@ Lifecycle:
 * Buffers are allocated once and never reallocated, so their addresses are stable across calls (what CUDA
   graph capture and symmetric-memory rendezvous need). On CUDA, when torch's symmetric memory works on every
   rank, the buffers come from it and are rendezvoused on the group; elsewhere they are ordinary tensors.
-* ``torch.ops.static_moe.forward`` finds the workspace for its group and spec with :func:`find` (a dictionary
-  lookup, no collective); without one it uses temporaries with the same maths.
+* ``torch.ops.static_moe.forward`` sends through the group's *current* workspace (:func:`current_frame`, no
+  collective), which every rank of the group holds alike because it only changes collectively (an acquire,
+  or a step on which every rank asks for another one), so every rank's all-gather has the same shape whatever
+  its own call says. When the group has no workspace at all (the raw op called without a layer), its first
+  step acquires one itself (:func:`acquire_implicit`, collective like any acquire: ranks whose configurations
+  differ get ValueError on every rank before any buffer reaches a collective); such workspaces live until
+  :func:`release_implicit`. Acquire and close workspaces on every rank of a group alike, in the same order.
 """
 
 from __future__ import annotations
@@ -44,9 +51,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .formats import FP8_E4M3FN_MAX, check_fp8_max, check_swiglu_limit
 from .reference.pack_rows import aligned
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: packed rows carry the step header; the manifest carries swiglu_limit and fp8_max
+
+# Bytes at the end of every packed row that the forward reserves for its step header (its layout:
+# ops/step_status.py). Fixed by the protocol, so every rank's row width agrees whatever its inputs.
+STEP_HEADER_NBYTES = 64
 
 ACT_FORMATS = ("bf16", "fp8")
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4")
@@ -78,6 +90,10 @@ class WorkspaceSpec:
         act_group: fp8 activation scale group g ∈ {32, 128}; normalised to 0 for bf16 activations.
         weight_format: "bf16", "fp8" or "fp4" (does not change the buffers, but ranks must agree on it).
         device: where the buffers live, as ``str(torch.device)``: "cpu", "cuda:0", ...
+        swiglu_limit: the SwiGLU clamp (None: no clamp). Changes the maths, not the buffers: in the manifest so
+            that ranks which disagree fail at creation.
+        fp8_max: the fp8 re-quantization range in [2, 448] (normalised to 448 for bf16 activations, which do
+            not use it). Same reason.
     """
 
     capacity: int
@@ -90,6 +106,8 @@ class WorkspaceSpec:
     act_group: int = 128
     weight_format: str = "bf16"
     device: str = "cpu"
+    swiglu_limit: float | None = None
+    fp8_max: float = FP8_E4M3FN_MAX
 
     def __post_init__(self):
         for name in ("capacity", "hidden", "intermediate", "num_experts", "topk", "ep_size"):
@@ -124,6 +142,9 @@ class WorkspaceSpec:
         if device == "meta":
             raise ValueError("device must be a real device, not 'meta': a workspace allocates its buffers")
         object.__setattr__(self, "device", device)
+        object.__setattr__(self, "swiglu_limit", check_swiglu_limit(self.swiglu_limit))
+        fp8_max = check_fp8_max(self.fp8_max) if self.act_format == "fp8" else FP8_E4M3FN_MAX
+        object.__setattr__(self, "fp8_max", fp8_max)
 
     @property
     def num_local_experts(self) -> int:
@@ -136,9 +157,14 @@ class WorkspaceSpec:
         return x + scale + [4 * self.topk, 4 * self.topk]
 
     @property
-    def row_width(self) -> int:
-        """W: bytes of one packed row, every part starting 16-byte aligned (SPEC §1.8)."""
+    def parts_width(self) -> int:
+        """Bytes of the packed parts of one row, every part starting 16-byte aligned (SPEC §1.8): pack_rows' W."""
         return sum(aligned(n) for n in self.part_row_nbytes())
+
+    @property
+    def row_width(self) -> int:
+        """W: bytes of one row the forward sends: the packed parts, then the 64-byte step header."""
+        return self.parts_width + STEP_HEADER_NBYTES
 
     def fields(self) -> tuple[tuple[str, object], ...]:
         return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
@@ -215,6 +241,7 @@ class Workspace:
         self._buffers = buffers
         self._leases = 0
         self._closed = False
+        self.implicit = False  # acquired by the forward op itself (acquire_implicit), not by a layer
 
     @property
     def closed(self) -> bool:
@@ -355,6 +382,7 @@ class WorkspaceManager:
         self._lock = threading.Lock()
         self._by_key: dict = {}
         self._by_name: dict = {}
+        self._current: dict = {}  # group name -> the workspace its next forward step uses
 
     # --- lookup (the op's path: no collective) ---------------------------------------------------------------
     def find(self, group_name: str, spec: WorkspaceSpec) -> Workspace | None:
@@ -363,6 +391,41 @@ class WorkspaceManager:
 
     def workspaces(self) -> list[Workspace]:
         return list(self._by_key.values())
+
+    def on_group(self, group_name: str) -> list[Workspace]:
+        """Open workspaces acquired on the group called ``group_name``, oldest first."""
+        with self._lock:
+            return [ws for (name, _), ws in self._by_name.items() if name == group_name]
+
+    def find_frame(self, group_name: str, spec: WorkspaceSpec) -> Workspace | None:
+        """Buffers of the right shapes for a forward step with ``spec`` on ``group_name``, if any (no collective).
+
+        Any workspace whose buffers have the step's shapes (capacity, row width, H, ep_size, device: the bytes do
+        not care about the rest, e.g. a layer's workspace spec that leaves swiglu_limit at its default): a
+        layer's before one the op acquired itself, then the one for exactly ``spec``."""
+        same = [w for w in self.on_group(group_name) if frame_key(w.spec) == frame_key(spec)]
+        same.sort(key=lambda w: (w.implicit, w.spec != spec))
+        return same[0] if same else None
+
+    def current_frame(self, group_name: str) -> Workspace | None:
+        """The workspace whose buffers the group's next forward step uses (no collective).
+
+        Every rank of a group holds the same one, because it changes only collectively: an acquire on the group
+        makes its workspace current, and a step whose every rank's configuration fits another one switches to it
+        (ops/forward.py). When the current one has been closed, the most recently acquired open one on the group
+        takes its place (None when there is none): the same choice on every rank, provided ranks close their
+        workspaces alike."""
+        with self._lock:
+            ws = self._current.get(group_name)
+            if ws is None or ws.closed:
+                cands = [w for (name, _), w in self._by_name.items() if name == group_name]
+                ws = cands[-1] if cands else None
+                self._current[group_name] = ws
+            return ws
+
+    def set_current_frame(self, group_name: str, ws: Workspace) -> None:
+        with self._lock:
+            self._current[group_name] = ws
 
     # --- creation (collective) -------------------------------------------------------------------------------
     def acquire(self, spec: WorkspaceSpec, group=None) -> WorkspaceLease:
@@ -398,6 +461,7 @@ class WorkspaceManager:
         if key in self._by_key:
             ws = self._by_key[key]
             self._index_name(ws, group.group_name)
+            self.set_current_frame(group.group_name, ws)
             return WorkspaceLease(ws)
 
         buffers, symmetric, error = self._allocate(spec)
@@ -418,7 +482,9 @@ class WorkspaceManager:
 
             for t in buffers.values():
                 symm_mem.rendezvous(t, group.group_name)
-        return WorkspaceLease(self._register(key, spec, group.group_name, buffers, symmetric))
+        ws = self._register(key, spec, group.group_name, buffers, symmetric)
+        self.set_current_frame(group.group_name, ws)  # collective, so the same on every rank
+        return WorkspaceLease(ws)
 
     def _acquire_local(self, spec, membership, group_name) -> WorkspaceLease:
         key = (membership, spec)
@@ -489,6 +555,11 @@ class WorkspaceManager:
                     del self._by_name[(name, ws.spec)]
 
 
+def frame_key(spec: WorkspaceSpec) -> tuple:
+    """What fixes the shapes of a workspace's buffers: two specs with equal keys can use each other's."""
+    return spec.capacity, spec.row_width, spec.hidden, spec.ep_size, spec.device
+
+
 def _symmetric_memory_importable() -> bool:
     try:
         from torch.distributed import _symmetric_memory  # noqa: F401
@@ -513,3 +584,37 @@ def acquire(spec: WorkspaceSpec, group=None) -> WorkspaceLease:
 def find(group_name: str, spec: WorkspaceSpec) -> Workspace | None:
     """:meth:`WorkspaceManager.find` on the default manager."""
     return _DEFAULT.find(group_name, spec)
+
+
+def find_frame(group_name: str, spec: WorkspaceSpec) -> Workspace | None:
+    """:meth:`WorkspaceManager.find_frame` on the default manager."""
+    return _DEFAULT.find_frame(group_name, spec)
+
+
+def current_frame(group_name: str) -> Workspace | None:
+    """:meth:`WorkspaceManager.current_frame` on the default manager."""
+    return _DEFAULT.current_frame(group_name)
+
+
+def set_current_frame(group_name: str, ws: Workspace) -> None:
+    """:meth:`WorkspaceManager.set_current_frame` on the default manager."""
+    _DEFAULT.set_current_frame(group_name, ws)
+
+
+_IMPLICIT: list[WorkspaceLease] = []
+
+
+def acquire_implicit(spec: WorkspaceSpec, group) -> Workspace:
+    """The forward op's own workspace for ``spec`` on ``group`` (collective): kept until :func:`release_implicit`."""
+    lease = _DEFAULT.acquire(spec, group)
+    lease.workspace.implicit = True
+    _IMPLICIT.append(lease)
+    return lease.workspace
+
+
+def release_implicit() -> None:
+    """Close every lease the forward op took itself. Local, like closing any lease: call it on every rank of the
+    groups alike (a rank that keeps a workspace its peers dropped would send through it while they acquire
+    anew); the next raw step on a group without workspaces acquires one again."""
+    while _IMPLICIT:
+        _IMPLICIT.pop().close()

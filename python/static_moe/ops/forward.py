@@ -12,15 +12,24 @@ S with T ≤ C tokens:
     out       = bf16(scattered[:T] + shared_output)                                 bf16  [T, H]
 
 Collectives are torch's functional collectives on the group name (``_c10d_functional.*_out`` + ``wait_tensor``),
-writing into the workspace's buffers when a workspace for this (group, spec) is open (static_moe.workspace), into
-temporaries otherwise. Every rank issues exactly one all-gather and one reduce-scatter whose shapes depend only
-on the spec, whatever its tokens or routing (T = 0 included). Nothing in the body reads a tensor's values on the
-host except the eager range check of ``topk_idx`` on CPU inputs (free there); device inputs are range-checked by
-the Python wrapper :func:`forward` in eager mode only.
+writing into a workspace's buffers (static_moe.workspace; the raw op's first step on a group acquires one itself).
+Every rank issues exactly one all-gather and one reduce-scatter whose shapes depend only on the workspace,
+whatever its tokens or routing (T = 0 included).
+
+Errors are collective (S > 1, docs/errors.md): a rank whose call fails a check after construction — T > C, ids
+outside [−1, E), a wrong shape or dtype, a UE8M0 byte 255 or NaN in its weight scales, an x_scale that is not
+positive and finite, a configuration that differs from the other ranks' — still takes part in the all-gather,
+with a step header (ops/step_status.py) that says so in place of its tokens. Every rank reads the S headers
+after the all-gather and reaches the same verdict: either the step goes on, or every rank raises (the failing
+rank its own error, the others RuntimeError naming it; configurations that differ: ValueError everywhere) and
+skips the reduce-scatter, so no collective is left half-issued and the next step works. The header read is the
+step's one host read of device data: free on CPU, one small device→host copy (a stream sync) on CUDA; under
+CUDA graph capture it is skipped and a failed step's output is NaN instead.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -28,9 +37,10 @@ from torch.profiler import record_function
 
 from .. import _C
 from .. import workspace as _workspace
-from ..formats import FP8_E4M3FN_MAX
+from ..formats import FP8_E4M3FN_MAX, as_uint8
 from ..formats import weight_format as _weight_format
 from ..reference.pack_rows import pack_layout, part_nbytes
+from . import step_status as _status
 
 _c10d = torch.ops._c10d_functional
 
@@ -119,12 +129,13 @@ def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
 
 
 def workspace_spec(dims: ForwardDims, num_experts: int, capacity: int, ep_size: int,
-                   device: torch.device) -> _workspace.WorkspaceSpec:
+                   device: torch.device, swiglu_limit=None,
+                   fp8_max: float = FP8_E4M3FN_MAX) -> _workspace.WorkspaceSpec:
     """The workspace spec a call with these dimensions looks its buffers up under."""
     return _workspace.WorkspaceSpec(
         capacity=capacity, hidden=dims.hidden, intermediate=dims.intermediate, num_experts=num_experts,
         topk=dims.topk, ep_size=ep_size, act_format=dims.act_format, act_group=dims.act_group or 128,
-        weight_format=dims.weight_format, device=str(device),
+        weight_format=dims.weight_format, device=str(device), swiglu_limit=swiglu_limit, fp8_max=fp8_max,
     )
 
 
@@ -138,7 +149,21 @@ def check_topk_range(topk_idx: torch.Tensor, num_experts: int) -> None:
                          f"got values in [{lo}, {hi}]")
 
 
-def _resolve_group(group_name: str, ep_rank: int, ep_size: int):
+def check_scale_range(x_scale: torch.Tensor | None) -> None:
+    """Eager-only value check (reads x_scale on the host): fp8 activation scales must be positive and finite (a NaN
+    or Inf in the activation gives −0.0 or Inf when quantized on a device, docs/errors.md)."""
+    if x_scale is None or x_scale.numel() == 0:
+        return
+    bad = ~(torch.isfinite(x_scale) & (x_scale > 0))
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"forward: x_scale must hold positive finite scales, but x_scale[{row}, {col}] is not (NaN, "
+                         "Inf, 0 or negative: e.g. a NaN or Inf in the activation it was quantized from)")
+
+
+def _resolve_group(group_name: str, ep_size):
+    """(process group, its size, this process's rank in it). A name that names no group raises ValueError here,
+    locally: without a group there is no collective to keep in step (every rank normally shares the name)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     import torch.distributed as dist
@@ -147,10 +172,55 @@ def _resolve_group(group_name: str, ep_rank: int, ep_size: int):
         pg = _resolve_process_group(group_name)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"forward: group_name {group_name!r} names no process group (ep_size={ep_size})") from e
-    size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    return pg, dist.get_world_size(pg), dist.get_rank(pg)
+
+
+def _check_topology(group_name: str, size: int, rank: int, ep_rank, ep_size) -> None:
     if size != ep_size or rank != ep_rank:
         raise ValueError(f"forward: group {group_name!r} has {size} ranks and this process is rank {rank} in it, "
                          f"but ep_size={ep_size} and ep_rank={ep_rank} were passed")
+
+
+# Weight scales already checked for NaN, by tensor: id -> (weakref, (version, data_ptr, shape, dtype)). A layer
+# passes the same tensors every step, so the scan runs once per weight load (a write through torch bumps the
+# version); inference tensors carry no version counter and are scanned every step.
+_CHECKED_SCALES: dict[int, tuple] = {}
+
+
+def _scale_stamp(s: torch.Tensor):
+    if s.is_inference():
+        return None
+    return s._version, s.data_ptr(), tuple(s.shape), s.dtype
+
+
+def check_weight_scale_values(w13_scale, w2_scale, weight_format: str) -> None:
+    """This rank's weight scales hold no NaN: no UE8M0 byte 255 (fp4), no NaN / Inf float32 scale (fp8).
+
+    Run before the all-gather, so that a bad byte a kernel would meet after it (only in a routed expert, so on
+    some steps only) fails the step on every rank instead. Reads values: a host sync on a device the first
+    time a tensor is seen (skipped under CUDA graph capture: check before capturing)."""
+    for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if s is None or s.numel() == 0:
+            continue
+        stamp = _scale_stamp(s)
+        seen = _CHECKED_SCALES.get(id(s))
+        if stamp is not None and seen is not None and seen[0]() is s and seen[1] == stamp:
+            continue
+        if s.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            continue
+        if weight_format == "fp4":
+            bad = as_uint8(s).reshape(-1) == 255
+            what = "the UE8M0 NaN byte 255"
+        else:
+            bad = ~torch.isfinite(s.reshape(-1))
+            what = "a NaN or Inf scale"
+        if bool(bad.any()):
+            i = int(bad.to(torch.int32).argmax())
+            raise ValueError(f"forward: {name} holds {what} at flat index {i} (shape {list(s.shape)}); weight "
+                             "scales must be finite (UE8M0 bytes 0..254)")
+        if stamp is not None:
+            key = id(s)
+            _CHECKED_SCALES[key] = (weakref.ref(s, lambda _, k=key: _CHECKED_SCALES.pop(k, None)), stamp)
 
 
 def _packed_parts(x, x_scale, topk_idx, topk_weights) -> list[torch.Tensor]:
@@ -161,62 +231,278 @@ def _packed_parts(x, x_scale, topk_idx, topk_weights) -> list[torch.Tensor]:
 @torch.library.impl("static_moe::forward", "CompositeExplicitAutograd")
 def _forward_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                     num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX):
+    if isinstance(ep_size, int) and ep_size > 1:
+        return _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
+                                   num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max)
     dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                          num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max)
     if x.device.type == "cpu":
         check_topk_range(topk_idx, num_experts)  # free on the host; device inputs: see forward()
-    s, c = ep_size, capacity
-    ws = None
-    if s > 1:
-        _resolve_group(group_name, ep_rank, ep_size)
-        ws = _workspace.find(group_name, workspace_spec(dims, num_experts, capacity, ep_size, x.device))
-
+        check_scale_range(x_scale)
     with record_function(PHASE_PREFIX + "pack"):
         parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
-        packed = torch.ops.static_moe.pack_rows(parts, c)
-        send = packed if ws is None else ws.send.copy_(packed)
+        packed = torch.ops.static_moe.pack_rows(parts, capacity)
+    acc = _local_step(packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, swiglu_limit, fp8_max)
+    return _combine(acc, dims.tokens, shared_output)
 
-    if s > 1:
-        with record_function(PHASE_PREFIX + "all_gather"):
-            gathered = send.new_empty((s * c, send.shape[1])) if ws is None else ws.gathered
-            gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(send, s, group_name, out=gathered))
-    else:
-        gathered = send
 
+def _local_step(gathered, parts, has_scale, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit,
+                fp8_max) -> torch.Tensor:
+    """unpack every part of the gathered rows, then local_experts: fp32 [rows, H]."""
     with record_function(PHASE_PREFIX + "unpack"):
         spans, _ = pack_layout([part_nbytes(p) for p in parts])
         g = [torch.ops.static_moe.unpack_rows(gathered, off, n, p.dtype, list(p.shape[1:]))
              for (off, n), p in zip(spans, parts)]
-        g_x, g_xs = g[0], (g[1] if x_scale is not None else None)
+        g_x, g_xs = g[0], (g[1] if has_scale else None)
         g_idx, g_w = g[-2], g[-1]
-
     with record_function(PHASE_PREFIX + "local_experts"):
-        acc = torch.ops.static_moe.local_experts(g_x, g_xs, g_idx, g_w, w13, w13_scale, w2, w2_scale,
-                                                 ep_rank * dims.num_local, swiglu_limit, fp8_max)
+        return torch.ops.static_moe.local_experts(g_x, g_xs, g_idx, g_w, w13, w13_scale, w2, w2_scale,
+                                                  expert_offset, swiglu_limit, fp8_max)
 
-    if s > 1:
-        with record_function(PHASE_PREFIX + "reduce_scatter"):
-            if ws is not None:
-                # The reduce-scatter reads from the workspace so that, on symmetric memory, its input is
-                # registered memory. (The copy goes away once local_experts can write into a given buffer.)
-                acc = ws.acc.copy_(acc)
-            scattered = acc.new_empty((c, dims.hidden)) if ws is None else ws.scattered
-            scattered = _c10d.wait_tensor(_c10d.reduce_scatter_tensor_out(acc, "sum", s, group_name, out=scattered))
-    else:
-        scattered = acc
 
+def _combine(scattered, tokens, shared_output):
     with record_function(PHASE_PREFIX + "combine"):
-        out = scattered[: dims.tokens]
+        out = scattered[:tokens]
         if shared_output is not None:
             out = out + shared_output.float()
         return out.to(torch.bfloat16)
 
 
+# --- the collective step (S > 1) -----------------------------------------------------------------------------
+def _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, ep_size) -> dict:
+    """What this rank's call says about the configuration every rank must share, read leniently from metadata (a
+    field its arguments are too malformed to give is None); values as WorkspaceSpec spells them."""
+    def dim(t, n, d):
+        return t.shape[d] if isinstance(t, torch.Tensor) and t.dim() == n else None
+
+    act = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}.get(getattr(x, "dtype", None))
+    hidden = dim(x, 2, 1)
+    group = 0 if act == "bf16" else None
+    groups = dim(x_scale, 2, 1) if act == "fp8" else None
+    if hidden and groups and hidden % groups == 0:
+        group = hidden // groups
+    two_i = dim(w13, 3, 1)
+    try:
+        wfmt = _weight_format(w13)
+    except (TypeError, AttributeError):
+        wfmt = None
+    limit_ok = swiglu_limit is None or _finite_f32(swiglu_limit)
+    return dict(capacity=capacity if isinstance(capacity, int) else None, hidden=hidden,
+                intermediate=None if two_i is None else two_i // 2,
+                num_experts=num_experts if isinstance(num_experts, int) else None,
+                topk=dim(topk_idx, 2, 1), ep_size=ep_size, act_format=act, weight_format=wfmt, act_group=group,
+                swiglu_limit=swiglu_limit if limit_ok else None,
+                fp8_max=(float(fp8_max) if act == "fp8" and _finite_f32(fp8_max) else FP8_E4M3FN_MAX))
+
+
+def _finite_f32(v) -> bool:
+    try:
+        return bool(torch.isfinite(torch.tensor(float(v), dtype=torch.float64).to(torch.float32)))
+    except (TypeError, ValueError):
+        return False
+
+
+def _config_words(cfg: dict, call_ok: bool) -> list[int]:
+    """The header's configuration words. A rank whose call failed its own checks sends none (all unknown): its
+    failure is reported as such, and only the calls that passed are compared with each other."""
+    if not call_ok:
+        return [_status.UNKNOWN] * len(_status.CONFIG_FIELDS)
+    return _status.config_words(cfg["capacity"], cfg["hidden"], cfg["intermediate"], cfg["num_experts"],
+                                cfg["topk"], cfg["ep_size"], cfg["act_format"], cfg["weight_format"],
+                                cfg["act_group"], cfg["swiglu_limit"], cfg["fp8_max"])
+
+
+def _spec_of(cfg: dict, device) -> _workspace.WorkspaceSpec | None:
+    if any(cfg[k] is None for k in ("capacity", "hidden", "intermediate", "num_experts", "topk", "act_format",
+                                    "weight_format", "act_group")):
+        return None
+    try:
+        return _workspace.WorkspaceSpec(
+            capacity=cfg["capacity"], hidden=cfg["hidden"], intermediate=cfg["intermediate"],
+            num_experts=cfg["num_experts"], topk=cfg["topk"], ep_size=cfg["ep_size"], act_format=cfg["act_format"],
+            act_group=cfg["act_group"] or 128, weight_format=cfg["weight_format"], device=str(device),
+            swiglu_limit=cfg["swiglu_limit"], fp8_max=cfg["fp8_max"])
+    except (ValueError, TypeError):
+        return None
+
+
+def _error_kind(e: BaseException) -> int:
+    if isinstance(e, ValueError):
+        return _status.VALUE_ERROR
+    if isinstance(e, TypeError):
+        return _status.TYPE_ERROR
+    return _status.OTHER_ERROR
+
+
+def _strip(msg: str) -> str:
+    return msg[len("forward: "):] if msg.startswith("forward: ") else msg
+
+
+def _others_error(failures: dict[int, tuple[str, str]]) -> RuntimeError:
+    ranks = sorted(failures)
+    detail = "; ".join(f"rank {r}: {_strip(failures[r][1])}" if len(ranks) > 1 else _strip(failures[r][1])
+                       for r in ranks)
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+    return RuntimeError(f"forward: {who} failed: {detail}")
+
+
+def _first_step_on_group(pg, rank: int, error: BaseException | None, spec) -> None:
+    """The raw op's first step on a group that has no workspace (every rank is in that state alike): exchange
+    errors, then acquire the op's own workspace — both collective, so ranks whose configurations differ get
+    ValueError on every rank (the workspace manifests differ) before any buffer reaches a collective."""
+    import torch.distributed as dist
+
+    reports: list = [None] * dist.get_world_size(pg)
+    mine = None if error is None else (type(error).__name__, str(error))
+    if error is None and spec is None:
+        mine = ("ValueError", "forward: the call's configuration makes no valid workspace spec")
+    dist.all_gather_object(reports, mine, group=pg)
+    failures = {r: p for r, p in enumerate(reports) if p is not None}
+    if failures:
+        if rank in failures:
+            raise error if error is not None else ValueError(failures[rank][1])
+        raise _others_error(failures)
+    _workspace.acquire_implicit(spec, pg)
+
+
+def _read_messages(gathered: torch.Tensor, headers: list[list[int]], capacity: int, parts_width: int) -> dict:
+    out = {}
+    for r, h in enumerate(headers):
+        if h[0] == _status.MAGIC and h[1] in (_status.VALUE_ERROR, _status.TYPE_ERROR, _status.OTHER_ERROR):
+            n = max(0, min(h[2], capacity * parts_width))
+            raw = gathered[r * capacity:(r + 1) * capacity, :parts_width].reshape(-1)[:n].cpu().numpy().tobytes()
+            out[r] = raw.decode("utf-8", "replace")
+    return out
+
+
+def _raise_verdict(v: _status.Verdict, rank: int, size: int, error: BaseException | None) -> None:
+    if v.bad_magic:
+        raise RuntimeError(f"forward: ranks {v.bad_magic} sent no step header (their packed rows do not come from "
+                           "this version of static_moe's forward); every rank of the group must run the same code")
+    if v.config_diffs:
+        extra = ""
+        if v.failures:
+            extra = " (also: " + "; ".join(f"rank {r}: {_strip(m)}" for r, (_, m) in sorted(v.failures.items())) + ")"
+        raise ValueError(f"forward: configurations differ across the EP group (group ranks {list(range(size))}): "
+                         + " | ".join(v.config_diffs) + extra + "; every rank must call forward with the same "
+                         "capacity, H, I, num_experts, top-k, formats, activation group, swiglu_limit and fp8_max")
+    if v.failures:
+        if rank in v.failures:
+            if error is not None:
+                raise error
+            raise ValueError(v.failures[rank][1])
+        raise _others_error(v.failures)
+    if v.need_frame and len(v.need_frame) != size:
+        others = [r for r in range(size) if r not in v.need_frame]
+        raise ValueError(f"forward: ranks {v.need_frame} hold no workspace for this step's configuration but ranks "
+                         f"{others} do: workspaces were acquired or closed on some ranks only (acquire and close "
+                         "them on every rank of the group, in the same order)")
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
+                        num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max,
+                        retry: bool = True):
+    pg, size, rank = _resolve_group(group_name, ep_size)
+    error, dims = None, None
+    try:
+        _check_topology(group_name, size, rank, ep_rank, ep_size)
+        dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
+                             num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max)
+        check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)
+    except (ValueError, TypeError, RuntimeError, IndexError, AttributeError) as e:
+        if _capturing(x):
+            raise  # a graph being captured runs nothing now: there is no step to keep in step
+        error = e
+    cfg = _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, size)
+    spec = _spec_of(cfg, x.device)
+    ws = _workspace.current_frame(group_name)
+    if ws is None:  # the group's first step (every rank alike): agree on a workspace first
+        _first_step_on_group(pg, rank, error, spec)
+        ws = _workspace.current_frame(group_name)
+    kind = _status.OK if error is None else _error_kind(error)
+    if error is None and (spec is None or _workspace.frame_key(spec) != _workspace.frame_key(ws.spec)):
+        kind = _status.NEED_FRAME  # fine, but not the current workspace's shapes: ask every rank to switch
+    if kind == _status.NEED_FRAME and _capturing(x):
+        raise RuntimeError("forward: this step's shapes need another workspace than the group's current one, which "
+                           "cannot be switched during CUDA graph capture: run one eager step with them first")
+    c, pw = ws.spec.capacity, ws.spec.parts_width
+
+    with record_function(PHASE_PREFIX + "pack"):
+        packed, parts, message = None, None, b""
+        if kind == _status.OK:
+            parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
+            packed = torch.ops.static_moe.pack_rows(parts, c)
+        elif kind != _status.NEED_FRAME:
+            message = _status.message_bytes(str(error), c * pw)
+        ok = kind == _status.OK
+        header = _status.build_header(ws.send.device, kind, len(message),
+                                      _config_words(cfg, error is None),
+                                      topk_idx.to(torch.int32) if ok else None,
+                                      x_scale if ok and x_scale is not None else None)
+        _status.write_frame(ws.send, pw, header, packed, message)
+
+    with record_function(PHASE_PREFIX + "all_gather"):
+        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(ws.send, size, group_name, out=ws.gathered))
+
+    headers = _status.gathered_headers(gathered, c, pw)
+    poison = None
+    if _capturing(headers):
+        poison = _status.device_verdict(headers)
+    else:
+        host = headers.cpu().tolist()  # the step's one host read (a stream sync on CUDA)
+        verdict = _status.decide(host, _read_messages(gathered, host, c, pw))
+        _raise_verdict(verdict, rank, size, error)
+        if verdict.need_frame:  # every rank's call is fine and needs other shapes: switch, on every rank alike
+            target = _workspace.find_frame(group_name, spec)
+            if target is None:
+                target = _workspace.acquire_implicit(spec, pg)
+            _workspace.set_current_frame(group_name, target)
+            if not retry:
+                raise RuntimeError("forward: internal error: no workspace fits the step after acquiring one")
+            return _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
+                                       shared_output, num_experts, capacity, swiglu_limit, group_name, ep_rank,
+                                       ep_size, fp8_max, retry=False)
+
+    kernel_error = None
+    try:
+        acc = _local_step(gathered[:, :pw], parts, x_scale is not None, w13, w13_scale, w2, w2_scale,
+                          ep_rank * dims.num_local, swiglu_limit, fp8_max)
+    except (ValueError, TypeError, RuntimeError) as e:
+        # Not expected (everything a kernel checks was checked before the all-gather), but the other ranks are
+        # already on their way to the reduce-scatter: take part with NaN, so their outputs show it, then raise.
+        kernel_error = e
+        acc = torch.full((size * c, dims.hidden), float("nan"), dtype=torch.float32, device=x.device)
+
+    with record_function(PHASE_PREFIX + "reduce_scatter"):
+        # The reduce-scatter reads from the workspace so that, on symmetric memory, its input is registered
+        # memory. (The copy goes away once local_experts can write into a given buffer.)
+        acc = ws.acc.copy_(acc)
+        scattered = _c10d.wait_tensor(_c10d.reduce_scatter_tensor_out(acc, "sum", size, group_name,
+                                                                      out=ws.scattered))
+    if kernel_error is not None:
+        raise kernel_error
+    out = _combine(scattered, dims.tokens, shared_output)
+    if poison is not None:
+        out = torch.where(poison, torch.full_like(out, float("nan")), out)
+    return out
+
+
 @torch.library.register_fake("static_moe::forward")
 def _forward_fake(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                   num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX):
-    dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                         num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max)
+    try:
+        dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
+                             num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max)
+    except (ValueError, TypeError):
+        # S > 1: the kernel reports this error on every rank at run time. Raising here, at trace time on this
+        # rank only, would leave the others' compiled steps waiting in the all-gather.
+        if not (isinstance(ep_size, int) and ep_size > 1 and x.dim() == 2):
+            raise
+        return x.new_empty((x.shape[0], x.shape[1]), dtype=torch.bfloat16)
     return x.new_empty((dims.tokens, dims.hidden), dtype=torch.bfloat16)
 
 
@@ -244,11 +530,14 @@ def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, sh
             out there (its NKI kernel refuses 448 rather than change the numerics). x itself may hold e4m3fn
             values up to 448 either way. Ignored with bf16 x.
 
-    All tensors live on one device. Collective over the EP group when ep_size > 1: every rank must call it.
-    In eager mode (not under torch.compile or CUDA graph capture) ``topk_idx`` is range-checked first.
+    All tensors live on one device. Collective over the EP group when ep_size > 1: every rank must call it, and
+    an error on any rank raises on every rank (docs/errors.md). With ep_size = 1 and device inputs in eager mode
+    (not under torch.compile or CUDA graph capture) ``topk_idx`` and ``x_scale`` are range-checked first; with
+    ep_size > 1 the op checks them itself, in the step header, on every device.
     """
-    if not _tracing() and x.device.type != "cpu":
+    if ep_size == 1 and not _tracing() and x.device.type != "cpu":
         check_topk_range(topk_idx, num_experts)  # a host sync: eager only
+        check_scale_range(x_scale)
     return torch.ops.static_moe.forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
                                         shared_output, num_experts, capacity, swiglu_limit, group_name, ep_rank,
                                         ep_size, fp8_max)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import FP8_E4M3FN_MAX
+from ..formats import FP8_E4M3FN_MAX, check_fp8_max, check_swiglu_limit
 from .local_experts import local_experts
 from .pack_rows import pack_layout, pack_rows, part_nbytes, unpack_rows
 
@@ -40,6 +40,9 @@ def forward_simulated(
     Rank r holds x [T_r, H] (bf16 or fp8 + x_scale [T_r, H/g]), routing [T_r, k], and its local weights
     w13 [L, 2I, H], w2 [L, H, I] for global experts r·L … r·L+L−1 (L = num_experts / S).
     """
+    check_swiglu_limit(swiglu_limit, "forward")
+    if xs[0].dtype == torch.float8_e4m3fn:
+        check_fp8_max(fp8_max, "forward")
     s = len(xs)
     num_local = num_experts // s
     packed = [pack_rows(_parts(*a), capacity) for a in zip(xs, x_scales, topk_idxs, topk_weights)]

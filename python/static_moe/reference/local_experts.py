@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import FP8_E4M3FN_MAX
+from ..formats import FP8_E4M3FN_MAX, check_fp8_max, check_swiglu_limit
 from .expert_gemm import expert_gemm
 from .swiglu_and_cast import swiglu_and_cast
 
@@ -40,9 +40,12 @@ def local_experts(
     topk_weights float32/bf16 [R, k]; w13 [L, 2I, H], w2 [L, H, I] in one weight format. Returns float32 [R, H]:
     ``acc[rows_e] += bf16(GEMM2(swiglu_and_cast(bf16(GEMM1(x, W13_e)), w_e), W2_e))``, experts in increasing id.
     """
+    check_swiglu_limit(swiglu_limit, "local_experts")
+    fp8_act = x.dtype == torch.float8_e4m3fn
+    if fp8_act:
+        check_fp8_max(fp8_max, "local_experts")
     r = x.shape[0]
     num_local = w13.shape[0]
-    fp8_act = x.dtype == torch.float8_e4m3fn
     group = x.shape[1] // x_scale.shape[1] if fp8_act else 128
     acc = torch.zeros((r, w2.shape[1]), dtype=torch.float32, device=x.device)
     for e in range(num_local):

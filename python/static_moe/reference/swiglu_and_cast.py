@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import AMAX_FLOOR, FP8_E4M3FN_MAX, quantize_activation, round_up_pow2
+from ..formats import AMAX_FLOOR, FP8_E4M3FN_MAX, check_fp8_max, check_swiglu_limit, quantize_activation, round_up_pow2
 
 
 def swiglu(gate_up: torch.Tensor, row_weight: torch.Tensor | None, swiglu_limit: float | None) -> torch.Tensor:
@@ -32,10 +32,14 @@ def swiglu_and_cast(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up bf16/fp32 [R, 2I], row_weight float32 [R] or None → ``("fp8")`` (float8_e4m3fn [R, I],
     float32 [R, I/group_size]) or ``("bf16")`` (bf16 [R, I], float32 [R, 0])."""
+    check_swiglu_limit(swiglu_limit, "swiglu_and_cast")
+    if out_format == "fp8":
+        check_fp8_max(fp8_max, "swiglu_and_cast")
     v = swiglu(gate_up, row_weight, swiglu_limit)
     if out_format == "bf16":
         return v.to(torch.bfloat16), v.new_empty((v.shape[0], 0))
-    return quantize_activation(v, group_size, fp8_max, pow2_scale)
+    # NaN / Inf in v give the kernels' bits (scale −0.0 or inf), never an error: this mirrors the kernels.
+    return quantize_activation(v, group_size, fp8_max, pow2_scale, check_finite=False)
 
 
 def floor_scale(fp8_max: float, pow2_scale: bool) -> float:
