@@ -109,7 +109,7 @@ def test_constructor_validation():
         (dict(fp8_max=0), ValueError, "fp8_max"),
         (dict(ep_size=2), ValueError, "ep_size=2 does not match the EP group's size"),
         (dict(ep_size=0), ValueError, "ep_size must be a positive integer"),
-        (dict(shared_weight_format="fp8"), ValueError, "shared_weight_format was given without"),
+        (dict(shared_weight_format="fp8"), ValueError, "shared_weight_format / shared_gate were given without"),
         (dict(shared_intermediate_size=100), ValueError, "shared expert sizes must be multiples of 128"),
         (dict(shared_intermediate_size=IS, shared_weight_format="nf4"), ValueError, "shared weight_format"),
     ]
@@ -130,8 +130,8 @@ def test_forward_validation_and_close():
         layer(hidden_states(9, 1), *make_routing(9, K, E, seed=1))
     with pytest.raises(ValueError, match=r"must be \[T=4, top_k=3\]"):
         layer(x, idx[:, :2], tw[:, :2])
-    with pytest.raises(ValueError, match="hidden must be bf16"):
-        layer(x.float(), idx, tw)
+    with pytest.raises(ValueError, match="hidden must be bf16, fp16 or fp32"):
+        layer(x.double(), idx, tw)
     with pytest.raises(ValueError, match=r"hidden\[1\] must be float32 \[..., 2\]"):
         layer((torch.zeros(4, H, dtype=torch.float8_e4m3fn), torch.ones(4, 1)), idx, tw)
     with pytest.raises(ValueError, match=r"topk_idx must hold global expert ids in \[-1, 8\)"):
@@ -265,10 +265,10 @@ def test_from_module_rejections():
         StaticMoE.from_module(Grouped(w1, w3, w2.transpose(1, 2)), top_k=K, capacity=C)
     with pytest.raises(TypeError, match="must be a float weight"):
         StaticMoE.from_module(Grouped(w1.to(torch.float8_e4m3fn), w3, w2), top_k=K, capacity=C)
-    with pytest.raises(ValueError, match="source holds 8 local experts, but num_experts=16"):
+    with pytest.raises(ValueError, match=r"source w1 holds 8 experts, but num_experts=16 over ep_size=1 needs all 16"):
         StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, num_experts=16)
     experts = hf_experts(w1, w3, w2)
-    with pytest.raises(ValueError, match="6 experts given"):
+    with pytest.raises(ValueError, match="the experts list holds 6 experts, but num_experts=8"):
         StaticMoE.from_module(experts[:6], top_k=K, capacity=C, num_experts=E)
     with pytest.raises(ValueError, match="biased projections"):
         StaticMoE.from_module([HFExpert(H, I, bias=True) for _ in range(E)], top_k=K, capacity=C)
@@ -425,7 +425,7 @@ def _layers_worker(rank: int, size: int) -> dict:
         w1, w3, w2 = float_experts(E, seed=40 + layer_id)  # the same global experts on every rank
         full.append(quantized(w1, w3, w2, wfmt))
         mine = slice(rank * num_local, (rank + 1) * num_local)
-        layers.append(StaticMoE.from_module(Grouped(w1[mine], w3[mine], w2[mine]), top_k=K, capacity=C,
+        layers.append(StaticMoE.from_module(Grouped(w1[mine], w3[mine], w2[mine]), top_k=K, capacity=C, num_experts=E,
                                             weight_format=wfmt, act_format=act, swiglu_limit=7.0, ep_group=world))
     ws = layers[0].workspace
     assert all(layer.workspace is ws for layer in layers) and ws.num_leases == 3
