@@ -62,10 +62,14 @@ setup(
     name="static_moe",
     version="0.1.0",
     description="Static-shape expert-parallel MoE decode ops for NKI, CUDA and CPU",
-    packages=["static_moe", "static_moe.reference", "static_moe.ops", "static_moe.testing", "static_moe.nki", "static_moe.nki.interpreter", "nki_kernels"],
+    packages=["static_moe", "static_moe.reference", "static_moe.ops", "static_moe.testing", "static_moe.nki",
+              "static_moe.nki.interpreter", "static_moe.integrations", "nki_kernels"],
     package_dir={"static_moe": "python/static_moe", "nki_kernels": "nki_kernels"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
-    install_requires=["torch>=2.13", "numpy", "ml_dtypes"],
+    # The extension is built against one torch release (pyproject.toml pins the build's); its C++ ABI holds
+    # within that minor release only.
+    install_requires=["torch>=2.13,<2.14", "numpy", "ml_dtypes"],
+    extras_require={"transformers": ["transformers>=5"]},
 )
