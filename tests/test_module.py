@@ -316,6 +316,24 @@ def test_from_module_fused_transformers_experts():
         StaticMoE.from_module(Fused(w1, w3, w2.transpose(1, 2)), **kw)
 
 
+def test_expert_split_errors_say_what_to_pass():
+    """Which experts a rank keeps (from_module's rule), and the messages when the counts do not fit."""
+    from static_moe.module import _local_range
+
+    assert _local_range(8, 8, 2, 1, False, "x") == (4, 4, 8)  # the whole model: rank 1 keeps 4…7
+    assert _local_range(4, 8, 2, 1, False, "x") == (0, 4, 8)  # this rank's own
+    assert _local_range(4, None, 2, 1, True, "x") == (0, 4, 8)  # a DTensor shard
+    with pytest.raises(ValueError, match="do not split over ep_size=3 ranks; pick an ep_size that divides 8"):
+        _local_range(8, 8, 3, 0, False, "x")
+    with pytest.raises(ValueError, match=r"pass num_experts=6 if they are all the model's experts \(6 does not "
+                                         r"split over 4 ranks\), or num_experts=24"):
+        _local_range(6, None, 4, 0, False, "x")
+    with pytest.raises(ValueError, match="x holds 3 experts, but num_experts=8 over ep_size=2 needs all 8"):
+        _local_range(3, 8, 2, 0, False, "x")
+    with pytest.raises(ValueError, match="EP shard of 4 experts on each of 2 ranks .* num_experts=16"):
+        _local_range(4, 16, 2, 0, True, "x")
+
+
 def test_non_finite_weights_are_named():
     w1, w3, w2 = float_experts(E, seed=34)
     nan = w1.clone()
@@ -782,6 +800,10 @@ def _collective_loading_worker(rank: int, size: int) -> dict:
                                                             capacity=C, num_experts=E, ep_group=world,
                                                             shared_expert=shared, shared_gate=rank == 1),
                   "shared_gate=True but no shared_expert_gate" if rank == 1 else "failed on group rank(s) [1]")
+    expect_raises(ValueError, lambda: StaticMoE.from_module(Grouped(w1[mine], w3[mine], w2[mine]), top_k=K,
+                                                            capacity=C, num_experts=E, ep_group=world,
+                                                            ep_size=2 + rank),
+                  "ep_size=3 does not match" if rank == 1 else "from_module failed on group rank(s) [1]")
     report["errors took"] = time.monotonic() - t0
     report["leases kept"] = workspaces() - base
     again = load(sd)

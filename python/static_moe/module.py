@@ -114,12 +114,6 @@ def _check_ep_size(ep_size, group_size: int) -> None:
                          f"{'s' if group_size > 1 else ''}; no ep_group means one)")
 
 
-def _resolve_ep(ep_group, ep_size) -> tuple[int, int, str]:
-    size, rank, name = _group_info(ep_group)
-    _check_ep_size(ep_size, size)
-    return size, rank, name
-
-
 def _weight_shapes(num_local: int, hidden: int, inter: int, fmt: str) -> dict[str, tuple | None]:
     pack = 2 if fmt == "fp4" else 1
     block = {"bf16": None, "fp8": WEIGHT_FP8_BLOCK, "fp4": WEIGHT_FP4_BLOCK}[fmt]
@@ -473,10 +467,11 @@ class StaticMoE(_FixedFormats):
         Collective over ``ep_group``: an error on any rank raises on every rank (the others name the failing rank)
         before any rank returns a layer, and no rank keeps a workspace lease.
         """
-        size, rank, _ = _resolve_ep(ep_group, ep_size)
+        size, rank, _ = _group_info(ep_group)
         stage = "StaticMoE.from_module"
 
         def read():
+            _check_ep_size(ep_size, size)
             gate, up, down, total = _experts_from_module(module, num_experts, size, rank, shared_expert)
             if shared_expert is None and shared_expert_gate is not None:
                 raise ValueError("shared_expert_gate was given without shared_expert")
@@ -542,10 +537,11 @@ class StaticMoE(_FixedFormats):
         another format (ValueError). Collective over ``ep_group`` like :meth:`from_module`: a missing key, a bad
         shape or scale on any rank raises on every rank before any rank returns a layer.
         """
-        size, rank, _ = _resolve_ep(ep_group, ep_size)
+        size, rank, _ = _group_info(ep_group)
         stage = "StaticMoE.from_deepseek_state_dict"
 
         def read():
+            _check_ep_size(ep_size, size)
             _positive_int("num_experts", num_experts)
             if num_experts % size:
                 raise ValueError(f"num_experts ({num_experts}) must be divisible by ep_size ({size})")
