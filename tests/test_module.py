@@ -564,6 +564,17 @@ def test_deepseek_loader_messages():
     with pytest.raises(TypeError, match=r"experts.4.w2 scale: fp8 weight scales must be float32.*torch.int32"):
         StaticMoE.from_deepseek_state_dict({**sd, "experts.4.w2.scale": sd["experts.4.w2.scale"].to(torch.int32)},
                                            num_experts=E, top_k=K, capacity=C, act_format="fp8")
+    nan_bytes = sd["experts.1.w3.weight"].view(torch.uint8).clone()
+    nan_bytes[5, 9] = 0xFF
+    with pytest.raises(ValueError, match="experts.1.w3: float8_e4m3fn bytes 0x7F/0xFF are NaN"):
+        StaticMoE.from_deepseek_state_dict({**sd, "experts.1.w3.weight": nan_bytes.view(torch.float8_e4m3fn)},
+                                           num_experts=E, top_k=K, capacity=C, act_format="fp8")
+    floats = _deepseek_checkpoint("bf16", "", "v4", shared=False)
+    floats["experts.2.w3.weight"] = floats["experts.2.w3.weight"].clone()
+    floats["experts.2.w3.weight"][0, 0] = math.inf
+    with pytest.raises(ValueError, match="experts.2.w3 has NaN or Inf values"):
+        StaticMoE.from_deepseek_state_dict(floats, num_experts=E, top_k=K, capacity=C, weight_format="fp4",
+                                           act_format="fp8")
 
 
 def _fused_checkpoint(fmt: str, prefix: str) -> tuple[dict, dict]:
