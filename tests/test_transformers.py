@@ -190,6 +190,29 @@ def test_model_dtype_conversions_keep_formats_and_outputs():
     close_moe_blocks(model)
 
 
+def test_block_maps_the_no_expert_slot_to_minus_one():
+    """An id equal to num_experts (transformers' "no expert here" slot) is skipped like −1; other ids and the router's
+    weights reach StaticMoE unchanged."""
+
+    class FixedRouter(torch.nn.Module):
+        def __init__(self, ids, weights):
+            super().__init__()
+            self.ids, self.weights = ids, weights
+
+        def forward(self, x):
+            return torch.zeros(x.shape[0], E), self.weights, self.ids
+
+    model = replace_moe_blocks(tiny_model("mixtral"), capacity=CAPACITY)
+    moe = next(iter(moe_blocks(model).values())).moe
+    ids = torch.tensor([[0, E], [E, 5], [3, 1]])
+    weights = torch.tensor([[0.7, 0.3], [0.4, 0.6], [0.5, 0.5]])
+    block = StaticMoEBlock(FixedRouter(ids, weights), moe)
+    x = hidden_like_model(7, (3, H))
+    with torch.no_grad():
+        assert_equal(block(x), moe(x, torch.where(ids == E, -1, ids), weights), "sentinel slots")
+    close_moe_blocks(model)
+
+
 def test_unknown_or_missing_moe_blocks_are_refused():
     model = tiny_model("olmoe")
     only_qwen = tuple(f for f in FAMILIES if f.block == "Qwen3MoeSparseMoeBlock")
