@@ -15,10 +15,12 @@ name           shape                           dtype
 ``w2_scale``   [L, H, I/128] / [L, H, I/32]     as w13_scale
 =============  ==============================  =====================================================
 
-Ways to fill them: :meth:`StaticMoE.from_module` (grouped ``w1``/``w3``/``w2`` tensors, DTensor local shards
-included, or a list of HF-style experts), :meth:`StaticMoE.from_deepseek_state_dict` (DeepSeek-style
-checkpoints: fp8 with 128×128 block scales, fp4 e2m1 + UE8M0, bf16), :meth:`set_expert_weights`, or
-``load_state_dict`` of a state dict saved from a StaticMoE.
+Ways to fill them: :meth:`StaticMoE.from_module` (transformers 5.x fused ``gate_up_proj``/``down_proj``, grouped
+``w1``/``w3``/``w2`` tensors, DTensor local shards included, or a list of MLPs; a shared expert and its gate),
+:meth:`StaticMoE.from_deepseek_state_dict` (checkpoints: per-expert or fused keys; fp8 with 128×128 block scales,
+fp4 e2m1 + UE8M0, bf16), :meth:`set_expert_weights`, or ``load_state_dict`` (validated like set_expert_weights).
+The ``from_*`` constructors are collective over the EP group: an error on one rank raises on every rank.
+``static_moe.integrations.transformers.replace_moe_blocks`` does the conversion for a whole transformers model.
 """
 
 from __future__ import annotations
