@@ -13,7 +13,7 @@ all: test
 $(STAMP):
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip setuptools wheel
-	$(VPY) -m pip install -q torch==2.13.0 numpy ml_dtypes pytest hypothesis ninja matplotlib
+	$(VPY) -m pip install -q torch==2.13.0 numpy ml_dtypes pytest hypothesis ninja matplotlib 'transformers>=5'
 	touch $(STAMP)
 
 venv: $(STAMP)

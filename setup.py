@@ -11,9 +11,31 @@ The default build never uses ``-march=native``: SIMD kernels pick their instruct
 import glob
 import os
 
+import setuptools
 from setuptools import setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-import torch
+
+
+def _check_build_environment() -> None:
+    """With --no-build-isolation pip installs none of pyproject.toml's build requirements: say which are missing
+    instead of setuptools' "invalid command 'bdist_wheel'" (setuptools < 70.1 builds wheels only with `wheel`)."""
+    version = tuple(int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit())
+    if version < (70, 1):
+        try:
+            import wheel  # noqa: F401
+        except ImportError:
+            raise SystemExit(f"static_moe: setuptools {setuptools.__version__} needs the 'wheel' package to build; "
+                             "install the build requirements first (pip install 'setuptools>=70.1' ninja "
+                             "torch==2.13.0), or drop --no-build-isolation") from None
+
+
+_check_build_environment()
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+except ImportError:
+    raise SystemExit("static_moe: the build needs torch (the extension compiles against it): pip install . "
+                     "installs it from pyproject.toml's build requirements; with --no-build-isolation install "
+                     "torch==2.13.0 first") from None
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -62,10 +84,14 @@ setup(
     name="static_moe",
     version="0.1.0",
     description="Static-shape expert-parallel MoE decode ops for NKI, CUDA and CPU",
-    packages=["static_moe", "static_moe.reference", "static_moe.ops", "static_moe.testing", "static_moe.nki", "static_moe.nki.interpreter", "nki_kernels"],
+    packages=["static_moe", "static_moe.reference", "static_moe.ops", "static_moe.testing", "static_moe.nki",
+              "static_moe.nki.interpreter", "static_moe.integrations", "nki_kernels"],
     package_dir={"static_moe": "python/static_moe", "nki_kernels": "nki_kernels"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
-    install_requires=["torch>=2.13", "numpy", "ml_dtypes"],
+    # The extension is built against one torch release (pyproject.toml pins the build's); its C++ ABI holds
+    # within that minor release only.
+    install_requires=["torch>=2.13,<2.14", "numpy", "ml_dtypes"],
+    extras_require={"transformers": ["transformers>=5"]},
 )

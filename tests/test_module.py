@@ -1,6 +1,7 @@
-"""StaticMoE: construction and validation, conversion (grouped / DTensor / HF experts), the DeepSeek-style loader,
-the shared expert, torch.export at S = 1; on two gloo ranks: three layers sharing one workspace with stable
-addresses, torch.compile(fullgraph=True), collective construction errors, close / use-after-close."""
+"""StaticMoE: construction and validation, conversion (transformers 5.x fused / grouped / DTensor / HF experts),
+the DeepSeek-style and fused-key loaders, the shared expert (gated too), dtype conversions, load_state_dict checks,
+torch.export at S = 1; on two gloo ranks: three layers sharing one workspace with stable addresses,
+torch.compile(fullgraph=True), collective construction and loading errors, a full model split over EP, close."""
 
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ def float_experts(num, seed, inter=I):
     g = gen(seed)
     return (torch.randn(num, inter, H, generator=g) / H**0.5, torch.randn(num, inter, H, generator=g) / H**0.5,
             torch.randn(num, H, inter, generator=g) / inter**0.5)
+
+
+class Fused(nn.Module):
+    """transformers 5.x fused experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I];
+    ``flags`` set the attributes transformers' experts decorator adds (is_transposed, has_bias, ...)."""
+
+    def __init__(self, w1, w3, w2, act=None, **flags):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.cat((w1, w3), dim=1))
+        self.down_proj = nn.Parameter(w2)
+        self.act_fn = act or nn.SiLU()
+        for k, v in flags.items():
+            setattr(self, k, v)
 
 
 def hf_experts(w1, w3, w2) -> nn.ModuleList:
@@ -109,7 +123,7 @@ def test_constructor_validation():
         (dict(fp8_max=0), ValueError, "fp8_max"),
         (dict(ep_size=2), ValueError, "ep_size=2 does not match the EP group's size"),
         (dict(ep_size=0), ValueError, "ep_size must be a positive integer"),
-        (dict(shared_weight_format="fp8"), ValueError, "shared_weight_format was given without"),
+        (dict(shared_weight_format="fp8"), ValueError, "shared_weight_format / shared_gate were given without"),
         (dict(shared_intermediate_size=100), ValueError, "shared expert sizes must be multiples of 128"),
         (dict(shared_intermediate_size=IS, shared_weight_format="nf4"), ValueError, "shared weight_format"),
     ]
@@ -130,8 +144,8 @@ def test_forward_validation_and_close():
         layer(hidden_states(9, 1), *make_routing(9, K, E, seed=1))
     with pytest.raises(ValueError, match=r"must be \[T=4, top_k=3\]"):
         layer(x, idx[:, :2], tw[:, :2])
-    with pytest.raises(ValueError, match="hidden must be bf16"):
-        layer(x.float(), idx, tw)
+    with pytest.raises(ValueError, match="hidden must be bf16, fp16 or fp32"):
+        layer(x.double(), idx, tw)
     with pytest.raises(ValueError, match=r"hidden\[1\] must be float32 \[..., 2\]"):
         layer((torch.zeros(4, H, dtype=torch.float8_e4m3fn), torch.ones(4, 1)), idx, tw)
     with pytest.raises(ValueError, match=r"topk_idx must hold global expert ids in \[-1, 8\)"):
@@ -265,10 +279,10 @@ def test_from_module_rejections():
         StaticMoE.from_module(Grouped(w1, w3, w2.transpose(1, 2)), top_k=K, capacity=C)
     with pytest.raises(TypeError, match="must be a float weight"):
         StaticMoE.from_module(Grouped(w1.to(torch.float8_e4m3fn), w3, w2), top_k=K, capacity=C)
-    with pytest.raises(ValueError, match="source holds 8 local experts, but num_experts=16"):
+    with pytest.raises(ValueError, match=r"source w1 holds 8 experts, but num_experts=16 over ep_size=1 needs all 16"):
         StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, num_experts=16)
     experts = hf_experts(w1, w3, w2)
-    with pytest.raises(ValueError, match="6 experts given"):
+    with pytest.raises(ValueError, match="the experts list holds 6 experts, but num_experts=8"):
         StaticMoE.from_module(experts[:6], top_k=K, capacity=C, num_experts=E)
     with pytest.raises(ValueError, match="biased projections"):
         StaticMoE.from_module([HFExpert(H, I, bias=True) for _ in range(E)], top_k=K, capacity=C)
@@ -280,6 +294,154 @@ def test_from_module_rejections():
         StaticMoE.from_module([nn.Linear(H, I) for _ in range(E)], top_k=K, capacity=C)
     with pytest.raises(TypeError, match="grouped experts"):
         StaticMoE.from_module(nn.Linear(H, I), top_k=K, capacity=C)
+
+
+def test_from_module_fused_transformers_experts():
+    """5.x fused experts give the same layer as grouped ones; variants StaticMoE cannot represent are named."""
+    w1, w3, w2 = float_experts(E, seed=31)
+    kw = dict(top_k=K, capacity=C, weight_format="fp8", act_format="fp8")
+    fused, grouped = StaticMoE.from_module(Fused(w1, w3, w2), **kw), StaticMoE.from_module(Grouped(w1, w3, w2), **kw)
+    for name in ("w13", "w13_scale", "w2", "w2_scale"):
+        assert_equal(getattr(fused, name).data, getattr(grouped, name).data, f"fused {name}")
+    x = hidden_states(6, 32)
+    idx, tw = make_routing(6, K, E, seed=33, empty_frac=0.2)
+    assert_equal(fused(x, idx, tw), grouped(x, idx, tw), "fused vs grouped")
+    bad = [(dict(is_transposed=True), "transposed"), (dict(is_concatenated=False), "interleaved gate/up rows"),
+           (dict(has_bias=True), "biased projections"), (dict(gate_up_proj_bias=torch.zeros(E, 2 * I)), "bias"),
+           (dict(has_gate=False), "without a gate projection"), (dict(act=nn.GELU()), "activation GELU")]
+    for flags, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            StaticMoE.from_module(Fused(w1, w3, w2, **flags), **kw)
+    with pytest.raises(ValueError, match=r"gate_up_proj \[E, 2I, H\] and down_proj \[E, H, I\]"):
+        StaticMoE.from_module(Fused(w1, w3, w2.transpose(1, 2)), **kw)
+
+
+def test_expert_split_errors_say_what_to_pass():
+    """Which experts a rank keeps (from_module's rule), and the messages when the counts do not fit."""
+    from static_moe.module import _local_range
+
+    assert _local_range(8, 8, 2, 1, False, "x") == (4, 4, 8)  # the whole model: rank 1 keeps 4…7
+    assert _local_range(4, 8, 2, 1, False, "x") == (0, 4, 8)  # this rank's own
+    assert _local_range(4, None, 2, 1, True, "x") == (0, 4, 8)  # a DTensor shard
+    with pytest.raises(ValueError, match="do not split over ep_size=3 ranks; pick an ep_size that divides 8"):
+        _local_range(8, 8, 3, 0, False, "x")
+    with pytest.raises(ValueError, match=r"pass num_experts=6 if they are all the model's experts \(6 does not "
+                                         r"split over 4 ranks\), or num_experts=24"):
+        _local_range(6, None, 4, 0, False, "x")
+    with pytest.raises(ValueError, match="x holds 3 experts, but num_experts=8 over ep_size=2 needs all 8"):
+        _local_range(3, 8, 2, 0, False, "x")
+    with pytest.raises(ValueError, match="EP shard of 4 experts on each of 2 ranks .* num_experts=16"):
+        _local_range(4, 16, 2, 0, True, "x")
+
+
+def test_non_finite_weights_are_named():
+    w1, w3, w2 = float_experts(E, seed=34)
+    nan = w1.clone()
+    nan[5, 3, 7] = math.nan
+    with pytest.raises(ValueError, match=r"experts.gate_up_proj has NaN or Inf values \(expert \[5\]\)"):
+        StaticMoE.from_module(Fused(nan, w3, w2), top_k=K, capacity=C, weight_format="fp4", act_format="fp8")
+    inf = w2.clone()
+    inf[2, 0, 0] = math.inf
+    with pytest.raises(ValueError, match=r"experts\[2\].down_proj.weight has NaN or Inf"):
+        StaticMoE.from_module(hf_experts(w1, w3, inf), top_k=K, capacity=C, weight_format="fp8")
+    shared = hf_experts(*(t[:1] for t in float_experts(1, 35, IS)))[0]
+    gate = nn.Linear(H, 1, bias=False)
+    with torch.no_grad():
+        gate.weight[0, 4] = math.nan
+    with pytest.raises(ValueError, match="shared_expert_gate.weight has NaN or Inf"):
+        StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, shared_expert=shared, shared_expert_gate=gate)
+
+
+def test_gated_shared_expert_matches_reference():
+    """Qwen2-MoE's sigmoid(x·g)·shared(x): the gate in float32 from the hidden states, added before the bf16 cast;
+    a biased or wider gate is refused, and without the gate the result differs (it was dropped silently before)."""
+    w1, w3, w2 = float_experts(E, seed=36)
+    sw = [t[:1] for t in float_experts(1, seed=37, inter=IS)]
+    gate = nn.Linear(H, 1, bias=False)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(1, H, generator=gen(38)) / H**0.5)
+    kw = dict(top_k=K, capacity=C, weight_format="fp4", act_format="fp8", shared_expert=hf_experts(*sw)[0])
+    layer = StaticMoE.from_module(Grouped(w1, w3, w2), shared_expert_gate=gate, **kw)
+    assert layer.shared.gate_weight.dtype == torch.float32
+    x = hidden_states(7, 39)
+    idx, tw = make_routing(7, K, E, seed=40, empty_frac=0.2)
+    xq, xs = activations(x, "fp8", 128)
+    shared = quantized(*sw, "fp4")
+    t = x.shape[0]
+    shared_out = reference.local_experts(xq, xs, torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, 1), *shared,
+                                         0, None) * torch.sigmoid(x.float() @ gate.weight.detach().T)
+    ref = reference.forward(xq, xs, idx, tw, *quantized(w1, w3, w2, "fp4"), shared_out, E, C, None, "", 0, 1)
+    out = layer(x, idx, tw)
+    assert_gemm_close(out, ref, "gated shared expert")
+    ungated = StaticMoE.from_module(Grouped(w1, w3, w2), **kw)
+    with pytest.raises(AssertionError):
+        assert_gemm_close(ungated(x, idx, tw), ref, "ungated")
+    copy = StaticMoE(H, I, E, K, C, weight_format="fp4", act_format="fp8", shared_intermediate_size=IS,
+                     shared_gate=True)
+    copy.load_state_dict(layer.state_dict())
+    assert_equal(copy(x, idx, tw), out, "gated shared expert state_dict round trip")
+    with pytest.raises(ValueError, match="a biased gate"):
+        StaticMoE.from_module(Grouped(w1, w3, w2), shared_expert_gate=nn.Linear(H, 1), **kw)
+    with pytest.raises(ValueError, match=r"must be a float \[1, 256\] tensor"):
+        StaticMoE.from_module(Grouped(w1, w3, w2), shared_expert_gate=nn.Linear(H, 2, bias=False), **kw)
+    with pytest.raises(ValueError, match="shared_expert_gate was given without shared_expert"):
+        StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, shared_expert_gate=gate)
+    for m in (layer, ungated, copy):
+        m.close()
+
+
+def test_dtype_conversions_keep_formats_and_io_dtypes():
+    """.to(bf16) / .half() / .float() leave fp8/fp4 weights and scales (and the fp32 gate) as they are; fp16 / fp32
+    hidden states and fp16 routing weights are accepted and the output comes back in the hidden states' dtype,
+    equal to the bf16 path rounded once."""
+    w1, w3, w2 = float_experts(E, seed=41)
+    shared = hf_experts(*(t[:1] for t in float_experts(1, 42, IS)))[0]
+    layer = StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, weight_format="fp8", act_format="fp8",
+                                  shared_expert=shared, shared_weight_format="fp4",
+                                  shared_expert_gate=nn.Linear(H, 1, bias=False))
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    x = hidden_states(5, 43)
+    idx, tw = make_routing(5, K, E, seed=44, empty_frac=0.2)
+    want = layer(x, idx, tw)
+    for convert in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.float(),
+                    lambda m: m.to("cpu", torch.float16)):
+        assert convert(layer) is layer
+        for n, p in layer.named_parameters():
+            assert_equal(p.data, before[n], f"{n} after a dtype conversion")
+        assert_equal(layer(x, idx, tw), want, "after a dtype conversion")
+    for dtype in (torch.float16, torch.float32):
+        out = layer(x.to(dtype), idx, tw.to(torch.float16))
+        assert out.dtype == dtype
+        assert_equal(out, layer(x, idx, tw.to(torch.float16).float()).to(dtype), f"{dtype} hidden")
+    assert layer((torch.zeros(5, H, dtype=torch.float8_e4m3fn), torch.ones(5, H // 128)), idx, tw).dtype == \
+        torch.bfloat16
+    layer.close()
+
+
+def test_load_state_dict_validates_like_set_expert_weights():
+    layer = StaticMoE(H, I, E, K, C, weight_format="fp4", act_format="fp8")
+    w13, w13_s, w2, w2_s = quantized(*float_experts(E, 45), "fp4")
+    good = {"w13": w13.view(torch.float4_e2m1fn_x2), "w13_scale": w13_s.view(torch.float8_e8m0fnu), "w2": w2,
+            "w2_scale": w2_s}
+    layer.load_state_dict(good)
+    assert_equal(layer.w13.data, w13, "fp4 view loaded as uint8")
+    cases = [({"w13_scale": torch.full_like(w13_s, 255)}, ValueError, "UE8M0 byte 255"),
+             ({"w13": w13.float()}, TypeError, "must be torch.uint8 for fp4"),
+             ({"w2": w2[:, :, :32]}, ValueError, r"w2 must have shape \[8, 256, 64\]")]
+    for over, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            layer.load_state_dict({**good, **over})
+        assert_equal(layer.w13.data, w13, "a refused state dict leaves the weights")
+    fp8 = StaticMoE(H, I, E, K, C, weight_format="fp8", act_format="fp8")
+    q13, s13, q2, s2 = quantized(*float_experts(E, 46), "fp8")
+    with pytest.raises(ValueError, match="fp8 weight scales must be finite"):
+        fp8.load_state_dict({"w13": q13, "w13_scale": s13.masked_fill(s13 > 0, math.nan), "w2": q2, "w2_scale": s2})
+    nan_bytes = q13.view(torch.uint8).clone()
+    nan_bytes[0, 0, 0] = 0x7F
+    with pytest.raises(ValueError, match="bytes 0x7F/0xFF are NaN"):
+        fp8.set_expert_weights(nan_bytes.view(torch.float8_e4m3fn), s13, q2, s2)
+    layer.close()
+    fp8.close()
 
 
 def _deepseek_checkpoint(fmt: str, prefix: str, style: str, experts=range(E), seed=0, shared=True) -> dict:
@@ -388,6 +550,74 @@ def test_deepseek_loader_rejections():
         StaticMoE.from_deepseek_state_dict(meta, num_experts=E, top_k=K, capacity=C, act_format="fp8")
 
 
+def test_deepseek_loader_messages():
+    """A 0-D weight, experts of different shapes and integer fp8 scales each give an error naming the key."""
+    sd = _deepseek_checkpoint("fp8", "", "v4", shared=False)
+    with pytest.raises(ValueError, match=r"experts.3.w1.weight must be a 2-D tensor, got 0-D \[\]"):
+        StaticMoE.from_deepseek_state_dict({**sd, "experts.3.w1.weight": torch.tensor(1.0)}, num_experts=E, top_k=K,
+                                           capacity=C, act_format="fp8")
+    bf16 = _deepseek_checkpoint("bf16", "", "v3", shared=False)
+    bf16["experts.6.up_proj.weight"] = bf16["experts.6.up_proj.weight"][:, :128]
+    with pytest.raises(ValueError, match=r"experts.6.up_proj has shape \[128, 128\] but experts.0.up_proj has "
+                                         r"\[128, 256\]"):
+        StaticMoE.from_deepseek_state_dict(bf16, num_experts=E, top_k=K, capacity=C)
+    with pytest.raises(TypeError, match=r"experts.4.w2 scale: fp8 weight scales must be float32.*torch.int32"):
+        StaticMoE.from_deepseek_state_dict({**sd, "experts.4.w2.scale": sd["experts.4.w2.scale"].to(torch.int32)},
+                                           num_experts=E, top_k=K, capacity=C, act_format="fp8")
+    nan_bytes = sd["experts.1.w3.weight"].view(torch.uint8).clone()
+    nan_bytes[5, 9] = 0xFF
+    with pytest.raises(ValueError, match="experts.1.w3: float8_e4m3fn bytes 0x7F/0xFF are NaN"):
+        StaticMoE.from_deepseek_state_dict({**sd, "experts.1.w3.weight": nan_bytes.view(torch.float8_e4m3fn)},
+                                           num_experts=E, top_k=K, capacity=C, act_format="fp8")
+    floats = _deepseek_checkpoint("bf16", "", "v4", shared=False)
+    floats["experts.2.w3.weight"] = floats["experts.2.w3.weight"].clone()
+    floats["experts.2.w3.weight"][0, 0] = math.inf
+    with pytest.raises(ValueError, match="experts.2.w3 has NaN or Inf values"):
+        StaticMoE.from_deepseek_state_dict(floats, num_experts=E, top_k=K, capacity=C, weight_format="fp4",
+                                           act_format="fp8")
+
+
+def _fused_checkpoint(fmt: str, prefix: str) -> tuple[dict, dict]:
+    """transformers 5.x keys (experts.gate_up_proj / down_proj) holding the experts of the per-expert DeepSeek
+    checkpoint (fp8: 128×128 block scales as ``…_scale_inv``), plus a Qwen2-MoE gated shared expert."""
+    per = _deepseek_checkpoint(fmt, prefix, "v3", shared=False)
+    base = prefix + "experts."
+
+    def stack(name, suffix):
+        return torch.stack([per[f"{base}{e}.{name}.{suffix}"] for e in range(E)])
+
+    sd = {f"{base}gate_up_proj": torch.cat((stack("gate_proj", "weight"), stack("up_proj", "weight")), dim=1),
+          f"{base}down_proj": stack("down_proj", "weight")}
+    if fmt == "fp8":
+        sd[f"{base}gate_up_proj_scale_inv"] = torch.cat((stack("gate_proj", "weight_scale_inv"),
+                                                         stack("up_proj", "weight_scale_inv")), dim=1)
+        sd[f"{base}down_proj_scale_inv"] = stack("down_proj", "weight_scale_inv")
+    w1, w3, w2 = (t[0] for t in float_experts(1, seed=98, inter=IS))
+    for n, w in (("gate_proj", w1), ("up_proj", w3), ("down_proj", w2)):
+        sd[f"{prefix}shared_expert.{n}.weight"] = w.to(torch.bfloat16)
+    sd[f"{prefix}shared_expert_gate.weight"] = (torch.randn(1, H, generator=gen(97)) / H**0.5).to(torch.bfloat16)
+    return sd, per
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_loader_reads_fused_transformers_keys(fmt):
+    prefix = "model.layers.1.mlp."
+    sd, per = _fused_checkpoint(fmt, prefix)
+    act = "fp8" if fmt == "fp8" else "bf16"
+    layer = StaticMoE.from_deepseek_state_dict(sd, prefix=prefix, num_experts=E, top_k=K, capacity=C,
+                                               act_format=act, shared_weight_format="bf16")
+    want = _expected_from_checkpoint(per, prefix, "v3", fmt, fmt, range(E))
+    for name, w in zip(("w13", "w13_scale", "w2", "w2_scale"), want):
+        if w is not None:
+            assert_equal(getattr(layer, name).data, w, f"fused {fmt} {name}")
+    assert layer.shared is not None and layer.shared.gate_weight is not None
+    assert_equal(layer.shared.gate_weight.data, sd[prefix + "shared_expert_gate.weight"].float(), "gate weight")
+    with pytest.raises(KeyError, match=r"experts.gate_up_proj or .*experts.down_proj but not .*experts.down_proj"):
+        StaticMoE.from_deepseek_state_dict({k: v for k, v in sd.items() if not k.endswith("experts.down_proj")},
+                                           prefix=prefix, num_experts=E, top_k=K, capacity=C, act_format=act)
+    layer.close()
+
+
 def test_state_dict_round_trip_and_export_s1():
     w1, w3, w2 = float_experts(E, seed=11)
     layer = StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, weight_format="fp4", act_format="fp8",
@@ -425,7 +655,7 @@ def _layers_worker(rank: int, size: int) -> dict:
         w1, w3, w2 = float_experts(E, seed=40 + layer_id)  # the same global experts on every rank
         full.append(quantized(w1, w3, w2, wfmt))
         mine = slice(rank * num_local, (rank + 1) * num_local)
-        layers.append(StaticMoE.from_module(Grouped(w1[mine], w3[mine], w2[mine]), top_k=K, capacity=C,
+        layers.append(StaticMoE.from_module(Grouped(w1[mine], w3[mine], w2[mine]), top_k=K, capacity=C, num_experts=E,
                                             weight_format=wfmt, act_format=act, swiglu_limit=7.0, ep_group=world))
     ws = layers[0].workspace
     assert all(layer.workspace is ws for layer in layers) and ws.num_leases == 3
@@ -507,7 +737,10 @@ def _layers_worker(rank: int, size: int) -> dict:
                               shared=False)
     loaded = StaticMoE.from_deepseek_state_dict(sd, num_experts=E, top_k=K, capacity=C, act_format="fp8",
                                                 ep_group=world)
-    assert loaded.num_local_experts == num_local
+    assert loaded.num_local_experts == num_local and loaded.expert_offset == rank * num_local
+    want = _expected_from_checkpoint(sd, "", "v4", "fp8", "fp8", range(rank * num_local, (rank + 1) * num_local))
+    for name, w in zip(("w13", "w13_scale", "w2", "w2_scale"), want):
+        assert_equal(getattr(loaded, name).data, w, f"loaded {name} of rank {rank}")
     for layer in (from_dt, from_hf, loaded):
         layer.close()
     report["conversion"] = True
@@ -519,3 +752,82 @@ def test_layers_on_two_ranks():
     for r in reports:
         assert r["three layers"] and r["compile"] and r["close"] and r["conversion"]
         assert r["collective errors"] < 20
+
+
+def _collective_loading_worker(rank: int, size: int) -> dict:
+    """A full model on S ranks keeps E/S experts per rank; an error on one rank fails every rank, and no rank keeps
+    a workspace lease; the next load then works."""
+    import torch.distributed as dist
+
+    from static_moe import workspace as _workspace
+
+    world = dist.group.WORLD
+    num_local = E // size
+    mine = slice(rank * num_local, (rank + 1) * num_local)
+    workspaces = lambda: len(_workspace.default_manager().workspaces())  # noqa: E731
+    report = {}
+    w1, w3, w2 = float_experts(E, seed=80)
+    expect_raises(ValueError, lambda: StaticMoE.from_module(Fused(w1, w3, w2), top_k=K, capacity=C, ep_group=world),
+                  "holds 8 experts and the EP group has 2 ranks: pass num_experts=8 if they are all the model's")
+    layer = StaticMoE.from_module(Fused(w1, w3, w2), top_k=K, capacity=C, num_experts=E, weight_format="fp8",
+                                  act_format="fp8", ep_group=world)
+    want = quantized(w1[mine], w3[mine], w2[mine], "fp8")
+    assert layer.num_local_experts == num_local and layer.expert_offset == rank * num_local
+    for name, w in zip(("w13", "w13_scale", "w2", "w2_scale"), want):
+        assert_equal(getattr(layer, name).data, w, f"{name} of rank {rank} from the full model")
+    tokens = [4, 7][rank]
+    x = hidden_states(tokens, 81 + rank)
+    idx, tw = make_routing(tokens, K, E, seed=83 + rank, empty_frac=0.1)
+    y = layer(x, idx, tw)
+    inputs = gather_objects((x, idx, tw))
+    xq = [activations(a[0], "fp8", 128) for a in inputs]
+    full = quantized(w1, w3, w2, "fp8")
+    shards = [[w[r * num_local:(r + 1) * num_local] for r in range(size)] for w in full]
+    refs = reference.forward_simulated([q[0] for q in xq], [q[1] for q in xq], [a[1] for a in inputs],
+                                       [a[2] for a in inputs], *shards, None, E, C, None)
+    assert_gemm_close(y, refs[rank], f"full model over EP, rank {rank}")
+    layer.close()
+    report["full model"] = True
+
+    base = workspaces()
+    t0 = time.monotonic()
+    sd = _deepseek_checkpoint("fp8", "", "v4", experts=range(rank * num_local, (rank + 1) * num_local), shared=False)
+    load = lambda d, **kw: StaticMoE.from_deepseek_state_dict(d, num_experts=E, top_k=K, capacity=C,  # noqa: E731
+                                                              act_format="fp8", ep_group=world, **kw)
+    stage = "StaticMoE.from_deepseek_state_dict failed on group rank(s)"
+    missing = {k: v for k, v in sd.items() if k != f"experts.{rank * num_local + 1}.w2.weight"} if rank == 1 else sd
+    expect_raises(KeyError if rank == 1 else RuntimeError, lambda: load(missing),
+                  *(["w2|down_proj}.weight"] if rank == 1 else [f"{stage} [1]", "KeyError"]))
+    nan = dict(sd)
+    if rank == 0:
+        nan["experts.2.w1.scale"] = torch.full_like(sd["experts.2.w1.scale"], math.nan)
+    expect_raises(ValueError, lambda: load(nan), "fp8 weight scales must be finite" if rank == 0 else f"{stage} [0]")
+    bad = Grouped(w1[mine], w3[mine], w2[mine].transpose(1, 2) if rank == 1 else w2[mine])
+    expect_raises(ValueError, lambda: StaticMoE.from_module(bad, top_k=K, capacity=C, num_experts=E, ep_group=world),
+                  "w1/w3 [L, I, H] and w2 [L, H, I]" if rank == 1 else "from_module failed on group rank(s) [1]")
+    # A failure after construction (here: rank 1 asks for a gate it was not given): every rank closes its layer.
+    shared = hf_experts(*(t[:1] for t in float_experts(1, 84, IS)))[0]
+    expect_raises(ValueError, lambda: StaticMoE.from_module(Grouped(w1[mine], w3[mine], w2[mine]), top_k=K,
+                                                            capacity=C, num_experts=E, ep_group=world,
+                                                            shared_expert=shared, shared_gate=rank == 1),
+                  "shared_gate=True but no shared_expert_gate" if rank == 1 else "failed on group rank(s) [1]")
+    expect_raises(ValueError, lambda: StaticMoE.from_module(Grouped(w1[mine], w3[mine], w2[mine]), top_k=K,
+                                                            capacity=C, num_experts=E, ep_group=world,
+                                                            ep_size=2 + rank),
+                  "ep_size=3 does not match" if rank == 1 else "from_module failed on group rank(s) [1]")
+    report["errors took"] = time.monotonic() - t0
+    report["leases kept"] = workspaces() - base
+    again = load(sd)
+    want = _expected_from_checkpoint(sd, "", "v4", "fp8", "fp8", range(rank * num_local, (rank + 1) * num_local))
+    for name, w in zip(("w13", "w13_scale", "w2", "w2_scale"), want):
+        assert_equal(getattr(again, name).data, w, f"{name} after the failed loads")
+    again.close()
+    report["next load"] = True
+    return report
+
+
+def test_collective_loading_on_two_ranks():
+    for r in run_ranks(_collective_loading_worker, 2, timeout=120, pg_timeout=30):
+        assert r["full model"] and r["next load"]
+        assert r["leases kept"] == 0
+        assert r["errors took"] < 20

@@ -15,10 +15,12 @@ name           shape                           dtype
 ``w2_scale``   [L, H, I/128] / [L, H, I/32]     as w13_scale
 =============  ==============================  =====================================================
 
-Ways to fill them: :meth:`StaticMoE.from_module` (grouped ``w1``/``w3``/``w2`` tensors, DTensor local shards
-included, or a list of HF-style experts), :meth:`StaticMoE.from_deepseek_state_dict` (DeepSeek-style
-checkpoints: fp8 with 128×128 block scales, fp4 e2m1 + UE8M0, bf16), :meth:`set_expert_weights`, or
-``load_state_dict`` of a state dict saved from a StaticMoE.
+Ways to fill them: :meth:`StaticMoE.from_module` (transformers 5.x fused ``gate_up_proj``/``down_proj``, grouped
+``w1``/``w3``/``w2`` tensors, DTensor local shards included, or a list of MLPs; a shared expert and its gate),
+:meth:`StaticMoE.from_deepseek_state_dict` (checkpoints: per-expert or fused keys; fp8 with 128×128 block scales,
+fp4 e2m1 + UE8M0, bf16), :meth:`set_expert_weights`, or ``load_state_dict`` (validated like set_expert_weights).
+The ``from_*`` constructors are collective over the EP group: an error on one rank raises on every rank.
+``static_moe.integrations.transformers.replace_moe_blocks`` does the conversion for a whole transformers model.
 """
 
 from __future__ import annotations
@@ -105,12 +107,6 @@ def _check_ep_size(ep_size, group_size: int) -> None:
                          f"{'s' if group_size > 1 else ''}; no ep_group means one)")
 
 
-def _resolve_ep(ep_group, ep_size) -> tuple[int, int, str]:
-    size, rank, name = _group_info(ep_group)
-    _check_ep_size(ep_size, size)
-    return size, rank, name
-
-
 def _weight_shapes(num_local: int, hidden: int, inter: int, fmt: str) -> dict[str, tuple | None]:
     pack = 2 if fmt == "fp4" else 1
     block = {"bf16": None, "fp8": WEIGHT_FP8_BLOCK, "fp4": WEIGHT_FP4_BLOCK}[fmt]
@@ -132,6 +128,20 @@ def _normalize_weight(name: str, t: torch.Tensor, fmt: str) -> torch.Tensor:
         t = t.view(torch.uint8)
     if t.dtype != _WEIGHT_DTYPE[fmt]:
         raise TypeError(f"{name} must be {_WEIGHT_DTYPE[fmt]} for {fmt} weights, got {t.dtype}")
+    if fmt == "fp8" and t.numel() and bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
+        raise ValueError(f"{name}: float8_e4m3fn bytes 0x7F/0xFF are NaN, not weights")
+    return t
+
+
+def _check_finite(name: str, t: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Refuse NaN/Inf in a float weight before it is quantized (a quantizer would turn it into finite garbage).
+    For stacked weights [E, N, K] the message names the bad experts (``first``: global id of index 0)."""
+    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+        where = ""
+        if t.dim() == 3:
+            bad = (~torch.isfinite(t)).flatten(1).any(dim=1).nonzero().flatten().add(first).tolist()
+            where = f" (expert{'s' if len(bad) > 1 else ''} {bad[:8]}{' …' if len(bad) > 8 else ''})"
+        raise ValueError(f"{name} has NaN or Inf values{where}: refusing to convert non-finite weights")
     return t
 
 
@@ -155,19 +165,62 @@ def _normalize_scale(name: str, s: torch.Tensor | None, fmt: str) -> torch.Tenso
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Formats fixed at construction
+# ----------------------------------------------------------------------------------------------------------------
+class _FixedFormats(nn.Module):
+    """A module whose parameter dtypes are its formats, fixed at construction.
+
+    ``.to(torch.bfloat16)``, ``.half()``, ``.float()`` (and a whole model's ``.to(dtype)``) leave every parameter's
+    dtype as it is: float8 weights and float32 scales count as floating in ``nn.Module._apply`` and would otherwise
+    be converted into something the kernels refuse. Device moves still apply (StaticMoE then refuses, at its next
+    forward, a move its workspace cannot follow).
+    """
+
+    def _apply(self, fn, recurse=True):
+        def device_part_only(t):
+            out = fn(t)
+            if isinstance(out, torch.Tensor) and out.dtype != t.dtype:
+                out = t.to(device=out.device)
+            return out
+
+        return super()._apply(device_part_only, recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # load_state_dict validates exactly like set_weights: the default copy_ would cast float32 into uint8
+        # fp4 weights and accept byte 255 or NaN scales.
+        given = {n: state_dict.get(prefix + n) for n in _WEIGHT_NAMES}
+        if all(given[n] is not None or getattr(self, n) is None for n in _WEIGHT_NAMES):
+            checked = _checked_weights(f"{type(self).__name__} state dict {prefix or '(root)'}", self._weight_shapes(),
+                                       self.weight_format, given)
+            state_dict = {**state_dict, **{prefix + n: t for n, t in checked.items() if t is not None}}
+        gate = state_dict.get(prefix + "gate_weight")
+        if gate is not None and getattr(self, "gate_weight", None) is not None:
+            state_dict = {**state_dict, prefix + "gate_weight": _checked_gate(f"{prefix}gate_weight", gate,
+                                                                               self.hidden_size)}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The shared expert: one SwiGLU MLP, run through the same op as the routed experts
 # ----------------------------------------------------------------------------------------------------------------
-class SharedExpert(nn.Module):
+class SharedExpert(_FixedFormats):
     """A SwiGLU MLP ``down(silu(gate(x)) · up(x))`` applied to every token, in bf16 / fp8 / fp4 weights.
 
     Stored as one expert in the routed layout (``w13 [1, 2I, H]``, ``w2 [1, H, I]`` + scales) and computed by
     ``torch.ops.static_moe.local_experts`` with every row routed to it at weight 1, so it has exactly the routed
     experts' numerics (SPEC §1.7) and every backend's kernels. Returns float32 [T, H]. ``fp8_max``: as
     :class:`StaticMoE`'s (240 on trn2), used with fp8 activations.
+
+    ``gated=True`` adds Qwen2-MoE's per-token gate: the output is multiplied by ``sigmoid(x · gate_weightᵀ)``
+    (``gate_weight`` float32 [1, H], computed in float32 from the float hidden states), still in float32, so the
+    layer adds it to the routed sum before the one bf16 cast.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, weight_format: str = "bf16",
-                 swiglu_limit: float | None = None, fp8_max: float = FP8_E4M3FN_MAX, device=None):
+                 swiglu_limit: float | None = None, fp8_max: float = FP8_E4M3FN_MAX, gated: bool = False,
+                 device=None):
         super().__init__()
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.intermediate_size = _positive_int("shared intermediate_size", intermediate_size)
@@ -180,22 +233,46 @@ class SharedExpert(nn.Module):
         self.swiglu_limit = _check_swiglu_limit("shared swiglu_limit", swiglu_limit)
         self.fp8_max = _check_fp8_max(fp8_max)
         _init_weights(self, 1, hidden_size, intermediate_size, weight_format, device)
+        gate = torch.zeros(1, hidden_size, dtype=torch.float32, device=device) if gated else None
+        self.register_parameter("gate_weight", None if gate is None else nn.Parameter(gate, requires_grad=False))
+
+    def _weight_shapes(self) -> dict:
+        return _weight_shapes(1, self.hidden_size, self.intermediate_size, self.weight_format)
 
     def set_weights(self, w13, w13_scale, w2, w2_scale) -> None:
         """Copy ``w13 [1, 2I, H]``, ``w2 [1, H, I]`` (+ scales) in this expert's format (checked)."""
-        _copy_weights(self, "shared expert", self.hidden_size, self.intermediate_size, 1, self.weight_format,
-                      w13, w13_scale, w2, w2_scale)
+        given = {"w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale}
+        _copy_checked(self, _checked_weights("shared expert", self._weight_shapes(), self.weight_format, given))
 
-    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
+    def set_gate(self, weight) -> None:
+        """Copy the gate's weight (float [1, H], finite; stored as float32). Only for ``gated=True``."""
+        if self.gate_weight is None:
+            raise ValueError("this shared expert has no gate (construct it with gated=True)")
+        with torch.no_grad():
+            self.gate_weight.copy_(_checked_gate("shared expert gate weight", weight, self.hidden_size))
+
+    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None,
+                gate_input: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] in the expert's activation format (+ x_scale); gate_input: float hidden states [T, H] (only
+        for a gated expert). Returns float32 [T, H]."""
         t = x.shape[0]
         idx = torch.zeros((t, 1), dtype=torch.int32, device=x.device)
         weights = torch.ones((t, 1), dtype=torch.float32, device=x.device)
-        return torch.ops.static_moe.local_experts(x, x_scale, idx, weights, self.w13, self.w13_scale, self.w2,
-                                                  self.w2_scale, 0, self.swiglu_limit, self.fp8_max)
+        out = torch.ops.static_moe.local_experts(x, x_scale, idx, weights, self.w13, self.w13_scale, self.w2,
+                                                 self.w2_scale, 0, self.swiglu_limit, self.fp8_max)
+        if self.gate_weight is not None:
+            if gate_input is None:
+                raise ValueError("this shared expert is gated: pass gate_input, the float hidden states [T, H]")
+            out = out * torch.sigmoid(nn.functional.linear(gate_input.float(), self.gate_weight))
+        return out
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
-                f"weight_format={self.weight_format!r}, swiglu_limit={self.swiglu_limit}")
+                f"weight_format={self.weight_format!r}, swiglu_limit={self.swiglu_limit}"
+                + (", gated" if self.gate_weight is not None else ""))
+
+
+_WEIGHT_NAMES = ("w13", "w13_scale", "w2", "w2_scale")
 
 
 def _init_weights(module: nn.Module, num_local, hidden, inter, fmt, device) -> None:
@@ -211,12 +288,12 @@ def _init_weights(module: nn.Module, num_local, hidden, inter, fmt, device) -> N
         module.register_parameter(name, nn.Parameter(t, requires_grad=False))
 
 
-def _copy_weights(module: nn.Module, what: str, hidden, inter, num_local, fmt, w13, w13_scale, w2, w2_scale):
-    shapes = _weight_shapes(num_local, hidden, inter, fmt)
-    given = {"w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale}
+def _checked_weights(what: str, shapes: dict, fmt: str, given: dict) -> dict:
+    """``given`` ({"w13", "w13_scale", "w2", "w2_scale"} → tensor or None) checked against ``fmt`` and ``shapes``:
+    dtypes (fp4/UE8M0 views become uint8), shapes, UE8M0 byte 255, non-finite fp8 scales, NaN fp8 bytes."""
     checked = {}
-    for name, t in given.items():
-        label = f"{what} {name}"
+    for name in _WEIGHT_NAMES:
+        t, label = given[name], f"{what} {name}"
         if name.endswith("_scale"):
             t = None if t is None else _materialized(label, t)
             t = _normalize_scale(label, t, fmt)
@@ -225,16 +302,28 @@ def _copy_weights(module: nn.Module, what: str, hidden, inter, num_local, fmt, w
         if shapes[name] is not None and tuple(t.shape) != shapes[name]:
             raise ValueError(f"{label} must have shape {list(shapes[name])} ({fmt}), got {list(t.shape)}")
         checked[name] = t
+    return checked
+
+
+def _copy_checked(module: nn.Module, checked: dict) -> None:
     with torch.no_grad():
         for name, t in checked.items():
             if t is not None:
                 getattr(module, name).copy_(t)
 
 
+def _checked_gate(name: str, weight, hidden: int) -> torch.Tensor:
+    w = _materialized(name, weight)
+    if w.dtype not in _FLOAT_DTYPES or tuple(w.shape) != (1, hidden):
+        raise ValueError(f"{name} must be a float [1, {hidden}] tensor (one gate per token), "
+                         f"got {w.dtype}{list(w.shape)}")
+    return _check_finite(name, w).float()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The layer
 # ----------------------------------------------------------------------------------------------------------------
-class StaticMoE(nn.Module):
+class StaticMoE(_FixedFormats):
     """Expert-parallel static-shape MoE layer (routed experts + optional shared expert) for decode.
 
     Args:
@@ -254,22 +343,30 @@ class StaticMoE(nn.Module):
             448). Unused with act_format "bf16".
         shared_intermediate_size: I of the shared expert, or None for no shared expert.
         shared_weight_format: its format (default: weight_format); shared_swiglu_limit: its clamp (default:
-            swiglu_limit).
+            swiglu_limit); shared_gate: True for a gated shared expert (Qwen2-MoE: ``sigmoid(x · g) ·
+            shared(x)``, the gate in float32; see :class:`SharedExpert`).
         ep_group: the EP process group (None: a single rank; with several ranks initialised it must be given).
         ep_size: optional check against the group's size.
         device: where weights and workspace live. Construction is collective over ep_group.
 
-    ``forward(hidden, topk_idx, topk_weights)``: hidden bf16 [..., H] (or, with act_format "fp8", a tuple
-    ``(x_q float8_e4m3fn [..., H], x_s float32 [..., H/act_group])``), topk_idx int32/int64 [T, k] global ids or
-    −1, topk_weights float32/bf16 [T, k], T = hidden's rows ≤ capacity. Returns bf16 with hidden's leading
-    shape. Every rank of the EP group must call it each step (T = 0 is fine).
+    ``forward(hidden, topk_idx, topk_weights)``: hidden bf16 [..., H] (fp16 / fp32 are cast to bf16 first: the
+    experts' activation format is bf16 or fp8), or, with act_format "fp8", a tuple ``(x_q float8_e4m3fn [..., H],
+    x_s float32 [..., H/act_group])``; topk_idx int32/int64 [T, k] global ids or −1; topk_weights float32 / bf16
+    (used as they are) or fp16 (cast to float32) [T, k]; T = hidden's rows ≤ capacity. Returns hidden's dtype
+    (bf16 for the fp8 tuple) with hidden's leading shape; the result is rounded to bf16 once (SPEC §1.6) before
+    any cast to fp16/fp32. Every rank of the EP group must call it each step (T = 0 is fine).
+
+    Dtype conversions of the module (``.to(torch.bfloat16)``, ``.half()``, ``.float()``) keep every parameter's
+    dtype: the formats are fixed at construction. Device moves are refused at the next forward (the workspace
+    cannot follow); construct the layer on its device.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, capacity: int, *,
                  weight_format: str = "bf16", act_format: str = "bf16", act_group: int = 128,
                  swiglu_limit: float | None = None, shared_intermediate_size: int | None = None,
                  shared_weight_format: str | None = None, shared_swiglu_limit: float | None | str = "same",
-                 ep_group=None, ep_size: int | None = None, device=None, fp8_max: float = FP8_E4M3FN_MAX):
+                 ep_group=None, ep_size: int | None = None, device=None, fp8_max: float = FP8_E4M3FN_MAX,
+                 shared_gate: bool = False):
         super().__init__()
         self.ep_size, self.ep_rank, self.group_name = _group_info(ep_group)
         self._closed = True  # until the workspace lease is held
@@ -278,7 +375,7 @@ class StaticMoE(nn.Module):
             _check_ep_size(ep_size, self.ep_size)
             self._configure(hidden_size, intermediate_size, num_experts, top_k, capacity, weight_format,
                             act_format, act_group, swiglu_limit, shared_intermediate_size, shared_weight_format,
-                            shared_swiglu_limit, device, fp8_max)
+                            shared_swiglu_limit, device, fp8_max, shared_gate)
         except (ValueError, TypeError) as e:
             error = e
         if self.ep_size > 1:
@@ -291,7 +388,7 @@ class StaticMoE(nn.Module):
 
     def _configure(self, hidden_size, intermediate_size, num_experts, top_k, capacity, weight_format, act_format,
                    act_group, swiglu_limit, shared_intermediate_size, shared_weight_format, shared_swiglu_limit,
-                   device, fp8_max):
+                   device, fp8_max, shared_gate):
         device = torch.device("cpu") if device is None else torch.device(device)
         if device.type == "meta":
             raise ValueError("StaticMoE cannot live on the meta device: it owns a workspace of real buffers; "
@@ -314,10 +411,10 @@ class StaticMoE(nn.Module):
             limit = self.swiglu_limit if shared_swiglu_limit == "same" else shared_swiglu_limit
             self.shared = SharedExpert(hidden_size, shared_intermediate_size,
                                        weight_format=shared_weight_format or weight_format, swiglu_limit=limit,
-                                       fp8_max=self.fp8_max, device=device)
+                                       fp8_max=self.fp8_max, gated=bool(shared_gate), device=device)
         else:
-            if shared_weight_format is not None:
-                raise ValueError("shared_weight_format was given without shared_intermediate_size")
+            if shared_weight_format is not None or shared_gate:
+                raise ValueError("shared_weight_format / shared_gate were given without shared_intermediate_size")
             self.shared = None
 
     # --- weights -----------------------------------------------------------------------------------------------
@@ -326,44 +423,75 @@ class StaticMoE(nn.Module):
         """Global id of this rank's first local expert."""
         return self.ep_rank * self.num_local_experts
 
+    def _weight_shapes(self) -> dict:
+        return _weight_shapes(self.num_local_experts, self.hidden_size, self.intermediate_size, self.weight_format)
+
     def set_expert_weights(self, w13, w13_scale, w2, w2_scale) -> None:
-        """Copy this rank's routed expert weights (format, shapes and devices checked; see the module doc)."""
-        _copy_weights(self, "routed", self.hidden_size, self.intermediate_size, self.num_local_experts,
-                      self.weight_format, w13, w13_scale, w2, w2_scale)
+        """Copy this rank's routed expert weights (format, shapes and devices checked; see the module doc).
+
+        Local to this rank (no collective). The ``from_*`` constructors run the same checks collectively."""
+        given = {"w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale}
+        _copy_checked(self, _checked_weights("routed", self._weight_shapes(), self.weight_format, given))
 
     @classmethod
     def from_module(cls, module, *, top_k: int, capacity: int, num_experts: int | None = None,
-                    weight_format: str = "bf16", shared_expert: nn.Module | None = None, ep_group=None,
-                    ep_size: int | None = None, **options) -> "StaticMoE":
+                    weight_format: str = "bf16", shared_expert: nn.Module | None = None,
+                    shared_expert_gate: nn.Module | None = None, ep_group=None, ep_size: int | None = None,
+                    **options) -> "StaticMoE":
         """Convert existing SwiGLU experts (float weights; quantized to ``weight_format`` on the way).
 
-        ``module`` is either
-          (a) grouped experts with tensors ``w1``, ``w3`` [L, I, H] and ``w2`` [L, H, I] (DTensor EP shards give
-              their local shard; they are this rank's L experts), or
-          (b) HF-style experts: an iterable of modules with ``gate_proj``/``up_proj``/``down_proj`` nn.Linear
-              (or a module whose ``experts`` is one). A list of all E experts (entries of other ranks may be
-              None) gives this rank experts ep_rank·L … +L−1; a list of L is this rank's own.
-        ``shared_expert``: optional module with ``gate_proj``/``up_proj``/``down_proj`` (or ``w1``/``w3``/``w2``)
-        nn.Linear. ``options`` are passed to the constructor (act_format, swiglu_limit, device, ...).
-        Meta tensors are refused. Optimizer state and gradients are not carried over.
+        ``module`` is one of
+          (a) transformers 5.x fused experts: tensors ``gate_up_proj`` [N, 2I, H] (gate rows, then up rows) and
+              ``down_proj`` [N, H, I], SiLU, no bias (a transposed, interleaved or biased variant raises);
+          (b) grouped experts with tensors ``w1``, ``w3`` [N, I, H] and ``w2`` [N, H, I] (torchtitan style);
+          (c) an iterable of MLP modules with ``gate_proj``/``up_proj``/``down_proj`` (transformers 4.x) or
+              ``w1``/``w3``/``w2`` nn.Linear; entries other ranks own may be None;
+          or a module whose ``experts`` is one of these (a block that also holds a shared expert must pass it as
+          ``shared_expert``: nothing is dropped silently).
+        Which experts this rank keeps: a DTensor (EP shard) holds this rank's own. A plain source of N experts is
+        the whole model when ``num_experts`` = N (this rank keeps ep_rank·N/S … +N/S−1, S = ep_size) or this
+        rank's own when ``num_experts`` = N·S; on one rank ``num_experts`` defaults to N, on several it is
+        required (the count alone cannot tell which is meant).
+        ``shared_expert``: optional SwiGLU MLP (gate/up/down_proj or w1/w3/w2 nn.Linear, no bias).
+        ``shared_expert_gate``: optional nn.Linear(H, 1, bias=False) gating it (Qwen2-MoE); its sigmoid is taken in
+        float32 and the gated output added before the bf16 cast. ``options`` go to the constructor (act_format,
+        swiglu_limit, device, ...). Meta tensors and NaN/Inf weights are refused, naming the tensor.
+
+        Collective over ``ep_group``: an error on any rank raises on every rank (the others name the failing rank)
+        before any rank returns a layer, and no rank keeps a workspace lease.
         """
-        size, rank, _ = _resolve_ep(ep_group, ep_size)
-        gate, up, down = _experts_from_module(module, num_experts, size, rank)
-        h, i, num_local = gate.shape[2], gate.shape[1], gate.shape[0]
-        if num_experts is None:
-            num_experts = num_local * size
-        options.setdefault("device", gate.device)
-        shared = None
-        if shared_expert is not None:
-            shared = _linears_of(shared_expert, "shared_expert")
-            options.setdefault("shared_intermediate_size", shared[0].shape[0])
-        layer = cls(h, i, num_experts, top_k, capacity, weight_format=weight_format, ep_group=ep_group,
-                    ep_size=ep_size, **options)
-        layer._load_float_experts(gate, up, down)
-        if shared is not None:
-            if layer.shared is None:
+        size, rank, _ = _group_info(ep_group)
+        stage = "StaticMoE.from_module"
+
+        def read():
+            _check_ep_size(ep_size, size)
+            gate, up, down, total = _experts_from_module(module, num_experts, size, rank, shared_expert)
+            if shared_expert is None and shared_expert_gate is not None:
+                raise ValueError("shared_expert_gate was given without shared_expert")
+            shared = None if shared_expert is None else _linears_of(shared_expert, "shared_expert")
+            gate_w = None if shared_expert_gate is None else _gate_of(shared_expert_gate, gate.shape[2])
+            if shared is not None and options.get("shared_intermediate_size", 0) is None:
                 raise ValueError("shared_expert was given but shared_intermediate_size=None was passed")
-            layer._load_float_shared(*shared)
+            return gate, up, down, total, shared, gate_w
+
+        gate, up, down, total, shared, gate_w = _collectively(ep_group, size, stage, read)
+        options.setdefault("device", gate.device)
+        if shared is not None:
+            options.setdefault("shared_intermediate_size", shared[0].shape[0])
+            options.setdefault("shared_gate", gate_w is not None)
+        layer = cls(gate.shape[2], gate.shape[1], total, top_k, capacity, weight_format=weight_format,
+                    ep_group=ep_group, ep_size=ep_size, **options)
+
+        def load():
+            layer._load_float_experts(gate, up, down)
+            if shared is not None:
+                layer._load_float_shared(*shared)
+                if gate_w is not None:
+                    layer.shared.set_gate(gate_w)
+                elif layer.shared.gate_weight is not None:
+                    raise ValueError("shared_gate=True but no shared_expert_gate was given")
+
+        _collectively(ep_group, size, stage, load, cleanup=layer.close)
         return layer
 
     def _load_float_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
@@ -384,49 +512,73 @@ class StaticMoE(nn.Module):
                                  num_experts: int, prefix: str = "", weight_format: str | None = None,
                                  shared_weight_format: str | None = None, ep_group=None,
                                  ep_size: int | None = None, **options) -> "StaticMoE":
-        """Build a layer from a DeepSeek-style checkpoint's MoE block (only this rank's experts are read).
+        """Build a layer from a checkpoint's MoE block (only this rank's experts are read).
 
-        Keys ``{prefix}experts.{e}.{w1|gate_proj}.weight`` / ``{w3|up_proj}`` / ``{w2|down_proj}`` with optional
-        scales ``….weight_scale_inv`` / ``….scale`` / ``….weight_scale``, and the same under
-        ``{prefix}shared_experts.`` for a shared expert (used when present). Per weight:
+        Routed experts, either per expert (DeepSeek / transformers 4.x hub keys)
+        ``{prefix}experts.{e}.{w1|gate_proj}.weight`` / ``{w3|up_proj}`` / ``{w2|down_proj}`` with optional scales
+        ``….weight_scale_inv`` / ``….scale`` / ``….weight_scale``, or fused (transformers 5.x)
+        ``{prefix}experts.gate_up_proj`` [E, 2I, H] (gate rows then up rows) and ``{prefix}experts.down_proj``
+        [E, H, I] with optional ``…_scale_inv`` / ``…_scale`` [E, N or ⌈N/128⌉, K/block]. A shared expert under
+        ``{prefix}shared_experts.`` (DeepSeek) or ``{prefix}shared_expert.`` (Qwen2-MoE, with its gate
+        ``{prefix}shared_expert_gate.weight`` [1, H]) is used when present. Per weight:
           * bf16 / fp16 / fp32: float weights; kept as bf16, or quantized when ``weight_format`` asks for fp8/fp4;
           * float8_e4m3fn with 128×128 block scales [⌈N/128⌉, K/128] (expanded to 1×128) or 1×128 scales
-            [N, K/128]; values are ``q · s``;
+            [N, K/128], float scales; values are ``q · s``;
           * fp4: uint8 / int8 / float4_e2m1fn_x2 [N, K/2] with UE8M0 scales uint8 / float8_e8m0fnu [N, K/32]
             (byte 255 rejected).
         ``weight_format`` None keeps the checkpoint's format; a quantized checkpoint is never re-quantized to
-        another format (ValueError).
+        another format (ValueError). Collective over ``ep_group`` like :meth:`from_module`: a missing key, a bad
+        shape or scale on any rank raises on every rank before any rank returns a layer.
         """
-        size, rank, _ = _resolve_ep(ep_group, ep_size)
-        _positive_int("num_experts", num_experts)
-        if num_experts % size:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by ep_size ({size})")
-        num_local = num_experts // size
-        experts = [_read_deepseek_mlp(state_dict, f"{prefix}experts.{rank * num_local + e}.")
-                   for e in range(num_local)]
-        fmt = _common_format([m["format"] for m in experts], "routed experts")
-        target = weight_format or fmt
-        shared_key = f"{prefix}shared_experts."
-        shared = None
-        if any(k.startswith(shared_key) for k in state_dict):
-            shared = _read_deepseek_mlp(state_dict, shared_key)
-            options.setdefault("shared_intermediate_size", shared["up"][0].shape[0])
-            shared_weight_format = shared_weight_format or (shared["format"] if weight_format is None else target)
-        h = experts[0]["down"][0].shape[0]
-        i = experts[0]["up"][0].shape[0]
-        options.setdefault("device", experts[0]["up"][0].device)
+        size, rank, _ = _group_info(ep_group)
+        stage = "StaticMoE.from_deepseek_state_dict"
+
+        def read():
+            _check_ep_size(ep_size, size)
+            _positive_int("num_experts", num_experts)
+            if num_experts % size:
+                raise ValueError(f"num_experts ({num_experts}) must be divisible by ep_size ({size})")
+            num_local = num_experts // size
+            experts = _read_checkpoint_experts(state_dict, prefix, rank * num_local, num_local)
+            target = weight_format or _common_format([m["format"] for m in experts], "routed experts")
+            shared, gate = _read_checkpoint_shared(state_dict, prefix)
+            h, i = experts[0]["down"][0].shape[0], experts[0]["up"][0].shape[0]
+            device = torch.device(options.get("device") or experts[0]["up"][0].device)
+            converted = [_mlp_in_format(m, target, m["base"], device) for m in experts]
+            stacked = {k: None if converted[0][k] is None else torch.stack([m[k] for m in converted])
+                       for k in _WEIGHT_NAMES}
+            routed = _checked_weights("routed", _weight_shapes(num_local, h, i, target), target, stacked)
+            if shared is None:
+                return h, i, target, routed, None, None, {}
+            if options.get("shared_intermediate_size", 0) is None:
+                raise ValueError(f"the state dict has {shared['base']}* keys but shared_intermediate_size=None "
+                                 "was passed")
+            s_fmt = shared_weight_format or (shared["format"] if weight_format is None else target)
+            si = shared["up"][0].shape[0]
+            m = _mlp_in_format(shared, s_fmt, shared["base"], device)
+            s_checked = _checked_weights("shared expert", _weight_shapes(1, h, si, s_fmt), s_fmt,
+                                         {k: None if m[k] is None else m[k][None] for k in _WEIGHT_NAMES})
+            gate = None if gate is None else _checked_gate(f"{prefix}shared_expert_gate.weight", gate, h)
+            extra = {"shared_intermediate_size": si, "shared_weight_format": s_fmt, "shared_gate": gate is not None}
+            return h, i, target, routed, s_checked, gate, extra
+
+        h, i, target, routed, s_checked, gate, extra = _collectively(ep_group, size, stage, read)
+        options.setdefault("device", routed["w13"].device)
+        for k, v in extra.items():
+            options.setdefault(k, v)
+        if s_checked is None:
+            options.setdefault("shared_weight_format", shared_weight_format)
         layer = cls(h, i, num_experts, top_k, capacity, weight_format=target, ep_group=ep_group, ep_size=ep_size,
-                    shared_weight_format=shared_weight_format, **options)
-        w = [_mlp_in_format(m, target, f"{prefix}experts.{rank * num_local + e}.", layer.w13.device)
-             for e, m in enumerate(experts)]
-        stack = lambda key: None if w[0][key] is None else torch.stack([m[key] for m in w])  # noqa: E731
-        layer.set_expert_weights(stack("w13"), stack("w13_scale"), stack("w2"), stack("w2_scale"))
-        if shared is not None:
-            if layer.shared is None:
-                raise ValueError(f"the state dict has {shared_key}* keys but shared_intermediate_size=None was passed")
-            m = _mlp_in_format(shared, layer.shared.weight_format, shared_key, layer.w13.device)
-            lift = lambda t: None if t is None else t[None]  # noqa: E731
-            layer.shared.set_weights(lift(m["w13"]), lift(m["w13_scale"]), lift(m["w2"]), lift(m["w2_scale"]))
+                    **options)
+
+        def load():
+            _copy_checked(layer, routed)
+            if s_checked is not None:
+                _copy_checked(layer.shared, s_checked)
+                if gate is not None:
+                    layer.shared.set_gate(gate)
+
+        _collectively(ep_group, size, stage, load, cleanup=layer.close)
         return layer
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
@@ -466,12 +618,12 @@ class StaticMoE(nn.Module):
                                  f"got {x_s.dtype}{list(x_s.shape)}")
             lead = x_q.shape[:-1]
             return x_q.reshape(-1, h), x_s.reshape(-1, h // g), lead, None
-        if not isinstance(hidden, torch.Tensor) or hidden.dtype != torch.bfloat16 or hidden.dim() < 1 \
+        if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES or hidden.dim() < 1 \
                 or hidden.shape[-1] != h:
             got = f"{hidden.dtype}{list(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
-            raise ValueError(f"hidden must be bf16 [..., {h}], got {got}")
+            raise ValueError(f"hidden must be bf16, fp16 or fp32 [..., {h}], got {got}")
         lead = hidden.shape[:-1]
-        x = hidden.reshape(-1, h)
+        x = hidden.reshape(-1, h).to(torch.bfloat16)  # the experts' activation format is bf16 (or fp8 from bf16)
         if self.act_format == "fp8":
             x_q, x_s = quantize_activation(x, self.act_group)
             return x_q, x_s, lead, x
@@ -481,6 +633,9 @@ class StaticMoE(nn.Module):
         if self._closed:
             raise RuntimeError("this StaticMoE layer is closed: its workspace lease was given back")
         x, x_scale, lead, x_bf16 = self._activations(hidden)
+        out_dtype = hidden.dtype if isinstance(hidden, torch.Tensor) else torch.bfloat16
+        if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float16:
+            topk_weights = topk_weights.float()  # the op takes float32 / bf16 routing weights
         t = x.shape[0]
         if t > self.capacity:
             raise ValueError(f"StaticMoE: {t} tokens exceed the capacity of {self.capacity}")
@@ -495,16 +650,22 @@ class StaticMoE(nn.Module):
             raise ValueError(f"hidden is on {x.device} but this layer's weights and workspace are on {self._device}")
         shared_out = None
         if self.shared is not None:
-            if self.shared.weight_format == "bf16":
+            need_float = self.shared.weight_format == "bf16" or self.shared.gate_weight is not None
+            sx = None
+            if need_float:
                 sx = x_bf16 if x_bf16 is not None else dequantize_activation(x, x_scale).to(torch.bfloat16)
-                shared_out = self.shared(sx, None)
+            gate_input = None
+            if self.shared.gate_weight is not None:  # the gate sees the hidden states as given (fp32 stays fp32)
+                gate_input = hidden.reshape(-1, self.hidden_size) if isinstance(hidden, torch.Tensor) else sx
+            if self.shared.weight_format == "bf16":
+                shared_out = self.shared(sx, None, gate_input)
             else:
-                shared_out = self.shared(x, x_scale)
+                shared_out = self.shared(x, x_scale, gate_input)
         out = _forward_op(x, x_scale, topk_idx, topk_weights, self.w13, self.w13_scale, self.w2, self.w2_scale,
                           shared_out, num_experts=self.num_experts, capacity=self.capacity,
                           swiglu_limit=self.swiglu_limit, group_name=self.group_name, ep_rank=self.ep_rank,
                           ep_size=self.ep_size, fp8_max=self.fp8_max)
-        return out.reshape(*lead, self.hidden_size)
+        return out.reshape(*lead, self.hidden_size).to(out_dtype)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -518,12 +679,44 @@ class StaticMoE(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # Conversion helpers
 # ----------------------------------------------------------------------------------------------------------------
-def _float_weight(name: str, t) -> torch.Tensor:
+def _collectively(ep_group, size: int, stage: str, fn, cleanup=None):
+    """``fn()`` on every rank; if it raised on any rank, every rank raises (``workspace.converge``) after
+    ``cleanup()`` (e.g. giving back a workspace lease), so no rank returns a layer its peers do not have."""
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001  (any failure must reach the other ranks)
+        error = e
+    try:
+        if size > 1:
+            _workspace.converge(ep_group, error, stage)
+        elif error is not None:
+            raise error
+    except BaseException:
+        if cleanup is not None:
+            cleanup()
+        raise
+    return result
+
+
+def _float_weight(name: str, t, first: int = 0) -> torch.Tensor:
+    """A float source weight, checked finite (``first``: global id of dim 0's first expert, for the message)."""
     t = _materialized(name, t)
     if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be a float weight (bf16/fp16/fp32) to convert, got {t.dtype}; "
                         "quantized checkpoints load with StaticMoE.from_deepseek_state_dict")
-    return t.detach()
+    return _check_finite(name, t.detach(), first)
+
+
+def _is_silu(act) -> bool:
+    return act is nn.functional.silu or isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def _check_activation(owner, what: str) -> None:
+    act = getattr(owner, "act_fn", None)
+    if act is not None and not _is_silu(act):
+        raise ValueError(f"{what} uses the activation {type(act).__name__}: StaticMoE computes SwiGLU "
+                         "(SiLU-gated) experts only")
 
 
 def _linears_of(expert, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -532,6 +725,9 @@ def _linears_of(expert, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
         mods = [getattr(expert, n, None) for n in names]
         if all(m is not None for m in mods):
+            _check_activation(expert, what)
+            if any(getattr(m, "bias", None) is not None for m in mods):
+                raise ValueError(f"{what}: biased projections are not supported (SwiGLU experts have no bias)")
             ws = [_float_weight(f"{what}.{n}.weight", getattr(m, "weight", m)) for n, m in zip(names, mods)]
             gate, up, down = ws
             if gate.dim() != 2 or up.shape != gate.shape or tuple(down.shape) != (gate.shape[1], gate.shape[0]):
@@ -539,60 +735,123 @@ def _linears_of(expert, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Te
                                  f"{list(up.shape)}, {list(down.shape)}")
             if len({gate.device, up.device, down.device}) != 1:
                 raise ValueError(f"{what}: gate, up and down weights must share one device")
-            if any(getattr(m, "bias", None) is not None for m in mods):
-                raise ValueError(f"{what}: biased projections are not supported (SwiGLU experts have no bias)")
             return gate, up, down
     raise TypeError(f"{what} must have gate_proj/up_proj/down_proj or w1/w3/w2 projections, "
                     f"got {type(expert).__name__}")
 
 
-def _experts_from_module(module, num_experts, size, rank):
-    """This rank's experts as float (gate [L, I, H], up [L, I, H], down [L, H, I])."""
+def _gate_of(gate, hidden: int) -> torch.Tensor:
+    """The weight [1, H] of a shared expert's gate (nn.Linear(H, 1, bias=False) or a tensor)."""
+    if getattr(gate, "bias", None) is not None:
+        raise ValueError("shared_expert_gate: a biased gate is not supported")
+    return _checked_gate("shared_expert_gate.weight", getattr(gate, "weight", gate), hidden)
+
+
+def _local_range(n: int, num_experts: int | None, size: int, rank: int, is_shard: bool, what: str):
+    """(first, count, global E): which of the ``n`` given experts this rank keeps (see from_module)."""
+    if is_shard:
+        if num_experts is not None and num_experts != n * size:
+            raise ValueError(f"{what} is an EP shard of {n} experts on each of {size} ranks ({n * size} in all), "
+                             f"but num_experts={num_experts} was passed")
+        return 0, n, n * size
+    if num_experts is None:
+        if size == 1:
+            return 0, n, n
+        split = f"each rank then keeps {n // size}" if n % size == 0 else f"{n} does not split over {size} ranks"
+        raise ValueError(f"{what} holds {n} experts and the EP group has {size} ranks: pass num_experts={n} if "
+                         f"they are all the model's experts ({split}), or num_experts={n * size} if they are "
+                         "this rank's own")
+    _positive_int("num_experts", num_experts)
+    if n == num_experts:
+        if num_experts % size:
+            raise ValueError(f"{what}: num_experts={num_experts} experts do not split over ep_size={size} ranks; "
+                             f"pick an ep_size that divides {num_experts}")
+        count = num_experts // size
+        return rank * count, count, num_experts
+    if n * size == num_experts:
+        return 0, n, num_experts
+    mine = f"this rank's {num_experts // size}" if num_experts % size == 0 else "a share (it does not divide)"
+    raise ValueError(f"{what} holds {n} experts, but num_experts={num_experts} over ep_size={size} needs all "
+                     f"{num_experts} (the whole model) or {mine}")
+
+
+def _fused_tensors(module):
+    """(gate_up_proj, down_proj) of transformers 5.x fused experts, or None for another kind of source."""
+    gu, d = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(_maybe_local(gu), torch.Tensor) and isinstance(_maybe_local(d), torch.Tensor)):
+        return None
+    name = type(module).__name__
+    for flag, bad, why in (("is_transposed", True, "transposed [E, H, 2I] weights"),
+                           ("is_concatenated", False, "interleaved gate/up rows"),
+                           ("has_gate", False, "experts without a gate projection"),
+                           ("has_bias", True, "biased projections")):
+        if getattr(module, flag, not bad) == bad:
+            raise ValueError(f"{name}: {why} cannot be represented (StaticMoE takes gate rows then up rows, "
+                             "no bias)")
+    for b in ("gate_up_proj_bias", "down_proj_bias"):
+        if getattr(module, b, None) is not None:
+            raise ValueError(f"{name}.{b}: biased projections cannot be represented")
+    _check_activation(module, name)
+    return gu, d
+
+
+def _experts_from_module(module, num_experts, size, rank, shared_expert=None):
+    """This rank's experts as float (gate [L, I, H], up [L, I, H], down [L, H, I]) and the global count E."""
+    fused = _fused_tensors(module)
+    if fused is not None:
+        is_shard = hasattr(fused[0], "to_local")
+        gu, d = _materialized("experts.gate_up_proj", fused[0]), _materialized("experts.down_proj", fused[1])
+        if gu.dim() != 3 or d.dim() != 3 or gu.shape[1] % 2 or tuple(d.shape) != (gu.shape[0], gu.shape[2],
+                                                                                  gu.shape[1] // 2):
+            raise ValueError(f"fused experts need gate_up_proj [E, 2I, H] and down_proj [E, H, I], got "
+                             f"{list(gu.shape)} and {list(d.shape)}")
+        first, count, total = _local_range(gu.shape[0], num_experts, size, rank, is_shard, "experts.gate_up_proj")
+        gu = _float_weight("experts.gate_up_proj", gu[first:first + count], first)
+        d = _float_weight("experts.down_proj", d[first:first + count], first)
+        if gu.device != d.device:
+            raise ValueError("experts.gate_up_proj and experts.down_proj must share one device")
+        i = gu.shape[1] // 2
+        return gu[:, :i], gu[:, i:], d, total
     if all(hasattr(module, n) for n in ("w1", "w2", "w3")) and isinstance(
             _maybe_local(getattr(module, "w1")), torch.Tensor) and _maybe_local(getattr(module, "w1")).dim() == 3:
-        gate, up, down = (_float_weight(f"source {n}", getattr(module, n)) for n in ("w1", "w3", "w2"))
-        if up.shape != gate.shape or tuple(down.shape) != (gate.shape[0], gate.shape[2], gate.shape[1]):
-            raise ValueError(f"source expects w1/w3 [L, I, H] and w2 [L, H, I], got {list(gate.shape)}, "
-                             f"{list(up.shape)}, {list(down.shape)}")
+        is_shard = hasattr(module.w1, "to_local")
+        ts = {n: _materialized(f"source {n}", getattr(module, n)) for n in ("w1", "w3", "w2")}
+        g = ts["w1"]
+        if ts["w3"].shape != g.shape or tuple(ts["w2"].shape) != (g.shape[0], g.shape[2], g.shape[1]):
+            raise ValueError(f"source expects w1/w3 [L, I, H] and w2 [L, H, I], got {list(g.shape)}, "
+                             f"{list(ts['w3'].shape)}, {list(ts['w2'].shape)}")
+        first, count, total = _local_range(g.shape[0], num_experts, size, rank, is_shard, "source w1")
+        gate, up, down = (_float_weight(f"source {n}", ts[n][first:first + count], first) for n in ("w1", "w3", "w2"))
         if len({gate.device, up.device, down.device}) != 1:
             raise ValueError("source w1, w3 and w2 must share one device")
-        if num_experts is not None and num_experts != gate.shape[0] * size:
-            raise ValueError(f"source holds {gate.shape[0]} local experts, but num_experts={num_experts} over "
-                             f"ep_size={size} needs {num_experts // size if num_experts % size == 0 else '?'}")
-        return gate, up, down
-    experts = getattr(module, "experts", module)
-    if isinstance(experts, nn.Module) and not isinstance(experts, (nn.ModuleList, nn.Sequential)):
-        raise TypeError(f"module must be grouped experts (w1/w3/w2 tensors) or a list of HF-style experts, "
-                        f"got {type(module).__name__}")
-    if not isinstance(experts, Iterable):
+        return gate, up, down, total
+    inner = getattr(module, "experts", None)
+    if isinstance(inner, nn.Module) and inner is not module:
+        for attr in ("shared_expert", "shared_experts"):
+            if shared_expert is None and getattr(module, attr, None) is not None:
+                raise ValueError(f"{type(module).__name__} has a {attr}: pass it as shared_expert= (and its "
+                                 "shared_expert_gate=, if any), or pass module.experts; it would be dropped")
+        return _experts_from_module(inner, num_experts, size, rank, shared_expert)
+    if isinstance(module, nn.Module) and not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(f"module must be fused experts (gate_up_proj/down_proj), grouped experts (w1/w3/w2 "
+                        f"tensors) or a list of SwiGLU MLPs, got {type(module).__name__}")
+    if not isinstance(module, Iterable):
         raise TypeError(f"module must be grouped experts or a list of experts, got {type(module).__name__}")
-    experts = list(experts)
-    n = len(experts)
-    if n == 0:
+    experts = list(module)
+    if not experts:
         raise ValueError("the experts list is empty")
-    if num_experts is None or n == num_experts // size and n != num_experts:
-        local = experts  # this rank's own
-        if num_experts is not None and n * size != num_experts:
-            raise ValueError(f"{n} experts given; num_experts={num_experts} over ep_size={size}")
-        first = 0
-    elif n == num_experts:
-        if num_experts % size:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by ep_size ({size})")
-        num_local = num_experts // size
-        first = rank * num_local
-        local = experts[first: first + num_local]
-    else:
-        raise ValueError(f"{n} experts given: expected all num_experts={num_experts} (global order) or this "
-                         f"rank's {num_experts // size if num_experts % size == 0 else '?'}")
+    first, count, total = _local_range(len(experts), num_experts, size, rank, False, "the experts list")
     mats = []
-    for j, e in enumerate(local):
+    for j, e in enumerate(experts[first:first + count]):
         if e is None:
             raise ValueError(f"expert {first + j} (owned by this rank) is None")
         mats.append(_linears_of(e, f"experts[{first + j}]"))
-    shapes = {tuple(m[0].shape) for m in mats}
-    if len(shapes) != 1 or len({m[0].device for m in mats}) != 1:
-        raise ValueError("every expert must have the same shapes and device")
-    return tuple(torch.stack([m[i] for m in mats]) for i in range(3))
+    for j, m in enumerate(mats):
+        if m[0].shape != mats[0][0].shape or m[0].device != mats[0][0].device:
+            raise ValueError(f"experts[{first + j}] has gate {list(m[0].shape)} on {m[0].device}, but "
+                             f"experts[{first}] has {list(mats[0][0].shape)} on {mats[0][0].device}: every "
+                             "expert must have the same shapes and device")
+    return (*(torch.stack([m[i] for m in mats]) for i in range(3)), total)
 
 
 def _maybe_local(t):
@@ -601,6 +860,7 @@ def _maybe_local(t):
 
 _DS_NAMES = {"gate": ("w1", "gate_proj"), "up": ("w3", "up_proj"), "down": ("w2", "down_proj")}
 _DS_SCALE_SUFFIXES = ("weight_scale_inv", "scale", "weight_scale")
+_FUSED_SCALE_SUFFIXES = ("_scale_inv", "_scale", "_weight_scale")
 
 
 def _tensor_format(name: str, w: torch.Tensor, s: torch.Tensor | None) -> str:
@@ -615,24 +875,93 @@ def _tensor_format(name: str, w: torch.Tensor, s: torch.Tensor | None) -> str:
     raise TypeError(f"{name}: weight dtype {w.dtype} is not bf16/fp16/fp32, float8_e4m3fn or packed fp4")
 
 
+def _checkpoint_tensor(sd: Mapping, key: str, dims: int) -> torch.Tensor:
+    t = _materialized(key, sd[key])
+    if t.dim() != dims:
+        raise ValueError(f"{key} must be a {dims}-D tensor, got {t.dim()}-D {list(t.shape)}")
+    return t
+
+
+def _mlp_format(out: dict, base: str) -> dict:
+    fmts = {_tensor_format(name, w, s) for w, s, name in (out[p] for p in _DS_NAMES)}
+    if len(fmts) != 1:
+        raise ValueError(f"{base}*: gate/up/down weights mix formats {sorted(fmts)}")
+    return {**out, "format": fmts.pop(), "base": base}
+
+
 def _read_deepseek_mlp(sd: Mapping[str, torch.Tensor], base: str) -> dict:
-    """{"gate"|"up"|"down": (weight, scale or None), "format": ...} of one SwiGLU MLP in a checkpoint."""
+    """{"gate"|"up"|"down": (weight, scale or None, key stem), "format", "base"} of one SwiGLU MLP."""
     out = {}
     for part, names in _DS_NAMES.items():
         for n in names:
             if f"{base}{n}.weight" in sd:
-                w = _materialized(f"{base}{n}.weight", sd[f"{base}{n}.weight"])
-                s = next((sd[f"{base}{n}.{x}"] for x in _DS_SCALE_SUFFIXES if f"{base}{n}.{x}" in sd), None)
-                s = None if s is None else _materialized(f"{base}{n} scale", s)
+                w = _checkpoint_tensor(sd, f"{base}{n}.weight", 2)
+                s = next((f"{base}{n}.{x}" for x in _DS_SCALE_SUFFIXES if f"{base}{n}.{x}" in sd), None)
+                s = None if s is None else _materialized(s, sd[s])
                 out[part] = (w, s, f"{base}{n}")
                 break
         else:
             raise KeyError(f"state dict has no {base}{{{'|'.join(names)}}}.weight")
-    fmts = {_tensor_format(name, w, s) for w, s, name in out.values()}
-    if len(fmts) != 1:
-        raise ValueError(f"{base}*: gate/up/down weights mix formats {sorted(fmts)}")
-    out["format"] = fmts.pop()
+    return _mlp_format(out, base)
+
+
+def _read_fused_experts(sd: Mapping, base: str, first: int, count: int) -> list[dict]:
+    """This rank's experts from transformers 5.x fused keys ``{base}gate_up_proj`` / ``{base}down_proj``."""
+    tensors = {}
+    for name in ("gate_up_proj", "down_proj"):
+        key = f"{base}{name}"
+        if key not in sd:
+            raise KeyError(f"state dict has {base}gate_up_proj or {base}down_proj but not {key}")
+        w = _checkpoint_tensor(sd, key, 3)
+        s = next((key + x for x in _FUSED_SCALE_SUFFIXES if key + x in sd), None)
+        s = None if s is None else _checkpoint_tensor(sd, s, 3)
+        if w.shape[0] < first + count or (s is not None and s.shape[0] != w.shape[0]):
+            raise ValueError(f"{key} holds {w.shape[0]} experts (scales: "
+                             f"{None if s is None else s.shape[0]}); this rank needs experts {first}…"
+                             f"{first + count - 1}")
+        tensors[name] = (w, s)
+    (gu, gus), (d, ds) = tensors["gate_up_proj"], tensors["down_proj"]
+    if gu.shape[1] % 2 or (gus is not None and gus.shape[1] % 2):
+        raise ValueError(f"{base}gate_up_proj must stack gate rows then up rows [E, 2I, …], got {list(gu.shape)}"
+                         + ("" if gus is None else f" with scales {list(gus.shape)}"))
+    out = []
+    for e in range(first, first + count):
+        half, s_half = gu.shape[1] // 2, None if gus is None else gus.shape[1] // 2
+        stem = f"{base}gate_up_proj[{e}]"
+        out.append(_mlp_format({
+            "gate": (gu[e, :half], None if gus is None else gus[e, :s_half], f"{stem} gate rows"),
+            "up": (gu[e, half:], None if gus is None else gus[e, s_half:], f"{stem} up rows"),
+            "down": (d[e], None if ds is None else ds[e], f"{base}down_proj[{e}]"),
+        }, f"{base}[{e}]"))
     return out
+
+
+def _read_checkpoint_experts(sd: Mapping, prefix: str, first: int, count: int) -> list[dict]:
+    """Experts ``first … first+count−1`` in per-expert or fused keys, with consistent shapes (named if not)."""
+    base = f"{prefix}experts."
+    if f"{base}gate_up_proj" in sd or f"{base}down_proj" in sd:
+        experts = _read_fused_experts(sd, base, first, count)
+    else:
+        experts = [_read_deepseek_mlp(sd, f"{base}{e}.") for e in range(first, first + count)]
+    for m in experts[1:]:
+        for part in _DS_NAMES:
+            (w, _, name), (w0, _, name0) = m[part], experts[0][part]
+            if w.shape != w0.shape:
+                raise ValueError(f"{name} has shape {list(w.shape)} but {name0} has {list(w0.shape)}: every "
+                                 "expert must have the same shapes")
+    return experts
+
+
+def _read_checkpoint_shared(sd: Mapping, prefix: str) -> tuple[dict | None, torch.Tensor | None]:
+    """The shared expert (DeepSeek ``shared_experts.`` or Qwen2-MoE ``shared_expert.``) and its gate, if any."""
+    gate_key = f"{prefix}shared_expert_gate.weight"
+    gate = _materialized(gate_key, sd[gate_key]) if gate_key in sd else None
+    for base in (f"{prefix}shared_experts.", f"{prefix}shared_expert."):
+        if any(k.startswith(base) for k in sd):
+            return _read_deepseek_mlp(sd, base), gate
+    if gate is not None:
+        raise KeyError(f"state dict has {gate_key} but no {prefix}shared_expert.* weights")
+    return None, None
 
 
 def _common_format(fmts: list[str], what: str) -> str:
@@ -647,7 +976,9 @@ def _linear_in_format(w: torch.Tensor, s: torch.Tensor | None, src: str, target:
     s = None if s is None else s.to(device)
     n = w.shape[0]
     if src == "bf16":
-        return quantize_weight(w.float(), target) if target != "bf16" else (w.to(torch.bfloat16), None)
+        if target == "bf16":
+            return _check_finite(name, w).to(torch.bfloat16), None
+        return quantize_weight(_check_finite(name, w).float(), target)
     if src != target:
         raise ValueError(f"{name}: the checkpoint stores {src} weights; converting them to {target} would quantize "
                          f"twice. Load them as {src} (weight_format=None) or dequantize them first.")
@@ -657,15 +988,17 @@ def _linear_in_format(w: torch.Tensor, s: torch.Tensor | None, src: str, target:
         k = w.shape[1]
         if k % WEIGHT_FP8_BLOCK:
             raise ValueError(f"{name}: K={k} must be a multiple of {WEIGHT_FP8_BLOCK} for fp8 weights")
+        if s.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} scale: fp8 weight scales must be float32 (bf16/fp16 are widened), got "
+                            f"{s.dtype}")
         kb = k // WEIGHT_FP8_BLOCK
-        if s.dtype != torch.float32 and s.dtype in _FLOAT_DTYPES:
-            s = s.float()
+        s = s.float()
         if tuple(s.shape) == (-(-n // WEIGHT_FP8_BLOCK), kb):
             s = expand_block_scales(s, n)  # 128×128 blocks → 1×128
         elif tuple(s.shape) != (n, kb):
             raise ValueError(f"{name}: fp8 scales must be 128×128 blocks [{-(-n // 128)}, {kb}] or 1×128 "
                              f"[{n}, {kb}], got {list(s.shape)}")
-        return w, _normalize_scale(f"{name} scale", s.contiguous(), "fp8")
+        return _normalize_weight(name, w, "fp8"), _normalize_scale(f"{name} scale", s.contiguous(), "fp8")
     w = as_uint8(w) if w.dtype != torch.int8 else w.view(torch.uint8)
     k = 2 * w.shape[1]
     s = _normalize_scale(f"{name} scale", s, "fp4")
