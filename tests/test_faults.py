@@ -419,3 +419,49 @@ def test_killed_rank_makes_survivors_raise(size, tmp_path):
         rec = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert rec["raised"] is not None, rec
         assert rec["s"] < BOUND_S, f"survivor rank {rank} took {rec['s']:.1f} s to notice: {rec}"
+
+
+# --- the layer: StaticMoE's own checks must fail collectively too ---------------------------------------------------
+def _layer_worker(rank: int, size: int) -> list[dict]:
+    """A StaticMoE layer on every rank; one rank's call is bad (too many tokens, routing of the wrong shape,
+    hidden states of the wrong dtype or width): every rank must raise and the next step must work."""
+    import torch.distributed as dist
+
+    from static_moe import StaticMoE
+
+    e = L * size
+    layer = StaticMoE(H, I, e, K, C, ep_group=dist.group.WORLD)
+    good = _case(rank, size)
+    layer.set_expert_weights(good["w13"], good["w13_scale"], good["w2"], good["w2_scale"])
+
+    def step(case):
+        return layer(case["x"], case["idx"], case["tw"])
+
+    base = step(good)
+    records = []
+    for label, mutate in (("T > C", lambda c: c.update(x=torch.zeros(C + 1, H, dtype=torch.bfloat16),
+                                                       idx=torch.full((C + 1, K), -1, dtype=torch.int32),
+                                                       tw=torch.zeros(C + 1, K))),
+                          ("routing shape", lambda c: c.update(idx=c["idx"][:, :1])),
+                          ("hidden dtype", lambda c: c.update(x=c["x"].to(torch.int32))),
+                          ("hidden width", lambda c: c.update(x=torch.zeros(c["x"].shape[0], 2 * H,
+                                                                             dtype=torch.bfloat16)))):
+        case = dict(good)
+        if rank == 1:
+            mutate(case)
+        rec = _attempt(lambda: step(case))
+        rec.update(case=label, next_ok=bool(torch.equal(step(good), base)))
+        records.append(rec)
+    layer.close()
+    return records
+
+
+def test_layer_faults_on_two_ranks():
+    records = run_ranks(_layer_worker, 2, timeout=180, pg_timeout=PG_TIMEOUT_S)
+    for rank, recs in enumerate(records):
+        for r in recs:
+            assert r["s"] < BOUND_S and r["next_ok"], (rank, r)
+            if rank == 1:
+                assert r["raised"] in ("ValueError", "TypeError"), (rank, r)
+            else:
+                assert r["raised"] == "RuntimeError" and r["msg"].startswith("forward: rank 1 failed"), (rank, r)

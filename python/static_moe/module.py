@@ -25,8 +25,6 @@ The ``from_*`` constructors are collective over the EP group: an error on one ra
 
 from __future__ import annotations
 
-import math
-import struct
 from typing import Iterable, Mapping
 
 import torch
@@ -337,7 +335,7 @@ class StaticMoE(_FixedFormats):
             with ``act_group`` (32 or 128) when "fp8".
         swiglu_limit: optional SwiGLU clamp (SPEC §1.4).
         fp8_max: with act_format "fp8", the range of the experts' fp8 re-quantization of the SwiGLU output
-            (SPEC §1.5, §1.7; shared expert included), in (0, 448]. 448 (default) is OCP float8_e4m3fn; use 240
+            (SPEC §1.5, §1.7; shared expert included), in [2, 448]. 448 (default) is OCP float8_e4m3fn; use 240
             on Trainium2 (trn2), whose on-chip float8_e4m3 tops out at 240 — its kernels refuse 448 rather than
             change the numerics. Hidden states are still quantized with 448 (every backend decodes e4m3fn up to
             448). Unused with act_format "bf16".
@@ -400,7 +398,8 @@ class StaticMoE(_FixedFormats):
         self.workspace_spec = _workspace.WorkspaceSpec(
             capacity=capacity, hidden=hidden_size, intermediate=intermediate_size, num_experts=num_experts,
             topk=top_k, ep_size=self.ep_size, act_format=act_format, act_group=act_group,
-            weight_format=weight_format, device=str(device))
+            weight_format=weight_format, device=str(device), swiglu_limit=self.swiglu_limit,
+            fp8_max=self.fp8_max)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.capacity = num_experts, top_k, capacity
         self.num_local_experts = num_experts // self.ep_size
@@ -629,19 +628,33 @@ class StaticMoE(_FixedFormats):
             return x_q, x_s, lead, x
         return x, None, lead, x
 
-    def forward(self, hidden, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self._closed:
-            raise RuntimeError("this StaticMoE layer is closed: its workspace lease was given back")
-        x, x_scale, lead, x_bf16 = self._activations(hidden)
-        out_dtype = hidden.dtype if isinstance(hidden, torch.Tensor) else torch.bfloat16
-        if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float16:
-            topk_weights = topk_weights.float()  # the op takes float32 / bf16 routing weights
+    def _check_call(self, x: torch.Tensor, topk_idx, topk_weights) -> None:
+        """The layer's own checks of a call's token count and routing shapes (the op repeats them collectively)."""
         t = x.shape[0]
         if t > self.capacity:
             raise ValueError(f"StaticMoE: {t} tokens exceed the capacity of {self.capacity}")
         if tuple(topk_idx.shape) != (t, self.top_k) or tuple(topk_weights.shape) != (t, self.top_k):
             raise ValueError(f"topk_idx and topk_weights must be [T={t}, top_k={self.top_k}], got "
                              f"{list(topk_idx.shape)} and {list(topk_weights.shape)}")
+
+    def forward(self, hidden, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("this StaticMoE layer is closed: its workspace lease was given back")
+        if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float16:
+            topk_weights = topk_weights.float()  # the op takes float32 / bf16 routing weights
+        try:
+            x, x_scale, lead, x_bf16 = self._activations(hidden)
+            self._check_call(x, topk_idx, topk_weights)
+        except (ValueError, TypeError):
+            if self.ep_size == 1 or not isinstance(hidden, torch.Tensor):
+                raise
+            # One rank's bad call must not leave the others waiting in the all-gather: hand the inputs to the
+            # op as they came; it fails its own checks and reports the failure to every rank (docs/errors.md).
+            return _forward_op(hidden, None, topk_idx, topk_weights, self.w13, self.w13_scale, self.w2,
+                               self.w2_scale, None, num_experts=self.num_experts, capacity=self.capacity,
+                               swiglu_limit=self.swiglu_limit, group_name=self.group_name, ep_rank=self.ep_rank,
+                               ep_size=self.ep_size, fp8_max=self.fp8_max)
+        out_dtype = hidden.dtype if isinstance(hidden, torch.Tensor) else torch.bfloat16
         if self.w13.device != self._device:
             raise RuntimeError(f"this layer was built for {self._device} (its workspace lives there) but its weights "
                                f"are now on {self.w13.device}; construct the layer on the target device instead "

@@ -526,7 +526,7 @@ def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, sh
         shared_output: optional [T, H] added in fp32 before the bf16 cast.
         group_name: the EP process group's name (``group.group_name``); unused when ep_size = 1.
         fp8_max: with fp8 x, the range of the experts' fp8 re-quantization of the SwiGLU output (SPEC §1.5,
-            §1.7), in (0, 448]: 448 for OCP float8_e4m3fn; use 240 on Trainium2, whose on-chip float8_e4m3 tops
+            §1.7), in [2, 448]: 448 for OCP float8_e4m3fn; use 240 on Trainium2, whose on-chip float8_e4m3 tops
             out there (its NKI kernel refuses 448 rather than change the numerics). x itself may hold e4m3fn
             values up to 448 either way. Ignored with bf16 x.
 
