@@ -10,7 +10,7 @@ THREADS ?= 2
 
 all: test
 
-$(STAMP):
+$(STAMP): Makefile   # a changed dependency list re-runs the installs in an existing .venv
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip setuptools wheel
 	$(VPY) -m pip install -q torch==2.13.0 numpy ml_dtypes pytest hypothesis ninja matplotlib 'transformers>=5'
