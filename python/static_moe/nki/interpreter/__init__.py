@@ -7,7 +7,7 @@ Kernels should import ``nl`` / ``nisa`` through :mod:`static_moe.nki.shim`, whic
 """
 
 from . import cost, isa, language  # noqa: F401
-from .cost import TRN2, CostModel, CostRecord, estimate  # noqa: F401
+from .cost import LEGACY_TRN2, TRN2, CostModel, CostRecord, estimate  # noqa: F401
 from .errors import NkiRuleError  # noqa: F401
 from .runtime import Kernel, jit, last_run, profile, simulate  # noqa: F401
 from .state import get_target, set_target, target  # noqa: F401

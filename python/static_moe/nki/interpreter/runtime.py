@@ -127,8 +127,10 @@ def simulate(kernel):
                     obj[...] = new
 
             def back(o):
-                if isinstance(o, tuple):
-                    return tuple(back(v) for v in o)
+                # several outputs come back as a tuple or a list of shared_hbm tensors (public kernels return
+                # both; the language guide's "return a, b" is a tuple)
+                if isinstance(o, (tuple, list)):
+                    return type(o)(back(v) for v in o)
                 if isinstance(o, NkiTensor):
                     check(o.buffer is shared_hbm and o.gather is None, "output-buffer",
                           f"returned tensor {o.name or ''} is in {o.buffer.name}; kernel outputs must be allocated "

@@ -6,13 +6,19 @@ Target: ``trn2`` (NeuronCore-v3) by default; ``trn3`` (NeuronCore-v4) via :func:
 variable the real NKI uses; ``gen3`` = trn2, ``gen4`` = trn3).
 
 Capacities (per NeuronCore, 128 partitions):
-- SBUF: the trn2 architecture guide (aws-neuron-sdk ``nki/guides/architecture/trainium2_arch.rst``) gives
-  28 MiB = 128 × 224 KiB physical. Part of it is taken by the compiler and runtime (the usable figure,
-  ``nl.tile_size.sbuf_fmax_bytes``, is not stated numerically in the docs; a kernel-library comment quotes
-  ~208 KB). We budget **192 KiB per partition (24 MiB)** for kernel allocations: conservative on purpose, so a
-  kernel accepted here fits on the device with room for compiler spill and DMA descriptors.
-- PSUM: 2 MiB = 128 × 16 KiB, 8 banks of 2 KiB (512 fp32) per partition. PSUM allocations are counted in
-  whole banks (each allocation starts on a bank boundary) and a matmul output must lie inside one bank.
+- SBUF: the trn2 architecture guide (aws-neuron-sdk ``nki/guides/architecture/trainium2_arch.rst``,
+  "NeuronCore-v3 Compute Engine Updates") gives 28 MiB = 128 × 224 KiB physical; trn3 has 128 × 256 KiB.
+  Kernels may allocate the *usable* part, ``nl.tile_size.sbuf_fmax_bytes`` (page ``nki.language.tile_size``:
+  "usable SBUF free dimension per partition, in bytes"). The page names the attribute but not its value; the
+  value is the physical size less the runtime's reserved regions, which nki-library spells out as
+  ``224 * 1024 - 16384 - 8`` (dynamic-DMA scratch and eval-accelerator reserve): **212984 B on trn2**,
+  **245752 B on trn3** (256 KiB − 16392). Public trn2 kernels allocate up to that (their own budgets
+  subtract a few hundred bytes more for an identity tile), so a lower budget refuses hardware-proven kernels.
+  (Before issue 10 the interpreter budgeted 192 KiB on trn2: stricter than the hardware.)
+- PSUM: 2 MiB = 128 × 16 KiB, 8 banks of 2 KiB (512 fp32) per partition (trn2 guide; the Trainium/Inferentia2
+  guide, "Near-memory accumulation in PSUM"). ``nl.tile_size.psum_num_banks`` is 7 when the environment sets
+  ``NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true`` (tile_size page). PSUM allocations are counted in whole banks
+  (each allocation starts on a bank boundary) and a matmul output must lie inside one bank.
 """
 
 from __future__ import annotations
@@ -36,18 +42,28 @@ class TargetSpec:
     psum_bank_bytes: int = 2 * KiB
     gemm_stationary_fmax: int = 128
     gemm_moving_fmax: int = 512
+    sbuf_physical_bytes_per_partition: int = 224 * KiB
     fp8_e4m3fn_matmul: bool = False  # OCP e4m3fn as a matmul input: trn3 only
     scalar_bias_ok: bool = True  # activation(bias=<python scalar>): trn2 and later
+    mx: bool = False  # nc_matmul_mx / quantize_mx and the x4 packed dtypes: NeuronCore-v4 only
 
     @property
     def psum_num_banks(self) -> int:
-        return self.psum_bytes_per_partition // self.psum_bank_bytes
+        banks = self.psum_bytes_per_partition // self.psum_bank_bytes
+        # tile_size page: one bank is set aside when DMA transposes are lowered to PE transposes
+        if os.environ.get("NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE", "").lower() == "true":
+            banks -= 1
+        return banks
 
+
+# Reserved SBUF per partition (nki-library's MAX_AVAILABLE_SBUF_SIZE arithmetic): dynamic-DMA scratch + 8 B.
+SBUF_RESERVED_BYTES = 16384 + 8
 
 TARGETS = {
-    "trn2": TargetSpec("trn2", sbuf_bytes_per_partition=192 * KiB),
-    # trn3 (NeuronCore-v4): same budget policy; e4m3fn is a legal matmul input. MX matmul is not modelled.
-    "trn3": TargetSpec("trn3", sbuf_bytes_per_partition=224 * KiB, fp8_e4m3fn_matmul=True),
+    "trn2": TargetSpec("trn2", sbuf_bytes_per_partition=224 * KiB - SBUF_RESERVED_BYTES),
+    # trn3 (NeuronCore-v4): 256 KiB physical per partition; e4m3fn is a legal matmul input; MX matmul.
+    "trn3": TargetSpec("trn3", sbuf_bytes_per_partition=256 * KiB - SBUF_RESERVED_BYTES,
+                       sbuf_physical_bytes_per_partition=256 * KiB, fp8_e4m3fn_matmul=True, mx=True),
 }
 _ALIASES = {"trn2": "trn2", "gen3": "trn2", "trn3": "trn3", "gen4": "trn3"}
 
