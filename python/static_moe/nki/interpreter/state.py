@@ -170,16 +170,20 @@ class RunContext:
 
 
 _current: list[RunContext] = []
+_outside: list = [None]  # the context used outside any run (rebuilt when the target changes)
 
 
 def current() -> RunContext:
     """The context of the kernel being run; outside a run, a fresh default one (so tensors can be made in
     tests and REPLs without a kernel)."""
-    if not _current:
+    if not _current or (_current[-1] is _outside[0] and _current[-1].spec is not get_target()):
         from .cost import CostRecord
 
         spec = get_target()
-        _current.append(RunContext(spec, MemoryTracker(spec), CostRecord()))
+        if _current:
+            _current.pop()
+        _outside[0] = RunContext(spec, MemoryTracker(spec), CostRecord())
+        _current.append(_outside[0])
     return _current[-1]
 
 

@@ -1,0 +1,389 @@
+"""Instructions added to the NKI interpreter in issue 10 (§3), each against numpy built from the isa stub's
+own description (aws-neuron-sdk ``nki/api/nki/isa/__init__.py``) and with its documented limits refused.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from static_moe.nki import interpreter
+from static_moe.nki.interpreter import NkiRuleError, simulate
+from static_moe.nki.interpreter import isa as nisa
+from static_moe.nki.interpreter import language as nl
+
+F32 = np.float32
+
+
+def rejects(rule: str, kernel, *args):
+    with pytest.raises(NkiRuleError) as e:
+        simulate(kernel)(*args)
+    assert e.value.rule == rule, f"expected rule {rule}, got {e.value}"
+
+
+def arr(*shape, dtype=F32, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def load(src, dtype=None):
+    t = nl.ndarray(src.shape, dtype or src.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=src)
+    return t
+
+
+def out_of(t):
+    o = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=o, src=t)
+    return o
+
+
+def identity(n, dtype=nl.bfloat16):
+    return nl.shared_identity_matrix(n, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------ nc_matmul transpose
+def test_matmul_transpose_mode_is_bit_exact_including_nan_and_inf():
+    """nc_matmul page: is_transpose=True (NeuronCore-v3+) transposes bit-exactly, NaN/Inf included."""
+    def k(x):
+        t = load(x)
+        ps = nl.ndarray((x.shape[1], x.shape[0]), nl.bfloat16, buffer=nl.psum)
+        nisa.nc_matmul(dst=ps, stationary=t, moving=identity(x.shape[0]), is_transpose=True)
+        sb = nl.ndarray(ps.shape, nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=sb, src=ps)
+        return out_of(sb)
+
+    x = arr(64, 32).astype(ml_dtypes.bfloat16)
+    x[3, 5], x[7, 1] = np.nan, np.inf
+    got = simulate(k)(x)
+    np.testing.assert_array_equal(got.view(np.uint16), x.T.view(np.uint16))
+
+
+def test_matmul_transpose_of_fp8_on_trn2_writes_16_bit_elements_with_a_zero_top_byte():
+    """trn2 guide note: an fp8 transpose produces 16-bit PSUM elements, upper 8 bits zero."""
+    def k(x):
+        t = load(x)
+        ps = nl.ndarray((x.shape[1], x.shape[0]), nl.uint16, buffer=nl.psum)
+        nisa.nc_matmul(dst=ps, stationary=t, moving=identity(x.shape[0]), is_transpose=True)
+        sb = nl.ndarray(ps.shape, nl.uint16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=sb, src=ps)
+        return out_of(sb)
+
+    def same_dtype(x):
+        t = load(x)
+        ps = nl.ndarray((x.shape[1], x.shape[0]), nl.float8_e4m3, buffer=nl.psum)
+        nisa.nc_matmul(dst=ps, stationary=t, moving=identity(x.shape[0]), is_transpose=True)
+
+    x = (arr(16, 8) * 4).astype(ml_dtypes.float8_e4m3)
+    np.testing.assert_array_equal(simulate(k)(x), x.T.view(np.uint8).astype(np.uint16))
+    rejects("dtype-mismatch", same_dtype, x)
+
+
+def test_matmul_transpose_needs_an_identity_moving_operand_and_no_double_row():
+    def not_identity(x):
+        t = load(x)
+        ones = nl.ndarray((x.shape[0], x.shape[0]), nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(ones, 1.0)
+        ps = nl.ndarray((x.shape[1], x.shape[0]), nl.bfloat16, buffer=nl.psum)
+        nisa.nc_matmul(dst=ps, stationary=t, moving=ones, is_transpose=True)
+
+    rejects("matmul-transpose", not_identity, arr(8, 4).astype(ml_dtypes.bfloat16))
+
+
+# ------------------------------------------------------------------------------------ dma_transpose
+def test_dma_transpose_2d_3d_4d_from_hbm_and_sbuf():
+    """dma_transpose page: 2-D (1, 0), 3-D (2, 1, 0), 4-D (3, 1, 2, 0), dst in SBUF."""
+    def k(x, from_sbuf):
+        src = load(x) if from_sbuf else x
+        axes = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}[x.ndim]
+        d = nl.ndarray(tuple(x.shape[a] for a in axes), x.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=d, src=src, axes=axes)
+        return out_of(d)
+
+    for shape in ((16, 128), (4, 3, 8), (8, 2, 3, 4)):
+        x = arr(*shape).astype(ml_dtypes.bfloat16)
+        axes = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}[x.ndim]
+        np.testing.assert_array_equal(simulate(k)(x, False).view(np.uint16),
+                                      np.transpose(x, axes).view(np.uint16))
+    x = arr(32, 16)
+    np.testing.assert_array_equal(simulate(k)(x, True), x.T)
+    rec = interpreter.last_run().cost
+    assert rec.dmas[-2].efficiency == 0.5  # SBUF→SBUF transpose at half DMA throughput (trn2 guide)
+
+
+def test_dma_transpose_limits():
+    def one_byte(x):
+        d = nl.ndarray((x.shape[1], x.shape[0]), x.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=d, src=x)
+
+    def hwdge_shape(x):
+        d = nl.ndarray((x.shape[1], x.shape[0]), x.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=d, src=x, dge_mode=nisa.dge_mode.hwdge)
+
+    rejects("dma-transpose-dtype", one_byte, np.zeros((4, 4), np.uint8))
+    rejects("dma-transpose-shape", hwdge_shape, np.zeros((8, 128), ml_dtypes.bfloat16))  # needs 16 rows
+    simulate(hwdge_shape)(np.zeros((16, 128), ml_dtypes.bfloat16))
+
+
+def test_dma_transpose_indirect_gathers_rows_then_transposes():
+    """dma_transpose page: gathered = src[indices.T.flatten()[:rows]]; dst = gathered.T."""
+    def k(src, idx_h):
+        idx = load(idx_h)
+        d = nl.ndarray((src.shape[1], 16), src.dtype, buffer=nl.sbuf)
+        view = src.ap(pattern=[[src.shape[1], 16], [1, src.shape[1]]], vector_offset=idx, indirect_dim=0)
+        nisa.dma_transpose(dst=d, src=view, axes=(1, 0))
+        return out_of(d)
+
+    src = arr(40, 8).astype(ml_dtypes.bfloat16)
+    idx = np.random.default_rng(1).permutation(40)[:16].astype(np.uint32).reshape(16, 1)
+    got = simulate(k)(src, idx)
+    np.testing.assert_array_equal(got.view(np.uint16), src[idx[:, 0]].T.view(np.uint16))
+    assert interpreter.last_run().cost.dmas[-2].dge
+
+
+# ------------------------------------------------------------------------------------ nonzero_with_count
+def test_nonzero_with_count_follows_the_documented_example_on_gpsimd_core_partitions():
+    """isa stub example: [0, 1, 1, 0, 0, 1, 0, 0], index_offset 16 → [17, 18, 21, -1 ×5, 3]; only partitions
+    0, 16, …, 112 are written."""
+    def k(x):
+        s = load(x)
+        d = nl.ndarray((32, 9), nl.int32, buffer=nl.sbuf)
+        nisa.memset(d, 7)
+        nisa.nonzero_with_count(dst=d, src=s, index_offset=16, padding_val=-1)
+        return out_of(d)
+
+    x = np.zeros((32, 8), F32)
+    x[0] = [0, 1, 1, 0, 0, 1, 0, 0]
+    x[16] = [1, 0, 0, 0, 0, 0, 0, 2]
+    x[5] = 1  # not a GpSimd core's first partition: ignored, its row untouched
+    got = simulate(k)(x)
+    np.testing.assert_array_equal(got[0], [17, 18, 21, -1, -1, -1, -1, -1, 3])
+    np.testing.assert_array_equal(got[16], [16, 23, -1, -1, -1, -1, -1, -1, 2])
+    assert (got[5] == 7).all() and (got[1:16] == 7).all()
+
+
+def test_nonzero_with_count_limits():
+    def wrong_dst(x):
+        nisa.nonzero_with_count(dst=nl.ndarray((16, 8), nl.int32, buffer=nl.sbuf), src=load(x))
+
+    rejects("shape-mismatch", wrong_dst, np.zeros((16, 8), F32))
+
+
+# ------------------------------------------------------------------------------------ tensor_tensor_scan
+def test_tensor_tensor_scan_matches_the_stub_pseudocode():
+    """r[0] = op1(op0(d0[0], initial), d1[0]); r[i] = op1(op0(d0[i], r[i-1]), d1[i]) — e.g. a decayed cumsum
+    r = d0·r + d1 (multiply, add)."""
+    def k(a, b, init):
+        d = nl.ndarray(a.shape, nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor_scan(dst=d, data0=load(a), data1=load(b), initial=load(init), op0=nl.multiply,
+                                op1=nl.add)
+        return out_of(d)
+
+    def reversed_ops(a, b):
+        d = nl.ndarray(a.shape, nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor_scan(dst=d, data0=load(a), data1=load(b), initial=1.0, op0=nl.subtract,
+                                op1=nl.subtract, reverse0=True, reverse1=True)
+        return out_of(d)
+
+    a, b, init = arr(4, 16, seed=1), arr(4, 16, seed=2), arr(4, 1, seed=3)
+    want = np.empty_like(a)
+    r = init[:, 0].astype(np.float64)
+    for i in range(16):
+        r = a[:, i] * r + b[:, i]
+        want[:, i] = r
+    np.testing.assert_allclose(simulate(k)(a, b, init), want, rtol=1e-5, atol=1e-6)
+    want2, r = np.empty_like(a), np.ones(4)
+    for i in range(16):
+        r = b[:, i] - (r - a[:, i])  # reverse0: prev - d0; reverse1: d1 - (...)
+        want2[:, i] = r
+    np.testing.assert_allclose(simulate(reversed_ops)(a, b), want2, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ affine / range select
+def test_affine_select_builds_a_causal_mask():
+    """affine_select page: predicate = cmp_op(offset + p·channel_multiplier + Σ idx·step, 0)."""
+    def k(x):
+        d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        # keep column j of row p where p - j >= 0
+        nisa.affine_select(dst=d, pattern=[[-1, x.shape[1]]], channel_multiplier=1, on_true_tile=load(x),
+                           on_false_value=-9999.0, cmp_op=nl.greater_equal)
+        return out_of(d)
+
+    x = arr(8, 8)
+    np.testing.assert_array_equal(simulate(k)(x), np.where(np.tril(np.ones((8, 8), bool)), x, F32(-9999.0)))
+
+
+def test_range_select_keeps_a_window_and_reduces_its_max():
+    """range_select page: mask = op0(range_start + i, bound0) & op1(range_start + i, bound1); the rest gets
+    FP32_MIN; reduce_res = max of the result."""
+    FP32_MIN = float(np.finfo(np.float32).min)
+
+    def k(x, lo, hi):
+        d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        m = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
+        nisa.range_select(dst=d, on_true_tile=load(x), comp_op0=nl.greater_equal, comp_op1=nl.less,
+                          bound0=load(lo), bound1=load(hi), reduce_res=m, range_start=10,
+                          on_false_value=FP32_MIN)
+        return out_of(d), out_of(m)
+
+    def bf16_dst(x, lo, hi):
+        d = nl.ndarray(x.shape, nl.bfloat16, buffer=nl.sbuf)
+        nisa.range_select(dst=d, on_true_tile=load(x), comp_op0=nl.greater_equal, comp_op1=nl.less,
+                          bound0=load(lo), bound1=load(hi), range_start=10, on_false_value=FP32_MIN)
+        return out_of(d)
+
+    x = arr(4, 12)
+    lo = np.array([[10], [12], [15], [30]], F32)
+    hi = np.array([[14], [22], [16], [40]], F32)
+    idx = 10 + np.arange(12)
+    mask = (idx[None] >= lo) & (idx[None] < hi)
+    d, m = simulate(k)(x, lo, hi)
+    np.testing.assert_array_equal(d, np.where(mask, x, F32(FP32_MIN)))
+    np.testing.assert_array_equal(m[:, 0], np.where(mask, x, F32(FP32_MIN)).max(axis=1))
+    got = simulate(bf16_dst)(x, lo, hi).astype(F32)
+    assert np.isneginf(got[~mask]).all()  # the stub: FP32_MIN becomes -inf in a narrower dst
+
+
+# ------------------------------------------------------------------------------------ bn_stats / bn_aggr
+def test_bn_stats_then_bn_aggr_give_mean_and_variance_over_several_tiles():
+    def k(x):
+        t = load(x)
+        st = nl.ndarray((x.shape[0], 12), nl.float32, buffer=nl.sbuf)
+        for j in range(2):  # two 512-element tiles, one bn_aggr (the stub's recipe)
+            nisa.bn_stats(dst=st[:, 6 * j:6 * j + 6], data=t[:, 512 * j:512 * (j + 1)])
+        mv = nl.ndarray((x.shape[0], 2), nl.float32, buffer=nl.sbuf)
+        nisa.bn_aggr(dst=mv, data=st)
+        return out_of(st), out_of(mv)
+
+    def too_wide(x):
+        nisa.bn_stats(dst=nl.ndarray((x.shape[0], 6), nl.float32, buffer=nl.sbuf), data=load(x))
+
+    x = arr(8, 1024) * 3 + 1
+    st, mv = simulate(k)(x)
+    even = x[:, 0:512:2]
+    np.testing.assert_allclose(st[:, 0], 256)
+    np.testing.assert_allclose(st[:, 1], even.mean(axis=1), rtol=1e-5)
+    np.testing.assert_allclose(st[:, 2], even.var(axis=1) * 256, rtol=1e-4)
+    np.testing.assert_allclose(mv[:, 0], x.mean(axis=1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mv[:, 1], x.var(axis=1), rtol=1e-4)
+    rejects("free-size", too_wide, arr(8, 513))
+
+
+# ------------------------------------------------------------------------------------ max8 family
+def test_max8_find_index8_match_replace8_iterate_a_top_k():
+    def k(x):
+        t = load(x)
+        v1 = nl.ndarray((x.shape[0], 8), nl.float32, buffer=nl.sbuf)
+        nisa.max8(dst=v1, src=t)
+        i1 = nl.ndarray((x.shape[0], 8), nl.uint32, buffer=nl.sbuf)
+        nisa.nc_find_index8(dst=i1, data=t, vals=v1)
+        rest = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        i2 = nl.ndarray((x.shape[0], 8), nl.uint32, buffer=nl.sbuf)
+        nisa.nc_match_replace8(dst=rest, data=t, vals=v1, imm=float("-inf"), dst_idx=i2)
+        v2 = nl.ndarray((x.shape[0], 8), nl.float32, buffer=nl.sbuf)
+        nisa.max8(dst=v2, src=rest)
+        return out_of(v1), out_of(i1), out_of(i2), out_of(v2)
+
+    x = arr(4, 64)
+    x[1, 10] = x[1, 20]  # a duplicate: the two copies take successive indices
+    v1, i1, i2, v2 = simulate(k)(x)
+    order = np.argsort(-x, axis=1, kind="stable")
+    np.testing.assert_array_equal(v1, np.take_along_axis(x, order[:, :8], axis=1))
+    np.testing.assert_array_equal(v2, np.take_along_axis(x, order[:, 8:16], axis=1))
+    np.testing.assert_array_equal(np.sort(i2, axis=1), np.sort(order[:, :8], axis=1))
+    np.testing.assert_array_equal(np.take_along_axis(x, i1.astype(np.int64), axis=1), v1)
+
+
+def test_find_index8_of_an_absent_value_is_refused():
+    def k(x):
+        vals = nl.ndarray((x.shape[0], 8), nl.float32, buffer=nl.sbuf)
+        nisa.memset(vals, 123.0)
+        nisa.nc_find_index8(dst=nl.ndarray((x.shape[0], 8), nl.uint32, buffer=nl.sbuf), data=load(x), vals=vals)
+
+    rejects("value-not-found", k, arr(2, 16))
+
+
+# ------------------------------------------------------------------------------------ stream shuffle
+def test_stream_shuffle_broadcasts_and_permutes_within_quadrants():
+    """nc_stream_shuffle page: out[32q + i] = src[32q + mask[i]], 255 keeps; start partitions per the
+    active-partition count."""
+    def k(x, mask, dst0):
+        s = load(x)
+        d = nl.ndarray((128, x.shape[1]), x.dtype, buffer=nl.sbuf)
+        nisa.memset(d, 0.0)
+        n = x.shape[0]
+        nisa.nc_stream_shuffle(dst=d[dst0:dst0 + n, :], src=s, shuffle_mask=mask)
+        return out_of(d)
+
+    x = arr(64, 4)
+    rev = tuple(range(31, -1, -1))  # kernel arguments are tuples (NKI 0.3)
+    got = simulate(k)(x, rev, 64)
+    want = np.zeros((128, 4), F32)
+    want[64:96], want[96:128] = x[0:32][::-1], x[32:64][::-1]
+    np.testing.assert_array_equal(got, want)
+    keep = (0,) * 16 + (255,) * 16  # broadcast partition 0 to the first 16 of each quadrant, keep the rest
+    got = simulate(k)(x[0:32], keep, 32)
+    assert (got[32:48] == x[0]).all() and (got[48:64] == 0).all()
+    rejects("cross-partition", k, x, rev, 32)  # 64 active partitions may start at 0 or 64 only
+
+
+# ------------------------------------------------------------------------------------ nc_n_gather
+def test_nc_n_gather_gathers_within_each_partition():
+    def k(x, idx):
+        d = nl.ndarray(idx.shape, x.dtype, buffer=nl.sbuf)
+        nisa.nc_n_gather(dst=d, data=load(x), indices=load(idx))
+        return out_of(d)
+
+    x = arr(8, 4, 5)
+    idx = np.random.default_rng(2).integers(0, 20, (8, 7)).astype(np.uint32)
+    np.testing.assert_array_equal(simulate(k)(x, idx), np.take_along_axis(x.reshape(8, 20), idx.astype(int), 1))
+    rejects("index", k, x, np.full((8, 2), 20, np.uint32))
+
+
+# ------------------------------------------------------------------------------------ dma_compute
+def test_dma_compute_adds_sources_and_scatter_adds_rows():
+    """dma_compute page: dst = Σ srcs (fp32); scatter RMW dst(HBM)[idx] += src(SBUF) with unique indices."""
+    def add3(a, b, c):
+        d = nl.ndarray(a.shape, nl.float32, buffer=nl.sbuf)
+        nisa.dma_compute(dst=d, srcs=(a, b, c), reduce_op=nl.add)
+        return out_of(d)
+
+    def scatter_add(table, idx_h, upd):
+        idx = load(idx_h)
+        rows = table.ap(pattern=[[table.shape[1], idx_h.shape[0]], [1, table.shape[1]]], vector_offset=idx)
+        nisa.dma_compute(dst=rows, srcs=(rows, load(upd)), reduce_op=nl.add)
+
+    a, b, c = arr(4, 6, seed=1), arr(4, 6, seed=2), arr(4, 6, seed=3)
+    np.testing.assert_allclose(simulate(add3)(a, b, c), a + b + c, rtol=1e-6)
+    table, upd = arr(10, 6, seed=4), arr(3, 6, seed=5)
+    idx = np.array([[7], [2], [9]], np.uint32)
+    want = table.copy()
+    want[idx[:, 0]] += upd
+    simulate(scatter_add)(table, idx, upd)
+    np.testing.assert_allclose(table, want, rtol=1e-6)
+    rejects("dma-indices", scatter_add, arr(10, 6), np.array([[1], [1], [3]], np.uint32), upd)
+
+
+# ------------------------------------------------------------------------------------ scalar_tensor_tensor
+def test_scalar_tensor_tensor_accepts_a_dtype_that_agrees_with_dst():
+    def k(x, dtype):
+        d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        t = load(x)
+        nisa.scalar_tensor_tensor(dst=d, data=t, op0=nl.multiply, operand0=2.0, op1=nl.add, operand1=t,
+                                  dtype=dtype)
+        return out_of(d)
+
+    x = arr(4, 4)
+    np.testing.assert_array_equal(simulate(k)(x, nl.float32), 3 * x)
+    rejects("dtype-mismatch", k, x, nl.bfloat16)
+
+
+# ------------------------------------------------------------------------------------ trn3 / LNC refusals
+def test_mx_instructions_are_trn3_only_and_lnc2_is_refused_loudly():
+    def mx(x):
+        nisa.nc_matmul_mx(None, None, None, None, None)
+
+    rejects("target", mx, np.ones((1, 1), F32))
+    with interpreter.target("trn3"):
+        rejects("not-modelled", mx, np.ones((1, 1), F32))
+    rejects("not-modelled", lambda x: nisa.sendrecv(x, x, 1, 1, 0), np.ones((1, 1), F32))
