@@ -378,12 +378,81 @@ def test_scalar_tensor_tensor_accepts_a_dtype_that_agrees_with_dst():
     rejects("dtype-mismatch", k, x, nl.bfloat16)
 
 
-# ------------------------------------------------------------------------------------ trn3 / LNC refusals
-def test_mx_instructions_are_trn3_only_and_lnc2_is_refused_loudly():
+# ------------------------------------------------------------------------------------ trn3 MX
+def test_mx_instructions_are_trn3_only_and_refused_as_not_modelled_there():
     def mx(x):
         nisa.nc_matmul_mx(None, None, None, None, None)
 
     rejects("target", mx, np.ones((1, 1), F32))
     with interpreter.target("trn3"):
         rejects("not-modelled", mx, np.ones((1, 1), F32))
-    rejects("not-modelled", lambda x: nisa.sendrecv(x, x, 1, 1, 0), np.ones((1, 1), F32))
+
+
+# ------------------------------------------------------------------------------------ LNC = 2
+def test_lnc2_cores_split_a_shared_output_and_meet_at_a_barrier():
+    """core_barrier page: each core writes half of a shared_hbm tensor, then both read all of it."""
+    def k(x):
+        p, f = x.shape
+        half = p // 2
+        r = nl.program_id(0)
+        assert nl.num_programs() == 2
+        out = nl.ndarray((p, f), nl.float32, buffer=nl.shared_hbm)
+        both = nl.ndarray((p, f), nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((half, f), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x[r * half:(r + 1) * half, :])
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=float(10 * (r + 1)))
+        nisa.dma_copy(dst=out[r * half:(r + 1) * half, :], src=t)
+        nisa.core_barrier(data=out, cores=(0, 1))
+        whole = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=whole, src=out)  # after the barrier each core sees the other's half
+        if r == 1:
+            nisa.dma_copy(dst=both, src=whole)
+        return out, both
+
+    x = arr(8, 4)
+    kern = interpreter.jit(k)[2]
+    out, both = kern(x)
+    want = np.concatenate([x[:4] + 10, x[4:] + 20])
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(both, want)
+    assert len(interpreter.last_run().programs) == 2
+
+
+def test_lnc2_sendrecv_exchanges_tiles_and_each_core_has_its_own_sbuf():
+    def k(x):
+        r = nl.program_id()
+        big = nl.ndarray((128, 200 * 1024), nl.uint8, buffer=nl.sbuf)  # noqa: F841  (fits each core's SBUF)
+        mine = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=mine, src=x[4 * r:4 * r + 4, :])
+        theirs = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+        nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - r, recv_from_rank=1 - r, pipe_id=0)
+        out = nl.ndarray((8, 8), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[4 * r:4 * r + 4, :], src=theirs)
+        return out
+
+    x = arr(8, 8)
+    got = interpreter.jit(k)[2](x)
+    np.testing.assert_array_equal(got, np.concatenate([x[4:], x[:4]]))
+
+
+def test_lnc2_a_missing_peer_fails_instead_of_hanging(monkeypatch):
+    from static_moe.nki.interpreter import isa_lnc
+
+    monkeypatch.setattr(isa_lnc, "TIMEOUT_S", 0.5)
+
+    def k(x):
+        t = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
+        nisa.memset(t, 0.0)
+        if nl.program_id() == 0:  # core 1 never sends: core 0 must not wait forever
+            nisa.sendrecv(src=t, dst=t, send_to_rank=1, recv_from_rank=1, pipe_id=0)
+
+    with pytest.raises(NkiRuleError) as e:
+        interpreter.jit(k)[2](np.ones((1, 1), F32))
+    assert e.value.rule == "lnc-deadlock"
+
+
+def test_lnc_instructions_need_an_lnc2_launch_and_lnc_is_1_or_2():
+    rejects("lnc", lambda x: nisa.core_barrier(x, (0, 1)), np.ones((1, 1), F32))
+    with pytest.raises(NkiRuleError) as e:
+        interpreter.jit(lambda x: None)[3]
+    assert e.value.rule == "lnc"

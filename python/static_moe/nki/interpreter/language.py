@@ -193,15 +193,17 @@ sequential_range = static_range = affine_range
 
 
 def program_id(axis=0) -> int:
-    return 0
+    """This logical core's rank (0 or 1 under ``kernel[2]``, LNC = 2; 0 otherwise)."""
+    check(axis == 0, "lnc", f"nl.program_id: only axis 0 exists (LNC launches are 1-D), got {axis}")
+    return current().program
 
 
 def num_programs(axes=0) -> int:
-    return 1
+    return current().programs
 
 
 def program_ndim() -> int:
-    return 0
+    return 1 if current().programs > 1 else 0
 
 
 def device_print(print_prefix, tensor):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -167,34 +168,47 @@ class RunContext:
     # Per-lane reduction accumulators of VectorE (tensor_scalar_reduce) and ScalarE (activation reduce).
     accumulators: dict = field(default_factory=dict)
     loop_depth: int = 0
+    # LNC: this logical core's rank, the number of cores, and what the cores share (None with LNC = 1)
+    program: int = 0
+    programs: int = 1
+    lnc: "object" = None
 
 
-_current: list[RunContext] = []
-_outside: list = [None]  # the context used outside any run (rebuilt when the target changes)
+class _Stack(threading.local):
+    """Run contexts per thread: under LNC = 2 each logical core runs in its own thread with its own SBUF,
+    PSUM, accumulators and cost record."""
+
+    def __init__(self):
+        self.items: list[RunContext] = []
+        self.outside = None  # the context used outside any run (rebuilt when the target changes)
+
+
+_stack = _Stack()
 
 
 def current() -> RunContext:
     """The context of the kernel being run; outside a run, a fresh default one (so tensors can be made in
     tests and REPLs without a kernel)."""
-    if not _current or (_current[-1] is _outside[0] and _current[-1].spec is not get_target()):
+    items = _stack.items
+    if not items or (items[-1] is _stack.outside and items[-1].spec is not get_target()):
         from .cost import CostRecord
 
         spec = get_target()
-        if _current:
-            _current.pop()
-        _outside[0] = RunContext(spec, MemoryTracker(spec), CostRecord())
-        _current.append(_outside[0])
-    return _current[-1]
+        if items:
+            items.pop()
+        _stack.outside = RunContext(spec, MemoryTracker(spec), CostRecord())
+        items.append(_stack.outside)
+    return items[-1]
 
 
 @contextlib.contextmanager
-def run_context():
+def run_context(spec: TargetSpec | None = None, program: int = 0, programs: int = 1, lnc=None):
     from .cost import CostRecord
 
-    spec = get_target()
-    ctx = RunContext(spec, MemoryTracker(spec), CostRecord())
-    _current.append(ctx)
+    spec = spec or get_target()
+    ctx = RunContext(spec, MemoryTracker(spec), CostRecord(), program=program, programs=programs, lnc=lnc)
+    _stack.items.append(ctx)
     try:
         yield ctx
     finally:
-        _current.remove(ctx)
+        _stack.items.remove(ctx)

@@ -98,10 +98,15 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "") -> "NkiTensor":
         check(shape[0] <= PMAX, "partition-dim",
               f"{buffer.name} tensor {name or ''} has partition dim (dim 0) {shape[0]} > {PMAX}: dim 0 of an "
               f"on-chip tensor is the partition dim")
+    ctx = current()
+    if buffer.name == SHARED_HBM and ctx.lnc is not None:
+        # LNC = 2: shared_hbm is one memory for both logical cores; the k-th shared allocation of each core
+        # is the same tensor (SPMD kernels allocate their outputs in the same program order)
+        return ctx.lnc.shared_allocation(ctx.program, shape, dtype, name)
     st = Storage(buffer, shape, dtype, name)
     st.poison(dtype)
     if buffer.on_chip:
-        current().memory.allocate(st, buffer.name, st.pbytes, name)
+        ctx.memory.allocate(st, buffer.name, st.pbytes, name)
     return NkiTensor._full(st, dtype, shape)
 
 
