@@ -379,13 +379,99 @@ def test_scalar_tensor_tensor_accepts_a_dtype_that_agrees_with_dst():
 
 
 # ------------------------------------------------------------------------------------ trn3 MX
-def test_mx_instructions_are_trn3_only_and_refused_as_not_modelled_there():
-    def mx(x):
-        nisa.nc_matmul_mx(None, None, None, None, None)
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
-    rejects("target", mx, np.ones((1, 1), F32))
+
+def _quantize_kernel(x):
+    p, f = x.shape
+    t = load(x)
+    q = nl.ndarray((p, f // 4), nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+    s = nl.ndarray((p, f // 4), nl.uint8, buffer=nl.sbuf)
+    nisa.memset(s, 0)
+    nisa.quantize_mx(dst=q, src=t, dst_scale=s)
+    return out_of(q.view(nl.uint8)), out_of(s)
+
+
+def _ocp_quantize(x):
+    """OCP MX v1.0 in numpy: per 8-partition × 4-value group, e = floor(log2 amax) - 8 + 127 (e4m3fn)."""
+    p, f = x.shape
+    g = np.abs(x.astype(np.float64)).reshape(p // 8, 8, f // 4, 4).max(axis=(1, 3))
+    e = (np.floor(np.log2(g)) - 8 + 127).astype(np.int64)
+    scale = np.exp2(np.repeat(e, 8, axis=0) - 127.0).repeat(4, axis=1)
+    q = np.clip(x.astype(np.float64) / scale, -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    return q, e, scale
+
+
+def test_quantize_mx_follows_the_ocp_scale_rule_and_the_quadrant_scale_layout():
+    x = (arr(64, 16, seed=7) * 5).astype(ml_dtypes.bfloat16)
     with interpreter.target("trn3"):
-        rejects("not-modelled", mx, np.ones((1, 1), F32))
+        qb, s = simulate(_quantize_kernel)(x)
+    q_want, e_want, scale = _ocp_quantize(x)
+    np.testing.assert_array_equal(qb, q_want.view(np.uint8))
+    rows = [0, 1, 2, 3, 32, 33, 34, 35]  # group g of quadrant c sits on partition 32c + g
+    np.testing.assert_array_equal(s[rows], e_want)
+    assert (np.delete(s, rows, axis=0) == 0).all()
+    deq = qb.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
+    assert np.abs(deq - x.astype(np.float64)).max() <= 0.125 * np.abs(x.astype(np.float64)).max()
+
+
+def test_nc_matmul_mx_of_mxfp8_and_mxfp4_matches_the_dequantized_product():
+    kp, m, n = 64, 6, 8
+
+    def k(a, b, w4, w4_scale):
+        qa = nl.ndarray((kp, m), nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+        sa = nl.ndarray((kp, m), nl.uint8, buffer=nl.sbuf)
+        qb = nl.ndarray((kp, n), nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+        sb = nl.ndarray((kp, n), nl.uint8, buffer=nl.sbuf)
+        nisa.quantize_mx(dst=qa, src=load(a), dst_scale=sa)
+        nisa.quantize_mx(dst=qb, src=load(b), dst_scale=sb)
+        d8 = nl.ndarray((m, n), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul_mx(dst=d8, stationary=qa, moving=qb, stationary_scale=sa, moving_scale=sb)
+        w = load(w4).view(nl.float4_e2m1fn_x4)  # the fp4 bytes as x4 containers: a view, no data moved
+        d4 = nl.ndarray((m, n), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul_mx(dst=d4, stationary=w, moving=qb, stationary_scale=load(w4_scale), moving_scale=sb)
+        o8, o4 = nl.ndarray((m, n), nl.float32, buffer=nl.sbuf), nl.ndarray((m, n), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=o8, src=d8)
+        nisa.tensor_copy(dst=o4, src=d4)
+        return out_of(o8), out_of(o4)
+
+    rng = np.random.default_rng(8)
+    a = arr(kp, 4 * m, seed=9).astype(ml_dtypes.bfloat16)
+    b = arr(kp, 4 * n, seed=10).astype(ml_dtypes.bfloat16)
+    codes = rng.integers(0, 16, (kp, m, 4))
+    w4 = (codes << (4 * np.arange(4))).sum(axis=-1).astype(np.uint16)
+    exps = rng.integers(124, 131, (kp // 8, m))
+    w4_scale = np.zeros((kp, m), np.uint8)
+    w4_scale[[0, 1, 2, 3, 32, 33, 34, 35]] = exps
+    with interpreter.target("trn3"):
+        o8, o4 = simulate(k)(a, b, w4, w4_scale)
+    qa, _, sa = _ocp_quantize(a)
+    qb, _, sb = _ocp_quantize(b)
+    da = (qa.astype(np.float64) * sa).reshape(kp, m, 4)
+    db = (qb.astype(np.float64) * sb).reshape(kp, n, 4)
+    np.testing.assert_allclose(o8, np.einsum("pmj,pnj->mn", da, db), rtol=1e-6, atol=1e-6)
+    exact = a.astype(np.float64).reshape(kp, m, 4)
+    ref = np.einsum("pmj,pnj->mn", exact, b.astype(np.float64).reshape(kp, n, 4))
+    assert np.abs(o8 - ref).max() < 0.1 * np.abs(ref).max()  # MXFP8 quantization error, loosely
+    w = np.where(codes & 8, -E2M1[codes & 7], E2M1[codes & 7]) * np.exp2(np.repeat(exps, 8, axis=0) - 127.0)[..., None]
+    np.testing.assert_allclose(o4, np.einsum("pmj,pnj->mn", w, db), rtol=1e-6, atol=1e-6)
+
+
+def test_mx_is_trn3_only_and_x4_types_refuse_arithmetic():
+    x = np.ones((32, 8), ml_dtypes.bfloat16)
+    rejects("target", _quantize_kernel, x)
+
+    def arith(x):
+        q = nl.ndarray((32, 2), nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+        nisa.memset(q, 0)
+        nisa.tensor_scalar(dst=q, data=q, op0=nl.add, operand0=1.0)
+
+    def memset_one(x):
+        nisa.memset(nl.ndarray((32, 2), nl.float8_e4m3fn_x4, buffer=nl.sbuf), 1)
+
+    with interpreter.target("trn3"):
+        rejects("dtype-x4", arith, x)
+        rejects("memset-value", memset_one, x)
 
 
 # ------------------------------------------------------------------------------------ LNC = 2

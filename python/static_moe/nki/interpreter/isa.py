@@ -231,6 +231,8 @@ def _raw(t: NkiTensor) -> np.ndarray:
 
 def _f32(t: NkiTensor) -> np.ndarray:
     """[P, F] float32 values of t (what the engines compute on)."""
+    check(not dt.is_x4(t.dtype), "dtype-x4", f"{dt.name(t.dtype)} is a packed MX container; compute engines "
+          f"read it only through nc_matmul_mx")
     return _raw(t).astype(np.float32)
 
 
@@ -261,6 +263,8 @@ def _operand(x, instr: str, what: str, dst: NkiTensor, fp32_tile: bool, int_ok: 
 
 def _cast(values: np.ndarray, dtype: np.dtype, instr: str) -> np.ndarray:
     """Engine output (fp32 or exact ints) → dst dtype with the hardware's rounding rules."""
+    check(not dt.is_x4(dtype), "dtype-x4", f"{instr}: {dt.name(dtype)} is a packed MX container; only "
+          f"quantize_mx, memset(0) and byte moves write it")
     if dt.is_int(dtype):
         info = np.iinfo(dtype)
         if np.issubdtype(values.dtype, np.integer):
@@ -471,6 +475,9 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
         check(t.buffer.name != "psum", "dma-psum", f"dma_copy: {what} is in PSUM; DMA cannot access PSUM (evacuate "
               f"it to SBUF with tensor_copy / activation first)")
     if dst.dtype != src.dtype:
+        check(not (dt.is_x4(src.dtype) or dt.is_x4(dst.dtype)), "dtype-x4",
+              f"dma_copy: no dtype conversion to or from the packed MX types ({dt.name(src.dtype)} -> "
+              f"{dt.name(dst.dtype)}); view both sides alike for a byte move")
         check(dge_mode != globals()["dge_mode"].hwdge, "dma-dtype",
               f"dma_copy with dge_mode=hwdge needs equal dtypes, got {dt.name(src.dtype)} -> {dt.name(dst.dtype)}")
     if src.gather is None and dst.gather is None:
@@ -548,7 +555,11 @@ def memset(dst, value, engine=engine.unknown, name=None):
     eng = _engine(engine, "vector", ("vector", "gpsimd"), instr, (dst,))
     check(isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool), "memset-value",
           f"memset value must be a compile-time number, got {value!r}")
-    if dt.is_int(dst.dtype):
+    if dt.is_x4(dst.dtype):
+        check(value == 0, "memset-value", f"memset of the x4 packed type {dt.name(dst.dtype)} accepts only "
+              f"value=0 (isa stub), got {value!r}")
+        _store_raw(dst, np.zeros(dst.shape, dst.dtype))
+    elif dt.is_int(dst.dtype):
         info = np.iinfo(dst.dtype)
         check(float(value) == int(value) and isinstance(value, (int, np.integer)), "memset-value",
               f"memset of {dt.name(dst.dtype)} needs an int literal, got {value!r}")
