@@ -87,9 +87,18 @@ def _normalize_shape(shape) -> tuple[int, ...]:
     return shape
 
 
+def _check_x4_target(dtype) -> None:
+    """The packed MX types exist for nc_matmul_mx / quantize_mx, which are NeuronCore-v4 only (isa stub)."""
+    if dt.is_x4(dtype) and not current().spec.mx:
+        raise NkiRuleError("dtype-unsupported", f"nl.{dt.name(dtype)}: no FP4 datatype or MX instruction on "
+                           f"{current().spec.name} (the x4 packed types are for trn3's nc_matmul_mx); decode e2m1 "
+                           f"nibbles with integer ops")
+
+
 def allocate(shape, dtype, buffer: Buffer, name: str = "") -> "NkiTensor":
     """``nl.ndarray``: a fresh, poisoned allocation, counted against the on-chip budget."""
     dtype = dt.as_dtype(dtype)
+    _check_x4_target(dtype)
     check(isinstance(buffer, Buffer), "buffer", f"buffer must be nl.sbuf / nl.psum / nl.hbm / nl.shared_hbm, "
           f"got {buffer!r} (strings are rejected since NKI 0.3)")
     shape = _normalize_shape(shape)
@@ -433,6 +442,7 @@ class NkiTensor:
     def view(self, dtype) -> "NkiTensor":
         """Bitcast: reinterpret the bytes; the contiguous last dim is rescaled by the itemsize ratio."""
         dtype = dt.as_dtype(dtype)
+        _check_x4_target(dtype)
         old, new = self._itemsize, dtype.itemsize
         if old == new:
             return self._derive(self.shape, self.bstrides, self.boffset, dtype)
