@@ -340,6 +340,27 @@ def test_nc_n_gather_gathers_within_each_partition():
     rejects("index", k, x, np.full((8, 2), 20, np.uint32))
 
 
+# ------------------------------------------------------------------------------------ local_gather
+def test_local_gather_shares_indices_across_each_gpsimd_core_partitions():
+    """The stub's example semantics: per 16-partition core, indices flattened column-major, each partition
+    gathers num_elem_per_idx contiguous elements of its own free dim at every index."""
+    def k(src, idx_h, nv):
+        d = nl.ndarray((src.shape[0], nv * 4), src.dtype, buffer=nl.sbuf)
+        nisa.local_gather(dst=d, src_buffer=load(src), index=load(idx_h), num_elem_per_idx=4,
+                          num_valid_indices=nv)
+        return out_of(d)
+
+    rng = np.random.default_rng(11)
+    src = arr(32, 64, 4)
+    rows = np.concatenate([rng.integers(0, 64, (16, 3)), rng.integers(0, 64, (16, 3))]).astype(np.uint16)
+    got = simulate(k)(src, (rows * 4).astype(np.uint16), 40)  # the hardware index is in elements
+    for c in range(2):
+        sl = slice(16 * c, 16 * c + 16)
+        want = np.take(src[sl], rows[sl].flatten(order="F")[:40], axis=1)
+        np.testing.assert_array_equal(got[sl], want.reshape(16, -1))
+    rejects("index", k, src, np.full((32, 3), 255, np.uint16), 8)
+
+
 # ------------------------------------------------------------------------------------ dma_compute
 def test_dma_compute_adds_sources_and_scatter_adds_rows():
     """dma_compute page: dst = Σ srcs (fp32); scatter RMW dst(HBM)[idx] += src(SBUF) with unique indices."""

@@ -1067,7 +1067,8 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
 from .isa_dma import dma_compute, dma_transpose  # noqa: E402,F401
 from .isa_lnc import core_barrier, sendrecv  # noqa: E402,F401
 from .isa_search import (  # noqa: E402,F401
-    affine_select, max8, nc_find_index8, nc_match_replace8, nc_n_gather, nonzero_with_count, range_select,
+    affine_select, local_gather, max8, nc_find_index8, nc_match_replace8, nc_n_gather, nonzero_with_count,
+    range_select,
 )
 from .isa_stream import bn_aggr, bn_stats, nc_stream_shuffle, tensor_tensor_scan  # noqa: E402,F401
 from .isa_mx import nc_matmul_mx, quantize_mx  # noqa: E402,F401
@@ -1081,5 +1082,4 @@ def _unmodelled(name):
     return f
 
 
-local_gather = _unmodelled("local_gather (the isa stub's worked example is missing its numpy equivalent)")
 select_reduce = _unmodelled("select_reduce")

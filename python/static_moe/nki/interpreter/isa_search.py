@@ -1,5 +1,5 @@
 """Selection, search and gather instructions: ``affine_select``, ``range_select``, ``max8``,
-``nc_find_index8``, ``nc_match_replace8``, ``nonzero_with_count``, ``nc_n_gather`` (the top-k and
+``nc_find_index8``, ``nc_match_replace8``, ``nonzero_with_count``, ``nc_n_gather``, ``local_gather`` (the top-k and
 token-skipping building blocks of public decode MoE kernels). Semantics and limits: the aws-neuron-sdk isa
 stub (``nki/api/nki/isa/__init__.py``), one docstring per instruction below.
 """
@@ -235,3 +235,42 @@ def nc_n_gather(dst, data, indices, name=None):
                            f"[{int(idx.min())}, {int(idx.max())}]")
     _store_raw(dst, np.take_along_axis(_raw(x), idx, axis=1))
     _record("gpsimd", instr, dst, (x, ix))
+
+
+def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=None, name=None):
+    """GpSimd gather within each partition, with indices shared by the 16 partitions of each GpSimd core
+    (isa stub, and the numpy semantics of its example test ``nki/test/test_nki_isa_local_gather.py``): for
+    core c, ``idx = index[16c:16c+16].flatten(order="F")[:num_valid_indices]``; every partition p of that
+    core gets, for each i in idx, the ``num_elem_per_idx`` contiguous elements of its own flattened free dim
+    starting at element i. No dtype cast (dst.dtype == src dtype); index uint16; partitions a multiple of 16;
+    num_elem_per_idx in 1, 2, 4, 8, 16, 32; at most 4096 indices per core. Out-of-range reads are undefined
+    on hardware: refused."""
+    instr = "local_gather"
+    dst = _onchip(dst, "dst", instr, allow_psum=False)
+    x = _onchip(src_buffer, "src_buffer", instr, allow_psum=False)
+    ix = _onchip(index, "index", instr, allow_psum=False)
+    check(ix.dtype == dt.uint16, "operand-dtype", f"{instr}: index must be uint16, got {dt.name(ix.dtype)}")
+    check(dst.dtype == x.dtype, "dtype-mismatch", f"{instr}: no dtype cast; dst must be {dt.name(x.dtype)}")
+    p = x.shape[0]
+    check(ix.shape[0] == p and p % 16 == 0, "shape-mismatch",
+          f"{instr}: src_buffer and index need the same partition count, a multiple of 16 ({p}, {ix.shape[0]})")
+    ne = int(num_elem_per_idx)
+    check(ne in (1, 2, 4, 8, 16, 32), "operand", f"{instr}: num_elem_per_idx must be 1, 2, 4, 8, 16 or 32")
+    per_core = 16 * ix._free_size
+    nv = per_core if num_valid_indices is None else int(num_valid_indices)
+    check(0 < nv <= per_core and nv <= 4096, "operand",
+          f"{instr}: num_valid_indices must be in [1, min({per_core}, 4096)], got {nv}")
+    check(dst.shape[0] == p and dst._free_size == nv * ne, "shape-mismatch",
+          f"{instr}: dst needs [{p}, {nv * ne}] elements ({nv} indices × {ne}), got {list(dst.shape)}")
+    _lanes(instr, dst, src_buffer=x, index=ix)
+    src, idx_all = _raw(x), _raw(ix).astype(np.int64)
+    out = np.empty((p, nv * ne), src.dtype)
+    for c in range(p // 16):
+        idx = idx_all[16 * c:16 * c + 16].flatten(order="F")[:nv]
+        if idx.size and (idx.min() < 0 or idx.max() + ne > src.shape[1]):
+            raise NkiRuleError("index", f"{instr}: core {c} reads elements up to {int(idx.max()) + ne} of a "
+                               f"{src.shape[1]}-element partition")
+        cols = (idx[:, None] + np.arange(ne)).reshape(-1)
+        out[16 * c:16 * c + 16] = src[16 * c:16 * c + 16][:, cols]
+    _store_raw(dst, out)
+    _record("gpsimd", instr, dst, (x,))
