@@ -1083,3 +1083,9 @@ def _unmodelled(name):
 
 
 select_reduce = _unmodelled("select_reduce")
+tensor_scalar_cumulative = _unmodelled("tensor_scalar_cumulative")
+activate2 = _unmodelled("activate2 (trn3)")
+exponential = _unmodelled("exponential (trn3)")
+sequence_bounds = _unmodelled("sequence_bounds")
+rng = _unmodelled("rng")
+dropout = _unmodelled("dropout")
