@@ -15,15 +15,9 @@ from static_moe.nki import interpreter
 from static_moe.nki.interpreter import NkiRuleError, simulate
 from static_moe.nki.interpreter import isa as nisa
 from static_moe.nki.interpreter import language as nl
+from test_nki_interpreter import rejects  # the shared kernel-test helper
 
 F32 = np.float32
-
-
-def rejects(rule: str, kernel, *args):
-    with pytest.raises(NkiRuleError) as e:
-        simulate(kernel)(*args)
-    assert e.value.rule == rule, f"expected rule {rule}, got {e.value}"
-    return e.value
 
 
 def sbuf_scalar(value: int):

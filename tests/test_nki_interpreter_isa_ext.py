@@ -12,30 +12,9 @@ from static_moe.nki import interpreter
 from static_moe.nki.interpreter import NkiRuleError, simulate
 from static_moe.nki.interpreter import isa as nisa
 from static_moe.nki.interpreter import language as nl
+from test_nki_interpreter import arr, load, out_of, rejects  # the shared kernel-test helpers
 
 F32 = np.float32
-
-
-def rejects(rule: str, kernel, *args):
-    with pytest.raises(NkiRuleError) as e:
-        simulate(kernel)(*args)
-    assert e.value.rule == rule, f"expected rule {rule}, got {e.value}"
-
-
-def arr(*shape, dtype=F32, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
-def load(src, dtype=None):
-    t = nl.ndarray(src.shape, dtype or src.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=src)
-    return t
-
-
-def out_of(t):
-    o = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=o, src=t)
-    return o
 
 
 def identity(n, dtype=nl.bfloat16):
