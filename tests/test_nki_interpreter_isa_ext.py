@@ -99,7 +99,13 @@ def test_dma_transpose_limits():
         d = nl.ndarray((x.shape[1], x.shape[0]), x.dtype, buffer=nl.sbuf)
         nisa.dma_transpose(dst=d, src=x, dge_mode=nisa.dge_mode.hwdge)
 
+    def raw_hwdge(x):  # dge_mode=2 is hwdge in the stub's numbering: warned, then the same hwdge rules
+        d = nl.ndarray((x.shape[1], x.shape[0]), x.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=d, src=x, dge_mode=2)
+
     rejects("dma-transpose-dtype", one_byte, np.zeros((4, 4), np.uint8))
+    with pytest.warns(DeprecationWarning):
+        rejects("dma-transpose-shape", raw_hwdge, np.zeros((8, 128), ml_dtypes.bfloat16))
     rejects("dma-transpose-shape", hwdge_shape, np.zeros((8, 128), ml_dtypes.bfloat16))  # needs 16 rows
     simulate(hwdge_shape)(np.zeros((16, 128), ml_dtypes.bfloat16))
 

@@ -10,9 +10,9 @@ import numpy as np
 from . import dtypes as dt
 from . import ops as O
 from .errors import check
-from .isa import (
-    NkiTensor, _cast, _enum, _indirect_rows, _record_dma, _reduce_op, _store_raw, _t, dge_mode, oob_mode,
-)
+from .isa import NkiTensor, _cast, _enum, _indirect_rows, _record_dma, _reduce_op, _store_raw, _t
+from .isa import dge_mode as DGE
+from .isa import oob_mode as OOB
 
 _AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
 
@@ -28,8 +28,7 @@ def _values(t: NkiTensor, oob) -> np.ndarray:
     return out
 
 
-def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown, oob_mode=oob_mode.error,
-                  name=None):
+def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_mode=OOB.error, name=None):
     """Transpose over DMA into SBUF: 2-D ``(1, 0)``, 3-D ``(2, 1, 0)``, 4-D ``(3, 1, 2, 0)``; ``dst[...] =
     src.transpose(axes)``, bit-exact for 2- and 4-byte dtypes (trn2 guide), src in HBM or SBUF, dtypes equal.
     ``dge_mode=hwdge`` adds: ``src.shape[0] == 16``, ``src.shape[-1] % 128 == 0``, 2-byte dtype. An indirect
@@ -37,8 +36,8 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     rows a multiple of 16. Throughput: 90 % (HBM→SBUF) / 50 % (SBUF→SBUF) of a copy (trn2 guide)."""
     instr = "dma_transpose"
     dst, src = _t(dst, "dst", instr), _t(src, "src", instr)
-    mode = _enum(dge_mode, dge_mode.__class__, "dge_mode")
-    oob = _enum(oob_mode, oob_mode.__class__, "oob_mode")
+    mode = _enum(dge_mode, DGE, "dge_mode")
+    oob = _enum(oob_mode, OOB, "oob_mode")
     check(dst.buffer.name == "sbuf", "operand-buffer", f"{instr}: dst must be in SBUF, got {dst.buffer.name}")
     check(src.buffer.name != "psum", "dma-psum", f"{instr}: src must be in HBM or SBUF, got PSUM")
     check(dst.dtype == src.dtype, "dtype-mismatch", f"{instr}: src.dtype == dst.dtype is required "
@@ -52,15 +51,15 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     check(priority is None, "target", f"{instr}: priority= is NeuronCore-v4 only")
     indirect = src.gather is not None
     if indirect:
-        check(mode in (mode.__class__.unknown, mode.__class__.swdge), "dge-mode",
+        check(mode in (DGE.unknown, DGE.swdge), "dge-mode",
               f"{instr}: an indirect transpose runs on software DGE (dge_mode unknown or swdge)")
         check(src.buffer.is_hbm and src._itemsize == 2 and src.shape[-1] <= 128 and src.shape[0] % 16 == 0,
               "dma-transpose-shape", f"{instr}: indirect transpose needs an HBM src of a 2-byte dtype, last dim "
               f"≤ 128 and rows a multiple of 16; got {dt.name(src.dtype)}{list(src.shape)}")
     else:
-        check(mode in (mode.__class__.unknown, mode.__class__.hwdge), "dge-mode",
+        check(mode in (DGE.unknown, DGE.hwdge), "dge-mode",
               f"{instr}: a direct transpose takes dge_mode unknown or hwdge")
-        if mode == mode.__class__.hwdge:
+        if mode == DGE.hwdge:
             check(src.shape[0] == 16 and src.shape[-1] % 128 == 0 and src._itemsize == 2, "dma-transpose-shape",
                   f"{instr}: hwdge transpose needs src.shape[0] == 16, src.shape[-1] % 128 == 0 and a 2-byte "
                   f"dtype; got {dt.name(src.dtype)}{list(src.shape)}")
@@ -68,11 +67,11 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     check(tuple(dst.shape) == vals.shape, "shape-mismatch",
           f"{instr}: src {list(src.shape)} transposes to {list(vals.shape)}, dst is {list(dst.shape)}")
     _store_raw(dst, np.ascontiguousarray(vals))
-    _record_dma(src, dst, dge=indirect or src.dynamic or mode != mode.__class__.unknown,
+    _record_dma(src, dst, dge=indirect or src.dynamic or mode != DGE.unknown,
                 efficiency=0.9 if src.buffer.is_hbm else 0.5)
 
 
-def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=oob_mode.error, name=None):
+def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=OOB.error, name=None):
     """DMA-engine arithmetic: ``dst = srcs[0] + srcs[1] + …`` in fp32, cast to dst.dtype (``reduce_op`` must be
     nl.add, every scale 1.0, at most 16 sources, equal element counts). With an indirect (vector_offset) HBM
     operand it is a read-modify-write of exactly two sources: scatter ``dst(HBM)[idx] += src(SBUF)`` (one
@@ -81,7 +80,7 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
     instr = "dma_compute"
     dst = _t(dst, "dst", instr)
     srcs = list(srcs)
-    oob = _enum(oob_mode, oob_mode.__class__, "oob_mode")
+    oob = _enum(oob_mode, OOB, "oob_mode")
     check(_reduce_op(reduce_op) is O.add, "op", f"{instr}: reduce_op must be nl.add (the only one supported)")
     check(1 <= len(srcs) <= 16, "operand", f"{instr}: 1 to 16 source tensors, got {len(srcs)}")
     check(scales is None or all(float(s) == 1.0 for s in scales), "operand",
@@ -120,7 +119,7 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
                   f"{instr}: gather RMW needs dst in SBUF and srcs = (dst, an indirect HBM view)")
             cur = np.array(dst._np()).astype(np.float32).reshape(dst.shape[0], -1)
             got = _values(hb, oob).astype(np.float32).reshape(dst.shape[0], -1)
-            if oob == oob.__class__.skip:
+            if oob == OOB.skip:
                 inb = ((idx >= 0) & (idx < nrows))[:, None]
                 got = np.where(inb, got, 0.0)
             dst._np()[...] = _cast(cur + got, dst.dtype, instr).reshape(dst.shape)

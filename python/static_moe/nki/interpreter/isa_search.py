@@ -13,8 +13,9 @@ from . import ops as O
 from .errors import NkiRuleError, check
 from .isa import (
     NkiTensor, _accumulate, _cast, _check_op, _enum, _f32, _lanes, _onchip, _raw, _record, _reduce_op, _same_free,
-    _store_raw, _store_values, reduce_cmd,
+    _store_raw, _store_values,
 )
+from .isa import reduce_cmd as RC
 from .state import current
 
 FP32_MIN = float(np.finfo(np.float32).min)
@@ -67,14 +68,14 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     _record("gpsimd", instr, dst, (t,))
 
 
-def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_cmd=reduce_cmd.reset_reduce,
+def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_cmd=RC.reset_reduce,
                  reduce_res=None, reduce_op=O.maximum, range_start=0, on_false_value=FP32_MIN, name=None):
     """VectorE (NeuronCore-v3+): keep ``on_true_tile[p, i]`` where ``comp_op0(range_start + i, bound0[p])``
     and ``comp_op1(range_start + i, bound1[p])`` (fp32 compares), else ``on_false_value`` (must be FP32_MIN;
     it becomes −inf in a narrower float dst, as the stub's numerical-stability note says), and max-reduce the
     result into the VectorE accumulators (``reduce_cmd``) and ``reduce_res``."""
     instr = "range_select"
-    rc = reduce_cmd.__class__
+    rc = RC
     dst = _onchip(dst, "dst", instr)
     t = _onchip(on_true_tile, "on_true_tile", instr)
     check(dt.is_float(t.dtype), "operand-dtype", f"{instr}: on_true_tile must be a float dtype, got "
