@@ -69,6 +69,33 @@ def test_matmul_transpose_needs_an_identity_moving_operand_and_no_double_row():
     rejects("matmul-transpose", not_identity, arr(8, 4).astype(ml_dtypes.bfloat16))
 
 
+def test_matmul_tiling_limits_follow_the_nc_matmul_page():
+    def mm(k, m, pos, size, perf=nisa.matmul_perf_mode.none):
+        def kern(x):
+            shape = (k, 2, m) if perf == nisa.matmul_perf_mode.double_row else (k, m)
+            st = nl.ndarray(shape, nl.float8_e4m3, buffer=nl.sbuf)
+            mv = nl.ndarray(shape[:-1] + (8,), nl.float8_e4m3, buffer=nl.sbuf)
+            nisa.memset(st, 1.0)
+            nisa.memset(mv, 1.0)
+            d = nl.ndarray((m, 8), nl.float32, buffer=nl.psum)
+            nisa.nc_matmul(dst=d, stationary=st, moving=mv, tile_position=pos, tile_size=size, perf_mode=perf)
+            o = nl.ndarray((m, 8), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=o, src=d)
+            return out_of(o)
+        return kern
+
+    one = np.ones((1, 1), F32)
+    np.testing.assert_array_equal(simulate(mm(64, 32, (64, 0), (64, 128)))(one), np.full((32, 8), 64.0))
+    np.testing.assert_array_equal(simulate(mm(32, 32, (96, 32), (32, 32)))(one), np.full((32, 8), 32.0))
+    rejects("matmul-limits", mm(65, 32, (64, 0), (64, 128)), one)  # K beyond the row tile
+    rejects("matmul-tiling", mm(32, 32, (16, 0), (32, 128)), one)  # start not a multiple of the size
+    rejects("matmul-tiling", mm(32, 32, (0, 0), (48, 128)), one)
+    rejects("matmul-tiling", mm(32, 32, (0, 0), ()), one)  # both or neither
+    # double_row: row tiling allowed, column tiling refused (trn2 guide)
+    simulate(mm(64, 32, (0, 0), (64, 128), nisa.matmul_perf_mode.double_row))(one)
+    rejects("matmul-double-row", mm(64, 32, (0, 0), (64, 64), nisa.matmul_perf_mode.double_row), one)
+
+
 # ------------------------------------------------------------------------------------ dma_transpose
 def test_dma_transpose_2d_3d_4d_from_hbm_and_sbuf():
     """dma_transpose page: 2-D (1, 0), 3-D (2, 1, 0), 4-D (3, 1, 2, 0), dst in SBUF."""

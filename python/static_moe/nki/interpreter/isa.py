@@ -940,18 +940,22 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
           f"{instr}: stationary starts at partition {st._pstart}, moving at {mv._pstart}")
     k = st.shape[0]
     check(k <= 128, "matmul-limits", f"{instr}: contraction K={k} > 128")
+    row_size, col_size = _matmul_tiling(tile_position, tile_size, instr)
+    check(k <= row_size, "matmul-limits", f"{instr}: contraction K={k} > the row tile size {row_size}")
     double = perf_mode == matmul_perf_mode.double_row
     if double:
         check(st.dtype in (dt.float8_e4m3, dt.float8_e5m2) and mv.dtype in (dt.float8_e4m3, dt.float8_e5m2),
               "matmul-double-row", f"{instr}: perf_mode=double_row needs fp8 (e4m3/e5m2) operands")
         check(st.ndim == 3 and mv.ndim == 3 and st.shape[1] == 2 and mv.shape[1] == 2, "matmul-double-row",
               f"{instr}: double_row operands are [K, 2, M] and [K, 2, N], got {list(st.shape)}, {list(mv.shape)}")
-        check(not tile_position and not tile_size, "matmul-double-row", "double_row cannot combine with tiling")
+        check(col_size == 128, "matmul-double-row", f"{instr}: double_row cannot combine with column tiling "
+              f"(tile_size column {col_size})")
         m, n = st.shape[2], mv.shape[2]
     else:
         m, n = st._free_size, mv._free_size
-    check(m <= spec.gemm_stationary_fmax, "matmul-limits",
-          f"{instr}: stationary free size M={m} > {spec.gemm_stationary_fmax} (gemm_stationary_fmax)")
+    check(m <= min(spec.gemm_stationary_fmax, col_size), "matmul-limits",
+          f"{instr}: stationary free size M={m} > {min(spec.gemm_stationary_fmax, col_size)} (gemm_stationary_fmax"
+          f" / the column tile size)")
     check(n <= spec.gemm_moving_fmax, "matmul-limits",
           f"{instr}: moving free size N={n} > {spec.gemm_moving_fmax} (gemm_moving_fmax)")
     check(dst.shape[0] == m and dst._free_size == n, "matmul-shape",
@@ -990,6 +994,25 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     fp32 = st.dtype == dt.float32 or mv.dtype == dt.float32
     current().cost.instr("tensor", instr, m, n, _tensor_cycles(n, m, fp32), legacy_cycles=n * (4 if fp32 else 1))
     current().cost.matmul_flops += 2 * k * (2 if double else 1) * m * n
+
+
+def _matmul_tiling(tile_position, tile_size, instr: str) -> tuple[int, int]:
+    """(row_size, column_size) of TensorE tiling mode (nc_matmul page, "Tiling mode"): both tuples set or
+    neither (then the full 128 × 128 array); sizes 32, 64 or 128 (32 from NeuronCore-v3); each start a multiple
+    of its size with the tile inside the array. The page's parameter lines say start_column must be 0 and
+    column_size 128, its body describes column tiling: the body is followed (the more specific text). Tiled
+    matmuls compute like untiled ones here; their parallelism is not in the cost model."""
+    if not tile_position and not tile_size:
+        return 128, 128
+    check(bool(tile_position) and bool(tile_size) and len(tile_position) == 2 and len(tile_size) == 2,
+          "matmul-tiling", f"{instr}: tile_position and tile_size must both be (row, column) pairs, got "
+                           f"{tile_position!r}, {tile_size!r}")
+    (r0, c0), (rs, cs) = (int(v) for v in tile_position), (int(v) for v in tile_size)
+    for what, start, size in (("row", r0, rs), ("column", c0, cs)):
+        check(size in (32, 64, 128), "matmul-tiling", f"{instr}: {what} tile size must be 32, 64 or 128, got {size}")
+        check(start % size == 0 and 0 <= start and start + size <= 128, "matmul-tiling",
+              f"{instr}: {what} start {start} must be a multiple of the {what} size {size} inside the 128 array")
+    return rs, cs
 
 
 def _tensor_cycles(n: int, m: int, fp32: bool, transpose: bool = False) -> float:
