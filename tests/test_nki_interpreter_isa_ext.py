@@ -352,6 +352,59 @@ def test_nc_n_gather_gathers_within_each_partition():
     rejects("index", k, x, np.full((8, 2), 20, np.uint32))
 
 
+# ------------------------------------------------------------------------------------ select / cumulative
+def test_select_reduce_selects_and_keeps_the_running_max():
+    """isa stub: result = where(pred, on_true, on_false); reduce_res = max of result (reset_reduce)."""
+    def k(x, p):
+        d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        m = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
+        nisa.select_reduce(dst=d, predicate=load(p), on_true=load(x), on_false=-5.0, reduce_res=m,
+                           reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        return out_of(d), out_of(m)
+
+    x, p = arr(4, 10), (np.random.default_rng(12).random((4, 10)) > 0.5).astype(np.uint8)
+    d, m = simulate(k)(x, p)
+    want = np.where(p != 0, x, F32(-5.0))
+    np.testing.assert_array_equal(d, want)
+    np.testing.assert_array_equal(m[:, 0], want.max(axis=1))
+
+
+def test_tensor_scalar_cumulative_follows_the_stub_pseudocode():
+    """reg = identity (reset_reduce) or imm1 (load_reduce); reg = op1(op0(x[i], imm0), reg); dst[i] = reg."""
+    def k(x, cmd):
+        d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_cumulative(dst=d, src=load(x), op0=nl.multiply, op1=nl.add, imm0=2.0, imm1=100.0,
+                                      reduce_cmd=cmd)
+        return out_of(d)
+
+    def running_max(x):
+        d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_cumulative(dst=d, src=load(x), op0=nl.add, op1=nl.maximum, imm0=0.0)
+        return out_of(d)
+
+    x = arr(3, 9)
+    np.testing.assert_allclose(simulate(k)(x, nisa.reduce_cmd.reset_reduce), np.cumsum(2 * x, axis=1), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(simulate(k)(x, nisa.reduce_cmd.load_reduce), 100 + np.cumsum(2 * x, axis=1),
+                               rtol=1e-5)
+    np.testing.assert_array_equal(simulate(running_max)(x), np.maximum.accumulate(x, axis=1))
+
+
+def test_nl_where_picks_x_where_the_condition_holds():
+    def k(x, y, c):
+        a = nl.where(load(c), load(x), load(y))
+        b = nl.where(load(c), load(x), 0.0)
+        d = nl.where(load(c), 7.0, load(y))
+        return out_of(a), out_of(b), out_of(d)
+
+    x, y = arr(4, 6, seed=1), arr(4, 6, seed=2)
+    c = (np.random.default_rng(13).random((4, 6)) > 0.5).astype(np.uint8)
+    a, b, d = simulate(k)(x, y, c)
+    np.testing.assert_array_equal(a, np.where(c != 0, x, y))
+    np.testing.assert_array_equal(b, np.where(c != 0, x, 0))
+    np.testing.assert_array_equal(d, np.where(c != 0, F32(7), y))
+
+
 # ------------------------------------------------------------------------------------ local_gather
 def test_local_gather_shares_indices_across_each_gpsimd_core_partitions():
     """The stub's example semantics: per 16-partition core, indices flattened column-major, each partition

@@ -1091,7 +1091,7 @@ from .isa_dma import dma_compute, dma_transpose  # noqa: E402,F401
 from .isa_lnc import core_barrier, sendrecv  # noqa: E402,F401
 from .isa_search import (  # noqa: E402,F401
     affine_select, local_gather, max8, nc_find_index8, nc_match_replace8, nc_n_gather, nonzero_with_count,
-    range_select,
+    range_select, select_reduce, tensor_scalar_cumulative,
 )
 from .isa_stream import bn_aggr, bn_stats, nc_stream_shuffle, tensor_tensor_scan  # noqa: E402,F401
 from .isa_mx import nc_matmul_mx, quantize_mx  # noqa: E402,F401
@@ -1105,8 +1105,6 @@ def _unmodelled(name):
     return f
 
 
-select_reduce = _unmodelled("select_reduce")
-tensor_scalar_cumulative = _unmodelled("tensor_scalar_cumulative")
 activate2 = _unmodelled("activate2 (trn3)")
 exponential = _unmodelled("exponential (trn3)")
 sequence_bounds = _unmodelled("sequence_bounds")

@@ -1,5 +1,6 @@
 """Selection, search and gather instructions: ``affine_select``, ``range_select``, ``max8``,
-``nc_find_index8``, ``nc_match_replace8``, ``nonzero_with_count``, ``nc_n_gather``, ``local_gather`` (the top-k and
+``nc_find_index8``, ``nc_match_replace8``, ``nonzero_with_count``, ``nc_n_gather``, ``local_gather``,
+``select_reduce`` and ``tensor_scalar_cumulative`` (the top-k and
 token-skipping building blocks of public decode MoE kernels). Semantics and limits: the aws-neuron-sdk isa
 stub (``nki/api/nki/isa/__init__.py``), one docstring per instruction below.
 """
@@ -275,3 +276,93 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
         out[16 * c:16 * c + 16] = src[16 * c:16 * c + 16][:, cols]
     _store_raw(dst, out)
     _record("gpsimd", instr, dst, (x,))
+
+
+def _accumulated_result(instr, dst, part, op_name, cmd, init, reduce_res):
+    """Feed ``part`` [P] into the VectorE accumulators under ``cmd`` and read them out into reduce_res."""
+    acc = _accumulate("vector", dst, part, op_name, cmd, init)
+    if reduce_res is not None:
+        rr = _onchip(reduce_res, "reduce_res", instr)
+        check(rr._free_size == 1, "operand-shape", f"{instr}: reduce_res must be (P, 1), got {list(rr.shape)}")
+        _lanes(instr, dst, reduce_res=rr)
+        _store_values(rr, acc.reshape(-1, 1), instr)
+
+
+def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd=RC.idle, reduce_op=O.maximum,
+                  reverse_pred=False, name=None):
+    """VectorE ``dst = where(predicate (or not, reverse_pred), on_true, on_false)`` with an optional max into
+    the VectorE accumulators (isa stub): predicate int8/uint8/int16/uint16; on_true any dtype but
+    tfloat32/int32/uint32; on_false an fp32 scalar or a (P, 1) tile; on_true and predicate not both in PSUM."""
+    instr = "select_reduce"
+    dst, pred, t = _onchip(dst, "dst", instr), _onchip(predicate, "predicate", instr), _onchip(on_true, "on_true",
+                                                                                                  instr)
+    check(pred.dtype in (dt.int8, dt.uint8, dt.int16, dt.uint16), "predicate-dtype",
+          f"{instr}: predicate must be int8/uint8/int16/uint16, got {dt.name(pred.dtype)}")
+    check(t.dtype not in (dt.int32, dt.uint32), "operand-dtype", f"{instr}: on_true cannot be int32/uint32")
+    check(not (t.buffer.name == "psum" and pred.buffer.name == "psum"), "psum-operands",
+          f"{instr}: on_true and predicate cannot both be in PSUM")
+    check(_reduce_op(reduce_op) is O.maximum, "op", f"{instr}: reduce_op must be nl.maximum")
+    cmd = _enum(reduce_cmd, RC, "reduce_cmd")
+    _lanes(instr, dst, predicate=pred, on_true=t)
+    _same_free(instr, dst, predicate=pred, on_true=t)
+    if isinstance(on_false, NkiTensor):
+        f = _onchip(on_false, "on_false", instr)
+        check(f._free_size == 1, "operand-shape", f"{instr}: on_false must be a scalar or a (P, 1) tile")
+        _lanes(instr, dst, on_false=f)
+        fv = _f32(f)
+    else:
+        check(isinstance(on_false, (int, float, np.integer, np.floating)), "operand",
+              f"{instr}: on_false must be an fp32 scalar or a (P, 1) tile, got {on_false!r}")
+        fv = np.float32(on_false)
+    mask = _raw(pred) != 0
+    if reverse_pred:
+        mask = ~mask
+    res = np.where(mask, _f32(t), fv).astype(np.float32)
+    _store_values(dst, res, instr)
+    if cmd != RC.idle or reduce_res is not None:
+        _accumulated_result(instr, dst, res.max(axis=1), "maximum", RC.reset_reduce if cmd == RC.idle else cmd,
+                            None, reduce_res)
+    _record("vector", instr, dst, (pred, t))
+
+
+def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=RC.reset_reduce, name=None):
+    """VectorE running reduction along the free dim (isa stub pseudocode): ``reg`` starts from op1's identity
+    (reset_reduce), the accumulators' current value (reduce) or ``imm1`` (load_reduce); then for each element
+    ``reg = op1(op0(src[i], imm0), reg)`` and ``dst[i] = reg``. op1 ∈ add, subtract, multiply, maximum,
+    minimum; imm0 / imm1 fp32 scalars or (P, 1) tiles; no int32/uint32 data."""
+    instr = "tensor_scalar_cumulative"
+    dst, x = _onchip(dst, "dst", instr), _onchip(src, "src", instr)
+    op0 = _check_op(op0, instr, "op0", ("arith", "unary"))
+    op1 = _check_op(op1, instr, "op1", ("arith",))
+    check(op1.name in ("add", "subtract", "multiply", "maximum", "minimum"), "op",
+          f"{instr}: op1 must be add / subtract / multiply / maximum / minimum, got nl.{op1.name}")
+    for what, t in (("src", x), ("dst", dst)):
+        check(t.dtype not in (dt.int32, dt.uint32), "operand-dtype", f"{instr}: {what} cannot be int32/uint32 "
+              f"(ISA limitation)")
+    cmd = _enum(reduce_cmd, RC, "reduce_cmd")
+    check(cmd in (RC.reset_reduce, RC.reduce, RC.load_reduce), "operand",
+          f"{instr}: reduce_cmd must be reset_reduce, reduce or load_reduce")
+    _lanes(instr, dst, src=x)
+    _same_free(instr, dst, src=x)
+    from .isa import _apply_arith, _operand
+
+    unary = "unary" in op0.kinds and "arith" not in op0.kinds
+    v0 = None if unary else _operand(imm0, instr, "imm0", dst, True)
+    t = _apply_arith(op0, _f32(x), v0, False)
+    ident = {"add": 0.0, "subtract": 0.0, "multiply": 1.0, "maximum": -np.inf, "minimum": np.inf}[op1.name]
+    acc = current().accumulators.setdefault("vector", np.zeros(128, np.float32))
+    lanes = slice(dst._pstart, dst._pstart + dst.shape[0])
+    if cmd == RC.reset_reduce:
+        reg = np.full(dst.shape[0], ident, np.float32)
+    elif cmd == RC.load_reduce:
+        check(imm1 is not None, "operand", f"{instr}: load_reduce needs imm1")
+        reg = np.broadcast_to(_operand(imm1, instr, "imm1", dst, True), (dst.shape[0], 1)).reshape(-1).copy()
+    else:
+        reg = acc[lanes].copy()
+    out = np.empty_like(t)
+    for i in range(t.shape[1]):
+        reg = _apply_arith(op1, t[:, i], reg, False)
+        out[:, i] = reg
+    acc[lanes] = reg
+    _store_values(dst, out, instr)
+    _record("vector", instr, dst, (x,))

@@ -301,8 +301,20 @@ prod = _reduction(_ops.multiply)
 
 
 def where(condition, x, y, dtype=None):
-    raise NkiRuleError("not-modelled", "nl.where is not implemented by the interpreter; use "
-                       "nisa.tensor_copy_predicated")
+    """``nl.where``: a new SBUF tile holding ``x`` where ``condition`` is non-zero and ``y`` elsewhere (tiles of
+    one shape, or one of them a scalar), in ``dtype`` (default: the tile operand's). Lowered to a tensor_copy
+    and a tensor_copy_predicated, so condition is a uint8/16/32 tile (that instruction's predicate rule)."""
+    check(isinstance(condition, NkiTensor), "operand", "nl.where: condition must be a tile")
+    base, other, pick_other_where = (x, y, "zero") if isinstance(x, NkiTensor) else (y, x, "nonzero")
+    check(isinstance(base, NkiTensor), "operand", "nl.where: x or y must be a tile")
+    out = allocate(base.shape, dtype if dtype is not None else base.dtype, sbuf, "where")
+    _isa.tensor_copy(out, base)
+    if isinstance(other, NkiTensor) and other.dtype != out.dtype:
+        conv = allocate(other.shape, out.dtype, sbuf, "where_other")
+        _isa.tensor_copy(conv, other)
+        other = conv
+    _isa.tensor_copy_predicated(out, other, condition, reverse_pred=pick_other_where == "zero")
+    return out
 
 
 def matmul(x: NkiTensor, y: NkiTensor, transpose_x=False) -> NkiTensor:
