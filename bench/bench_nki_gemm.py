@@ -44,7 +44,8 @@ TOKENS = (1, 4, 16, 64, 128)
 GROUP = 128
 FP8_MAX = 240.0  # trn2 on-chip fp8
 LIMIT = 7.0
-COMPONENTS = ("tensor_s", "vector_s", "scalar_s", "gpsimd_s", "sync_s", "dma_s", "loop_s")
+COMPONENTS = interpreter.cost.COMPONENTS  # tensor/vector/scalar/gpsimd/sync engines, dma, dge, loop
+OLD = tuple(f"old_{c}" for c in COMPONENTS)  # the same components under the pre-issue-10 model
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -64,9 +65,12 @@ def _act_bytes(rows, k, fmt) -> int:
 
 
 def _profile(kernel, *args, **kwargs) -> dict:
-    """Run through the interpreter; the estimate's components plus HBM bytes and SBUF peak."""
+    """Run through the interpreter; the estimate's components (corrected model, and ``old_*`` under the
+    legacy one, from the same record) plus HBM bytes and SBUF peak."""
     _, rep = interpreter.profile(kernel, *args, **kwargs)
+    old = interpreter.LEGACY_TRN2.estimate(interpreter.last_run().cost)
     out = {c: rep.get(c, 0.0) for c in COMPONENTS}
+    out.update({f"old_{c}": old.get(c, 0.0) for c in COMPONENTS})
     out.update(hbm_bytes=rep["hbm_bytes"], sbuf_peak_bytes=rep["sbuf_peak_bytes"])
     return out
 
@@ -74,18 +78,22 @@ def _profile(kernel, *args, **kwargs) -> dict:
 def _combine(terms) -> dict:
     """Σ coeff · record over additive components (engine times are linear in cycles and instruction counts,
     DMA time in bytes and count, loop time in iterations)."""
-    keys = COMPONENTS + ("hbm_bytes",)
+    keys = COMPONENTS + OLD + ("hbm_bytes",)
     out = {k: sum(c * r[k] for c, r in terms) for k in keys}
     out["sbuf_peak_bytes"] = max(r["sbuf_peak_bytes"] for _, r in terms)
     return out
 
 
 def _finish(rec: dict, ideal_bytes: int) -> dict:
+    """Overlapped estimate (max of the components), serial bound (their sum) and binding component, under
+    the corrected model and (``old_time_s``) the legacy one."""
     parts = {k: rec[k] for k in COMPONENTS}
     t = max(parts.values())
+    old_t = max(rec[k] for k in OLD)
     ideal = interpreter.TRN2.hbm_roofline(ideal_bytes)
-    return {**rec, "time_s": t, "bound": max(parts, key=parts.get)[:-2], "ideal_bytes": ideal_bytes,
-            "ideal_s": ideal, "fraction": ideal / t if t else float("nan")}
+    return {**rec, "time_s": t, "serial_s": sum(parts.values()), "bound": max(parts, key=parts.get)[:-2],
+            "old_time_s": old_t, "ideal_bytes": ideal_bytes, "ideal_s": ideal,
+            "fraction": ideal / t if t else float("nan"), "old_fraction": ideal / old_t if old_t else float("nan")}
 
 
 # --------------------------------------------------------------------------------------------- expert_gemm
@@ -197,14 +205,16 @@ def check_extrapolation(shape, act, wfmt) -> str:
 
 # ---------------------------------------------------------------------------------------------------- main
 def table(rows: list[dict]) -> str:
-    head = (f"{'model':<14} {'kernel':<19} {'act×w':<10} {'T':>4} {'variant':<7} {'touched':<15} {'est µs':>9} "
-            f"{'bound':>6} {'ideal µs':>9} {'fraction':>8} {'HBM MiB':>8}")
+    head = (f"{'model':<14} {'kernel':<19} {'act×w':<10} {'T':>4} {'variant':<7} {'touched':<15} {'old µs':>9} "
+            f"{'est µs':>9} {'serial µs':>9} {'bound':>6} {'ideal µs':>9} {'old frac':>8} {'fraction':>8} "
+            f"{'HBM MiB':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         t = f"{'~' if r.get('interpolated') else ''}{r['tokens']}"
         lines.append(f"{r['model']:<14} {r['kernel']:<19} {r['pair']:<10} {t:>4} {r['variant']:<7} "
-                     f"{r['routed']:<15} {r['time_s'] * 1e6:>9.1f} {r['bound']:>6} {r['ideal_s'] * 1e6:>9.1f} "
-                     f"{r['fraction']:>8.1%} {r['hbm_bytes'] / 2**20:>8.2f}")
+                     f"{r['routed']:<15} {r['old_time_s'] * 1e6:>9.1f} {r['time_s'] * 1e6:>9.1f} "
+                     f"{r['serial_s'] * 1e6:>9.1f} {r['bound']:>6} {r['ideal_s'] * 1e6:>9.1f} "
+                     f"{r['old_fraction']:>8.1%} {r['fraction']:>8.1%} {r['hbm_bytes'] / 2**20:>8.2f}")
     return "\n".join(lines)
 
 
@@ -232,10 +242,14 @@ def main(argv=None) -> int:
     kernels = args.kernels.split(",")
     m = interpreter.TRN2
     print(f"NKI expert GEMM / local experts — estimated trn2 time on one NeuronCore-v3 (interpreter cost model: "
-          f"DMA {m.dma_bandwidth / 1e9:.0f} GB/s + {m.dma_fixed * 1e6:.1f} µs per DMA over {m.dma_queues} queues; "
-          f"TensorE 2.4 GHz, VectorE 0.96, ScalarE/GpSimd 1.2 GHz, {m.instr_fixed_cycles} cycles per instruction) "
-          f"vs the ideal HBM time at {m.hbm_bandwidth_per_core / 1e9:.0f} GB/s per core. EP = 1, fp8 activations "
-          f"with 1×{GROUP} scales, fp8_max {FP8_MAX:g}, swiglu limit {LIMIT:g}.", flush=True)
+          f"DMA {m.dma_bandwidth / 1e9:.0f} GB/s + {m.dma_fixed * 1e6:.1f} µs per DMA over {m.dma_queues} queues, "
+          f"+{m.dge_fixed * 1e6:.1f} µs per runtime-descriptor (DGE) DMA over {m.dge_instances} DGEs; TensorE "
+          f"max(N, 64) cycles per matmul at 2.4 GHz; VectorE 0.96 GHz (2N for two-input ops), ScalarE/GpSimd "
+          f"1.2 GHz (GpSimd 32 bit/partition/cycle), {m.instr_fixed_cycles} cycles per instruction) vs the ideal "
+          f"HBM time at {m.hbm_bandwidth_per_core / 1e9:.0f} GB/s per core. 'old' = the pre-issue-10 model on the "
+          f"same run; 'est' = overlapped estimate (max of engines, DMA, DGE, loop), 'serial' = their sum, "
+          f"'bound' = the binding one. EP = 1, fp8 activations with 1×{GROUP} scales, fp8_max {FP8_MAX:g}, "
+          f"swiglu limit {LIMIT:g}.", flush=True)
     if args.check:
         print("extrapolation check (Qwen3-30B-A3B dims, fp8×fp4):")
         print(check_extrapolation(MODEL_SHAPES["qwen3_30b_a3b"], "fp8", "fp4"), flush=True)

@@ -186,9 +186,15 @@ def test_double_row_fp8_contracts_256_rows():
 
 # ------------------------------------------------------------------------------------------ capacity
 def test_sbuf_capacity_counts_live_allocations():
+    usable = 224 * 1024 - 16384 - 8  # trn2: 224 KiB physical less the runtime's reserved regions
+
     def too_much(x):
         a = nl.ndarray((128, 100 * 1024), nl.uint8, buffer=nl.sbuf)  # noqa: F841  (kept alive)
-        b = nl.ndarray((128, 100 * 1024), nl.uint8, buffer=nl.sbuf)  # noqa: F841
+        b = nl.ndarray((128, usable - 100 * 1024 + 1), nl.uint8, buffer=nl.sbuf)  # noqa: F841
+
+    def exactly_full(x):
+        a = nl.ndarray((128, 100 * 1024), nl.uint8, buffer=nl.sbuf)  # noqa: F841
+        b = nl.ndarray((128, usable - 100 * 1024), nl.uint8, buffer=nl.sbuf)  # noqa: F841
 
     def reuse(x):
         for _ in range(8):  # each tile dies when the name is rebound: at most two live at once
@@ -196,9 +202,22 @@ def test_sbuf_capacity_counts_live_allocations():
             nisa.memset(t.view(nl.int32), 0)  # 23040 elements: within the 64K free-size limit
 
     e = rejects("sbuf-capacity", too_much, arr(1, 1))
-    assert "196608" in str(e)  # 192 KiB per partition on trn2
+    assert "212984" in str(e)
+    simulate(exactly_full)(arr(1, 1))
+    assert interpreter.last_run().sbuf_peak_bytes == usable
     simulate(reuse)(arr(1, 1))
     assert interpreter.last_run().sbuf_peak_bytes == 2 * 90 * 1024
+
+
+def test_sbuf_usable_size_per_target():
+    def one(x, nbytes):
+        nl.ndarray((128, nbytes), nl.uint8, buffer=nl.sbuf)
+
+    with interpreter.target("trn3"):
+        simulate(one)(arr(1, 1), 256 * 1024 - 16392)
+        rejects("sbuf-capacity", one, arr(1, 1), 256 * 1024 - 16391)
+    simulate(one)(arr(1, 1), 212984)
+    rejects("sbuf-capacity", one, arr(1, 1), 212985)
 
 
 def test_psum_capacity_is_eight_banks():
@@ -332,11 +351,61 @@ def test_reductions_only_over_trailing_free_axes():
 
 
 # ------------------------------------------------------------------------------------------ cross-partition
-def test_cross_partition_movement_needs_a_moving_instruction():
-    def shifted_copy(x):
+def _shift(n, src0, dst0, engine=nisa.engine.vector):
+    """tensor_copy of partitions [src0, src0 + n) onto [dst0, dst0 + n) of one tile."""
+    def k(x):
         t = load(x)
-        nisa.tensor_copy(dst=t[0:64, :], src=t[64:128, :])
+        nisa.tensor_copy(dst=t[dst0:dst0 + n, :], src=t[src0:src0 + n, :], engine=engine)
+        return out_of(t)
 
+    return k
+
+
+@pytest.mark.parametrize("n, src0, dst0", [
+    (32, 0, 96), (32, 96, 32), (1, 64, 0), (33, 0, 64), (64, 64, 0), (64, 0, 64)])
+def test_cross_partition_within_documented_limits_is_accepted(n, src0, dst0):
+    """Arch guide: cross-quadrant for n ≤ 32 (start 0/32/64/96), cross-half for 32 < n ≤ 64 (start 0/64)."""
+    x = arr(128, 8)
+    want = x.copy()
+    want[dst0:dst0 + n] = x[src0:src0 + n]
+    np.testing.assert_array_equal(simulate(_shift(n, src0, dst0))(x), want)
+
+
+@pytest.mark.parametrize("n, src0, dst0", [
+    (32, 0, 16),   # n ≤ 32 but dst not on a quadrant start
+    (32, 1, 32),   # src not on a quadrant start
+    (33, 0, 32),   # 33 partitions: cross-half only (0/64), 32 is not legal
+    (65, 0, 63),   # > 64 partitions: start must be 0 on both sides
+    (64, 32, 64),  # 64 partitions starting at 32
+])
+def test_cross_partition_beyond_documented_limits_is_refused(n, src0, dst0):
+    rejects("cross-partition", _shift(n, src0, dst0), arr(128, 8))
+
+
+def test_cross_partition_rule_applies_to_every_operand_and_engine():
+    def psum_rows(x):  # tensor_tensor reading PSUM rows 32..32+T into rows 0..T (a decode-kernel idiom)
+        t = load(x)
+        ps = nl.ndarray((128, 8), nl.float32, buffer=nl.psum)
+        nisa.tensor_copy(dst=ps, src=t)
+        o = nl.ndarray((128, 8), nl.float32, buffer=nl.sbuf)
+        nisa.memset(o, 0.0)
+        nisa.tensor_tensor(dst=o[0:5, :], data1=ps[32:37, :], data2=t[64:69, :], op=nl.add)
+        return out_of(o)
+
+    def bad_second_operand(x):
+        t = load(x)
+        nisa.tensor_tensor(dst=t[0:5, :], data1=t[32:37, :], data2=t[40:45, :], op=nl.add)
+
+    x = arr(128, 8)
+    got = simulate(psum_rows)(x)
+    np.testing.assert_array_equal(got[0:5], x[32:37] + x[64:69])
+    rejects("cross-partition", bad_second_operand, x)
+    for eng in (nisa.engine.scalar, nisa.engine.gpsimd):
+        rejects("cross-partition", _shift(32, 0, 16, eng), x)
+        np.testing.assert_array_equal(simulate(_shift(32, 0, 32, eng))(x)[32:64], x[0:32])
+
+
+def test_partition_broadcast_and_transpose_still_need_a_moving_instruction():
     def broadcast_partitions(x):
         load(x)[0:1, :].broadcast(0, 128)
 
@@ -349,7 +418,6 @@ def test_cross_partition_movement_needs_a_moving_instruction():
         return out_of(sb)
 
     x = arr(128, 8)
-    rejects("cross-partition", shifted_copy, x)
     rejects("cross-partition", broadcast_partitions, x)
     np.testing.assert_array_equal(simulate(transpose)(x), x.T)
 

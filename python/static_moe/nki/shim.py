@@ -29,6 +29,8 @@ def _load_real():
 
     if not hasattr(_nki, "jit"):
         raise ImportError("the installed 'nki' has no jit (the PyPI placeholder?)")
+    if getattr(_nki, "__static_moe_interpreter__", False):
+        raise ImportError("'nki' is the interpreter's own facade (interpreter.as_nki), not a real NKI")
     version = getattr(_nki, "__version__", None)
     return _nki, _nl, _nisa, version
 

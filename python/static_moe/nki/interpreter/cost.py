@@ -1,31 +1,54 @@
 """Cost accounting of an interpreted kernel run, and a first-order trn2 time model.
 
 The interpreter records, per run: every DMA (bytes, whether each side is HBM, the contiguous runs on each
-side and the bytes per partition of the on-chip side) and every compute instruction (engine, partitions,
-elements per partition, dtypes). :class:`CostModel` turns a record into an estimated time on one NeuronCore.
+side, the bytes per partition of the on-chip side, whether it needed descriptor generation at run time, and
+its throughput efficiency) and every compute instruction (engine, partitions, elements per partition, model
+cycles). :class:`CostModel` turns a record into an estimated time on one NeuronCore-v3.
 
-Model (figures: ``/work/shared/docs/NKI_NOTES.md`` "Capacities" and the trn2 architecture guide,
-aws-neuron-sdk ``nki/guides/architecture/trainium2_arch.rst``):
+Sources (aws-neuron-sdk, folder ``nki/``): the Trainium/Inferentia2 architecture guide
+(``guides/architecture/trainium_inferentia2_arch.rst``, "TA2"), the Trainium2 guide
+(``guides/architecture/trainium2_arch.rst``, "T2") and the isa stub (``api/nki/isa/__init__.py``).
+Constants, with their source; ASSUMPTION where the docs give no figure:
 
-- DMA: 16 queues per core sharing ``dma_bandwidth = 368 GB/s``; each ``dma_copy`` has a fixed cost of
-  ``dma_fixed = 1.3 µs``. Queues overlap, so the fixed costs of up to 16 DMAs run concurrently:
-  ``t_dma = Σ bytes / 368 GB/s + ceil(n_dma / 16) · 1.3 µs``. Small contiguous runs cost extra: every
-  contiguous run shorter than ``dma_min_efficient_run = 512 B`` is charged as if it were 512 B (DMA
-  descriptors move whole bursts), so byte-scattered transfers show up.
-- TensorE (2.4 GHz): one moving column per cycle for bf16/fp16/fp8 (fp8 at double rate only with
-  ``perf_mode=double_row``, which contracts 256 rows in the same time); fp32 operands at 1/4 rate
-  (20 vs 79 TFLOPS). ``t = (N + fixed) / 2.4 GHz`` per matmul / transpose.
-- VectorE (0.96 GHz), ScalarE (1.2 GHz), GpSimd (1.2 GHz): one element per partition per cycle, i.e. the
-  elements per partition of the instruction, plus a fixed ``instr_fixed_cycles = 64`` per instruction
-  (ASSUMPTION: the docs give no figure; it reflects the usual ~60-cycle static overhead quoted for
-  NeuronCore instructions, and it is why tiny instructions are not free). VectorE's bf16/fp16 performance
-  mode (SBUF-only, contiguous) runs tensor_copy / tensor_scalar 4× and tensor_tensor 2× faster.
-- Runtime-loop iterations cost ``loop_iteration_s = 0.1 µs`` each (ASSUMPTION: sequencer branch + register
+- Clocks: TensorE 2.4 GHz, VectorE 0.96 GHz, ScalarE 1.2 GHz, GpSimd 1.2 GHz (T2, "Compute Engine
+  Specifications"). SyncE (register instructions) 1.2 GHz: ASSUMPTION (not in the table).
+- TensorE, per nc_matmul (isa._tensor_cycles): MultiplyMoving issue interval ``max(N, 64)`` cycles
+  (TA2 Tensor Engine "Performance Consideration": ``max(N, MM_INIT_LATENCY)``, 64 cycles on v2 —
+  ASSUMPTION that v3 keeps it); fp32 operands 4× (same section), 2× in transpose mode (T2 "Built-in Transpose
+  Support"); fp8 at 2× only with ``double_row``, which contracts 256 rows in the time of 128 (T2 "Double FP8
+  Matmul Performance"); fast LoadStationary = 1/4 of a MultiplyMoving of the same free size, in the
+  background (TA2), so it binds only when M/4 > max(N, 64).
+- VectorE / ScalarE (isa._vector_cycles): ~N cycles for one input tile, ~2N for two (TA2 Vector Engine "Cost
+  Model"; ScalarE reads at most one tensor, TA2 Scalar Engine); VectorE performance mode 4× / 2× only in the
+  cases T2 "Vector Engine Performance Mode" lists. GpSimd: 32 bits per partition per cycle (TA2 "Connectivity
+  between GpSimdE and SBUF"), so N·itemsize/4 cycles per input.
+- Fixed cost per Vector/Scalar/GpSimd instruction: ``instr_fixed_cycles = 60``: TA2 "Tensor access overhead":
+  "a static overhead approximately 60 cycles" per tensor access request (the Vector cost model adds 100 for
+  back-to-back dependent tiny instructions; 60 is the figure for independent ones). ASSUMPTION: not hidden.
+- DMA: 16 queues per core (TA2 "Data movement between HBM and SBUF"; T2 "16x DMA engines"), sharing
+  ``dma_bandwidth = 368 GB/s`` and a fixed ``dma_fixed = 1.3 µs`` per dma_copy, of which 16 run concurrently.
+  ASSUMPTION for both figures: TA2 gives 27 GiB/s per engine (16 × 27 GiB/s = 464 GB/s peak) and "move 4 KiB
+  or more per partition" but no per-transfer latency; 368 GB/s (~80 % of that peak) and 1.3 µs are the
+  figures this project has used since issue 4, kept so the old and new tables differ only where the docs
+  changed the model. Contiguous runs shorter than ``dma_min_efficient_run = 512 B`` are charged as 512 B
+  (ASSUMPTION: descriptors move whole bursts; TA2 only says small DMA buffers carry overhead).
+  DMA transposes run at 90 % (HBM→SBUF) or 50 % (SBUF→SBUF) of DMA throughput (T2 "DMA Transpose").
+- DGE: a DMA whose address is dynamic (``.ap(scalar_offset=...)`` / ``vector_offset``) or that asks for
+  ``dge_mode=hwdge/swdge`` needs descriptor generation at run time: ``dge_fixed = 0.6 µs`` each (T2
+  "Descriptor Generation Engine": "each DGE-based DMA instruction takes about 600 ns"), over
+  ``dge_instances = 2`` instances per core (same section), reported as the ``dge`` component.
+- Runtime-loop iterations: ``loop_iteration_s = 0.1 µs`` each (ASSUMPTION: sequencer branch + register
   update; no figure in the docs).
-- Engines and DMA queues run in parallel: ``estimate = max(engine times, t_dma)`` (perfect overlap — a lower
-  bound on a well-pipelined kernel); ``serial = Σ`` of all of them is the no-overlap upper bound.
 
-The HBM roofline for comparison is ``hbm_bytes / (2.9 TB/s / 8 cores)`` (chip bandwidth shared by 8 cores).
+Overlap: engines, DMA queues and DGE run in parallel, so the **overlapped estimate** is
+``time_s = max(component times)`` — a lower bound reached only by a perfectly pipelined kernel — and the
+**serial bound** ``serial_s = Σ components`` the no-overlap upper bound; ``bound`` names the component that
+binds the overlapped estimate. The HBM roofline for comparison is ``hbm_bytes / (2.9 TB/s / 8 cores)``
+(T2 gives "3TB/s" per device; 2.9 TB/s is the project's figure since issue 4; 8 cores share it).
+
+``LEGACY_TRN2`` is the model before issue 10 (all engines 1 element per cycle whatever the input count,
+N + 64 fixed cycles per matmul, no DGE cost, no transpose efficiency), kept so benchmarks can print the old
+figures beside the corrected ones.
 """
 
 from __future__ import annotations
@@ -35,6 +58,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "sync")
+COMPONENTS = tuple(f"{e}_s" for e in ENGINES) + ("dma_s", "dge_s", "loop_s")
 
 
 @dataclass
@@ -44,6 +68,8 @@ class DmaRecord:
     runs: int  # contiguous runs (the larger of the two sides)
     min_run_bytes: int
     partition_bytes: int  # bytes per partition on the on-chip side (0 for HBM↔HBM)
+    dge: bool = False  # descriptors generated at run time (dynamic address / explicit DGE mode)
+    efficiency: float = 1.0  # fraction of DMA throughput (DMA transposes: 0.9 / 0.5)
 
 
 @dataclass
@@ -54,15 +80,19 @@ class CostRecord:
     instr_count: dict = field(default_factory=lambda: defaultdict(int))  # engine -> instructions
     instr_elems: dict = field(default_factory=lambda: defaultdict(int))  # engine -> Σ elements per partition
     instr_cycles: dict = field(default_factory=lambda: defaultdict(float))  # engine -> model cycles (no fixed)
+    instr_cycles_legacy: dict = field(default_factory=lambda: defaultdict(float))  # the pre-issue-10 model
     by_name: dict = field(default_factory=lambda: defaultdict(int))  # "engine.instruction" -> count
     loop_iterations: int = 0
     matmul_flops: int = 0
 
     # --------------------------------------------------------------------------------------------- recording
-    def instr(self, engine: str, name: str, partitions: int, elems_per_partition: int, cycles: float | None = None):
+    def instr(self, engine: str, name: str, partitions: int, elems_per_partition: int, cycles: float | None = None,
+              legacy_cycles: float | None = None):
+        c = elems_per_partition if cycles is None else cycles
         self.instr_count[engine] += 1
         self.instr_elems[engine] += elems_per_partition
-        self.instr_cycles[engine] += elems_per_partition if cycles is None else cycles
+        self.instr_cycles[engine] += c
+        self.instr_cycles_legacy[engine] += c if legacy_cycles is None else legacy_cycles
         self.by_name[f"{engine}.{name}"] += 1
 
     def dma(self, rec: DmaRecord) -> None:
@@ -111,6 +141,8 @@ class CostRecord:
                 out.instr_elems[k] += v
             for k, v in r.instr_cycles.items():
                 out.instr_cycles[k] += v
+            for k, v in r.instr_cycles_legacy.items():
+                out.instr_cycles_legacy[k] += v
             for k, v in r.by_name.items():
                 out.by_name[k] += v
             out.loop_iterations += r.loop_iterations
@@ -120,43 +152,57 @@ class CostRecord:
 
 @dataclass(frozen=True)
 class CostModel:
-    """trn2 (NeuronCore-v3) first-order timing; see the module docstring for the sources and assumptions."""
+    """trn2 (NeuronCore-v3) first-order timing; see the module docstring for every constant's source."""
 
-    dma_bandwidth: float = 368e9  # B/s per core (NKI_NOTES)
-    dma_fixed: float = 1.3e-6  # s per dma_copy (NKI_NOTES)
-    dma_queues: int = 16  # per core (NKI_NOTES)
+    dma_bandwidth: float = 368e9  # B/s per core (ASSUMPTION, module docstring)
+    dma_fixed: float = 1.3e-6  # s per dma_copy (ASSUMPTION, module docstring)
+    dma_queues: int = 16  # per core (TA2, T2)
     dma_min_efficient_run: int = 512  # B (ASSUMPTION)
-    hbm_bandwidth_per_core: float = 2.9e12 / 8  # B/s (NKI_NOTES: 2.9 TB/s per chip, 8 cores)
+    dge_fixed: float = 0.6e-6  # s per runtime-descriptor DMA (T2 "Descriptor Generation Engine")
+    dge_instances: int = 2  # per core (T2)
+    hbm_bandwidth_per_core: float = 2.9e12 / 8  # B/s (2.9 TB/s per chip, 8 cores)
     clock_hz: dict = field(default_factory=lambda: {
         "tensor": 2.4e9, "vector": 0.96e9, "scalar": 1.2e9, "gpsimd": 1.2e9, "sync": 1.2e9})
-    instr_fixed_cycles: int = 64  # ASSUMPTION
+    instr_fixed_cycles: int = 60  # TA2 "Tensor access overhead"
     loop_iteration_s: float = 0.1e-6  # ASSUMPTION
+    legacy: bool = False  # True: the pre-issue-10 model (LEGACY_TRN2)
 
     def dma_time(self, rec: CostRecord) -> float:
         if not rec.dmas:
             return 0.0
-        eff = 0
+        eff = 0.0
         for d in rec.dmas:
             avg = d.nbytes / max(d.runs, 1)
-            eff += d.nbytes if avg >= self.dma_min_efficient_run else d.runs * self.dma_min_efficient_run
+            moved = d.nbytes if avg >= self.dma_min_efficient_run else d.runs * self.dma_min_efficient_run
+            eff += moved if self.legacy else moved / d.efficiency
         return eff / self.dma_bandwidth + math.ceil(len(rec.dmas) / self.dma_queues) * self.dma_fixed
 
+    def dge_time(self, rec: CostRecord) -> float:
+        if self.legacy:
+            return 0.0
+        n = sum(1 for d in rec.dmas if d.dge)
+        return math.ceil(n / self.dge_instances) * self.dge_fixed
+
     def engine_times(self, rec: CostRecord) -> dict:
+        cycles = rec.instr_cycles_legacy if self.legacy else rec.instr_cycles
         out = {}
         for e in ENGINES:
             n = rec.instr_count.get(e, 0)
             if n:
-                out[e] = (rec.instr_cycles.get(e, 0.0) + n * self.instr_fixed_cycles) / self.clock_hz[e]
+                # TensorE's fixed cost is in its cycles (the max(N, 64) issue interval); the legacy model
+                # charged every engine the same per-instruction constant.
+                fixed = 0 if (e == "tensor" and not self.legacy) else self.instr_fixed_cycles
+                out[e] = (cycles.get(e, 0.0) + n * fixed) / self.clock_hz[e]
         return out
 
     def estimate(self, rec: CostRecord) -> dict:
-        """``{"time_s", "serial_s", "dma_s", "<engine>_s"..., "loop_s", "bound"}`` for one run."""
+        """``{"time_s", "serial_s", "bound", "<engine>_s"..., "dma_s", "dge_s", "loop_s"}`` for one run:
+        the overlapped estimate, the serial bound and the binding component (module docstring)."""
         eng = self.engine_times(rec)
-        dma = self.dma_time(rec)
-        loop = rec.loop_iterations * self.loop_iteration_s
-        parts = {**{f"{k}_s": v for k, v in eng.items()}, "dma_s": dma, "loop_s": loop}
-        t = max([dma, loop, *eng.values()])
-        bound = max(parts, key=parts.get)[:-2] if parts else "none"
+        parts = {**{f"{k}_s": v for k, v in eng.items()}, "dma_s": self.dma_time(rec), "dge_s": self.dge_time(rec),
+                 "loop_s": rec.loop_iterations * self.loop_iteration_s}
+        t = max(parts.values())
+        bound = max(parts, key=parts.get)[:-2] if t > 0 else "none"
         return {"time_s": t, "serial_s": sum(parts.values()), **parts, "bound": bound}
 
     def hbm_roofline(self, hbm_bytes: int) -> float:
@@ -165,6 +211,7 @@ class CostModel:
 
 
 TRN2 = CostModel()
+LEGACY_TRN2 = CostModel(instr_fixed_cycles=64, legacy=True)
 
 
 def estimate(rec: CostRecord, model: CostModel = TRN2) -> dict:

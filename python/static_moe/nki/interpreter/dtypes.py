@@ -1,8 +1,14 @@
 """NKI dtypes for the interpreter: numpy / ml_dtypes dtypes, so arrays store the exact bits the device would.
 
 ``float8_e4m3`` is Neuron's IEEE-style e4m3 (max 240, has inf) — ml_dtypes.float8_e4m3 has the same encoding;
-``float8_e4m3fn`` is OCP e4m3 (max 448, no inf). Types that cannot be stored by the interpreter (tfloat32,
-the packed x4 MX types) are sentinels that raise when a tensor is created with them.
+``float8_e4m3fn`` is OCP e4m3 (max 448, no inf). ``tfloat32`` cannot be stored by the interpreter: it is a
+sentinel that raises when a tensor is created with it.
+
+The packed MX types (isa stub, nc_matmul_mx / quantize_mx; NeuronCore-v4) are opaque containers:
+``float8_e4m3fn_x4`` / ``float8_e5m2_x4`` hold four fp8 values in 32 bits (value j in byte j, little end
+first), ``float4_e2m1fn_x4`` four e2m1 values in 16 bits (value j in bits 4j … 4j+3). They are one-field
+structured numpy dtypes, so they are distinct from uint32/uint16 while moving byte-exactly (DMA, tensor_copy,
+``view``); arithmetic on them is refused (``dtype-x4``), ``memset`` takes only 0 (isa stub).
 """
 
 from __future__ import annotations
@@ -42,10 +48,12 @@ class UnsupportedDtype:
 
 
 tfloat32 = UnsupportedDtype("tfloat32", "tf32 storage is not modelled by the interpreter; use float32")
-float8_e5m2_x4 = UnsupportedDtype("float8_e5m2_x4", "packed MX type (trn3 nc_matmul_mx only), not modelled")
-float8_e4m3fn_x4 = UnsupportedDtype("float8_e4m3fn_x4", "packed MX type (trn3 nc_matmul_mx only), not modelled")
-float4_e2m1fn_x4 = UnsupportedDtype(
-    "float4_e2m1fn_x4", "no FP4 datatype on trn2 (decode e2m1 nibbles with integer ops); trn3 MX is not modelled")
+float8_e5m2_x4 = np.dtype([("float8_e5m2_x4", "<u4")])
+float8_e4m3fn_x4 = np.dtype([("float8_e4m3fn_x4", "<u4")])
+float4_e2m1fn_x4 = np.dtype([("float4_e2m1fn_x4", "<u2")])
+X4_DTYPES = (float8_e5m2_x4, float8_e4m3fn_x4, float4_e2m1fn_x4)
+# the element type packed in each x4 container
+X4_ELEMENT = {float8_e5m2_x4: float8_e5m2, float8_e4m3fn_x4: float8_e4m3fn, float4_e2m1fn_x4: None}
 
 INT_DTYPES = (int8, int16, int32, uint8, uint16, uint32)
 FLOAT_DTYPES = (float16, float32, bfloat16, float8_e4m3, float8_e5m2, float8_e4m3fn, float8_e8m0fnu)
@@ -54,6 +62,7 @@ NAMES = {
     int8: "int8", int16: "int16", int32: "int32", uint8: "uint8", uint16: "uint16", uint32: "uint32",
     float16: "float16", float32: "float32", bfloat16: "bfloat16", float8_e4m3: "float8_e4m3",
     float8_e5m2: "float8_e5m2", float8_e4m3fn: "float8_e4m3fn", float8_e8m0fnu: "float8_e8m0fnu",
+    float8_e5m2_x4: "float8_e5m2_x4", float8_e4m3fn_x4: "float8_e4m3fn_x4", float4_e2m1fn_x4: "float4_e2m1fn_x4",
 }
 
 
@@ -74,6 +83,10 @@ def as_dtype(dt) -> np.dtype:
 
 def name(d) -> str:
     return NAMES.get(np.dtype(d), str(d)) if not isinstance(d, UnsupportedDtype) else d.name
+
+
+def is_x4(d) -> bool:
+    return np.dtype(d) in X4_DTYPES
 
 
 def is_int(d) -> bool:

@@ -10,16 +10,27 @@ fp8/bf16/fp16 destination is rejected (``cast-overflow``: clamp before casting �
 undocumented and the simulator's ml_dtypes cast gives inf/NaN); float → int rounds to nearest even and
 saturates (NKI 0.6 semantics), NaN → 0.
 
-Lanes: the compute engines are lane-parallel — every on-chip operand of an elementwise instruction must sit on
-the same partitions as its destination (``cross-partition``); only nc_matmul, nc_transpose, dma_copy and
-tensor_partition_reduce move data between partitions. This is stricter than some hardware modes (quadrant
-shifts) on purpose.
+Lanes: Vector/Scalar/GpSimd instructions map each partition of a source to one partition of the
+destination, and may shift partitions within the documented limits (Trainium/Inferentia2 architecture guide,
+"Accessing SBUF/PSUM tensors using compute engines" and "Cross-Partition Connectivity"): every operand spans
+the same number of partitions n, and when the operands do not all start on the same partition, each start
+partition must be legal for n — 0 when 64 < n ≤ 128; 0 or 64 when 32 < n ≤ 64 (cross-half); 0, 32, 64 or 96
+when n ≤ 32 (cross-quadrant). Anything else is refused (``cross-partition``). Operands on the same lanes are
+accepted at any start (placement is the allocator's job, per the same guide). Issue 10 replaced the earlier,
+stricter rule (same start partition always), which refused kernels that run on trn2.
+
+Enums: members of the nisa enums are expected; a raw integer that matches a documented enum value (the
+aws-neuron-sdk isa stub numbers ``engine``, ``dge_mode``, ``oob_mode``, ``reduce_cmd``) is accepted with a
+``DeprecationWarning``, since current public kernels still pass them (e.g. ``dge_mode=3``). Strings and
+undocumented numbers are refused (``enum``).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import math
+import warnings
 
 import numpy as np
 
@@ -35,34 +46,37 @@ SBUF_FREE_MAX, PSUM_FREE_MAX = 65536, 4096
 
 
 # ------------------------------------------------------------------------------------------------------ enums
+# Values: the numbering of the aws-neuron-sdk isa stub (``nki/api/nki/isa/__init__.py``), so a raw integer
+# passed by an older kernel can be matched to its member (see _enum). matmul_perf_mode and dma_engine have no
+# documented numbering: raw integers for them are refused.
 class engine(enum.Enum):
-    tensor = "tensor"
-    vector = "vector"
-    scalar = "scalar"
-    gpsimd = "gpsimd"
-    dma = "dma"
-    sync = "sync"
-    unknown = "unknown"
+    unknown = 0
+    tensor = 1
+    scalar = 2
+    gpsimd = 3
+    dma = 4
+    vector = 5
+    sync = 6
 
 
 class reduce_cmd(enum.Enum):
-    idle = "idle"
-    reset = "reset"
-    reduce = "reduce"
-    reset_reduce = "reset_reduce"
-    load_reduce = "load_reduce"
+    idle = 0
+    reset = 1
+    reduce = 2
+    reset_reduce = 3
+    load_reduce = 4
 
 
 class dge_mode(enum.Enum):
-    unknown = "unknown"
-    swdge = "swdge"
-    hwdge = "hwdge"
-    none = "none"
+    unknown = 0
+    swdge = 1
+    hwdge = 2
+    none = 3
 
 
 class oob_mode(enum.Enum):
-    error = "error"
-    skip = "skip"
+    error = 0
+    skip = 1
 
 
 class matmul_perf_mode(enum.Enum):
@@ -70,20 +84,67 @@ class matmul_perf_mode(enum.Enum):
     double_row = "double_row"
 
 
+class dma_engine(enum.Enum):
+    """sendrecv's transfer engine: the shared DMA (default) or GpSimd's internal DMA (LNC=2 SBUF swaps)."""
+
+    dma = "dma"
+    gpsimd_dma = "gpsimd_dma"
+
+
+@functools.total_ordering
 class nc_version(enum.Enum):
+    """NeuronCore version; ordered (``nisa.get_nc_version() >= nisa.nc_version.gen3``), as public kernels
+    compare them."""
+
     gen2 = 2
     gen3 = 3
     gen4 = 4
+
+    def __lt__(self, other):
+        if not isinstance(other, nc_version):
+            return NotImplemented
+        return self.value < other.value
 
 
 def get_nc_version() -> nc_version:
     return nc_version.gen4 if current().spec.name == "trn3" else nc_version.gen3
 
 
+# Deprecated engine aliases (isa stub: ``nisa.vector_engine`` etc., kept for older kernels).
+tensor_engine, vector_engine, scalar_engine, gpsimd_engine, unknown_engine = (
+    engine.tensor, engine.vector, engine.scalar, engine.gpsimd, engine.unknown)
+
+_NUMBERED = (engine, reduce_cmd, dge_mode, oob_mode)
+
+
 def _enum(value, cls, what):
-    check(isinstance(value, cls), "enum", f"{what} must be nisa.{cls.__name__}.<member>, got {value!r} "
-          f"(raw integers and strings are rejected since NKI 0.3)")
-    return value
+    """``value`` as a member of ``cls``: members pass; a raw int that is a documented value of ``cls`` is
+    mapped to its member with a DeprecationWarning; anything else raises ``enum``."""
+    if isinstance(value, cls):
+        return value
+    if cls in _NUMBERED and isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        try:
+            member = cls(int(value))
+        except ValueError:
+            member = None
+        if member is not None:
+            warnings.warn(f"{what}={int(value)}: pass nisa.{cls.__name__}.{member.name} (raw integers are "
+                          f"deprecated since NKI 0.3)", DeprecationWarning, stacklevel=3)
+            return member
+    raise NkiRuleError("enum", f"{what} must be nisa.{cls.__name__}.<member>, got {value!r} (strings and "
+                       f"undocumented integers are rejected since NKI 0.3)")
+
+
+class _Constants:
+    """``nki.isa.constants``: the enum classes under the name the architecture guides use
+    (``nisa.constants.engine.tensor``)."""
+
+    def __init__(self, **enums):
+        self.__dict__.update(enums)
+
+
+constants = _Constants(engine=engine, reduce_cmd=reduce_cmd, dge_mode=dge_mode, oob_mode=oob_mode,
+                       matmul_perf_mode=matmul_perf_mode, dma_engine=dma_engine, nc_version=nc_version)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -105,16 +166,37 @@ def _onchip(x, what: str, instr: str, allow_psum: bool = True) -> NkiTensor:
     return x
 
 
+def _start_ok(start: int, n: int) -> bool:
+    """The documented start-partition rule for an access spanning n partitions."""
+    if n > 64:
+        return start == 0
+    if n > 32:
+        return start in (0, 64)
+    return start in (0, 32, 64, 96)
+
+
 def _lanes(instr: str, dst: NkiTensor, **srcs) -> None:
-    """Same partition count and start for dst and every tensor operand (lane-parallel engines)."""
-    for what, s in srcs.items():
-        if not isinstance(s, NkiTensor):
-            continue
+    """Partition mapping of a Vector/Scalar/GpSimd instruction: the same partition count for dst and every
+    tensor operand; different start partitions only within the documented cross-half / cross-quadrant
+    limits (module docstring)."""
+    tens = {"dst": dst, **{k: v for k, v in srcs.items() if isinstance(v, NkiTensor)}}
+    for what, s in tens.items():
         check(s.shape[0] == dst.shape[0], "partition-mismatch",
               f"{instr}: {what} spans {s.shape[0]} partitions, dst spans {dst.shape[0]}")
-        check(s._pstart == dst._pstart, "cross-partition",
-              f"{instr}: {what} starts at partition {s._pstart}, dst at {dst._pstart}; compute "
-              f"engines are lane-parallel — moving data across partitions needs nc_transpose, nc_matmul or a DMA")
+    starts = {what: s._pstart for what, s in tens.items()}
+    if len(set(starts.values())) == 1:
+        return
+    n = dst.shape[0]
+    for what, p in starts.items():
+        check(_start_ok(p, n), "cross-partition",
+              f"{instr}: operands start on partitions {starts} (n = {n}); moving data across partitions on a "
+              f"compute engine needs every start partition to be {_legal_starts(n)} for {n} partitions "
+              f"(arch guide: cross-half for ≤ 64, cross-quadrant for ≤ 32); {what} starts at {p}. Use "
+              f"nc_transpose, nc_matmul, nc_stream_shuffle or a DMA otherwise")
+
+
+def _legal_starts(n: int) -> str:
+    return "0" if n > 64 else ("0 or 64" if n > 32 else "0, 32, 64 or 96")
 
 
 def _same_free(instr: str, dst: NkiTensor, **srcs) -> None:
@@ -149,6 +231,8 @@ def _raw(t: NkiTensor) -> np.ndarray:
 
 def _f32(t: NkiTensor) -> np.ndarray:
     """[P, F] float32 values of t (what the engines compute on)."""
+    check(not dt.is_x4(t.dtype), "dtype-x4", f"{dt.name(t.dtype)} is a packed MX container; compute engines "
+          f"read it only through nc_matmul_mx")
     return _raw(t).astype(np.float32)
 
 
@@ -179,6 +263,8 @@ def _operand(x, instr: str, what: str, dst: NkiTensor, fp32_tile: bool, int_ok: 
 
 def _cast(values: np.ndarray, dtype: np.dtype, instr: str) -> np.ndarray:
     """Engine output (fp32 or exact ints) → dst dtype with the hardware's rounding rules."""
+    check(not dt.is_x4(dtype), "dtype-x4", f"{instr}: {dt.name(dtype)} is a packed MX container; only "
+          f"quantize_mx, memset(0) and byte moves write it")
     if dt.is_int(dtype):
         info = np.iinfo(dtype)
         if np.issubdtype(values.dtype, np.integer):
@@ -224,7 +310,7 @@ def _mark_psum_write(dst: NkiTensor, state: int) -> None:
 
 def _engine(e, default: str, allowed: tuple, instr: str, tensors=()) -> str:
     e = _enum(e, engine, "engine")
-    name = default if e == engine.unknown else e.value
+    name = default if e == engine.unknown else e.name
     check(name in allowed, "engine", f"{instr} cannot run on the {name} engine (allowed: {', '.join(allowed)})")
     if name == "gpsimd":
         check(all(not (isinstance(t, NkiTensor) and t.buffer.name == "psum") for t in tensors), "gpsimd-psum",
@@ -232,8 +318,48 @@ def _engine(e, default: str, allowed: tuple, instr: str, tensors=()) -> str:
     return name
 
 
+_TWO_INPUT = ("tensor_tensor", "scalar_tensor_tensor", "tensor_tensor_scan", "tensor_copy_predicated")
+
+
 def _vector_cycles(instr: str, eng: str, dst: NkiTensor, srcs) -> float:
-    """Model cycles per partition; VectorE's bf16/fp16 performance mode (trn2 arch guide)."""
+    """Model cycles per partition of a Vector/Scalar/GpSimd instruction (no fixed overhead; see cost.py).
+
+    - VectorE / ScalarE: one element per lane per cycle for one input tile, ~2N for two input tiles
+      (Trainium/Inferentia2 guide, Vector Engine "Cost Model"; ScalarE reads at most one tensor).
+    - VectorE performance mode (trn2 guide, "Vector Engine Performance Mode"): tensor_copy / tensor_scalar
+      4× when every tensor is in SBUF, bf16/fp16, with a contiguous innermost free dim; 2× when bf16/fp16 and
+      either not contiguous or one side in PSUM; tensor_tensor 2× when both inputs are in SBUF and every tensor
+      is bf16/fp16. Nothing else gets a fast mode.
+    - GpSimd: 32 bits per partition per cycle (the guide's "Connectivity between GpSimdE and SBUF": up to
+      32-bit per partition per cycle), so N·itemsize/4 per input tile.
+    """
+    f = dst._free_size
+    tens_in = [s for s in srcs if isinstance(s, NkiTensor) and s._free_size > 1]
+    n_in = 2 if instr in _TWO_INPUT else 1
+    if eng == "gpsimd":
+        width = max([t._itemsize for t in [dst] + tens_in])
+        return n_in * f * width / 4
+    if eng != "vector":
+        return f
+    half = (dt.bfloat16, dt.float16)
+    tens = [dst] + tens_in
+    if all(t.dtype in half for t in tens):
+        in_sbuf = [t.buffer.name == "sbuf" for t in tens]
+        if instr in ("tensor_copy", "tensor_scalar"):
+            contiguous = all(t.bstrides[-1] == t._itemsize for t in tens)
+            if all(in_sbuf):
+                return f / (4 if contiguous else 2)
+            if contiguous and sum(not x for x in in_sbuf) == 1:
+                return f / 2
+        if instr == "tensor_tensor" and all(t.buffer.name == "sbuf" for t in tens_in):
+            return 2 * f / 2
+    return n_in * f
+
+
+def _legacy_cycles(instr: str, eng: str, dst: NkiTensor, srcs) -> float:
+    """The cost model before issue 10 (kept to print old figures beside new ones): one element per cycle on
+    every engine and input count, VectorE fast modes for SBUF-only bf16/fp16 copies/scalars (4×/2×) and
+    tensor_tensor (2×)."""
     f = dst._free_size
     if eng != "vector":
         return f
@@ -248,9 +374,12 @@ def _vector_cycles(instr: str, eng: str, dst: NkiTensor, srcs) -> float:
     return f
 
 
-def _record(eng: str, instr: str, dst: NkiTensor, srcs=(), cycles=None):
+def _record(eng: str, instr: str, dst: NkiTensor, srcs=(), cycles=None, legacy=None):
     c = _vector_cycles(instr, eng, dst, srcs) if cycles is None else cycles
-    current().cost.instr(eng, instr, dst.shape[0], dst._free_size, c)
+    if legacy is None:
+        legacy = _legacy_cycles(instr, eng, dst, srcs) if cycles is None else cycles
+    lc = legacy
+    current().cost.instr(eng, instr, dst.shape[0], dst._free_size, c, legacy_cycles=lc)
 
 
 def _check_op(op, instr: str, what: str, kinds) -> O.Op:
@@ -338,14 +467,17 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     convert values through fp32 (not a bitcast). Only the total element counts must match."""
     instr = "dma_copy"
     dst, src = _t(dst, "dst", instr), _t(src, "src", instr)
-    _enum(oob_mode, globals()["oob_mode"], "oob_mode")
-    _enum(dge_mode, globals()["dge_mode"], "dge_mode")
-    _enum(engine, globals()["engine"], "engine")
+    oob_mode = _enum(oob_mode, globals()["oob_mode"], "oob_mode")
+    dge_mode = _enum(dge_mode, globals()["dge_mode"], "dge_mode")
+    engine = _enum(engine, globals()["engine"], "engine")
     check(priority is None or current().spec.name == "trn3", "target", "dma_copy priority= is trn3-only")
     for what, t in (("dst", dst), ("src", src)):
         check(t.buffer.name != "psum", "dma-psum", f"dma_copy: {what} is in PSUM; DMA cannot access PSUM (evacuate "
               f"it to SBUF with tensor_copy / activation first)")
     if dst.dtype != src.dtype:
+        check(not (dt.is_x4(src.dtype) or dt.is_x4(dst.dtype)), "dtype-x4",
+              f"dma_copy: no dtype conversion to or from the packed MX types ({dt.name(src.dtype)} -> "
+              f"{dt.name(dst.dtype)}); view both sides alike for a byte move")
         check(dge_mode != globals()["dge_mode"].hwdge, "dma-dtype",
               f"dma_copy with dge_mode=hwdge needs equal dtypes, got {dt.name(src.dtype)} -> {dt.name(dst.dtype)}")
     if src.gather is None and dst.gather is None:
@@ -380,7 +512,12 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
                 row.view(u)[...] = srows[i].view(u).reshape(row.shape)
             else:
                 row[...] = _cast(srows[i].astype(np.float32), dst.dtype, instr).reshape(row.shape)
-    # cost
+    dge = src.dynamic or dst.dynamic or dge_mode in (globals()["dge_mode"].hwdge, globals()["dge_mode"].swdge)
+    _record_dma(src, dst, dge=dge)
+
+
+def _record_dma(src: NkiTensor, dst: NkiTensor, dge: bool, efficiency: float = 1.0) -> None:
+    """The cost record of one DMA from src to dst (bytes, HBM side, contiguous runs, partition bytes)."""
     sb, db = src.size * src._itemsize, dst.size * dst._itemsize
     hbm = (sb if src.buffer.is_hbm else 0) + (db if dst.buffer.is_hbm else 0)
     (rs, runs_s), (rd, runs_d) = _runs(src), _runs(dst)
@@ -392,7 +529,8 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     pbytes = min(t._free_size * t._itemsize for t in chip) if chip else 0
     from .cost import DmaRecord
 
-    current().cost.dma(DmaRecord(max(sb, db), hbm, max(rs, rd), min(runs_s, runs_d), pbytes))
+    current().cost.dma(DmaRecord(max(sb, db), hbm, max(rs, rd), min(runs_s, runs_d), pbytes, dge=dge,
+                                 efficiency=efficiency))
 
 
 # ---------------------------------------------------------------------------------------------- copies / fills
@@ -417,7 +555,11 @@ def memset(dst, value, engine=engine.unknown, name=None):
     eng = _engine(engine, "vector", ("vector", "gpsimd"), instr, (dst,))
     check(isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool), "memset-value",
           f"memset value must be a compile-time number, got {value!r}")
-    if dt.is_int(dst.dtype):
+    if dt.is_x4(dst.dtype):
+        check(value == 0, "memset-value", f"memset of the x4 packed type {dt.name(dst.dtype)} accepts only "
+              f"value=0 (isa stub), got {value!r}")
+        _store_raw(dst, np.zeros(dst.shape, dst.dtype))
+    elif dt.is_int(dst.dtype):
         info = np.iinfo(dst.dtype)
         check(float(value) == int(value) and isinstance(value, (int, np.integer)), "memset-value",
               f"memset of {dt.name(dst.dtype)} needs an int literal, got {value!r}")
@@ -523,10 +665,20 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     _record(eng, instr, dst, (x,))
 
 
-def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
-    """VectorE ``(data op0 operand0) op1 operand1``; operand0 scalar or (P, 1), operand1 a full tile."""
+def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, dtype=None,
+                         name=None):
+    """VectorE ``(data op0 operand0) op1 operand1``; operand0 scalar or (P, 1), operand1 a full tile.
+
+    ``dtype=``: not in the current isa stub (whose signature ends at ``reverse1``), but passed by kernels
+    written for front ends where it named the output dtype. Since NKI 0.3 the output dtype is ``dst.dtype``,
+    so ``dtype`` is accepted when it agrees with dst and refused (``dtype-mismatch``) when it contradicts it.
+    """
     instr = "scalar_tensor_tensor"
     dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
+    if dtype is not None:
+        check(dt.as_dtype(dtype) == dst.dtype, "dtype-mismatch",
+              f"{instr}: dtype={dt.name(dt.as_dtype(dtype))} contradicts dst.dtype {dt.name(dst.dtype)} (the "
+              f"output dtype is dst's)")
     t1 = _onchip(operand1, "operand1", instr)
     op0 = _check_op(op0, instr, "op0", ("arith",))
     op1 = _check_op(op1, instr, "op1", ("arith",))
@@ -649,7 +801,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     rop = _check_op(_reduce_op(reduce_op), instr, "reduce_op", ("arith",))
     check(rop.name in ("add", "multiply", "maximum", "minimum"), "op",
           f"{instr}: reduce_op must be add / multiply / maximum / minimum, got nl.{rop.name}")
-    _enum(reduce_cmd, rc, "reduce_cmd")
+    reduce_cmd = _enum(reduce_cmd, rc, "reduce_cmd")
     check(not reverse0, "not-supported", f"{instr}: reverse0 is not supported by the hardware yet")
     _lanes(instr, dst, data=x)
     _same_free(instr, dst, data=x)
@@ -728,7 +880,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
         r = np.where((a >= lo) & (a <= hi), r, np.nan)  # outside the documented range the output is invalid
     r = r.astype(np.float32)
     _store_values(dst, r, instr)
-    _enum(reduce_cmd, rc, "reduce_cmd")
+    reduce_cmd = _enum(reduce_cmd, rc, "reduce_cmd")
     if reduce_op is not None or reduce_res is not None:
         check(reduce_op is not None and _reduce_op(reduce_op) is O.add, "op",
               f"{instr}: the activation reduction must be reduce_op=nl.add")
@@ -778,8 +930,9 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     _onchip(dst, "dst", instr)
     check((st.dtype == dt.float32) == (mv.dtype == dt.float32), "matmul-dtype",
           f"{instr}: fp32 operands must pair with fp32 (got {dt.name(st.dtype)} x {dt.name(mv.dtype)})")
-    check(not is_transpose, "not-modelled", f"{instr}: is_transpose=True is not modelled; use nisa.nc_transpose")
-    _enum(perf_mode, matmul_perf_mode, "perf_mode")
+    perf_mode = _enum(perf_mode, matmul_perf_mode, "perf_mode")
+    if is_transpose:
+        return _matmul_transpose(dst, st, mv, perf_mode, accumulate, spec)
     check(accumulate in (None, True, False), "operand", f"{instr}: accumulate must be None, True or False")
     check(st.shape[0] == mv.shape[0], "matmul-shape",
           f"{instr}: contraction (partition) dims differ: stationary {st.shape[0]}, moving {mv.shape[0]}")
@@ -787,18 +940,22 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
           f"{instr}: stationary starts at partition {st._pstart}, moving at {mv._pstart}")
     k = st.shape[0]
     check(k <= 128, "matmul-limits", f"{instr}: contraction K={k} > 128")
+    row_size, col_size = _matmul_tiling(tile_position, tile_size, instr)
+    check(k <= row_size, "matmul-limits", f"{instr}: contraction K={k} > the row tile size {row_size}")
     double = perf_mode == matmul_perf_mode.double_row
     if double:
         check(st.dtype in (dt.float8_e4m3, dt.float8_e5m2) and mv.dtype in (dt.float8_e4m3, dt.float8_e5m2),
               "matmul-double-row", f"{instr}: perf_mode=double_row needs fp8 (e4m3/e5m2) operands")
         check(st.ndim == 3 and mv.ndim == 3 and st.shape[1] == 2 and mv.shape[1] == 2, "matmul-double-row",
               f"{instr}: double_row operands are [K, 2, M] and [K, 2, N], got {list(st.shape)}, {list(mv.shape)}")
-        check(not tile_position and not tile_size, "matmul-double-row", "double_row cannot combine with tiling")
+        check(col_size == 128, "matmul-double-row", f"{instr}: double_row cannot combine with column tiling "
+              f"(tile_size column {col_size})")
         m, n = st.shape[2], mv.shape[2]
     else:
         m, n = st._free_size, mv._free_size
-    check(m <= spec.gemm_stationary_fmax, "matmul-limits",
-          f"{instr}: stationary free size M={m} > {spec.gemm_stationary_fmax} (gemm_stationary_fmax)")
+    check(m <= min(spec.gemm_stationary_fmax, col_size), "matmul-limits",
+          f"{instr}: stationary free size M={m} > {min(spec.gemm_stationary_fmax, col_size)} (gemm_stationary_fmax"
+          f" / the column tile size)")
     check(n <= spec.gemm_moving_fmax, "matmul-limits",
           f"{instr}: moving free size N={n} > {spec.gemm_moving_fmax} (gemm_moving_fmax)")
     check(dst.shape[0] == m and dst._free_size == n, "matmul-shape",
@@ -834,9 +991,74 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         prod = (_raw(dst).astype(np.float32) + prod).astype(np.float32)
     dst._np()[...] = prod.astype(dst.dtype).reshape(dst.shape)
     state[idx] = PSUM_MM
-    cyc = n * (4 if st.dtype == dt.float32 else 1)
-    current().cost.instr("tensor", instr, m, n, cyc)
+    fp32 = st.dtype == dt.float32 or mv.dtype == dt.float32
+    current().cost.instr("tensor", instr, m, n, _tensor_cycles(n, m, fp32), legacy_cycles=n * (4 if fp32 else 1))
     current().cost.matmul_flops += 2 * k * (2 if double else 1) * m * n
+
+
+def _matmul_tiling(tile_position, tile_size, instr: str) -> tuple[int, int]:
+    """(row_size, column_size) of TensorE tiling mode (nc_matmul page, "Tiling mode"): both tuples set or
+    neither (then the full 128 × 128 array); sizes 32, 64 or 128 (32 from NeuronCore-v3); each start a multiple
+    of its size with the tile inside the array. The page's parameter lines say start_column must be 0 and
+    column_size 128, its body describes column tiling: the body is followed (the more specific text). Tiled
+    matmuls compute like untiled ones here; their parallelism is not in the cost model."""
+    if not tile_position and not tile_size:
+        return 128, 128
+    check(bool(tile_position) and bool(tile_size) and len(tile_position) == 2 and len(tile_size) == 2,
+          "matmul-tiling", f"{instr}: tile_position and tile_size must both be (row, column) pairs, got "
+                           f"{tile_position!r}, {tile_size!r}")
+    (r0, c0), (rs, cs) = (int(v) for v in tile_position), (int(v) for v in tile_size)
+    for what, start, size in (("row", r0, rs), ("column", c0, cs)):
+        check(size in (32, 64, 128), "matmul-tiling", f"{instr}: {what} tile size must be 32, 64 or 128, got {size}")
+        check(start % size == 0 and 0 <= start and start + size <= 128, "matmul-tiling",
+              f"{instr}: {what} start {start} must be a multiple of the {what} size {size} inside the 128 array")
+    return rs, cs
+
+
+def _tensor_cycles(n: int, m: int, fp32: bool, transpose: bool = False) -> float:
+    """TensorE cycles of one nc_matmul (Trainium/Inferentia2 guide, Tensor Engine "Performance Consideration"):
+    the MultiplyMoving issue interval is ``max(N, 64)`` (MM_INIT_LATENCY = 64 cycles), 4× for fp32 inputs
+    (2× in transpose mode, trn2 guide "Built-in Transpose Support"); the LoadStationary of the M stationary
+    columns runs in the background and a fast LoadStationary costs 1/4 of a MultiplyMoving of the same free
+    size, so it binds only when M/4 exceeds the moving pass. ASSUMPTION: the NeuronCore-v2 figure of 64
+    cycles holds on v3 (the trn2 guide gives no other)."""
+    rate = (2 if transpose else 4) if fp32 else 1
+    return max(max(n, 64) * rate, m / 4 * rate)
+
+
+def _matmul_transpose(dst, st, mv, perf_mode, accumulate, spec):
+    """``nc_matmul(is_transpose=True)``: TensorE's bit-exact transpose mode (NeuronCore-v3+; nc_matmul page,
+    "Transpose mode"; trn2 guide "Built-in Transpose Support"). ``stationary`` [K, M] is the tile to transpose
+    and ``moving`` the [K, K] identity; ``dst`` [M, K] in PSUM gets stationary's bits, NaN/Inf included.
+    dst has stationary's dtype (the nc_transpose rule), except that on trn2 an fp8 input lands in 16-bit PSUM
+    elements whose upper byte is zero (trn2 guide note), so dst is then a 2-byte dtype. Cannot combine with
+    double_row (trn2 guide) or accumulate=True (a transpose overwrites)."""
+    instr = "nc_matmul(is_transpose)"
+    check(spec.name != "trn1", "target", f"{instr}: transpose mode needs NeuronCore-v3 or newer")
+    check(perf_mode == matmul_perf_mode.none, "matmul-double-row", f"{instr}: double_row cannot combine with "
+          f"transpose mode")
+    check(accumulate is not True, "operand", f"{instr}: a transpose overwrites PSUM; accumulate=True is undefined")
+    k, m = st.shape[0], st._free_size
+    check(mv.shape[0] == k and mv._free_size == k, "matmul-shape",
+          f"{instr}: moving must be the [{k}, {k}] identity, got {list(mv.shape)}")
+    eye = _f32(mv)
+    check(bool(np.array_equal(eye, np.eye(k, dtype=np.float32))), "matmul-transpose",
+          f"{instr}: moving is not an identity matrix (transpose mode multiplies by it bit-exactly only then)")
+    check(m <= 128 and k <= 128, "transpose-limits", f"{instr}: data is {k}x{m}, at most 128x128")
+    check(dst.shape[0] == m and dst._free_size == k, "shape-mismatch",
+          f"{instr}: stationary [{k}, {m}] transposes to [{m}, {k}], dst is {list(dst.shape)}")
+    raw = _raw(st).T.copy()
+    if st._itemsize == 1 and spec.name == "trn2":
+        check(dst._itemsize == 2, "dtype-mismatch", f"{instr}: on trn2 an fp8 transpose writes 16-bit PSUM "
+              f"elements (upper byte zero); dst must be a 2-byte dtype, got {dt.name(dst.dtype)}")
+        _store_raw(dst, raw.view(np.uint8).astype(np.uint16), psum_state=PSUM_OTHER)
+    else:
+        check(dst.dtype == st.dtype, "dtype-mismatch", f"{instr}: dst dtype {dt.name(dst.dtype)} must equal the "
+              f"stationary dtype {dt.name(st.dtype)}")
+        _store_raw(dst, raw, psum_state=PSUM_OTHER)
+    fp32 = st._itemsize == 4
+    current().cost.instr("tensor", "nc_matmul", m, k, _tensor_cycles(k, m, fp32, transpose=True),
+                         legacy_cycles=k * (4 if fp32 else 1))
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -856,10 +1078,25 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     check(dst.shape[0] == f and dst._free_size == p, "shape-mismatch",
           f"{instr}: data [{p}, {f}] transposes to [{f}, {p}], dst is {list(dst.shape)}")
     _store_raw(dst, _raw(x).T.copy(), psum_state=PSUM_OTHER)
-    _record(eng, instr, dst, (x,), cycles=p)
+    if eng == "tensor":  # the transpose mode of TensorE: a moving pass over the P-column identity
+        current().cost.instr("tensor", instr, f, p, _tensor_cycles(p, f, x._itemsize == 4, transpose=True),
+                             legacy_cycles=p)
+    else:
+        _record(eng, instr, dst, (x,), cycles=p)
 
 
-# -------------------------------------------------------------------------------------------- not modelled
+# ---------------------------------------------------------------------------------------------- more ISA
+# Instructions added in issue 10, one module per family; imported last because they use the helpers above.
+from .isa_dma import dma_compute, dma_transpose  # noqa: E402,F401
+from .isa_lnc import core_barrier, sendrecv  # noqa: E402,F401
+from .isa_search import (  # noqa: E402,F401
+    affine_select, local_gather, max8, nc_find_index8, nc_match_replace8, nc_n_gather, nonzero_with_count,
+    range_select, select_reduce, tensor_scalar_cumulative,
+)
+from .isa_stream import bn_aggr, bn_stats, nc_stream_shuffle, tensor_tensor_scan  # noqa: E402,F401
+from .isa_mx import nc_matmul_mx, quantize_mx  # noqa: E402,F401
+
+
 def _unmodelled(name):
     def f(*a, **k):
         raise NkiRuleError("not-modelled", f"nisa.{name} is not implemented by the interpreter")
@@ -868,10 +1105,8 @@ def _unmodelled(name):
     return f
 
 
-dma_transpose = _unmodelled("dma_transpose")
-nc_stream_shuffle = _unmodelled("nc_stream_shuffle")
-nc_matmul_mx = _unmodelled("nc_matmul_mx (trn3 MX)")
-quantize_mx = _unmodelled("quantize_mx (trn3)")
-bn_stats = _unmodelled("bn_stats")
-bn_aggr = _unmodelled("bn_aggr")
-select_reduce = _unmodelled("select_reduce")
+activate2 = _unmodelled("activate2 (trn3)")
+exponential = _unmodelled("exponential (trn3)")
+sequence_bounds = _unmodelled("sequence_bounds")
+rng = _unmodelled("rng")
+dropout = _unmodelled("dropout")

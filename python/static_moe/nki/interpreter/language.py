@@ -22,12 +22,43 @@ from .tensor import hbm  # noqa: F401
 tensor = NkiTensor
 
 
+class NKIObject:
+    """``nl.NKIObject``: the base class public kernels derive their trace-time config objects (often
+    dataclasses) from. It carries no behaviour in the interpreter: such objects are plain Python values at
+    trace time."""
+
+
 # ------------------------------------------------------------------------------------------------ tile sizes
 class _TileSize:
-    """``nl.tile_size``: hardware tile limits of the current target."""
+    """``nl.tile_size``: hardware tile limits of the current target.
+
+    Audited against the ``nki.language.tile_size`` page (aws-neuron-sdk ``nki/api/nki.language.tile_size.rst``)
+    and the NKI 0.4 release notes (issue 10). Per attribute, the page's meaning and the value here:
+
+    - ``pmax`` = 128: maximum partition dim of a tile.
+    - ``gemm_stationary_fmax`` = 128, ``gemm_moving_fmax`` = 512: nc_matmul free-size limits (nc_matmul page).
+    - ``bn_stats_fmax`` = 512: bn_stats free-size limit (bn_stats page).
+    - ``psum_bank_fmax`` = 512 / ``psum_bank_fmax_bytes`` = 2048: one PSUM bank per partition, fp32 elements /
+      bytes.
+    - ``psum_fmax`` (deprecated 0.4) = 512: the page: "maximum free dimension per PSUM bank per partition, in
+      FP32 elements ... despite the name, this does not represent the free-dim size per partition". Before
+      issue 10 the interpreter returned the whole partition (4096): wrong.
+    - ``psum_num_banks`` = 8 (7 with ``NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true``): usable banks per partition.
+    - ``sbuf_size_bytes``: "total SBUF capacity in bytes (all partitions combined)": 128 × 224 KiB on trn2.
+    - ``sbuf_fmax_bytes``: "maximum free dimension of a tile on SBUF, in bytes" = the usable per-partition SBUF
+      (212984 B on trn2, see :mod:`.state`); ``sbuf_fmax`` = the same in fp32 elements (bytes // 4).
+    - ``total_available_sbuf_size`` (deprecated 0.4): "despite the name, this returns the usable SBUF capacity
+      *per partition*" = ``sbuf_fmax_bytes``. Before issue 10 the interpreter returned the all-partition total.
+    - ``psum_min_align`` = 4, ``sbuf_min_align`` = 1: "minimum byte alignment of the PSUM / SBUF free-dimension
+      address". The page gives no number. ASSUMPTION: PSUM accumulates per 4-byte element (Trainium/Inferentia2
+      guide, "Near-memory accumulation in PSUM": "read-accumulate-write to every 4B element"), SBUF is byte
+      addressed (its address space is bytes, "SBUF memory address space" in the same guide).
+    """
 
     pmax = PMAX
     bn_stats_fmax = 512
+    psum_min_align = 4
+    sbuf_min_align = 1
 
     @property
     def gemm_stationary_fmax(self):
@@ -46,16 +77,12 @@ class _TileSize:
         return current().spec.psum_bank_bytes // 4
 
     @property
+    def psum_fmax(self):  # deprecated 0.4: per *bank*, not per partition
+        return self.psum_bank_fmax
+
+    @property
     def psum_num_banks(self):
         return current().spec.psum_num_banks
-
-    @property
-    def psum_fmax_bytes(self):
-        return current().spec.psum_bytes_per_partition
-
-    @property
-    def psum_fmax(self):
-        return current().spec.psum_bytes_per_partition // 4
 
     @property
     def sbuf_fmax_bytes(self):
@@ -67,11 +94,11 @@ class _TileSize:
 
     @property
     def sbuf_size_bytes(self):
-        return current().spec.sbuf_bytes_per_partition * PMAX
+        return current().spec.sbuf_physical_bytes_per_partition * PMAX
 
     @property
-    def total_available_sbuf_size(self):
-        return self.sbuf_size_bytes
+    def total_available_sbuf_size(self):  # deprecated 0.4: per partition, usable
+        return self.sbuf_fmax_bytes
 
 
 tile_size = _TileSize()
@@ -132,8 +159,16 @@ def empty_like(x: NkiTensor, dtype=None, buffer=None, name: str = "") -> NkiTens
 
 
 def shared_constant(constant, dtype=None) -> NkiTensor:
+    """A constant embedded in the kernel, as a ``shared_hbm`` tensor: ``constant`` is a numpy array (any NKI
+    dtype) or the path of a ``.npy`` file (language API: ``nl.shared_constant``). ``dtype`` converts it."""
+    import os
+
     from .tensor import from_numpy
 
+    if isinstance(constant, (str, os.PathLike)):
+        check(str(constant).endswith(".npy"), "operand", f"nl.shared_constant: a path must name a .npy file, got "
+              f"{constant!r}")
+        constant = np.load(constant, allow_pickle=False)
     a = np.asarray(constant) if dtype is None else np.asarray(constant).astype(_as_dtype(dtype))
     return from_numpy(a, shared_hbm, "constant")
 
@@ -158,15 +193,17 @@ sequential_range = static_range = affine_range
 
 
 def program_id(axis=0) -> int:
-    return 0
+    """This logical core's rank (0 or 1 under ``kernel[2]``, LNC = 2; 0 otherwise)."""
+    check(axis == 0, "lnc", f"nl.program_id: only axis 0 exists (LNC launches are 1-D), got {axis}")
+    return current().program
 
 
 def num_programs(axes=0) -> int:
-    return 1
+    return current().programs
 
 
 def program_ndim() -> int:
-    return 0
+    return 1 if current().programs > 1 else 0
 
 
 def device_print(print_prefix, tensor):
@@ -264,8 +301,20 @@ prod = _reduction(_ops.multiply)
 
 
 def where(condition, x, y, dtype=None):
-    raise NkiRuleError("not-modelled", "nl.where is not implemented by the interpreter; use "
-                       "nisa.tensor_copy_predicated")
+    """``nl.where``: a new SBUF tile holding ``x`` where ``condition`` is non-zero and ``y`` elsewhere (tiles of
+    one shape, or one of them a scalar), in ``dtype`` (default: the tile operand's). Lowered to a tensor_copy
+    and a tensor_copy_predicated, so condition is a uint8/16/32 tile (that instruction's predicate rule)."""
+    check(isinstance(condition, NkiTensor), "operand", "nl.where: condition must be a tile")
+    base, other, pick_other_where = (x, y, "zero") if isinstance(x, NkiTensor) else (y, x, "nonzero")
+    check(isinstance(base, NkiTensor), "operand", "nl.where: x or y must be a tile")
+    out = allocate(base.shape, dtype if dtype is not None else base.dtype, sbuf, "where")
+    _isa.tensor_copy(out, base)
+    if isinstance(other, NkiTensor) and other.dtype != out.dtype:
+        conv = allocate(other.shape, out.dtype, sbuf, "where_other")
+        _isa.tensor_copy(conv, other)
+        other = conv
+    _isa.tensor_copy_predicated(out, other, condition, reverse_pred=pick_other_where == "zero")
+    return out
 
 
 def matmul(x: NkiTensor, y: NkiTensor, transpose_x=False) -> NkiTensor:
@@ -279,3 +328,7 @@ def transpose(x: NkiTensor, dtype=None) -> NkiTensor:
     out = allocate((x._free_size, x.shape[0]), x.dtype, psum, "transpose")
     _isa.nc_transpose(out, x)
     return out
+
+
+# nl.bool: the public alias of nl.bool_ (defined last so the builtin stays usable in this module's code)
+bool = bool_  # noqa: A001

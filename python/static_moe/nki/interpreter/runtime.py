@@ -12,7 +12,8 @@ After a run, :func:`last_run` gives its :class:`~.cost.CostRecord` and memory pe
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +30,7 @@ class RunInfo:
     sbuf_peak_bytes: int  # per partition
     psum_peak_banks: int
     target: str
+    programs: list = field(default_factory=list)  # LNC = 2: the CostRecord of each logical core
 
 
 _last: list[RunInfo] = []
@@ -86,10 +88,42 @@ def _is_torch(x) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ running
-def simulate(kernel):
-    """Return a callable that runs ``kernel`` through the interpreter on numpy arrays or torch tensors."""
+def _run_lnc2(fn, hargs, hkw, spec):
+    """Run ``fn`` as two logical cores (threads) over the same HBM arguments; returns (core 0's result, the
+    two run contexts). An error on either core is raised here; the other core's waits are released."""
+    from .isa_lnc import LncGroup
 
-    @functools.wraps(kernel)
+    group = LncGroup(2)
+    outs, errors, ctxs = [None, None], [None, None], [None, None]
+
+    def core(rank):
+        try:
+            with run_context(spec, program=rank, programs=2, lnc=group) as c:
+                ctxs[rank] = c
+                outs[rank] = fn(*hargs, **hkw)
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            errors[rank] = e
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=core, args=(r,), name=f"nki-lnc-core{r}", daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(group.timeout_s * 4)
+    check(not any(t.is_alive() for t in threads), "lnc-deadlock", "an LNC core did not finish")
+    real = [e for e in errors if e is not None and getattr(e, "rule", "") != "lnc-deadlock"]
+    if real or any(errors):
+        raise (real or [e for e in errors if e is not None])[0]
+    return outs[0], ctxs
+
+
+def simulate(kernel):
+    """Return a callable that runs ``kernel`` through the interpreter on numpy arrays or torch tensors.
+    ``simulate(k[2])`` runs it as two logical cores (LNC = 2), like the NKI simulator."""
+    lnc = getattr(kernel, "lnc", 1)
+    fn = getattr(kernel, "fn", kernel)
+
+    @functools.wraps(fn)
     def run(*args, **kwargs):
         with run_context() as ctx:
             any_torch = False
@@ -114,7 +148,10 @@ def simulate(kernel):
 
             hargs = [convert(a, f"arg{i}") for i, a in enumerate(args)]
             hkw = {k: convert(v, k) for k, v in kwargs.items()}
-            out = kernel(*hargs, **hkw)
+            if lnc == 1:
+                out, ctxs = fn(*hargs, **hkw), [ctx]
+            else:
+                out, ctxs = _run_lnc2(fn, hargs, hkw, ctx.spec)
             # copy HBM arguments the kernel wrote back into the caller's arrays
             for obj, h in bound:
                 new = np.array(h._np()).reshape(np.shape(obj) if not _is_torch(obj) else tuple(obj.shape))
@@ -127,8 +164,10 @@ def simulate(kernel):
                     obj[...] = new
 
             def back(o):
-                if isinstance(o, tuple):
-                    return tuple(back(v) for v in o)
+                # several outputs come back as a tuple or a list of shared_hbm tensors (public kernels return
+                # both; the language guide's "return a, b" is a tuple)
+                if isinstance(o, (tuple, list)):
+                    return type(o)(back(v) for v in o)
                 if isinstance(o, NkiTensor):
                     check(o.buffer is shared_hbm and o.gather is None, "output-buffer",
                           f"returned tensor {o.name or ''} is in {o.buffer.name}; kernel outputs must be allocated "
@@ -139,7 +178,9 @@ def simulate(kernel):
                 return o
 
             result = back(out)
-            _last.append(RunInfo(ctx.cost, ctx.memory.sbuf_peak, ctx.memory.psum_banks_peak, ctx.spec.name))
+            c0 = ctxs[0]
+            _last.append(RunInfo(c0.cost, c0.memory.sbuf_peak, c0.memory.psum_banks_peak, c0.spec.name,
+                                 programs=[c.cost for c in ctxs]))
             del _last[:-1]
         return result
 
@@ -148,19 +189,20 @@ def simulate(kernel):
 
 class Kernel:
     """What ``jit`` returns: calling it runs the kernel through the interpreter (as ``NKI_SIMULATOR=1`` does
-    for the real ``nki.jit``). ``kernel[lnc]`` accepts LNC 1 only."""
+    for the real ``nki.jit``). ``kernel[2]`` is the LNC = 2 launch (two logical cores sharing HBM, each with
+    its own SBUF / PSUM; NeuronCore-v3+); ``kernel[1]`` is the default."""
 
-    def __init__(self, fn):
-        self.fn = fn
-        self._run = simulate(fn)
+    def __init__(self, fn, lnc: int = 1):
+        self.fn, self.lnc = fn, lnc
+        self._run = simulate(self)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
         return self._run(*args, **kwargs)
 
     def __getitem__(self, lnc):
-        check(lnc == 1, "not-modelled", f"LNC={lnc}: the interpreter runs one logical core")
-        return self
+        check(lnc in (1, 2), "lnc", f"LNC={lnc!r}: a logical NeuronCore groups 1 or 2 physical cores")
+        return self if lnc == self.lnc else Kernel(self.fn, lnc)
 
 
 def jit(fn=None, **kwargs):

@@ -6,19 +6,26 @@ Target: ``trn2`` (NeuronCore-v3) by default; ``trn3`` (NeuronCore-v4) via :func:
 variable the real NKI uses; ``gen3`` = trn2, ``gen4`` = trn3).
 
 Capacities (per NeuronCore, 128 partitions):
-- SBUF: the trn2 architecture guide (aws-neuron-sdk ``nki/guides/architecture/trainium2_arch.rst``) gives
-  28 MiB = 128 × 224 KiB physical. Part of it is taken by the compiler and runtime (the usable figure,
-  ``nl.tile_size.sbuf_fmax_bytes``, is not stated numerically in the docs; a kernel-library comment quotes
-  ~208 KB). We budget **192 KiB per partition (24 MiB)** for kernel allocations: conservative on purpose, so a
-  kernel accepted here fits on the device with room for compiler spill and DMA descriptors.
-- PSUM: 2 MiB = 128 × 16 KiB, 8 banks of 2 KiB (512 fp32) per partition. PSUM allocations are counted in
-  whole banks (each allocation starts on a bank boundary) and a matmul output must lie inside one bank.
+- SBUF: the trn2 architecture guide (aws-neuron-sdk ``nki/guides/architecture/trainium2_arch.rst``,
+  "NeuronCore-v3 Compute Engine Updates") gives 28 MiB = 128 × 224 KiB physical; trn3 has 128 × 256 KiB.
+  Kernels may allocate the *usable* part, ``nl.tile_size.sbuf_fmax_bytes`` (page ``nki.language.tile_size``:
+  "usable SBUF free dimension per partition, in bytes"). The page names the attribute but not its value; the
+  value is the physical size less the runtime's reserved regions, which nki-library spells out as
+  ``224 * 1024 - 16384 - 8`` (dynamic-DMA scratch and eval-accelerator reserve): **212984 B on trn2**,
+  **245752 B on trn3** (256 KiB − 16392). Public trn2 kernels allocate up to that (their own budgets
+  subtract a few hundred bytes more for an identity tile), so a lower budget refuses hardware-proven kernels.
+  (Before issue 10 the interpreter budgeted 192 KiB on trn2: stricter than the hardware.)
+- PSUM: 2 MiB = 128 × 16 KiB, 8 banks of 2 KiB (512 fp32) per partition (trn2 guide; the Trainium/Inferentia2
+  guide, "Near-memory accumulation in PSUM"). ``nl.tile_size.psum_num_banks`` is 7 when the environment sets
+  ``NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true`` (tile_size page). PSUM allocations are counted in whole banks
+  (each allocation starts on a bank boundary) and a matmul output must lie inside one bank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -36,18 +43,28 @@ class TargetSpec:
     psum_bank_bytes: int = 2 * KiB
     gemm_stationary_fmax: int = 128
     gemm_moving_fmax: int = 512
+    sbuf_physical_bytes_per_partition: int = 224 * KiB
     fp8_e4m3fn_matmul: bool = False  # OCP e4m3fn as a matmul input: trn3 only
     scalar_bias_ok: bool = True  # activation(bias=<python scalar>): trn2 and later
+    mx: bool = False  # nc_matmul_mx / quantize_mx and the x4 packed dtypes: NeuronCore-v4 only
 
     @property
     def psum_num_banks(self) -> int:
-        return self.psum_bytes_per_partition // self.psum_bank_bytes
+        banks = self.psum_bytes_per_partition // self.psum_bank_bytes
+        # tile_size page: one bank is set aside when DMA transposes are lowered to PE transposes
+        if os.environ.get("NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE", "").lower() == "true":
+            banks -= 1
+        return banks
 
+
+# Reserved SBUF per partition (nki-library's MAX_AVAILABLE_SBUF_SIZE arithmetic): dynamic-DMA scratch + 8 B.
+SBUF_RESERVED_BYTES = 16384 + 8
 
 TARGETS = {
-    "trn2": TargetSpec("trn2", sbuf_bytes_per_partition=192 * KiB),
-    # trn3 (NeuronCore-v4): same budget policy; e4m3fn is a legal matmul input. MX matmul is not modelled.
-    "trn3": TargetSpec("trn3", sbuf_bytes_per_partition=224 * KiB, fp8_e4m3fn_matmul=True),
+    "trn2": TargetSpec("trn2", sbuf_bytes_per_partition=224 * KiB - SBUF_RESERVED_BYTES),
+    # trn3 (NeuronCore-v4): 256 KiB physical per partition; e4m3fn is a legal matmul input; MX matmul.
+    "trn3": TargetSpec("trn3", sbuf_bytes_per_partition=256 * KiB - SBUF_RESERVED_BYTES,
+                       sbuf_physical_bytes_per_partition=256 * KiB, fp8_e4m3fn_matmul=True, mx=True),
 }
 _ALIASES = {"trn2": "trn2", "gen3": "trn2", "trn3": "trn3", "gen4": "trn3"}
 
@@ -151,30 +168,47 @@ class RunContext:
     # Per-lane reduction accumulators of VectorE (tensor_scalar_reduce) and ScalarE (activation reduce).
     accumulators: dict = field(default_factory=dict)
     loop_depth: int = 0
+    # LNC: this logical core's rank, the number of cores, and what the cores share (None with LNC = 1)
+    program: int = 0
+    programs: int = 1
+    lnc: "object" = None
 
 
-_current: list[RunContext] = []
+class _Stack(threading.local):
+    """Run contexts per thread: under LNC = 2 each logical core runs in its own thread with its own SBUF,
+    PSUM, accumulators and cost record."""
+
+    def __init__(self):
+        self.items: list[RunContext] = []
+        self.outside = None  # the context used outside any run (rebuilt when the target changes)
+
+
+_stack = _Stack()
 
 
 def current() -> RunContext:
     """The context of the kernel being run; outside a run, a fresh default one (so tensors can be made in
     tests and REPLs without a kernel)."""
-    if not _current:
+    items = _stack.items
+    if not items or (items[-1] is _stack.outside and items[-1].spec is not get_target()):
         from .cost import CostRecord
 
         spec = get_target()
-        _current.append(RunContext(spec, MemoryTracker(spec), CostRecord()))
-    return _current[-1]
+        if items:
+            items.pop()
+        _stack.outside = RunContext(spec, MemoryTracker(spec), CostRecord())
+        items.append(_stack.outside)
+    return items[-1]
 
 
 @contextlib.contextmanager
-def run_context():
+def run_context(spec: TargetSpec | None = None, program: int = 0, programs: int = 1, lnc=None):
     from .cost import CostRecord
 
-    spec = get_target()
-    ctx = RunContext(spec, MemoryTracker(spec), CostRecord())
-    _current.append(ctx)
+    spec = spec or get_target()
+    ctx = RunContext(spec, MemoryTracker(spec), CostRecord(), program=program, programs=programs, lnc=lnc)
+    _stack.items.append(ctx)
     try:
         yield ctx
     finally:
-        _current.remove(ctx)
+        _stack.items.remove(ctx)

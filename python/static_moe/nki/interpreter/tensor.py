@@ -87,9 +87,18 @@ def _normalize_shape(shape) -> tuple[int, ...]:
     return shape
 
 
+def _check_x4_target(dtype) -> None:
+    """The packed MX types exist for nc_matmul_mx / quantize_mx, which are NeuronCore-v4 only (isa stub)."""
+    if dt.is_x4(dtype) and not current().spec.mx:
+        raise NkiRuleError("dtype-unsupported", f"nl.{dt.name(dtype)}: no FP4 datatype or MX instruction on "
+                           f"{current().spec.name} (the x4 packed types are for trn3's nc_matmul_mx); decode e2m1 "
+                           f"nibbles with integer ops")
+
+
 def allocate(shape, dtype, buffer: Buffer, name: str = "") -> "NkiTensor":
     """``nl.ndarray``: a fresh, poisoned allocation, counted against the on-chip budget."""
     dtype = dt.as_dtype(dtype)
+    _check_x4_target(dtype)
     check(isinstance(buffer, Buffer), "buffer", f"buffer must be nl.sbuf / nl.psum / nl.hbm / nl.shared_hbm, "
           f"got {buffer!r} (strings are rejected since NKI 0.3)")
     shape = _normalize_shape(shape)
@@ -98,10 +107,15 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "") -> "NkiTensor":
         check(shape[0] <= PMAX, "partition-dim",
               f"{buffer.name} tensor {name or ''} has partition dim (dim 0) {shape[0]} > {PMAX}: dim 0 of an "
               f"on-chip tensor is the partition dim")
+    ctx = current()
+    if buffer.name == SHARED_HBM and ctx.lnc is not None:
+        # LNC = 2: shared_hbm is one memory for both logical cores; the k-th shared allocation of each core
+        # is the same tensor (SPMD kernels allocate their outputs in the same program order)
+        return ctx.lnc.shared_allocation(ctx.program, shape, dtype, name)
     st = Storage(buffer, shape, dtype, name)
     st.poison(dtype)
     if buffer.on_chip:
-        current().memory.allocate(st, buffer.name, st.pbytes, name)
+        ctx.memory.allocate(st, buffer.name, st.pbytes, name)
     return NkiTensor._full(st, dtype, shape)
 
 
@@ -142,10 +156,14 @@ class NkiTensor:
     at any byte).
     """
 
-    __slots__ = ("storage", "dtype", "shape", "bstrides", "boffset", "gather")
+    __slots__ = ("storage", "dtype", "shape", "bstrides", "boffset", "gather", "dynamic")
 
-    def __init__(self, storage: Storage, dtype: np.dtype, shape, bstrides, boffset: int, gather=None):
+    def __init__(self, storage: Storage, dtype: np.dtype, shape, bstrides, boffset: int, gather=None,
+                 dynamic: bool = False):
         self.storage, self.dtype = storage, dtype
+        # dynamic: the start address comes from a runtime value (.ap(scalar_offset=...)); a DMA on it needs
+        # descriptor generation at run time (the cost model's DGE component).
+        self.dynamic = bool(dynamic or gather is not None)
         self.shape, self.bstrides, self.boffset = tuple(shape), tuple(bstrides), int(boffset)
         # gather: per-index byte offsets of dim 0 for an indirect (vector_offset) access pattern, or None.
         self.gather = gather
@@ -225,8 +243,17 @@ class NkiTensor:
         raise AttributeError(f"NkiTensor has no attribute {name!r}")
 
     def __bool__(self):
-        raise NkiRuleError("python-on-tensor", "a tensor has no truth value at trace time; use runtime control "
-                           "(nl.fori_loop / registers) or compare shapes and constants instead")
+        # A tensor is a Python object at trace time, and the real front end treats it like one: ``if t:`` is
+        # true (public kernels write ``if bias:`` for an optional tensor argument). What the docs refuse is
+        # reading a tensor's *values* at trace time (language guide: the body is a metaprogram; only nisa.*
+        # instructions and runtime loops reach the device) — comparisons, arithmetic and ``int(t)`` raise below.
+        return True
+
+    def __int__(self):
+        raise NkiRuleError("python-on-tensor", "a tensor's values are not known at trace time; load them into a "
+                           "register (nisa.register_load) for runtime control")
+
+    __float__ = __index__ = __int__
 
     def __setitem__(self, key, value):
         raise NkiRuleError("tensor-assignment", "NKI >= 0.3 tensors are written only by instructions "
@@ -260,7 +287,8 @@ class NkiTensor:
 
     def _derive(self, shape, bstrides, boffset, dtype=None) -> "NkiTensor":
         check(self.gather is None, "indirect-view", "an indirect (vector_offset) view cannot be re-viewed")
-        return NkiTensor(self.storage, dtype if dtype is not None else self.dtype, shape, bstrides, boffset)
+        return NkiTensor(self.storage, dtype if dtype is not None else self.dtype, shape, bstrides, boffset,
+                         dynamic=self.dynamic)
 
     # ------------------------------------------------------------------------------------------ data access
     def _np(self) -> np.ndarray:
@@ -414,6 +442,7 @@ class NkiTensor:
     def view(self, dtype) -> "NkiTensor":
         """Bitcast: reinterpret the bytes; the contiguous last dim is rescaled by the itemsize ratio."""
         dtype = dt.as_dtype(dtype)
+        _check_x4_target(dtype)
         old, new = self._itemsize, dtype.itemsize
         if old == new:
             return self._derive(self.shape, self.bstrides, self.boffset, dtype)
@@ -434,8 +463,17 @@ class NkiTensor:
 
         ``offset`` (elements) is relative to the storage start (None keeps this view's offset). On chip, the
         first pair is the partition pair and its step must equal the storage's free size in elements.
-        ``scalar_offset`` (a register or a (1, 1) SBUF tensor) adds ``value · prod(shape[indirect_dim+1:])``
-        of the allocation's shape; ``vector_offset`` ((P, 1) SBUF indices, HBM source) gathers dim-0 rows.
+        ``scalar_offset`` (a register or a (1, 1) SBUF tensor) adds ``value · prod(self.shape[indirect_dim+1:])``
+        elements; ``vector_offset`` ((P, 1) SBUF indices, HBM tensor) gathers or scatters rows of
+        ``prod(self.shape[1:])`` elements, checked against ``self.shape[0]`` rows.
+
+        Decision (docs win): the indirect unit is the shape of the tensor ``.ap`` is called on — a reshaped view
+        included — not of the underlying allocation. The nki.isa ``dma_copy`` page's indirect examples index
+        the tensor they call ``.ap`` on (``data.ap(pattern=[[F, P], [1, F]], vector_offset=idx)`` with rows of
+        ``data.shape[1]`` elements), and the access-pattern deep dive (``deep-dives/nki-aps``) gives, for
+        ``a = arange(32).reshape(4, 8)``, ``a.reshape((2, 16)).ap([[16, 1], [1, 16]], 0, scalar_offset=[[1]],
+        indirect_dim=0)`` starting at element 16. Until this fix the interpreter used the allocation's shape
+        (8 elements a step there) and refused scatters into ``x.reshape((T * E,))`` views as out of range.
         """
         dtype = dt.as_dtype(dtype) if dtype is not None else self.dtype
         isz = dtype.itemsize
@@ -453,8 +491,8 @@ class NkiTensor:
             from .registers import scalar_value
 
             v = scalar_value(scalar_offset)
-            base_shape = st.shape
-            unit = math.prod(base_shape[indirect_dim + 1:]) * st.dtype.itemsize
+            check(0 <= indirect_dim < self.ndim, "ap", f"indirect_dim={indirect_dim} for a {self.ndim}-D tensor")
+            unit = math.prod(self.shape[indirect_dim + 1:]) * self._itemsize
             boff += v * unit
         shape = [c for _, c in pattern]
         bstr = [s * isz for s, _ in pattern]
@@ -466,12 +504,15 @@ class NkiTensor:
         if vector_offset is not None:
             check(indirect_dim == 0 and not st.buffer.on_chip, "ap",
                   "vector_offset addresses rows (indirect_dim=0) of an HBM tensor only")
-            idx = vector_offset._np().reshape(-1).astype(np.int64)
-            check(len(idx) == shape[0], "ap", f"vector_offset has {len(idx)} indices for {shape[0]} rows")
-            row = math.prod(st.shape[1:]) * st.dtype.itemsize
+            # (P, N) index tiles are read partition-first ("flat_indices = indices.T.flatten()", dma_transpose
+            # page); for the usual (P, 1) that is plain row order.
+            idx = np.asarray(vector_offset._np()).reshape(vector_offset.shape[0], -1).T.reshape(-1).astype(np.int64)
+            check(len(idx) >= shape[0], "ap", f"vector_offset has {len(idx)} indices for {shape[0]} rows")
+            idx = idx[:shape[0]]
+            row = math.prod(self.shape[1:]) * self._itemsize
             gather = [boff + int(i) * row for i in idx]
-            return NkiTensor(st, dtype, shape, bstr, boff, gather=(gather, row, st.shape[0], idx))
-        return NkiTensor(st, dtype, shape, bstr, boff)
+            return NkiTensor(st, dtype, shape, bstr, boff, gather=(gather, row, self.shape[0], idx))
+        return NkiTensor(st, dtype, shape, bstr, boff, dynamic=scalar_offset is not None or self.dynamic)
 
     # ---------------------------------------------------------------------------------------------- queries
     def is_contiguous(self) -> bool:
