@@ -192,3 +192,23 @@ def test_fake_kernels_reject_like_eager():
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"T = 9 rows .* exceed capacity = 8"):
         torch.compile(f, fullgraph=True)(torch.zeros(9, 4))
+
+
+def test_full_capacity_with_no_alignment_gaps_threaded(rng):
+    """T = C (no padding rows) and parts whose widths are multiples of 16 (no alignment gap, no trailing gap), on
+    the threaded path (C·W ≥ 64 KiB): every byte of the packed buffer belongs to a part, so a copy one byte too
+    long or short, or a row written by the wrong thread, shows as a byte that differs — and the copy of the last
+    part of the last row ends exactly at the end of the buffer (AddressSanitizer catches one byte more; see
+    `make asan`)."""
+    capacity = 40
+    parts = [_random_part(capacity, (1024,), torch.bfloat16, rng), _random_part(capacity, (16,), torch.float32, rng),
+             _random_part(capacity, (4,), torch.int32, rng), _random_part(capacity, (4,), torch.float32, rng)]
+    spans, width = pack_layout([part_nbytes(p) for p in parts])
+    assert width == sum(n for _, n in spans) and capacity * width >= 1 << 16, "no gaps, threaded"
+    packed = static_moe.pack_rows(parts, capacity)
+    assert_equal(packed, torch.cat([p.reshape(capacity, -1).view(torch.uint8) for p in parts], dim=1), "pack_rows")
+    for p, (off, n) in zip(parts, spans):
+        assert_equal(static_moe.unpack_rows(packed, off, n, p.dtype, list(p.shape[1:])), p, "unpack_rows")
+    # unpack straight from the end of a buffer: the last span's last row ends at the buffer's last byte
+    tail = packed[:, spans[-1][0]:]
+    assert_equal(static_moe.unpack_rows(tail, 0, spans[-1][1], torch.float32, [4]), parts[-1], "unpack at the end")
