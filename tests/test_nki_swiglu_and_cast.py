@@ -120,3 +120,25 @@ def test_real_nki_simulator_runs_swiglu(monkeypatch):
     for fmt in ("fp8", "bf16"):
         out, ref = _run(gate_up, w, 7.0, fmt, 128)
         assert_swiglu_close(out, ref)
+
+
+NONFINITE = [("gate", float("nan")), ("up", float("nan")), ("weight", float("nan")), ("gate", -float("inf")),
+             ("gate", float("inf")), ("up", -float("inf"))]
+
+
+@pytest.mark.parametrize("where,value", NONFINITE, ids=[f"{w}={v}" for w, v in NONFINITE])
+@pytest.mark.parametrize("out_format,group", [("fp8", 32), ("fp8", 128), ("bf16", 128)])
+def test_nonfinite_values_stay_in_their_group(where, value, out_format, group):
+    """SPEC §1.5 on non-finite inputs, as the CPU kernel and the reference (test_swiglu_and_cast): a NaN / inf
+    v never dequantizes to a number, its group holds only NaN or ±0, other groups are untouched."""
+    from static_moe.reference.swiglu_and_cast import swiglu
+    from static_moe.testing.generators import poisoned_swiglu_input
+    from static_moe.testing.numeric import assert_nonfinite_confined
+
+    bad_gu, bad_w, gu, w = poisoned_swiglu_input(where, value)
+    for limit in (None, 7.0):
+        nonfinite = ~torch.isfinite(swiglu(bad_gu, bad_w, limit))
+        touched = swiglu(bad_gu, bad_w, limit) != swiglu(gu, w, limit)
+        out, _ = _run(bad_gu, bad_w, limit, out_format, group)
+        clean, _ = _run(gu, w, limit, out_format, group)
+        assert_nonfinite_confined(out, clean, touched, nonfinite, f"{where}={value} limit={limit} {out_format}")

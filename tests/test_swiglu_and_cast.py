@@ -208,3 +208,29 @@ def test_fake_kernel_rejects_like_eager():
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"must be a multiple of group_size = 128, got I = 96"):
         torch.compile(f, fullgraph=True)(torch.zeros(4, 192))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Non-finite inputs (SPEC §1.5): they propagate, confined to their group; never finite garbage
+# ---------------------------------------------------------------------------------------------------------------
+NONFINITE = [("gate", float("nan")), ("up", float("nan")), ("weight", float("nan")), ("gate", -float("inf")),
+             ("gate", float("inf")), ("up", float("inf")), ("up", -float("inf"))]
+
+
+@pytest.mark.parametrize("where,value", NONFINITE, ids=[f"{w}={v}" for w, v in NONFINITE])
+@pytest.mark.parametrize("limit", [None, 7.0])
+@pytest.mark.parametrize("out_format,pow2", [("fp8", True), ("fp8", False), ("bf16", True)])
+def test_nonfinite_values_stay_in_their_group(where, value, limit, out_format, pow2):
+    from static_moe.reference.swiglu_and_cast import swiglu
+    from static_moe.testing.generators import poisoned_swiglu_input
+    from static_moe.testing.numeric import assert_nonfinite_confined
+
+    bad_gu, bad_w, gu, w = poisoned_swiglu_input(where, value)
+    nonfinite = ~torch.isfinite(swiglu(bad_gu, bad_w, limit))
+    touched = swiglu(bad_gu, bad_w, limit) != swiglu(gu, w, limit)  # NaN != x: poisoned positions included
+    for group in (32, 128):
+        args = (limit, out_format, group, 448.0, pow2)
+        what = f"{where}={value} limit={limit} {out_format} g={group} pow2={pow2}"
+        for name, op in (("kernel", static_moe.swiglu_and_cast), ("reference", reference.swiglu_and_cast)):
+            assert_nonfinite_confined(op(bad_gu, bad_w, *args), op(gu, w, *args), touched, nonfinite,
+                                      f"{name} {what}")

@@ -123,3 +123,36 @@ def assert_rejected_untouched(op, args, exc: type, match: str) -> None:
     for t0, t1 in zip(before, after):
         assert_equal(t1, t0, "inputs untouched")
 
+
+
+def assert_nonfinite_confined(out: tuple[torch.Tensor, torch.Tensor], clean: tuple[torch.Tensor, torch.Tensor],
+                              touched: torch.Tensor, nonfinite: torch.Tensor, what: str = "") -> None:
+    """The swiglu_and_cast contract for non-finite values (NaN, ±inf in gate_up or row_weight; SPEC §1.5).
+
+    ``out`` is the op on the poisoned input, ``clean`` the same op on the input with those values replaced by
+    finite ones; ``touched`` bool [R, I] marks the outputs whose inputs were replaced, ``nonfinite`` bool [R, I]
+    those whose fp32 SwiGLU value v is not finite (a clamp may have made a poisoned input finite).
+    bf16 out: a non-finite v stays non-finite. fp8 out: a non-finite v dequantizes (``q.float() · s``) to NaN,
+    and the other values of its group to NaN or ±0 — never to finite non-zero garbage. Everything outside the
+    touched positions (bf16) or the groups holding them (fp8) is bitwise what the clean input gives: a
+    non-finite value never leaks beyond its group."""
+    q, s = out
+    cq, cs = clean
+    if q.dtype == torch.bfloat16:
+        assert bool((~torch.isfinite(q.float()[nonfinite])).all()), f"{what}: a non-finite v came out finite"
+        assert torch.equal(q.view(torch.int16)[~touched], cq.view(torch.int16)[~touched]), \
+            f"{what}: outputs of untouched inputs changed"
+        return
+    g = q.shape[1] // s.shape[1]
+    groups = lambda m: m.reshape(q.shape[0], s.shape[1], g).any(dim=-1)  # noqa: E731  [R, I] -> [R, I/g]
+    deq = q.float() * s.repeat_interleave(g, dim=1)
+    assert bool(torch.isnan(deq[nonfinite]).all()), f"{what}: a non-finite v dequantizes to a number"
+    in_bad_group = groups(nonfinite).repeat_interleave(g, dim=1)
+    rest = deq[in_bad_group & ~nonfinite]
+    garbage = ~(torch.isnan(rest) | (rest == 0))
+    assert not bool(garbage.any()), \
+        f"{what}: {int(garbage.sum())} values next to a non-finite v dequantize to finite non-zero garbage"
+    tg = groups(touched)
+    t = tg.repeat_interleave(g, dim=1)
+    assert torch.equal(q.view(torch.uint8)[~t], cq.view(torch.uint8)[~t]), f"{what}: q of untouched groups changed"
+    assert torch.equal(s[~tg].view(torch.int32), cs[~tg].view(torch.int32)), f"{what}: untouched scales changed"
