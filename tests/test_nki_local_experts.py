@@ -118,14 +118,40 @@ def test_fp8_max_448_needs_trn3():
 
 
 def test_index_and_weight_dtypes_are_normalised():
+    """int64 ids and bf16 weights give bitwise what int32 ids and the bf16 weights widened to fp32 give (the
+    kernel normalises them, it does not compute differently), and match the reference run on them."""
     args = list(_case("bf16", "fp4", 128, 17, 128, 128, 2, 4, 3, 2, 6))
-    ref = ref_local_experts(*args, 7.0, TRN2_FP8_MAX)
+    widened = list(args)
+    widened[3] = args[3].to(torch.bfloat16).float()
+    expect = dispatch.local_experts(*widened, 7.0, TRN2_FP8_MAX)
     args[2] = args[2].to(torch.int64)
     args[3] = args[3].to(torch.bfloat16)
     ref16 = ref_local_experts(*args, 7.0, TRN2_FP8_MAX)
     out = dispatch.local_experts(*args, 7.0, TRN2_FP8_MAX)
     assert_gemm_close(out, ref16)
-    assert ref.shape == out.shape
+    assert_equal(out, expect, "int64 / bf16 routing vs int32 / widened fp32")
+
+
+@interpreter_only
+@pytest.mark.parametrize("wfmt,group", [("fp8", 128), ("fp4", 32)])
+def test_fp8_max_reaches_the_requantization_on_trn3(wfmt, group):
+    """On an input where fp8_max = 240 and 448 give outputs apart beyond the SPEC §2 bound
+    (make_fp8_max_sensitive), the kernel with each value (448 needs trn3's e4m3fn) matches the reference with
+    the same value — random inputs give identical bits for both, so only this input shows a kernel that
+    ignores fp8_max."""
+    from static_moe.formats import quantize_activation, quantize_weight
+    from static_moe.nki import interpreter
+    from static_moe.testing.generators import make_fp8_max_sensitive
+
+    x, w13, w2, idx, tw = make_fp8_max_sensitive(6, 2, 256, 256, seed=4)
+    x_q, x_s = quantize_activation(x, group)
+    args = (x_q, x_s, idx, tw, *quantize_weight(w13, wfmt), *quantize_weight(w2, wfmt), 0)
+    ref = {m: ref_local_experts(*args, None, m) for m in (240.0, 448.0)}
+    with pytest.raises(AssertionError):
+        assert_gemm_close(ref[240.0], ref[448.0])
+    with interpreter.target("trn3"):
+        for m in (240.0, 448.0):
+            assert_gemm_close(dispatch.local_experts(*args, None, m), ref[m], f"fp8x{wfmt} fp8_max={m}")
 
 
 @pytest.mark.skipif(not dispatch.neuron_dispatch_keys()[0], reason=dispatch.neuron_dispatch_keys()[1] or "no device")
