@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import static_moe
@@ -55,14 +55,23 @@ def _poison_unrouted(w, routed):
     return w
 
 
+_LE_EDGE = dict(pair=("fp8", "fp4"), group=32, tokens=6, pad=0, hidden=256, inter=256, num_local=3, ep_size=2,
+                topk=4, limit=7.0, empty_frac=0.0, duplicate_frac=0.0, skew=0.0, index_dtype=torch.int32,
+                bf16_weights=False, fp8_max=448.0, rank_pick=1, seed=5)
+
+
+def _edge(**over):
+    return example(**{**_LE_EDGE, **over})
+
+
 @settings(max_examples=25)
 @given(
     pair=st.sampled_from(FORMAT_PAIRS),
     group=st.sampled_from([32, 128]),
     tokens=st.integers(0, 10),
     pad=st.integers(0, 3),
-    hidden=st.sampled_from([128, 256]),
-    inter=st.sampled_from([128, 256, 384]),
+    hidden=st.sampled_from([128, 256, 640]),  # K of GEMM1; 640 > 512: a second chunk of prepared scales
+    inter=st.sampled_from([128, 256, 384, 640]),  # K of GEMM2
     num_local=st.integers(1, 4),
     ep_size=st.integers(1, 3),
     topk=st.integers(1, 8),
@@ -72,15 +81,24 @@ def _poison_unrouted(w, routed):
     skew=st.sampled_from([0.0, 0.6]),
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
     bf16_weights=st.booleans(),
-    data=st.data(),
+    fp8_max=st.sampled_from([448.0, 240.0]),
+    rank_pick=st.integers(0, 2),
     seed=st.integers(0, 2**31 - 1),
 )
+# Edge cases by name, outside the random budget: T = 0 (padding rows only), −1 slots, duplicate ids, 0xFF padding,
+# every clamp value, both fp8_max values, int64 ids with bf16 weights, K > 512 on both GEMMs.
+@_edge(tokens=0, pad=3)
+@_edge(empty_frac=0.3, limit=None)
+@_edge(duplicate_frac=0.4, limit=0.5, pair=("bf16", "fp8"))
+@_edge(pad=3, fp8_max=240.0, pair=("fp8", "fp8"), group=128)
+@_edge(index_dtype=torch.int64, bf16_weights=True, pair=("bf16", "bf16"), skew=0.6)
+@_edge(hidden=640, inter=640, pair=("fp8", "fp8"), fp8_max=240.0, limit=0.5)
 def test_matches_reference(cpu_isa, pair, group, tokens, pad, hidden, inter, num_local, ep_size, topk, limit,
-                           empty_frac, duplicate_frac, skew, index_dtype, bf16_weights, data, seed):
+                           empty_frac, duplicate_frac, skew, index_dtype, bf16_weights, fp8_max, rank_pick, seed):
     act, wf = pair
     num_experts = num_local * ep_size
     topk = min(topk, num_experts)
-    rank = data.draw(st.integers(0, ep_size - 1), label="rank")
+    rank = rank_pick % ep_size
     offset = rank * num_local
     w = make_weights(num_local, hidden, inter, wf, seed=seed % 1000)
     x, x_s = make_activations(tokens, hidden, act, group, seed=seed)
@@ -88,12 +106,12 @@ def test_matches_reference(cpu_isa, pair, group, tokens, pad, hidden, inter, num
                             duplicate_frac=duplicate_frac, index_dtype=index_dtype)
     if bf16_weights:
         wts = wts.to(torch.bfloat16)
-    ref = reference.local_experts(*_args(x, x_s, idx, wts, w, offset, limit))
+    ref = reference.local_experts(*_args(x, x_s, idx, wts, w, offset, limit, fp8_max))
     x, x_s, idx, wts = _pad(x, x_s, idx, wts, tokens + pad)
     routed = {int(i) - offset for i in idx.flatten().tolist() if offset <= i < offset + num_local}
-    out = static_moe.local_experts(*_args(x, x_s, idx, wts, _poison_unrouted(w, routed), offset, limit))
+    out = static_moe.local_experts(*_args(x, x_s, idx, wts, _poison_unrouted(w, routed), offset, limit, fp8_max))
     what = (f"{cpu_isa} {act}x{wf} g={group} T={tokens}+{pad} H={hidden} I={inter} L={num_local} S={ep_size} "
-            f"r={rank} k={topk} limit={limit}")
+            f"r={rank} k={topk} limit={limit} fp8_max={fp8_max}")
     assert out.dtype == torch.float32 and out.shape == (tokens + pad, hidden), what
     assert_gemm_bitwise(out[:tokens], ref, what)
     assert bool((out[tokens:] == 0).all()), f"{what}: padded rows must stay zero"
