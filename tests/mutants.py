@@ -41,7 +41,7 @@ MUTANTS = [
     Mutant("local_experts: duplicate ids keep the last weight", "csrc/cpu/local_experts.cpp",
            "if (ip[r * k + jj] == id) w += wp[r * k + jj];", "if (ip[r * k + jj] == id) w = wp[r * k + jj];",
            (LE, "-k", "duplicates_and_other_ranks or matches_reference")),
-    # ---------------------------------------------------------------- swiglu_and_cast (csrc/cpu/kernels/swiglu_and_cast.h)
+    # ---------------------------------------------------------------- swiglu_and_cast (cpu/kernels/swiglu_and_cast.h)
     Mutant("swiglu: NaN dropped from the amax", "csrc/cpu/kernels/swiglu_and_cast.h",
            "        m = a > m ? a : m;", "        m = (a > m && a <= 0x7F800000) ? a : m;",
            (SW, "-k", "nonfinite")),
@@ -120,7 +120,8 @@ MUTANTS = [
            ("tests/test_nki_local_experts.py", "-k", "trn3")),
     # ---------------------------------------------------------------- NKI interpreter
     Mutant("interpreter: float -> int rounds half up", "python/static_moe/nki/interpreter/isa.py",
-           "        v = np.where(np.isnan(v), 0.0, np.rint(v))", "        v = np.where(np.isnan(v), 0.0, np.floor(v + 0.5))",
+           "        v = np.where(np.isnan(v), 0.0, np.rint(v))",
+           "        v = np.where(np.isnan(v), 0.0, np.floor(v + 0.5))",
            ("tests/test_nki_casts.py",)),
     Mutant("interpreter: float -> int wraps instead of saturating", "python/static_moe/nki/interpreter/isa.py",
            "        return np.clip(v, info.min, info.max).astype(dtype)",

@@ -17,7 +17,12 @@ from hypothesis import strategies as st
 from static_moe.nki import dispatch, shim
 from static_moe.reference import local_experts as ref_local_experts
 from static_moe.testing.generators import FORMAT_PAIRS, make_activations, make_routing, make_weights
-from static_moe.testing.numeric import assert_equal, assert_gemm_close
+from static_moe.testing.numeric import assert_equal, assert_gemm_bitwise, assert_gemm_close
+
+# Our interpreter accumulates matmuls in fp32 in k order and rounds like the reference, so its results are the
+# reference's bits but for rare last-bit differences (measured ≥ 99.98 % equal): hold it to that. The real NKI
+# simulator / hardware (PE-array accumulation order, hardware activation tables) gets the SPEC §2 bound only.
+assert_kernel_close = assert_gemm_close if shim.real_nki_available() else assert_gemm_bitwise
 
 TRN2_FP8_MAX = 240.0
 PAIRS_G = [(a, w, g) for a, w in FORMAT_PAIRS for g in ((128, 32) if a == "fp8" else (128,))]
@@ -44,7 +49,7 @@ def _check(args, limit, skip, what, fp8_max=TRN2_FP8_MAX):
     ref = ref_local_experts(*args, limit, fp8_max)
     out = dispatch.local_experts(*args, limit, fp8_max, skip_unrouted=skip)
     assert out.dtype == torch.float32 and out.shape == ref.shape
-    assert_gemm_close(out, ref, what)
+    assert_kernel_close(out, ref, what)
     return out, ref
 
 
@@ -128,7 +133,7 @@ def test_index_and_weight_dtypes_are_normalised():
     args[3] = args[3].to(torch.bfloat16)
     ref16 = ref_local_experts(*args, 7.0, TRN2_FP8_MAX)
     out = dispatch.local_experts(*args, 7.0, TRN2_FP8_MAX)
-    assert_gemm_close(out, ref16)
+    assert_kernel_close(out, ref16)
     assert_equal(out, expect, "int64 / bf16 routing vs int32 / widened fp32")
 
 
@@ -151,7 +156,7 @@ def test_fp8_max_reaches_the_requantization_on_trn3(wfmt, group):
         assert_gemm_close(ref[240.0], ref[448.0])
     with interpreter.target("trn3"):
         for m in (240.0, 448.0):
-            assert_gemm_close(dispatch.local_experts(*args, None, m), ref[m], f"fp8x{wfmt} fp8_max={m}")
+            assert_kernel_close(dispatch.local_experts(*args, None, m), ref[m], f"fp8x{wfmt} fp8_max={m}")
 
 
 @pytest.mark.skipif(not dispatch.neuron_dispatch_keys()[0], reason=dispatch.neuron_dispatch_keys()[1] or "no device")
