@@ -1,8 +1,8 @@
 """local_experts: the registered kernel (CPU here) vs the reference on every format pair and every CPU instruction
-set, at the SPEC §2 bound and the reference's bits (assert_gemm_bitwise) — routing with empty slots, duplicate ids, other ranks' ids, skew, and 0xFF padding rows
-that must not leak — plus crafted inputs for the expert summation order and for fp8_max (240 vs 448), experts
-without rows that are never read, batch invariance (bitwise), opcheck, torch.compile, and argument errors
-(SPEC §5)."""
+set, at the SPEC §2 bound and the reference's bits (assert_gemm_bitwise) — routing with empty slots, duplicate
+ids, other ranks' ids, skew, and 0xFF padding rows that must not leak — plus crafted inputs for the expert
+summation order and for fp8_max (240 vs 448), experts without rows that are never read, batch invariance
+(bitwise), opcheck, torch.compile, and argument errors (SPEC §5)."""
 
 from __future__ import annotations
 
