@@ -29,8 +29,10 @@ test: build asan
 # off: LeakSanitizer needs ptrace, which containers often refuse, and overflows are what this is for.
 ASAN_BIN := build/asan/pack_rows_asan
 asan:
+	@test -f "$$($(CXX) -print-file-name=libasan.so)" || \
+		{ echo "make asan: $(CXX) finds no libasan.so (Debian: gcc's libgcc-N-dev provides it)"; exit 1; }
 	mkdir -p build/asan
-	$${CXX:-g++} -std=c++17 -O1 -g -fsanitize=address -fno-omit-frame-pointer -fopenmp -Icsrc \
+	$(CXX) -std=c++17 -O1 -g -fsanitize=address -fno-omit-frame-pointer -fopenmp -Icsrc \
 		tests/asan/pack_rows_asan.cpp -o $(ASAN_BIN)
 	ASAN_OPTIONS=detect_leaks=0 ./$(ASAN_BIN)
 
