@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from static_moe.nki import dispatch, shim
@@ -59,6 +59,16 @@ def _check(args, limit, skip, what, fp8_max=TRN2_FP8_MAX):
        num_local=st.integers(1, 4), topk=st.integers(1, 4), pad=st.integers(0, 9),
        empty=st.sampled_from([0.0, 0.3]), dup=st.sampled_from([0.0, 0.3]), skew=st.sampled_from([0.0, 0.5]),
        limit=st.sampled_from([None, 7.0, 0.5]), skip=st.booleans(), seed=st.integers(0, 2**16))
+# Edge cases by name, outside the random budget: one row; 0xFF padding with −1 slots and duplicate ids under each
+# clamp value; K = 640 on both GEMMs (more than one 512-wide chunk) with a hot expert.
+@example(rows=1, hidden=128, inter=128, num_local=1, topk=1, pad=0, empty=0.0, dup=0.0, skew=0.0, limit=None,
+         skip=True, seed=1)
+@example(rows=40, hidden=256, inter=128, num_local=3, topk=4, pad=9, empty=0.3, dup=0.3, skew=0.0, limit=0.5,
+         skip=True, seed=2)
+@example(rows=33, hidden=128, inter=256, num_local=2, topk=3, pad=5, empty=0.3, dup=0.3, skew=0.5, limit=7.0,
+         skip=False, seed=3)
+@example(rows=20, hidden=640, inter=640, num_local=2, topk=2, pad=2, empty=0.0, dup=0.0, skew=0.5, limit=7.0,
+         skip=True, seed=4)
 def test_matches_reference(act, wfmt, group, rows, hidden, inter, num_local, topk, pad, empty, dup, skew, limit,
                            skip, seed):
     num_experts = 3 * num_local + 2  # ids outside the local range exist too

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nki_kernels.swiglu_and_cast import swiglu_and_cast
@@ -53,6 +53,16 @@ def _run(gate_up, w, limit, out_format, group, fp8_max=TRN2_FP8_MAX):
     out_format=st.sampled_from(["fp8", "bf16"]),
     seed=st.integers(0, 2**16),
 )
+# Edge cases by name, outside the random budget: one row; a ragged tile of weight-0 rows (padding) under each clamp
+# value; I = 640 (five 128-groups) in bf16 out. Non-finite inputs: test_nonfinite_values_stay_in_their_group.
+@example(rows=1, groups=1, group=32, in_dtype=torch.float32, limit=None, weighted=False, zero_frac=0.0,
+         out_format="fp8", seed=1)
+@example(rows=130, groups=2, group=128, in_dtype=torch.bfloat16, limit=0.5, weighted=True, zero_frac=1.0,
+         out_format="fp8", seed=2)
+@example(rows=77, groups=3, group=32, in_dtype=torch.bfloat16, limit=7.0, weighted=True, zero_frac=0.3,
+         out_format="fp8", seed=3)
+@example(rows=129, groups=5, group=128, in_dtype=torch.float32, limit=7.0, weighted=True, zero_frac=0.3,
+         out_format="bf16", seed=4)
 def test_matches_reference(rows, groups, group, in_dtype, limit, weighted, zero_frac, out_format, seed):
     gate_up, w = _inputs(rows, groups * group, in_dtype, weighted, zero_frac, 3.0, seed)
     out, ref = _run(gate_up, w, limit, out_format, group)
