@@ -234,7 +234,9 @@ def _other_value(name: str, value):
     later are covered without editing this test; fails loudly for a type it cannot vary."""
     import static_moe.workspace as ws_mod
 
-    if isinstance(value, bool):
+    if value is None:  # an optional field (e.g. swiglu_limit): a set value, small and large
+        candidates = [7.0, 1, "bf16", 1e30]
+    elif isinstance(value, bool):
         candidates = [not value]
     elif isinstance(value, int):
         candidates = [2 * value, value // 2, value // 4, value + 1, value - 1, 4 * value]
