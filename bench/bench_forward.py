@@ -30,10 +30,8 @@ experts and S·L of the touched ones are kept, with their real rows), capacity C
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +48,7 @@ from harness.timing import flush_caches, measure, time_fastest_variant, time_fn
 from harness.workload import bench_weights, local_experts_for
 from static_moe.testing.generators import SlicedRouting, sliced_routing
 from static_moe.testing.machine import bf16_dot_products
+from static_moe.testing.profiling import quiet_stderr
 
 BENCH = "forward"
 DEFAULT_PAIRS = [("fp8", "fp4")]
@@ -262,20 +261,6 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
     return rec
 
 
-@contextlib.contextmanager
-def _fd2_silenced():
-    """File descriptor 2 to /dev/null for the duration."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 PROFILED_CALLS = 3  # forward calls profiled per point for the phase breakdown (after the timed ones)
 
 
@@ -288,13 +273,13 @@ def _phases(call, barrier, n: int = PROFILED_CALLS) -> dict[str, float]:
 
     out = {p: 0.0 for p in PHASES}
     prof = profile(activities=[ProfilerActivity.CPU])
-    with _fd2_silenced():  # the profiler's C++ side prints a line at every start and stop
+    with quiet_stderr():  # the profiler's C++ side prints a line at every start and stop
         prof.start()
     for _ in range(n):
         flush_caches()
         barrier()
         call()
-    with _fd2_silenced():
+    with quiet_stderr():
         prof.stop()
     for ev in prof.key_averages():
         if ev.key.startswith(PHASE_PREFIX):

@@ -27,7 +27,6 @@ as the benchmarks scale their shapes).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import resource
@@ -40,6 +39,7 @@ import torch
 from .testing.distributed import gather_objects
 from .testing.generators import MODEL_SHAPES, sliced_routing
 from .testing.machine import bf16_dot_products, measure_bandwidth, measure_flops, measure_read_bandwidth
+from .testing.profiling import quiet_stderr
 
 REAL = MODEL_SHAPES["v4_flash"]  # hidden 4096, intermediate 2048, 256 routed experts, top-6
 ACT_GROUP = 128
@@ -101,21 +101,6 @@ def hidden_states(tokens: int, rank: int, seed: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # One rank
 # ----------------------------------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Silence file descriptor 2 (the profiler's C++ side prints a line at every start and stop)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
 
 def _say(rank: int, t0: float, msg: str) -> None:
     if rank == 0:
@@ -181,11 +166,11 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     for x, idx, tw, _ in steps[: cfg["warmup"]]:
         step(x, idx, tw)
     prof = profile(activities=[ProfilerActivity.CPU])  # the op's phases are record_function ranges
-    with _quiet_stderr():
+    with quiet_stderr():
         prof.start()
     for x, idx, tw, _ in steps[cfg["warmup"]:]:
         timed.append(step(x, idx, tw))
-    with _quiet_stderr():
+    with quiet_stderr():
         prof.stop()
     assert layer.workspace.data_ptrs() == ws_ptrs, "workspace buffers moved"
     limits.append(machine_limits())
