@@ -6,7 +6,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
 THREADS ?= 2
 
-.PHONY: all venv build test demo bench clean
+.PHONY: all venv build test asan mutate demo bench clean
 
 all: test
 
@@ -21,8 +21,25 @@ venv: $(STAMP)
 build: venv
 	$(VPY) -m pip install -q --no-build-isolation -e .
 
-test: build
+test: build asan
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q tests
+
+# pack_rows / unpack_rows kernels under AddressSanitizer: a torch-free driver, its own debug build (about a
+# second), so a copy one byte too long fails even where no value comparison could see it. Leak checking is
+# off: LeakSanitizer needs ptrace, which containers often refuse, and overflows are what this is for.
+ASAN_BIN := build/asan/pack_rows_asan
+asan:
+	@test -f "$$($(CXX) -print-file-name=libasan.so)" || \
+		{ echo "make asan: $(CXX) finds no libasan.so (Debian: gcc's libgcc-N-dev provides it)"; exit 1; }
+	mkdir -p build/asan
+	$(CXX) -std=c++17 -O1 -g -fsanitize=address -fno-omit-frame-pointer -fopenmp -Icsrc \
+		tests/asan/pack_rows_asan.cpp -o $(ASAN_BIN)
+	ASAN_OPTIONS=detect_leaks=0 ./$(ASAN_BIN)
+
+# Fault injection on the suite itself (slow, not part of `make test`): applies each mutant of tests/mutants.py
+# to a scratch copy, rebuilds incrementally, runs the tests that should kill it. MUTATE_ARGS="--only NAME".
+mutate: venv
+	MAX_JOBS=1 OMP_NUM_THREADS=$(THREADS) $(VPY) tests/mutate.py $(MUTATE_ARGS)
 
 demo: build
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m static_moe.demo

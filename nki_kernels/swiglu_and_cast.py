@@ -202,6 +202,12 @@ def swiglu_cast_tile(g_in, u_in, w, swiglu_limit, out_format, group_size, fp8_ma
     nisa.tensor_scalar(dst=bu, data=ex, op0=nl.subtract, operand0=254.0, reverse0=True)  # exponent of 1/s
     inv = nl.ndarray((p, m), dtype=nl.float32, buffer=nl.sbuf, name="inv_scale")
     nisa.tensor_scalar(dst=inv[0:p, :].view(nl.int32), data=bu, op0=nl.left_shift, operand0=23)
+    # A NaN / inf amax has exponent 255, which the bit arithmetic above turns into a finite 2^121-sized scale
+    # (finite garbage). s += amax · 0 (0 for a finite amax, NaN otherwise) keeps s exact and makes the whole
+    # group dequantize to NaN, as the reference's does (SPEC §1.5, non-finite values).
+    poison = nl.ndarray((p, m), dtype=nl.float32, buffer=nl.sbuf, name="nan_poison")
+    nisa.tensor_scalar(dst=poison[0:p, :], data=am, op0=nl.multiply, operand0=0.0)
+    nisa.tensor_tensor(dst=s_t[0:p, :], data1=s_t[0:p, :], data2=poison[0:p, :], op=nl.add)
     # ---- q = fp8(v / s): exact power-of-two scaling, |v / s| <= fp8_max by construction
     q = nl.ndarray((p, cols), dtype=chip_fp8, buffer=nl.sbuf, name="q")
     if m == 1:

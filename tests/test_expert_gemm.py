@@ -1,19 +1,21 @@
-"""expert_gemm: the registered kernel (CPU here) vs the reference at SPEC §2 tolerances on every format pair and
-every CPU instruction set, masked rows that are never read, batch invariance (bitwise), opcheck, torch.compile, and
-argument errors (SPEC §5)."""
+"""expert_gemm: the registered kernel (CPU here) vs the reference on every format pair and every CPU instruction
+set — the SPEC §2 bound and, as the CPU kernels claim, the reference's bits (assert_gemm_bitwise: ≥ 99 % equal, no
+signed drift) — plus crafted inputs (extreme UE8M0 bytes with unflushed products), masked rows that are never read,
+batch invariance (bitwise), opcheck, torch.compile, and argument errors (SPEC §5)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import static_moe
 from static_moe import reference
 from static_moe.formats import quantize_activation, quantize_weight
 from static_moe.testing.generators import FORMAT_PAIRS
-from static_moe.testing.numeric import assert_equal, assert_gemm_close, assert_rejected_untouched
+from static_moe.testing.numeric import (assert_equal, assert_gemm_bitwise, assert_gemm_close,
+                                        assert_rejected_untouched)
 
 PAIR_IDS = [f"{a}x{w}" for a, w in FORMAT_PAIRS]
 
@@ -59,19 +61,29 @@ def _poison_other_experts(b, b_scale, keep):
     pair=st.sampled_from(FORMAT_PAIRS),
     group=st.sampled_from([32, 128]),
     rows=st.integers(0, 12),
-    k=st.sampled_from([128, 256, 384]),
+    k=st.sampled_from([128, 256, 384, 640, 1024]),  # K > 512: more than one chunk of prepared scales
     n=st.sampled_from([32, 96, 128, 200, 256]),
     num_experts=st.integers(1, 4),
     mask_p=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
     scale=st.sampled_from([1e-3, 1.0, 30.0]),
     pow2=st.booleans(),
-    data=st.data(),
+    expert_pick=st.integers(0, 3),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p, scale, pow2, data, seed):
+# Edge cases by name, outside the random budget: no rows; every row masked (NaN padding only); fp8 weights with K
+# spanning two scale chunks; fp4 with g = 32 and K = 1024.
+@example(pair=("bf16", "bf16"), group=128, rows=0, k=128, n=32, num_experts=1, mask_p=1.0, scale=1.0, pow2=True,
+         expert_pick=0, seed=0)
+@example(pair=("fp8", "fp8"), group=32, rows=7, k=256, n=96, num_experts=3, mask_p=0.0, scale=1.0, pow2=True,
+         expert_pick=2, seed=1)
+@example(pair=("fp8", "fp8"), group=128, rows=5, k=640, n=128, num_experts=2, mask_p=0.5, scale=30.0, pow2=False,
+         expert_pick=1, seed=2)
+@example(pair=("bf16", "fp4"), group=32, rows=9, k=1024, n=200, num_experts=4, mask_p=0.9, scale=1e-3, pow2=True,
+         expert_pick=3, seed=3)
+def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p, scale, pow2, expert_pick, seed):
     act, wf = pair
     gen = torch.Generator().manual_seed(seed)
-    expert = data.draw(st.integers(0, num_experts - 1), label="expert")
+    expert = expert_pick % num_experts
     a, a_s = _activations(rows, k, act, group, gen, scale, pow2)
     b, b_s = _weights(num_experts, n, k, wf, gen)
     mask = torch.rand(rows, generator=gen) < mask_p
@@ -81,7 +93,7 @@ def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p
     out = static_moe.expert_gemm(a, a_s, b, b_s, mask, expert)
     what = f"{cpu_isa} {act}x{wf} g={group} R={rows} K={k} N={n} e={expert}/{num_experts}"
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n), what
-    assert_gemm_close(out, ref, what)
+    assert_gemm_bitwise(out, ref, what)
     assert bool((out.view(torch.int16)[~mask] == 0).all()), f"{what}: masked rows must be exact (+0) zeros"
 
 
@@ -119,7 +131,7 @@ def test_batch_invariance_rows_of_both_operand_forms(cpu_isa, rng):
     a_s = torch.where(odd[:, None], s1, s2)
     b, b_s = _weights(1, 640, 256, "fp4", rng)
     full = static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(10, dtype=torch.bool), 0)
-    assert_gemm_close(full, reference.expert_gemm(a, a_s, b, b_s, torch.ones(10, dtype=torch.bool), 0))
+    assert_gemm_bitwise(full, reference.expert_gemm(a, a_s, b, b_s, torch.ones(10, dtype=torch.bool), 0))
     for r in range(10):
         one = static_moe.expert_gemm(a[r : r + 1], a_s[r : r + 1], b, b_s, torch.ones(1, dtype=torch.bool), 0)
         assert_equal(one[0], full[r], f"row {r} alone")
@@ -144,8 +156,53 @@ def test_fp4_extreme_scale_bytes(cpu_isa, rng):
         assert not torch.isinf(ref.float()).any()
         if cols.start == 0:  # ~1e-38 values: only their (negligible) size is checked
             assert bool((out.float().abs() < 1e-30).all()) and bool((ref.float().abs() < 1e-30).all())
-        else:
+        else:  # loose bound only: some of tiny's values are bf16 subnormals, which avx512bf16's vdpbf16ps
+            # reads as zero (DAZ); test_fp4_extreme_scale_bytes_bitwise keeps activations normal and asks for bits
             assert_gemm_close(out, ref, f"{cpu_isa} columns {cols}")
+
+
+def _normal_magnitudes(rows, k, exponent, gen):
+    """float32 [rows, k]: random signs times (1 + u)·2^exponent, u ∈ [0, 1): every value a normal number."""
+    sign = torch.where(torch.rand(rows, k, generator=gen) < 0.5, -1.0, 1.0)
+    return sign * (1 + torch.rand(rows, k, generator=gen)) * 2.0**exponent
+
+
+# (scale byte, exponent of the activations): products of moderate size, nothing flushed, nothing infinite
+EXTREME_BYTES = [(0, 100), (1, 100), (254, -120), (127, 0)]
+
+
+@pytest.mark.parametrize("act", ["bf16", "fp8"])
+@pytest.mark.parametrize("byte,exponent", EXTREME_BYTES, ids=[f"byte{b}" for b, _ in EXTREME_BYTES])
+def test_fp4_extreme_scale_bytes_bitwise(cpu_isa, act, byte, exponent, request, rng):
+    """UE8M0 bytes 0 (2^-127), 1 (2^-126) and 254 (2^127) on every weight block, with activations scaled so that
+    every product is a moderate normal number (2^100-sized against the subnormal weights, 2^-120-sized against
+    the huge ones): nothing is flushed to zero or overflows, so every ISA must give the reference's bits (the
+    decode of each byte is exact). Byte 254 gets codes of magnitude ≤ 1 (6·2^127 overflows fp32). fp8
+    activations carry the magnitude in their (power-of-two, so exact) scale."""
+    from static_moe.formats import pack_fp4
+
+    if cpu_isa == "avx512bf16" and byte in (0, 1):
+        # Known divergence, reported: the avx512bf16 fp4 table rounds e2m1·2^(b-127) to bf16 and vdpbf16ps
+        # flushes the bf16 subnormals (every weight of a block with byte 0 or 1), so these weights read as 0.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="avx512bf16 flushes fp4 weights below 2^-126"))
+    n, k = 48, 256
+    codes = torch.randint(0, 16, (1, n, k), generator=rng, dtype=torch.uint8)
+    if byte == 254:
+        codes = codes % 3 | (codes & 0x8)  # magnitudes 0, 0.5, 1 with either sign
+    b, b_s = pack_fp4(codes), torch.full((1, n, k // 32), byte, dtype=torch.uint8)
+    x = _normal_magnitudes(4, k, 0, rng)
+    if act == "bf16":
+        a, a_s = (x * 2.0**exponent).to(torch.bfloat16), None
+    else:
+        a, a_s = quantize_activation(x, 128)
+        a_s = a_s * 2.0**exponent
+    mask = torch.ones(4, dtype=torch.bool)
+    out = static_moe.expert_gemm(a, a_s, b, b_s, mask, 0)
+    ref = reference.expert_gemm(a, a_s, b, b_s, mask, 0)
+    r = ref.float().abs()
+    assert bool(torch.isfinite(r).all()) and bool((r[r > 0] > 2.0**-60).all()) and (r > 0).float().mean() > 0.9, \
+        "the crafted input must keep the result finite, normal and (bar chance cancellations) non-zero"
+    assert_gemm_bitwise(out, ref, f"{cpu_isa} {act} scale byte {byte}")
 
 
 def test_fp4_dtype_views_and_strided_inputs(rng):
@@ -155,7 +212,7 @@ def test_fp4_dtype_views_and_strided_inputs(rng):
     ref = reference.expert_gemm(a, None, b, b_s, mask, 2)
     views = static_moe.expert_gemm(a, None, b.view(torch.float4_e2m1fn_x2), b_s.view(torch.float8_e8m0fnu), mask, 2)
     assert_equal(views, static_moe.expert_gemm(a, None, b, b_s, mask, 2), "float4/e8m0 dtypes vs uint8")
-    assert_gemm_close(views, ref, "fp4 views")
+    assert_gemm_bitwise(views, ref, "fp4 views")
     wide = torch.zeros(7, 512, dtype=torch.bfloat16)
     wide[:, 128:384] = a
     b_t = b.transpose(1, 2).contiguous().transpose(1, 2)  # same values, K not contiguous
@@ -167,7 +224,7 @@ def test_large_k_and_n_threaded(rng):
     a, a_s = _activations(20, 1024, "fp8", 128, rng)
     b, b_s = _weights(1, 512, 1024, "fp4", rng)
     mask = torch.rand(20, generator=rng) < 0.7
-    assert_gemm_close(static_moe.expert_gemm(a, a_s, b, b_s, mask, 0), reference.expert_gemm(a, a_s, b, b_s, mask, 0))
+    assert_gemm_bitwise(static_moe.expert_gemm(a, a_s, b, b_s, mask, 0), reference.expert_gemm(a, a_s, b, b_s, mask, 0))
 
 
 _G = torch.Generator().manual_seed(4321)
@@ -272,7 +329,7 @@ def test_rejects_nan_scale_byte_of_the_expert_it_reads(dtype, rng):
     with pytest.raises(ValueError, match=r"b_scale of expert 2 holds the UE8M0 NaN byte 255"):
         static_moe.expert_gemm(a, None, b, b_s, _M4, 2)
     # Expert 1's bytes are fine: an expert that is not computed is not read.
-    assert_gemm_close(static_moe.expert_gemm(a, None, b, b_s, _M4, 1),
+    assert_gemm_bitwise(static_moe.expert_gemm(a, None, b, b_s, _M4, 1),
                       reference.expert_gemm(a, None, b, b_s.view(torch.uint8), _M4, 1))
 
 

@@ -75,11 +75,32 @@ def test_e4m3fn_encode_codes_ties_and_neighbours():
     assert np.array_equal(mid.astype(np.float64), (grid[:-1].astype(np.float64) + grid[1:]) / 2)
     x = _with_neighbours(np.concatenate([grid, mid, [0.0, 2.0**-10, 2.0**-11, 3 * 2.0**-11]]))
     x = x[np.abs(x) <= 448]  # beyond 448 ml_dtypes gives NaN, torch saturates; quantize clamps first anyway
-    ours = _torch_fp8_bytes(torch.from_numpy(x).to(torch.float8_e4m3fn))
     theirs = x.astype(E4M3).view(np.uint8)
-    assert np.array_equal(ours, theirs)
-    # ties go to the even code: 1.0625 (between 1.0 = 0x38 and 1.125 = 0x39) rounds to 0x38
-    assert _torch_fp8_bytes(torch.tensor([1.0625, 1.1875, -0.0]).to(torch.float8_e4m3fn)).tolist() == [0x38, 0x3A, 0x80]
+    # torch's cast (what formats.quantize_* use) and the C++ kernels' own cast (cpu/kernels/cast.h, exposed as
+    # _C._cast_e4m3fn), each against ml_dtypes
+    from static_moe import _C
+
+    for name, cast in (("torch", lambda t: t.to(torch.float8_e4m3fn)), ("kernel", _C._cast_e4m3fn)):
+        ours = _torch_fp8_bytes(cast(torch.from_numpy(x)))
+        assert np.array_equal(ours, theirs), f"{name} cast: {int((ours != theirs).sum())} codes differ"
+        # ties go to the even code: 1.0625 (between 1.0 = 0x38 and 1.125 = 0x39) rounds to 0x38
+        ties = _torch_fp8_bytes(cast(torch.tensor([1.0625, 1.1875, -0.0, 2.0**-10, 3 * 2.0**-10])))
+        assert ties.tolist() == [0x38, 0x3A, 0x80, 0x00, 0x02], f"{name} cast ties"
+
+
+def test_kernel_bf16_cast_matches_ml_dtypes(rng):
+    """The C++ kernels' float32 → bf16 cast (GEMM outputs, SwiGLU bf16 out) vs ml_dtypes: ties to even, on every
+    midpoint pattern and random floats (NaN excluded: ml_dtypes keeps payloads, the kernels give 0xFFFF)."""
+    from static_moe import _C
+
+    bits = torch.randint(0, 2**31 - 1, (1 << 16,), generator=rng, dtype=torch.int64)
+    ties = (torch.arange(0, 1 << 15, dtype=torch.int64) << 16) | 0x8000  # exactly halfway between two bf16
+    u = torch.cat([bits, ties, ties + 1, ties - 1]).to(torch.int32)
+    x = torch.cat([u.view(torch.float32), -u.view(torch.float32)])
+    x = x[~torch.isnan(x)]
+    theirs = x.numpy().astype(ml_dtypes.bfloat16).view(np.uint16)
+    ours = _C._cast_bf16(x).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(ours, theirs), f"{int((ours != theirs).sum())} bf16 values differ"
 
 
 def _quantize_activation_np(x: np.ndarray, g: int, fp8_max: float, pow2: bool):

@@ -1,19 +1,21 @@
-"""local_experts: the registered kernel (CPU here) vs the reference at SPEC §2 tolerances on every format pair and
-every CPU instruction set — routing with empty slots, duplicate ids, other ranks' ids, skew, and 0xFF padding rows
-that must not leak — plus experts without rows that are never read, batch invariance (bitwise), opcheck,
-torch.compile, and argument errors (SPEC §5)."""
+"""local_experts: the registered kernel (CPU here) vs the reference on every format pair and every CPU instruction
+set, at the SPEC §2 bound and the reference's bits (assert_gemm_bitwise) — routing with empty slots, duplicate
+ids, other ranks' ids, skew, and 0xFF padding rows that must not leak — plus crafted inputs for the expert
+summation order and for fp8_max (240 vs 448), experts without rows that are never read, batch invariance
+(bitwise), opcheck, torch.compile, and argument errors (SPEC §5)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import static_moe
 from static_moe import reference
 from static_moe.testing.generators import FORMAT_PAIRS, make_activations, make_routing, make_weights
-from static_moe.testing.numeric import assert_equal, assert_gemm_close, assert_rejected_untouched
+from static_moe.testing.numeric import (assert_equal, assert_gemm_bitwise, assert_gemm_close,
+                                        assert_rejected_untouched)
 
 PAIR_IDS = [f"{a}x{w}" for a, w in FORMAT_PAIRS]
 
@@ -54,14 +56,23 @@ def _poison_unrouted(w, routed):
     return w
 
 
+_LE_EDGE = dict(pair=("fp8", "fp4"), group=32, tokens=6, pad=0, hidden=256, inter=256, num_local=3, ep_size=2,
+                topk=4, limit=7.0, empty_frac=0.0, duplicate_frac=0.0, skew=0.0, index_dtype=torch.int32,
+                bf16_weights=False, fp8_max=448.0, rank_pick=1, seed=5)
+
+
+def _edge(**over):
+    return example(**{**_LE_EDGE, **over})
+
+
 @settings(max_examples=25)
 @given(
     pair=st.sampled_from(FORMAT_PAIRS),
     group=st.sampled_from([32, 128]),
     tokens=st.integers(0, 10),
     pad=st.integers(0, 3),
-    hidden=st.sampled_from([128, 256]),
-    inter=st.sampled_from([128, 256, 384]),
+    hidden=st.sampled_from([128, 256, 640]),  # K of GEMM1; 640 > 512: a second chunk of prepared scales
+    inter=st.sampled_from([128, 256, 384, 640]),  # K of GEMM2
     num_local=st.integers(1, 4),
     ep_size=st.integers(1, 3),
     topk=st.integers(1, 8),
@@ -71,15 +82,24 @@ def _poison_unrouted(w, routed):
     skew=st.sampled_from([0.0, 0.6]),
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
     bf16_weights=st.booleans(),
-    data=st.data(),
+    fp8_max=st.sampled_from([448.0, 240.0]),
+    rank_pick=st.integers(0, 2),
     seed=st.integers(0, 2**31 - 1),
 )
+# Edge cases by name, outside the random budget: T = 0 (padding rows only), −1 slots, duplicate ids, 0xFF padding,
+# every clamp value, both fp8_max values, int64 ids with bf16 weights, K > 512 on both GEMMs.
+@_edge(tokens=0, pad=3)
+@_edge(empty_frac=0.3, limit=None)
+@_edge(duplicate_frac=0.4, limit=0.5, pair=("bf16", "fp8"))
+@_edge(pad=3, fp8_max=240.0, pair=("fp8", "fp8"), group=128)
+@_edge(index_dtype=torch.int64, bf16_weights=True, pair=("bf16", "bf16"), skew=0.6)
+@_edge(hidden=640, inter=640, pair=("fp8", "fp8"), fp8_max=240.0, limit=0.5)
 def test_matches_reference(cpu_isa, pair, group, tokens, pad, hidden, inter, num_local, ep_size, topk, limit,
-                           empty_frac, duplicate_frac, skew, index_dtype, bf16_weights, data, seed):
+                           empty_frac, duplicate_frac, skew, index_dtype, bf16_weights, fp8_max, rank_pick, seed):
     act, wf = pair
     num_experts = num_local * ep_size
     topk = min(topk, num_experts)
-    rank = data.draw(st.integers(0, ep_size - 1), label="rank")
+    rank = rank_pick % ep_size
     offset = rank * num_local
     w = make_weights(num_local, hidden, inter, wf, seed=seed % 1000)
     x, x_s = make_activations(tokens, hidden, act, group, seed=seed)
@@ -87,14 +107,14 @@ def test_matches_reference(cpu_isa, pair, group, tokens, pad, hidden, inter, num
                             duplicate_frac=duplicate_frac, index_dtype=index_dtype)
     if bf16_weights:
         wts = wts.to(torch.bfloat16)
-    ref = reference.local_experts(*_args(x, x_s, idx, wts, w, offset, limit))
+    ref = reference.local_experts(*_args(x, x_s, idx, wts, w, offset, limit, fp8_max))
     x, x_s, idx, wts = _pad(x, x_s, idx, wts, tokens + pad)
     routed = {int(i) - offset for i in idx.flatten().tolist() if offset <= i < offset + num_local}
-    out = static_moe.local_experts(*_args(x, x_s, idx, wts, _poison_unrouted(w, routed), offset, limit))
+    out = static_moe.local_experts(*_args(x, x_s, idx, wts, _poison_unrouted(w, routed), offset, limit, fp8_max))
     what = (f"{cpu_isa} {act}x{wf} g={group} T={tokens}+{pad} H={hidden} I={inter} L={num_local} S={ep_size} "
-            f"r={rank} k={topk} limit={limit}")
+            f"r={rank} k={topk} limit={limit} fp8_max={fp8_max}")
     assert out.dtype == torch.float32 and out.shape == (tokens + pad, hidden), what
-    assert_gemm_close(out[:tokens], ref, what)
+    assert_gemm_bitwise(out[:tokens], ref, what)
     assert bool((out[tokens:] == 0).all()), f"{what}: padded rows must stay zero"
 
 
@@ -126,7 +146,7 @@ def test_several_column_chunks(cpu_isa, pair):
     x, x_s = make_activations(9, 768, act, 32, seed=22)
     idx, wts = make_routing(9, 2, 3, seed=23)
     args = _args(x, x_s, idx, wts, w, 0, 7.0)
-    assert_gemm_close(static_moe.local_experts(*args), reference.local_experts(*args), f"{cpu_isa} {act}x{wf}")
+    assert_gemm_bitwise(static_moe.local_experts(*args), reference.local_experts(*args), f"{cpu_isa} {act}x{wf}")
 
 
 def test_routing_weights_duplicates_and_other_ranks(rng):
@@ -137,7 +157,7 @@ def test_routing_weights_duplicates_and_other_ranks(rng):
     idx = torch.tensor([[3, 7, 3], [0, -1, 9], [2, 5, -1], [-1, -1, -1]], dtype=torch.int32)
     wts = torch.tensor([[0.25, 0.5, 0.125], [1.0, 1.0, 1.0], [0.5, float("nan"), 0.0], [1.0, 1.0, 1.0]])
     out = static_moe.local_experts(*_args(x, None, idx, wts, w, 2))
-    assert_gemm_close(out, reference.local_experts(*_args(x, None, idx, wts, w, 2)))
+    assert_gemm_bitwise(out, reference.local_experts(*_args(x, None, idx, wts, w, 2)))
     assert bool((out[1] == 0).all()) and bool((out[3] == 0).all())
     merged = torch.tensor([[3, 7, -1]], dtype=torch.int32), torch.tensor([[0.375, 0.5, 0.0]])
     assert_equal(out[0], static_moe.local_experts(*_args(x[:1], None, *merged, w, 2))[0], "duplicate ids = summed")
@@ -148,7 +168,7 @@ def test_larger_shapes_threaded(rng):
     x, x_s = make_activations(40, 512, "fp8", 128, seed=8)
     idx, wts = make_routing(40, 4, 8, seed=9, skew=0.3)
     args = _args(x, x_s, idx, wts, w, 4, 7.0)
-    assert_gemm_close(static_moe.local_experts(*args), reference.local_experts(*args))
+    assert_gemm_bitwise(static_moe.local_experts(*args), reference.local_experts(*args))
 
 
 _W = make_weights(2, 128, 128, "fp8", seed=11)
@@ -271,3 +291,58 @@ def test_fake_kernel_rejects_like_eager():
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"w2 must have shape \[L, N, K\] = \[2, 128, 128\], got \[1, 128, 128\]"):
         torch.compile(f, fullgraph=True)(_X, _IDX, _WTS, _WB["w13"], _WB["w2"][:1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Crafted inputs: properties random inputs cannot see
+# ---------------------------------------------------------------------------------------------------------------
+def _summation_order_case(act, wf, rows=3, hidden=128, inter=128):
+    """Every row is routed (weight 1) to local experts 0, 1, 2, whose outputs are exactly 2^25, 1.5 and −2^25 in
+    every column. In fp32 the increasing order gives ``(2^25 + 1.5) − 2^25 = 0`` (2^25 + 1.5 rounds to 2^25);
+    adding expert 1 last gives 1.5 and expert 0 last gives 2 (1.5 − 2^25 rounds to 2 − 2^25).
+    Addition commutes, so these three results tell apart every order there is (SPEC §1.7: increasing local
+    id). The values are exact in every format: x is 1 at column 0; gate 32 (sigmoid(32) = 1 in fp32) and up
+    1/32 make z = 1; each w2 row holds one value."""
+    x = torch.zeros(rows, hidden)
+    x[:, 0] = 1.0
+    w13 = torch.zeros(3, 2 * inter, hidden)
+    w13[:, 0, 0] = 32.0
+    w13[:, inter, 0] = 1.0 / 32
+    w2 = torch.zeros(3, hidden, inter)
+    for e, v in enumerate((2.0**25, 1.5, -(2.0**25))):
+        w2[e, :, 0] = v
+    from static_moe.formats import quantize_activation, quantize_weight
+
+    x_q, x_s = (x.to(torch.bfloat16), None) if act == "bf16" else quantize_activation(x, 128)
+    (a, a_s), (b, b_s) = quantize_weight(w13, wf), quantize_weight(w2, wf)
+    w = {"w13": a, "w13_scale": a_s, "w2": b, "w2_scale": b_s}
+    idx = torch.tensor([[2, 0, 1], [1, 2, 0], [0, 1, 2]], dtype=torch.int32)[:rows]  # slot order must not matter
+    return _args(x_q, x_s, idx, torch.ones(rows, 3), w, 0)
+
+
+@pytest.mark.parametrize("pair", FORMAT_PAIRS, ids=PAIR_IDS)
+def test_experts_summed_in_increasing_local_id(cpu_isa, pair):
+    args = _summation_order_case(*pair)
+    ref = reference.local_experts(*args)
+    assert bool((ref == 0).all()), "the crafted input must cancel in the reference order"
+    assert_equal(static_moe.local_experts(*args), ref, f"{cpu_isa} {pair}: experts summed out of order")
+
+
+@pytest.mark.parametrize("wf,group", [("fp8", 128), ("fp4", 32), ("fp4", 128)])
+def test_fp8_max_240_reaches_the_requantization(cpu_isa, wf, group):
+    """fp8_max = 240 (trn2) vs 448 on an input where they give different outputs beyond the SPEC §2 bound
+    (make_fp8_max_sensitive): the kernel with each value matches the reference with the same value, bitwise
+    up to the last-bit rule of assert_gemm_bitwise, on every ISA."""
+    from static_moe.formats import quantize_activation, quantize_weight
+    from static_moe.testing.generators import make_fp8_max_sensitive
+
+    x, w13, w2, idx, tw = make_fp8_max_sensitive(6, 2, 256, 256, seed=3)
+    x_q, x_s = quantize_activation(x, group)
+    (a, a_s), (b, b_s) = quantize_weight(w13, wf), quantize_weight(w2, wf)
+    w = {"w13": a, "w13_scale": a_s, "w2": b, "w2_scale": b_s}
+    ref = {m: reference.local_experts(*_args(x_q, x_s, idx, tw, w, 0, None, m)) for m in (240.0, 448.0)}
+    with pytest.raises(AssertionError):  # the input tells 240 from 448 apart
+        assert_gemm_close(ref[240.0], ref[448.0])
+    for m in (240.0, 448.0):
+        out = static_moe.local_experts(*_args(x_q, x_s, idx, tw, w, 0, None, m))
+        assert_gemm_bitwise(out, ref[m], f"{cpu_isa} fp8x{wf} g={group} fp8_max={m}")

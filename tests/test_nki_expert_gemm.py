@@ -18,7 +18,12 @@ from static_moe.formats import dequantize_weight, quantize_weight
 from static_moe.nki import dispatch, shim
 from static_moe.reference import expert_gemm as ref_expert_gemm
 from static_moe.testing.generators import FORMAT_PAIRS, make_activations
-from static_moe.testing.numeric import assert_equal, assert_gemm_close
+from static_moe.testing.numeric import assert_equal, assert_gemm_bitwise, assert_gemm_close
+
+# Our interpreter accumulates matmuls in fp32 in k order and rounds like the reference, so its results are the
+# reference's bits but for rare last-bit differences (measured ≥ 99.98 % equal): hold it to that. The real NKI
+# simulator / hardware (PE-array accumulation order, hardware activation tables) gets the SPEC §2 bound only.
+assert_kernel_close = assert_gemm_close if shim.real_nki_available() else assert_gemm_bitwise
 
 PAIRS_G = [(a, w, g) for a, w in FORMAT_PAIRS for g in ((128, 32) if a == "fp8" else (128,))]
 interpreter_only = pytest.mark.skipif(shim.real_nki_available(), reason="reads the interpreter's cost record")
@@ -46,7 +51,7 @@ def _run_and_check(act, wfmt, group, rows, k, n, mask, skip, seed, scale=1.0, wh
     ref = ref_expert_gemm(a, a_s, b, b_s, mask, 2)
     out = dispatch.expert_gemm(a, a_s, b, b_s, mask, 2, skip_unrouted=skip)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
-    assert_gemm_close(out, ref, what)
+    assert_kernel_close(out, ref, what)
     assert bool((out[~mask] == 0).all()), f"{what}: masked rows are not exact zeros"
     return out
 
@@ -161,7 +166,7 @@ def test_dispatch_normalises_and_rejects():
     mask = torch.ones(rows, dtype=torch.bool)
     ref = ref_expert_gemm(a, None, b, b_s, mask, 1)
     out = dispatch.expert_gemm(a, None, b.view(torch.float4_e2m1fn_x2), b_s.view(torch.float8_e8m0fnu), mask, 1)
-    assert_gemm_close(out, ref)
+    assert_kernel_close(out, ref)
     with pytest.raises((ValueError, RuntimeError), match="expert"):
         dispatch.expert_gemm(a, None, b, b_s, mask, 2)
 

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from static_moe.nki import dispatch, shim
 from static_moe.reference import local_experts as ref_local_experts
 from static_moe.testing.generators import FORMAT_PAIRS, make_activations, make_routing, make_weights
-from static_moe.testing.numeric import assert_equal, assert_gemm_close
+from static_moe.testing.numeric import assert_equal, assert_gemm_bitwise, assert_gemm_close
+
+# Our interpreter accumulates matmuls in fp32 in k order and rounds like the reference, so its results are the
+# reference's bits but for rare last-bit differences (measured ≥ 99.98 % equal): hold it to that. The real NKI
+# simulator / hardware (PE-array accumulation order, hardware activation tables) gets the SPEC §2 bound only.
+assert_kernel_close = assert_gemm_close if shim.real_nki_available() else assert_gemm_bitwise
 
 TRN2_FP8_MAX = 240.0
 PAIRS_G = [(a, w, g) for a, w in FORMAT_PAIRS for g in ((128, 32) if a == "fp8" else (128,))]
@@ -44,7 +49,7 @@ def _check(args, limit, skip, what, fp8_max=TRN2_FP8_MAX):
     ref = ref_local_experts(*args, limit, fp8_max)
     out = dispatch.local_experts(*args, limit, fp8_max, skip_unrouted=skip)
     assert out.dtype == torch.float32 and out.shape == ref.shape
-    assert_gemm_close(out, ref, what)
+    assert_kernel_close(out, ref, what)
     return out, ref
 
 
@@ -54,6 +59,16 @@ def _check(args, limit, skip, what, fp8_max=TRN2_FP8_MAX):
        num_local=st.integers(1, 4), topk=st.integers(1, 4), pad=st.integers(0, 9),
        empty=st.sampled_from([0.0, 0.3]), dup=st.sampled_from([0.0, 0.3]), skew=st.sampled_from([0.0, 0.5]),
        limit=st.sampled_from([None, 7.0, 0.5]), skip=st.booleans(), seed=st.integers(0, 2**16))
+# Edge cases by name, outside the random budget: one row; 0xFF padding with −1 slots and duplicate ids under each
+# clamp value; K = 640 on both GEMMs (more than one 512-wide chunk) with a hot expert.
+@example(rows=1, hidden=128, inter=128, num_local=1, topk=1, pad=0, empty=0.0, dup=0.0, skew=0.0, limit=None,
+         skip=True, seed=1)
+@example(rows=40, hidden=256, inter=128, num_local=3, topk=4, pad=9, empty=0.3, dup=0.3, skew=0.0, limit=0.5,
+         skip=True, seed=2)
+@example(rows=33, hidden=128, inter=256, num_local=2, topk=3, pad=5, empty=0.3, dup=0.3, skew=0.5, limit=7.0,
+         skip=False, seed=3)
+@example(rows=20, hidden=640, inter=640, num_local=2, topk=2, pad=2, empty=0.0, dup=0.0, skew=0.5, limit=7.0,
+         skip=True, seed=4)
 def test_matches_reference(act, wfmt, group, rows, hidden, inter, num_local, topk, pad, empty, dup, skew, limit,
                            skip, seed):
     num_experts = 3 * num_local + 2  # ids outside the local range exist too
@@ -118,14 +133,40 @@ def test_fp8_max_448_needs_trn3():
 
 
 def test_index_and_weight_dtypes_are_normalised():
+    """int64 ids and bf16 weights give bitwise what int32 ids and the bf16 weights widened to fp32 give (the
+    kernel normalises them, it does not compute differently), and match the reference run on them."""
     args = list(_case("bf16", "fp4", 128, 17, 128, 128, 2, 4, 3, 2, 6))
-    ref = ref_local_experts(*args, 7.0, TRN2_FP8_MAX)
+    widened = list(args)
+    widened[3] = args[3].to(torch.bfloat16).float()
+    expect = dispatch.local_experts(*widened, 7.0, TRN2_FP8_MAX)
     args[2] = args[2].to(torch.int64)
     args[3] = args[3].to(torch.bfloat16)
     ref16 = ref_local_experts(*args, 7.0, TRN2_FP8_MAX)
     out = dispatch.local_experts(*args, 7.0, TRN2_FP8_MAX)
-    assert_gemm_close(out, ref16)
-    assert ref.shape == out.shape
+    assert_kernel_close(out, ref16)
+    assert_equal(out, expect, "int64 / bf16 routing vs int32 / widened fp32")
+
+
+@interpreter_only
+@pytest.mark.parametrize("wfmt,group", [("fp8", 128), ("fp4", 32)])
+def test_fp8_max_reaches_the_requantization_on_trn3(wfmt, group):
+    """On an input where fp8_max = 240 and 448 give outputs apart beyond the SPEC §2 bound
+    (make_fp8_max_sensitive), the kernel with each value (448 needs trn3's e4m3fn) matches the reference with
+    the same value — random inputs give identical bits for both, so only this input shows a kernel that
+    ignores fp8_max."""
+    from static_moe.formats import quantize_activation, quantize_weight
+    from static_moe.nki import interpreter
+    from static_moe.testing.generators import make_fp8_max_sensitive
+
+    x, w13, w2, idx, tw = make_fp8_max_sensitive(6, 2, 256, 256, seed=4)
+    x_q, x_s = quantize_activation(x, group)
+    args = (x_q, x_s, idx, tw, *quantize_weight(w13, wfmt), *quantize_weight(w2, wfmt), 0)
+    ref = {m: ref_local_experts(*args, None, m) for m in (240.0, 448.0)}
+    with pytest.raises(AssertionError):
+        assert_gemm_close(ref[240.0], ref[448.0])
+    with interpreter.target("trn3"):
+        for m in (240.0, 448.0):
+            assert_kernel_close(dispatch.local_experts(*args, None, m), ref[m], f"fp8x{wfmt} fp8_max={m}")
 
 
 @pytest.mark.skipif(not dispatch.neuron_dispatch_keys()[0], reason=dispatch.neuron_dispatch_keys()[1] or "no device")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nki_kernels.swiglu_and_cast import swiglu_and_cast
@@ -53,6 +53,16 @@ def _run(gate_up, w, limit, out_format, group, fp8_max=TRN2_FP8_MAX):
     out_format=st.sampled_from(["fp8", "bf16"]),
     seed=st.integers(0, 2**16),
 )
+# Edge cases by name, outside the random budget: one row; a ragged tile of weight-0 rows (padding) under each clamp
+# value; I = 640 (five 128-groups) in bf16 out. Non-finite inputs: test_nonfinite_values_stay_in_their_group.
+@example(rows=1, groups=1, group=32, in_dtype=torch.float32, limit=None, weighted=False, zero_frac=0.0,
+         out_format="fp8", seed=1)
+@example(rows=130, groups=2, group=128, in_dtype=torch.bfloat16, limit=0.5, weighted=True, zero_frac=1.0,
+         out_format="fp8", seed=2)
+@example(rows=77, groups=3, group=32, in_dtype=torch.bfloat16, limit=7.0, weighted=True, zero_frac=0.3,
+         out_format="fp8", seed=3)
+@example(rows=129, groups=5, group=128, in_dtype=torch.float32, limit=7.0, weighted=True, zero_frac=0.3,
+         out_format="bf16", seed=4)
 def test_matches_reference(rows, groups, group, in_dtype, limit, weighted, zero_frac, out_format, seed):
     gate_up, w = _inputs(rows, groups * group, in_dtype, weighted, zero_frac, 3.0, seed)
     out, ref = _run(gate_up, w, limit, out_format, group)
@@ -120,3 +130,25 @@ def test_real_nki_simulator_runs_swiglu(monkeypatch):
     for fmt in ("fp8", "bf16"):
         out, ref = _run(gate_up, w, 7.0, fmt, 128)
         assert_swiglu_close(out, ref)
+
+
+NONFINITE = [("gate", float("nan")), ("up", float("nan")), ("weight", float("nan")), ("gate", -float("inf")),
+             ("gate", float("inf")), ("up", -float("inf"))]
+
+
+@pytest.mark.parametrize("where,value", NONFINITE, ids=[f"{w}={v}" for w, v in NONFINITE])
+@pytest.mark.parametrize("out_format,group", [("fp8", 32), ("fp8", 128), ("bf16", 128)])
+def test_nonfinite_values_stay_in_their_group(where, value, out_format, group):
+    """SPEC §1.5 on non-finite inputs, as the CPU kernel and the reference (test_swiglu_and_cast): a NaN / inf
+    v never dequantizes to a number, its group holds only NaN or ±0, other groups are untouched."""
+    from static_moe.reference.swiglu_and_cast import swiglu
+    from static_moe.testing.generators import poisoned_swiglu_input
+    from static_moe.testing.numeric import assert_nonfinite_confined
+
+    bad_gu, bad_w, gu, w = poisoned_swiglu_input(where, value)
+    for limit in (None, 7.0):
+        nonfinite = ~torch.isfinite(swiglu(bad_gu, bad_w, limit))
+        touched = swiglu(bad_gu, bad_w, limit) != swiglu(gu, w, limit)
+        out, _ = _run(bad_gu, bad_w, limit, out_format, group)
+        clean, _ = _run(gu, w, limit, out_format, group)
+        assert_nonfinite_confined(out, clean, touched, nonfinite, f"{where}={value} limit={limit} {out_format}")

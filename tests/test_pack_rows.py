@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import static_moe
@@ -38,11 +38,19 @@ part_spec = st.tuples(
 @given(
     specs=st.lists(part_spec, min_size=1, max_size=4),
     capacity=st.integers(0, 12),
-    data=st.data(),
+    rows_pick=st.integers(0, 12),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_pack_unpack_match_reference(specs, capacity, data, seed):
-    rows = data.draw(st.integers(0, capacity), label="rows")
+# Edge cases by name, outside the random budget: C = 0; T = 0 (padding only); T = C with widths that are multiples
+# of 16 (no gap anywhere); zero-width parts between others; the forward's fp8 row (x, scales, ids, weights).
+@example(specs=[(torch.float32, (4,))], capacity=0, rows_pick=0, seed=0)
+@example(specs=[(torch.int32, (3,)), (torch.float32, (3,))], capacity=5, rows_pick=0, seed=1)
+@example(specs=[(torch.bfloat16, (8,)), (torch.int64, (2,)), (torch.uint8, (16,))], capacity=7, rows_pick=7, seed=2)
+@example(specs=[(torch.int16, (3,)), (torch.float32, (0,)), (torch.uint8, (1,))], capacity=4, rows_pick=3, seed=3)
+@example(specs=[(torch.float8_e4m3fn, (9, 9)), (torch.float32, (2,)), (torch.int32, (6,)), (torch.float32, (6,))],
+         capacity=12, rows_pick=12, seed=4)
+def test_pack_unpack_match_reference(specs, capacity, rows_pick, seed):
+    rows = rows_pick % (capacity + 1)
     gen = torch.Generator().manual_seed(seed)
     parts = [_random_part(rows, shape, dtype, gen) for dtype, shape in specs]
     packed = static_moe.pack_rows(parts, capacity)
@@ -192,3 +200,23 @@ def test_fake_kernels_reject_like_eager():
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"T = 9 rows .* exceed capacity = 8"):
         torch.compile(f, fullgraph=True)(torch.zeros(9, 4))
+
+
+def test_full_capacity_with_no_alignment_gaps_threaded(rng):
+    """T = C (no padding rows) and parts whose widths are multiples of 16 (no alignment gap, no trailing gap), on
+    the threaded path (C·W ≥ 64 KiB): every byte of the packed buffer belongs to a part, so a copy one byte too
+    long or short, or a row written by the wrong thread, shows as a byte that differs — and the copy of the last
+    part of the last row ends exactly at the end of the buffer (AddressSanitizer catches one byte more; see
+    `make asan`)."""
+    capacity = 40
+    parts = [_random_part(capacity, (1024,), torch.bfloat16, rng), _random_part(capacity, (16,), torch.float32, rng),
+             _random_part(capacity, (4,), torch.int32, rng), _random_part(capacity, (4,), torch.float32, rng)]
+    spans, width = pack_layout([part_nbytes(p) for p in parts])
+    assert width == sum(n for _, n in spans) and capacity * width >= 1 << 16, "no gaps, threaded"
+    packed = static_moe.pack_rows(parts, capacity)
+    assert_equal(packed, torch.cat([p.reshape(capacity, -1).view(torch.uint8) for p in parts], dim=1), "pack_rows")
+    for p, (off, n) in zip(parts, spans):
+        assert_equal(static_moe.unpack_rows(packed, off, n, p.dtype, list(p.shape[1:])), p, "unpack_rows")
+    # unpack straight from the end of a buffer: the last span's last row ends at the buffer's last byte
+    tail = packed[:, spans[-1][0]:]
+    assert_equal(static_moe.unpack_rows(tail, 0, spans[-1][1], torch.float32, [4]), parts[-1], "unpack at the end")

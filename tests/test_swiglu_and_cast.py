@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import static_moe
@@ -57,6 +57,20 @@ def _assert_close_no_pow2(out, ref, what=""):
     scale=st.sampled_from([1e-3, 1.0, 6.0, 200.0]),
     seed=st.integers(0, 2**31 - 1),
 )
+# Edge cases by name, outside the random budget: no rows; each clamp value with each fp8_max; weight-0 rows (the
+# padding rows of a gathered batch); values far above the clamp. Non-finite inputs: test_nonfinite_values_*.
+@example(rows=0, inter=128, group=128, limit=None, weights="none", fp8_max=448.0, pow2=True, out_format="fp8",
+         in_dtype=torch.float32, scale=1.0, seed=0)
+@example(rows=9, inter=256, group=32, limit=None, weights="with_zeros", fp8_max=240.0, pow2=True, out_format="fp8",
+         in_dtype=torch.bfloat16, scale=6.0, seed=1)
+@example(rows=9, inter=256, group=32, limit=7.0, weights="random", fp8_max=240.0, pow2=True, out_format="fp8",
+         in_dtype=torch.bfloat16, scale=200.0, seed=2)
+@example(rows=9, inter=384, group=128, limit=0.75, weights="with_zeros", fp8_max=448.0, pow2=False,
+         out_format="fp8", in_dtype=torch.float32, scale=6.0, seed=3)
+@example(rows=9, inter=128, group=128, limit=7.0, weights="random", fp8_max=448.0, pow2=True, out_format="bf16",
+         in_dtype=torch.float32, scale=200.0, seed=4)
+@example(rows=9, inter=128, group=32, limit=0.75, weights="none", fp8_max=240.0, pow2=False, out_format="fp8",
+         in_dtype=torch.bfloat16, scale=200.0, seed=5)
 def test_matches_reference(rows, inter, group, limit, weights, fp8_max, pow2, out_format, in_dtype, scale, seed):
     gate_up, w = _inputs(rows, inter, in_dtype, scale, weights, torch.Generator().manual_seed(seed))
     args = (gate_up, w, limit, out_format, group, fp8_max, pow2)
@@ -208,3 +222,29 @@ def test_fake_kernel_rejects_like_eager():
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"must be a multiple of group_size = 128, got I = 96"):
         torch.compile(f, fullgraph=True)(torch.zeros(4, 192))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Non-finite inputs (SPEC §1.5): they propagate, confined to their group; never finite garbage
+# ---------------------------------------------------------------------------------------------------------------
+NONFINITE = [("gate", float("nan")), ("up", float("nan")), ("weight", float("nan")), ("gate", -float("inf")),
+             ("gate", float("inf")), ("up", float("inf")), ("up", -float("inf"))]
+
+
+@pytest.mark.parametrize("where,value", NONFINITE, ids=[f"{w}={v}" for w, v in NONFINITE])
+@pytest.mark.parametrize("limit", [None, 7.0])
+@pytest.mark.parametrize("out_format,pow2", [("fp8", True), ("fp8", False), ("bf16", True)])
+def test_nonfinite_values_stay_in_their_group(where, value, limit, out_format, pow2):
+    from static_moe.reference.swiglu_and_cast import swiglu
+    from static_moe.testing.generators import poisoned_swiglu_input
+    from static_moe.testing.numeric import assert_nonfinite_confined
+
+    bad_gu, bad_w, gu, w = poisoned_swiglu_input(where, value)
+    nonfinite = ~torch.isfinite(swiglu(bad_gu, bad_w, limit))
+    touched = swiglu(bad_gu, bad_w, limit) != swiglu(gu, w, limit)  # NaN != x: poisoned positions included
+    for group in (32, 128):
+        args = (limit, out_format, group, 448.0, pow2)
+        what = f"{where}={value} limit={limit} {out_format} g={group} pow2={pow2}"
+        for name, op in (("kernel", static_moe.swiglu_and_cast), ("reference", reference.swiglu_and_cast)):
+            assert_nonfinite_confined(op(bad_gu, bad_w, *args), op(gu, w, *args), touched, nonfinite,
+                                      f"{name} {what}")

@@ -219,3 +219,90 @@ def test_workspace_lifecycle_on_two_ranks():
     # Both ranks report the very same diagnosis.
     assert reports[0]["mismatch"][:2] == reports[1]["mismatch"][:2]
     assert time.monotonic() - t0 < 90
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Manifest mismatch where only a middle rank differs, for every manifest field
+# ----------------------------------------------------------------------------------------------------------------
+def _spec3(**over) -> WorkspaceSpec:
+    return spec(**{"ep_size": 3, "num_experts": 12, **over})
+
+
+def _other_value(name: str, value):
+    """A value for spec field ``name`` that differs from ``value`` and still makes a valid WorkspaceSpec (so the
+    difference reaches the manifest comparison). Derived from the value's type, so fields added to the spec
+    later are covered without editing this test; fails loudly for a type it cannot vary."""
+    import static_moe.workspace as ws_mod
+
+    if isinstance(value, bool):
+        candidates = [not value]
+    elif isinstance(value, int):
+        candidates = [2 * value, value // 2, value // 4, value + 1, value - 1, 4 * value]
+    elif isinstance(value, float):
+        candidates = [2 * value, value / 2, value + 1]
+    elif isinstance(value, str):
+        choices = [c for v in vars(ws_mod).values() if isinstance(v, tuple) and all(isinstance(c, str) for c in v)
+                   for c in v]
+        candidates = choices + ["cuda:0", "cpu"]
+    else:
+        candidates = []
+    for c in candidates:
+        if c == value:
+            continue
+        try:
+            varied = _spec3(**{name: c})
+        except (ValueError, TypeError):
+            continue
+        if getattr(varied, name) != value:
+            return c
+    raise AssertionError(f"no alternative value for WorkspaceSpec.{name} = {value!r}: teach _other_value its type")
+
+
+def _middle_rank_worker(rank: int, size: int) -> dict:
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import static_moe.workspace as ws_mod
+
+    group = dist.group.WORLD
+    messages = {}
+    mgr = WorkspaceManager()
+    for f in dataclasses.fields(WorkspaceSpec):
+        base = getattr(_spec3(), f.name)
+        other = _spec3(**{f.name: _other_value(f.name, base)})
+        mine = other if rank == 1 else _spec3()
+        want = f"{f.name}: {base!r} on ranks [0, 2]; {getattr(other, f.name)!r} on ranks [1]"
+        messages[f.name] = expect_raises(ValueError, lambda: mgr.acquire(mine, group), want, "group ranks [0, 1, 2]")
+    # The protocol version (not a spec field): only rank 1 speaks another one.
+    saved = ws_mod.PROTOCOL_VERSION
+    ws_mod.PROTOCOL_VERSION = saved + 1 if rank == 1 else saved
+    try:
+        messages["protocol"] = expect_raises(ValueError, lambda: mgr.acquire(_spec3(), group),
+                                             f"protocol: {saved} on ranks [0, 2]; {saved + 1} on ranks [1]")
+    finally:
+        ws_mod.PROTOCOL_VERSION = saved
+    # Whether the workspace is already held: only rank 1 kept its lease.
+    lease = mgr.acquire(_spec3(), group)
+    if rank != 1:
+        lease.close()
+    messages["holds workspace"] = expect_raises(ValueError, lambda: mgr.acquire(_spec3(), group),
+                                                "holds workspace: False on ranks [0, 2]; True on ranks [1]")
+    lease.close()
+    assert mgr.workspaces() == []
+    return messages
+
+
+def test_manifest_mismatch_on_a_middle_rank_for_every_field():
+    """Three ranks, only rank 1 differs, one manifest field at a time (every WorkspaceSpec field, found by
+    introspection, plus the protocol version and whether the workspace is held; the group membership cannot
+    differ inside one group): every rank raises ValueError naming the field and the ranks on each side, and
+    all ranks report the same message. A comparison that skips any rank (or compares only neighbours of rank 0)
+    misses rank 1 here."""
+    import dataclasses
+
+    reports = run_ranks(_middle_rank_worker, 3, timeout=120, pg_timeout=20)
+    names = [f.name for f in dataclasses.fields(WorkspaceSpec)] + ["protocol", "holds workspace"]
+    for r in reports:
+        assert sorted(r) == sorted(names)
+    assert reports[0] == reports[1] == reports[2]

@@ -147,3 +147,18 @@ def make_fp8_max_sensitive(rows: int, num_local: int, hidden: int, inter: int, s
     idx = torch.zeros(rows, 1, dtype=torch.int32)
     tw = 0.5 + 0.5 * torch.rand(rows, 1, generator=g)
     return x, w13, w2, idx, tw
+
+
+def poisoned_swiglu_input(where: str, value: float, rows=5, inter=256, seed=0):
+    """(poisoned gate_up float32 [R, 2I], row_weight [R], clean gate_up, clean row_weight): row 1 gets ``value`` at
+    gate/up column 37 or as its routing weight; row 3 at column 200 (another group for g = 32 and 128)."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(rows, 2 * inter, generator=g)
+    w = torch.rand(rows, generator=g)
+    bad_gu, bad_w = gate_up.clone(), w.clone()
+    for r, c in ((1, 37), (3, 200)):
+        if where == "weight":
+            bad_w[r] = value
+        else:
+            bad_gu[r, c + (inter if where == "up" else 0)] = value
+    return bad_gu, bad_w, gate_up, w

@@ -1,0 +1,134 @@
+"""The mutant table of ``tests/mutate.py``: small, plausible bugs, one at a time, each with the tests that must
+catch it. Every op (pack/unpack, swiglu_and_cast, expert_gemm, local_experts, forward), every CPU ISA level,
+the shared casts, the workspace, the NKI kernels and the NKI interpreter.
+
+A mutant replaces ``old`` (which must occur exactly once in ``file``) by ``new``. ``tests`` are pytest
+arguments run from the repository root of the scratch copy; ``asan`` also runs the pack/unpack driver under
+AddressSanitizer (for bugs no value comparison can see). Keep ``old`` long enough to be unique, and the test
+selection as narrow as still kills the mutant (the whole table runs with one rebuild per C++ mutant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    asan: bool = False
+    why: str = ""
+
+
+EG = "tests/test_expert_gemm.py"
+LE = "tests/test_local_experts.py"
+SW = "tests/test_swiglu_and_cast.py"
+PK = "tests/test_pack_rows.py"
+
+MUTANTS = [
+    # ---------------------------------------------------------------- local_experts (csrc/cpu/local_experts.cpp)
+    Mutant("local_experts: experts summed in decreasing id", "csrc/cpu/local_experts.cpp",
+           "    for (int64_t e = 0; e < L; ++e) {\n      const int64_t b = rt.begin[e], m = rt.begin[e + 1] - b;",
+           "    for (int64_t e = L - 1; e >= 0; --e) {\n      const int64_t b = rt.begin[e], m = rt.begin[e + 1] - b;",
+           (LE, "-k", "summed_in_increasing"), why="SPEC §1.7 order; random inputs round the same either way"),
+    Mutant("local_experts: kernel ignores fp8_max", "csrc/cpu/local_experts.cpp",
+           "sp.fp8_max = static_cast<float>(fp8_max);", "sp.fp8_max = 448.0f;",
+           (LE, "-k", "fp8_max_240")),
+    Mutant("local_experts: duplicate ids keep the last weight", "csrc/cpu/local_experts.cpp",
+           "if (ip[r * k + jj] == id) w += wp[r * k + jj];", "if (ip[r * k + jj] == id) w = wp[r * k + jj];",
+           (LE, "-k", "duplicates_and_other_ranks or matches_reference")),
+    # ---------------------------------------------------------------- swiglu_and_cast (cpu/kernels/swiglu_and_cast.h)
+    Mutant("swiglu: NaN dropped from the amax", "csrc/cpu/kernels/swiglu_and_cast.h",
+           "        m = a > m ? a : m;", "        m = (a > m && a <= 0x7F800000) ? a : m;",
+           (SW, "-k", "nonfinite")),
+    Mutant("swiglu: kernel ignores fp8_max", "csrc/cpu/kernels/swiglu_and_cast.h",
+           "    const float fmax = p.fp8_max;", "    const float fmax = 448.0f;",
+           (SW, "-k", "matches_reference")),
+    Mutant("swiglu: up clamped from above only (bf16 input, the local_experts path)",
+           "csrc/cpu/kernels/swiglu_and_cast.h",
+           "      float u = bf16_to_float(u_row[i]);\n      if (kLimit) {\n        g = g > lim ? lim : g;\n"
+           "        u = u > lim ? lim : (u < -lim ? -lim : u);",
+           "      float u = bf16_to_float(u_row[i]);\n      if (kLimit) {\n        g = g > lim ? lim : g;\n"
+           "        u = u > lim ? lim : u;",
+           (SW, "-k", "matches_reference")),
+    Mutant("swiglu: routing weight not applied", "csrc/cpu/kernels/swiglu_and_cast.h",
+           "  const float w = p.row_weight ? p.row_weight[r] : 1.0f;", "  const float w = 1.0f;",
+           (SW, "-k", "matches_reference")),
+    # ---------------------------------------------------------------- shared casts (csrc/cpu/kernels/cast.h)
+    Mutant("cast: bf16 rounds toward zero", "csrc/cpu/kernels/cast.h",
+           "  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;", "  const uint32_t r = u >> 16;",
+           (EG, "-k", "test_matches_reference"), why="every output within the loose bound; ~50 % of bits change"),
+    Mutant("cast: e4m3fn ties round half up", "csrc/cpu/kernels/cast.h",
+           "  const uint32_t rounded = a + 0x7FFFFu + ((a >> 20) & 1u);", "  const uint32_t rounded = a + 0x80000u;",
+           ("tests/test_formats.py", "-k", "e4m3fn_encode")),
+    # ---------------------------------------------------------------- expert GEMM, per ISA level
+    Mutant("scalar: fp4 decode drops the sign of even k", "csrc/cpu/kernels/moe_gemm_scalar.cpp",
+           "    lo = kE2m1[q & 0xF] * *s;", "    lo = kE2m1[q & 0x7] * *s;",
+           (EG, "-k", "test_matches_reference and scalar")),
+    Mutant("avx2: scale byte 254 decoded as 253", "csrc/cpu/kernels/moe_gemm_avx2.cpp",
+           "      out[i] = ue8m0_to_float(s[i]);", "      out[i] = ue8m0_to_float(s[i] == 254 ? 253 : s[i]);",
+           (EG, "-k", "extreme_scale_bytes_bitwise and avx2"), why="one scale byte on one ISA"),
+    Mutant("avx512: scale byte 0 decoded as 2^-126", "csrc/cpu/kernels/moe_gemm_avx512.cpp",
+           "_mm512_set1_epi32(0x00400000)", "_mm512_set1_epi32(0x00800000)",
+           (EG, "-k", "extreme_scale_bytes_bitwise and avx512"), why="one scale byte on one ISA"),
+    Mutant("avx512bf16: fp4 table entry -6 reads -5", "csrc/cpu/kernels/moe_gemm_avx512bf16.cpp",
+           "0xC0C0,\n    0x0000", "0xC0A0,\n    0x0000",
+           (EG, "-k", "test_matches_reference and avx512bf16")),
+    Mutant("all ISAs: second chunk of fp8 weight scales read from the first", "csrc/cpu/kernels/moe_gemm_impl.h",
+           "V::fp8_scales(static_cast<const float*>(r.s) + kc / kFp8WeightBlock,",
+           "V::fp8_scales(static_cast<const float*>(r.s),",
+           (EG, "-k", "test_matches_reference and avx2"), why="needs K > 512 in the strategy"),
+    Mutant("expert_gemm: masked row 0 computed anyway", "csrc/cpu/expert_gemm.cpp",
+           "    if (mp[r]) rows.push_back(r);", "    if (mp[r] || r == 0) rows.push_back(r);",
+           (EG, "-k", "test_matches_reference and scalar")),
+    # ---------------------------------------------------------------- pack / unpack (csrc/cpu/kernels/pack_rows.h)
+    Mutant("pack: part copy one byte too long", "csrc/cpu/kernels/pack_rows.h",
+           "std::memcpy(dst + s.offset, s.src + r * s.src_row_stride, static_cast<size_t>(s.nbytes));",
+           "std::memcpy(dst + s.offset, s.src + r * s.src_row_stride, static_cast<size_t>(s.nbytes + 1));",
+           (PK, "-k", "match_reference"), asan=True),
+    Mutant("unpack: row copy one byte too long", "csrc/cpu/kernels/pack_rows.h",
+           "packed + r * packed_row_stride + offset, static_cast<size_t>(nbytes));",
+           "packed + r * packed_row_stride + offset, static_cast<size_t>(nbytes + 1));",
+           (PK, "-k", "full_capacity"), asan=True,
+           why="the extra byte lands where the next row is written later (or past the end): only ASan sees it"),
+    Mutant("pack: padding byte 0xFE", "csrc/cpu/kernels/pack_rows.h",
+           "constexpr uint8_t kPadByte = 0xFF;", "constexpr uint8_t kPadByte = 0xFE;",
+           (PK, "-k", "match_reference")),
+    # ---------------------------------------------------------------- forward (python/static_moe/ops/forward.py)
+    Mutant("forward: shared expert output dropped", "python/static_moe/ops/forward.py",
+           "            out = out + shared_output.float()", "            out = out + 0 * shared_output.float()",
+           ("tests/test_forward.py", "-k", "s1_matches_reference")),
+    # ---------------------------------------------------------------- workspace (python/static_moe/workspace.py)
+    Mutant("workspace: manifest compared on the first and last rank only", "python/static_moe/workspace.py",
+           "        values = [m[key] for m in manifests]",
+           "        values = [m[key] for m in (manifests[0], manifests[-1])]",
+           ("tests/test_workspace.py", "-k", "middle_rank"), why="only rank 1 of 3 differs"),
+    Mutant("workspace: held-workspace flag left out of the manifest", "python/static_moe/workspace.py",
+           '            "holds workspace": key in self._by_key,', '            "holds workspace": False,',
+           ("tests/test_workspace.py", "-k", "middle_rank")),
+    # ---------------------------------------------------------------- NKI kernels
+    Mutant("nki swiglu: NaN amax turned into a finite scale again", "nki_kernels/swiglu_and_cast.py",
+           "    nisa.tensor_tensor(dst=s_t[0:p, :], data1=s_t[0:p, :], data2=poison[0:p, :], op=nl.add)\n", "",
+           ("tests/test_nki_swiglu_and_cast.py", "-k", "nonfinite")),
+    Mutant("nki local_experts: kernel ignores fp8_max", "nki_kernels/local_experts.py",
+           '"fp8" if fp8 else "bf16", group if fp8 else 128, fp8_max)',
+           '"fp8" if fp8 else "bf16", group if fp8 else 128, 240.0)',
+           ("tests/test_nki_local_experts.py", "-k", "trn3")),
+    # ---------------------------------------------------------------- NKI interpreter
+    Mutant("interpreter: float -> int rounds half up", "python/static_moe/nki/interpreter/isa.py",
+           "        v = np.where(np.isnan(v), 0.0, np.rint(v))",
+           "        v = np.where(np.isnan(v), 0.0, np.floor(v + 0.5))",
+           ("tests/test_nki_casts.py",)),
+    Mutant("interpreter: float -> int wraps instead of saturating", "python/static_moe/nki/interpreter/isa.py",
+           "        return np.clip(v, info.min, info.max).astype(dtype)",
+           "        return v.astype(np.int64).astype(dtype)",
+           ("tests/test_nki_casts.py",)),
+    Mutant("interpreter: max reduction drops NaN", "python/static_moe/nki/interpreter/isa.py",
+           '"maximum": np.maximum, "minimum": np.minimum,\n          "logical_and"',
+           '"maximum": np.fmax, "minimum": np.minimum,\n          "logical_and"',
+           ("tests/test_nki_swiglu_and_cast.py", "-k", "nonfinite")),
+]
