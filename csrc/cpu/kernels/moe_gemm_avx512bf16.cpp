@@ -140,14 +140,23 @@ inline __m512i decode(const uint8_t* row, int64_t k0, const Fp4Chunk& c, int u) 
   }
 }
 
+template <int MR, int NR>
+struct Accumulators {
+  __m512 v[MR][NR];
+};
+
 // The units [kc, kend) of a chunk in which some weight row has a scale byte outside [2, 252] (see the header).
 // Units with b >= 2 add into acc as on the fast path (table built in fp32, the same bf16 values); units with b < 2
 // use the table of b + 64 (normal bf16 numbers, exact) and add into accumulators of their own, which
 // acc = fma(lifted, 2^-64, acc) folds in when the chunk ends (exact, bar a subnormal result). A weight row whose
 // chunk has no such byte keeps exactly the fast path's arithmetic, whatever the other rows of the block hold.
+// Out of line (and reached through a copy of the accumulators), so that this rare path does not change the
+// register allocation of dot_block's fast loop.
 template <int MR, int NR>
-inline void slow_fp4_chunk(const uint16_t* const* ap, const uint8_t* const* rq, const Fp4Chunk* ch, int64_t kc,
-                           int64_t kend, __m512 (&acc)[MR][NR]) {
+__attribute__((noinline)) void slow_fp4_chunk(const uint16_t* const* ap, const uint8_t* const* rq,
+                                              const Fp4Chunk* ch, int64_t kc, int64_t kend,
+                                              Accumulators<MR, NR>& accs) {
+  auto& acc = accs.v;
   const int nu = static_cast<int>((kend - kc) / kUnit);
   bool low[NR];
   bool any = false;
@@ -164,7 +173,8 @@ inline void slow_fp4_chunk(const uint16_t* const* ap, const uint8_t* const* rq, 
     for (int j = 0; j < NR; ++j) {
       const uint8_t b = ch[j].byte[u];
       const bool lift = b < kFp4LowByte;
-      const __m512bh wv = (__m512bh)(fp4_unit(rq[j], k0, fp4_table_slow(static_cast<uint8_t>(lift ? b + kFp4Lift : b))));
+      const __m512i lut = fp4_table_slow(static_cast<uint8_t>(lift ? b + kFp4Lift : b));
+      const __m512bh wv = (__m512bh)(fp4_unit(rq[j], k0, lut));
       if (lift) {
         for (int i = 0; i < MR; ++i)
           lifted[i][j] = _mm512_dpbf16_ps(lifted[i][j], (__m512bh)(_mm512_loadu_si512(ap[i] + k0)), wv);
@@ -236,7 +246,12 @@ void dot_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int6
     if (fast) {
       units(std::true_type());
     } else if constexpr (F == WeightFormat::Fp4) {
-      slow_fp4_chunk<MR, NR>(ap, rq, ch, kc, kend, acc);
+      Accumulators<MR, NR> t;
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) t.v[i][j] = acc[i][j];
+      slow_fp4_chunk<MR, NR>(ap, rq, ch, kc, kend, t);
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = t.v[i][j];
     }
   }
   bad_out |= bad;
