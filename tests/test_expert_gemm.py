@@ -173,7 +173,7 @@ EXTREME_BYTES = [(0, 100), (1, 100), (254, -120), (127, 0)]
 
 @pytest.mark.parametrize("act", ["bf16", "fp8"])
 @pytest.mark.parametrize("byte,exponent", EXTREME_BYTES, ids=[f"byte{b}" for b, _ in EXTREME_BYTES])
-def test_fp4_extreme_scale_bytes_bitwise(cpu_isa, act, byte, exponent, request, rng):
+def test_fp4_extreme_scale_bytes_bitwise(cpu_isa, act, byte, exponent, rng):
     """UE8M0 bytes 0 (2^-127), 1 (2^-126) and 254 (2^127) on every weight block, with activations scaled so that
     every product is a moderate normal number (2^100-sized against the subnormal weights, 2^-120-sized against
     the huge ones): nothing is flushed to zero or overflows, so every ISA must give the reference's bits (the
@@ -181,10 +181,6 @@ def test_fp4_extreme_scale_bytes_bitwise(cpu_isa, act, byte, exponent, request, 
     activations carry the magnitude in their (power-of-two, so exact) scale."""
     from static_moe.formats import pack_fp4
 
-    if cpu_isa == "avx512bf16" and byte in (0, 1):
-        # Known divergence, reported: the avx512bf16 fp4 table rounds e2m1·2^(b-127) to bf16 and vdpbf16ps
-        # flushes the bf16 subnormals (every weight of a block with byte 0 or 1), so these weights read as 0.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="avx512bf16 flushes fp4 weights below 2^-126"))
     n, k = 48, 256
     codes = torch.randint(0, 16, (1, n, k), generator=rng, dtype=torch.uint8)
     if byte == 254:
@@ -203,6 +199,36 @@ def test_fp4_extreme_scale_bytes_bitwise(cpu_isa, act, byte, exponent, request, 
     assert bool(torch.isfinite(r).all()) and bool((r[r > 0] > 2.0**-60).all()) and (r > 0).float().mean() > 0.9, \
         "the crafted input must keep the result finite, normal and (bar chance cancellations) non-zero"
     assert_gemm_bitwise(out, ref, f"{cpu_isa} {act} scale byte {byte}")
+
+
+@pytest.mark.parametrize("act", ["bf16", "fp8"])
+def test_fp4_low_scale_bytes_mixed_bitwise(cpu_isa, act, rng):
+    """Ordinary fp4 weights with every UE8M0 byte lowered by d (their minimum, so bytes 0 and 1 sit next to normal
+    bytes in the same 512-k chunk and the same block of weight rows; rows 9 and 10 are kept at bytes >= 2) and
+    activations raised by 2^d: every product is the unshifted one, exactly, so every ISA must give the reference's
+    bits (avx512bf16 decodes bytes 0 and 1 2^64 larger and scales their sums back; read as bf16 subnormals, those
+    weights would be zero). Two chunks of K, 7 rows (a block of 6 and a tail); a row alone gives the batch's bits."""
+    n, k = 40, 1024
+    b, b_s = _weights(1, n, k, "fp4", rng)
+    s = b_s.view(torch.uint8)
+    d = int(s.min())
+    s = s - d
+    s[:, 9:11] = s[:, 9:11].clamp(min=2)
+    assert bool((s[0, 8] < 2).any()) and bool((s[0, 8] >= 2).any()) and bool((s[0, 9:11] >= 2).all())
+    x = torch.randn(7, k, generator=rng)
+    if act == "bf16":
+        a, a_s = (x.to(torch.bfloat16).float() * 2.0**d).to(torch.bfloat16), None
+    else:
+        a, a_s = quantize_activation(x, 128)
+        a_s = a_s * 2.0**d
+    mask = torch.ones(7, dtype=torch.bool)
+    out = static_moe.expert_gemm(a, a_s, b, s, mask, 0)
+    ref = reference.expert_gemm(a, a_s, b, s, mask, 0)
+    assert float(ref.float().abs().mean()) > 0.1, "the crafted input must keep the result of ordinary size"
+    assert_gemm_bitwise(out, ref, f"{cpu_isa} {act} scale bytes lowered by {d}")
+    for r in (0, 6):
+        one = static_moe.expert_gemm(a[r : r + 1], None if a_s is None else a_s[r : r + 1], b, s, mask[:1], 0)
+        assert_equal(one[0], out[r], f"{cpu_isa} {act} row {r} alone")
 
 
 def test_fp4_dtype_views_and_strided_inputs(rng):

@@ -137,6 +137,28 @@ def test_batch_invariance(cpu_isa, pair, rng):
     assert_equal(part, full[sub], "row subset")
 
 
+@pytest.mark.parametrize("act", ["bf16", "fp8"])
+def test_fp4_low_scale_bytes(cpu_isa, act):
+    # w13's UE8M0 bytes lowered by d (their minimum: bytes 0 and 1 mixed with normal ones in every chunk) and x
+    # raised by 2^d: GEMM1's products are exactly the unshifted ones, so the reference's bits on every ISA
+    # (avx512bf16 must not read the weights of bytes 0 and 1, bf16 subnormals, as zero).
+    w = make_weights(2, 640, 256, "fp4", seed=31)
+    s = w["w13_scale"].view(torch.uint8)
+    d = int(s.min())
+    w = {**w, "w13_scale": (s - d).view(w["w13_scale"].dtype)}
+    assert bool((w["w13_scale"].view(torch.uint8) < 2).float().mean() > 0.1)
+    x, x_s = make_activations(7, 640, act, 32, seed=32)
+    if act == "bf16":
+        x = (x.float() * 2.0**d).to(torch.bfloat16)
+    else:
+        x_s = x_s * 2.0**d
+    idx, wts = make_routing(7, 2, 2, seed=33)
+    args = _args(x, x_s, idx, wts, w, 0, 7.0)
+    ref = reference.local_experts(*args)
+    assert float(ref.float().abs().mean()) > 1e-3, "the crafted input must keep the result of ordinary size"
+    assert_gemm_bitwise(static_moe.local_experts(*args), ref, f"{cpu_isa} {act}xfp4 w13 bytes lowered by {d}")
+
+
 @pytest.mark.parametrize("pair", FORMAT_PAIRS, ids=PAIR_IDS)
 def test_several_column_chunks(cpu_isa, pair):
     # I = 384 and H = 768: several chunks of intermediate and hidden columns, handed to threads and prepared

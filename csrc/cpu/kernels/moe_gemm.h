@@ -18,7 +18,8 @@
 // bf16 numbers anyway (bf16 weights and activations; e2m1 times a power-of-two scale; e4m3fn values, and e4m3fn
 // times a power-of-two scale), products exact in fp32, pairs summed into 16 fp32 lanes; an fp8 weight's float32
 // block scale is applied once per 128-k block sum. Other rows take the AVX-512 float32 path. vdpbf16ps treats
-// bf16 subnormals as zero: only fp4 blocks with scale bytes 0 or 1 (values below 2^-126) are affected.
+// bf16 subnormals as zero: fp4 blocks with scale bytes 0 or 1 (weights below 2^-126) are decoded 2^64 larger and
+// their sums scaled back, so only results (and partial sums) below 2^-126 differ from the reference's subnormals.
 //
 // A operand: the GEMM reads float32 (or, on Avx512Bf16, bf16) rows in a "lane layout" that depends on the ISA and,
 // for fp4 weights, pairs each lane with the nibble order of the packed weights (see prepare_activation). Produce it

@@ -3,8 +3,17 @@
 // product is exact in fp32 as on the float32 path:
 //   weights  bf16: loaded as they are. fp4: e2m1 times the block's power-of-two scale is a bf16 number; a 32-entry
 //            bf16 table (the 16 e2m1 values, twice, so vpermw may ignore index bit 4) gets the scale added to its
-//            exponent field (non-zero entries; scale bytes 2..252), or, for other bytes, is built in fp32 and
-//            rounded (exact; values below 2^-126 become 0, as vdpbf16ps flushes bf16 subnormals anyway); the 16
+//            exponent field (non-zero entries; scale bytes 2..252: the fast path, a template of its own), or, in
+//            a chunk where some weight row has another byte, is built in fp32 and rounded (exact). Bytes 0 and 1
+//            make every non-zero weight a bf16 subnormal (e2m1 · 2^(b-127) < 2^-126), which vdpbf16ps would read
+//            as zero (DAZ, whatever MXCSR says): their units decode with the table of b + 64 instead (normal,
+//            exact) into accumulators of their own, folded in once per 512-k chunk as acc = fma(lifted, 2^-64,
+//            acc) (an exact power-of-two scale). A lifted product is normal whenever the true a·w is at least
+//            2^-190, so every product that fp32 (the reference) does not flush is exact; what remains: a row's
+//            result (or a lane's partial sum, which the next vdpbf16ps reads as zero if it is) below 2^-126 is
+//            rounded differently from the reference's subnormal arithmetic (results ~1e-38, zero in bf16 terms
+//            at any sensible scale), and for bytes >= 2 a product a·w below 2^-126 is flushed (with a block scale
+//            of 2^-10, |a| < 2^-116; bf16 subnormal activations read as zero for every weight format). The 16
 //            packed bytes, broadcast to the four 128-bit lanes, give the 32 word indices of one vpermw through one
 //            vpmultishiftqb (AVX512_VBMI: each index byte picks a nibble at any bit offset of its qword).
 //            fp8: every e4m3fn value is a bf16 number (3 mantissa bits, exponents 2^-9..2^8): a 128-entry bf16
@@ -60,6 +69,11 @@ inline bool exact_bf16_scale(float s) {
   return (u & 0x007FFFFFu) == 0 && ((u >> 23) & 0xFFu) >= 10u;  // 2^-117 · 2^-9 = 2^-126
 }
 
+// fp4 scale bytes below kFp4LowByte make bf16 subnormals (e2m1 · 2^(b-127) < 2^-126), which vdpbf16ps reads as
+// zero: their units decode with the table of b + kFp4Lift instead and sum apart, scaled by 2^-kFp4Lift at the end.
+constexpr uint8_t kFp4LowByte = 2;
+constexpr uint8_t kFp4Lift = 64;
+
 // The fp4 scales of one chunk of a weight row.
 struct Fp4Chunk {
   alignas(32) int16_t delta[16];  // (b - 127) << 7: added to a bf16 exponent field
@@ -108,17 +122,73 @@ struct Fp4Control {
 };
 constexpr Fp4Control kFp4Control;
 
+// The 32 weights of the fp4 unit at k0 of a row (fp4_column order) from a 32-entry bf16 table.
+inline __m512i fp4_unit(const uint8_t* row, int64_t k0, __m512i lut) {
+  const __m512i data = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k0 >> 1))));
+  const __m512i idx = _mm512_multishift_epi64_epi8(_mm512_load_si512(kFp4Control.b), data);
+  return _mm512_permutexvar_epi16(idx, lut);
+}
+
 template <WeightFormat F, bool Fast>
 inline __m512i decode(const uint8_t* row, int64_t k0, const Fp4Chunk& c, int u) {
   if constexpr (F == WeightFormat::Bf16) {
     return _mm512_loadu_si512(row + 2 * k0);
   } else {
+    static_assert(Fast, "chunks with scale bytes outside [2, 252] take slow_fp4_chunk");
     const __m512i table = _mm512_load_si512(kE2m1Bf16);
-    const __m512i lut = Fast ? _mm512_mask_add_epi16(table, 0xFEFEFEFEu, table, _mm512_set1_epi16(c.delta[u]))
-                             : fp4_table_slow(c.byte[u]);
-    const __m512i data = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k0 >> 1))));
-    const __m512i idx = _mm512_multishift_epi64_epi8(_mm512_load_si512(kFp4Control.b), data);
-    return _mm512_permutexvar_epi16(idx, lut);
+    return fp4_unit(row, k0, _mm512_mask_add_epi16(table, 0xFEFEFEFEu, table, _mm512_set1_epi16(c.delta[u])));
+  }
+}
+
+template <int MR, int NR>
+struct Accumulators {
+  __m512 v[MR][NR];
+};
+
+// The units [kc, kend) of a chunk in which some weight row has a scale byte outside [2, 252] (see the header).
+// Units with b >= 2 add into acc as on the fast path (table built in fp32, the same bf16 values); units with b < 2
+// use the table of b + 64 (normal bf16 numbers, exact) and add into accumulators of their own, which
+// acc = fma(lifted, 2^-64, acc) folds in when the chunk ends (exact, bar a subnormal result). A weight row whose
+// chunk has no such byte keeps exactly the fast path's arithmetic, whatever the other rows of the block hold.
+// Out of line (and reached through a copy of the accumulators), so that this rare path does not change the
+// register allocation of dot_block's fast loop.
+template <int MR, int NR>
+__attribute__((noinline)) void slow_fp4_chunk(const uint16_t* const* ap, const uint8_t* const* rq,
+                                              const Fp4Chunk* ch, int64_t kc, int64_t kend,
+                                              Accumulators<MR, NR>& accs) {
+  auto& acc = accs.v;
+  const int nu = static_cast<int>((kend - kc) / kUnit);
+  bool low[NR];
+  bool any = false;
+  for (int j = 0; j < NR; ++j) {
+    low[j] = false;
+    for (int u = 0; u < nu; ++u) low[j] = low[j] || ch[j].byte[u] < kFp4LowByte;
+    any = any || low[j];
+  }
+  __m512 lifted[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) lifted[i][j] = _mm512_setzero_ps();
+  for (int64_t k0 = kc; k0 < kend; k0 += kUnit) {
+    const int u = static_cast<int>((k0 - kc) / kUnit);
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t b = ch[j].byte[u];
+      const bool lift = b < kFp4LowByte;
+      const __m512i lut = fp4_table_slow(static_cast<uint8_t>(lift ? b + kFp4Lift : b));
+      const __m512bh wv = (__m512bh)(fp4_unit(rq[j], k0, lut));
+      if (lift) {
+        for (int i = 0; i < MR; ++i)
+          lifted[i][j] = _mm512_dpbf16_ps(lifted[i][j], (__m512bh)(_mm512_loadu_si512(ap[i] + k0)), wv);
+      } else {
+        for (int i = 0; i < MR; ++i)
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)(_mm512_loadu_si512(ap[i] + k0)), wv);
+      }
+    }
+  }
+  if (!any) return;
+  const __m512 down = _mm512_set1_ps(0x1p-64f);  // 2^-kFp4Lift
+  for (int j = 0; j < NR; ++j) {
+    if (!low[j]) continue;
+    for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(lifted[i][j], down, acc[i][j]);
   }
 }
 
@@ -175,8 +245,13 @@ void dot_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int6
     }
     if (fast) {
       units(std::true_type());
-    } else {
-      units(std::false_type());
+    } else if constexpr (F == WeightFormat::Fp4) {
+      Accumulators<MR, NR> t;
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) t.v[i][j] = acc[i][j];
+      slow_fp4_chunk<MR, NR>(ap, rq, ch, kc, kend, t);
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = t.v[i][j];
     }
   }
   bad_out |= bad;
