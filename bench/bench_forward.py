@@ -297,7 +297,7 @@ def _lease_workspace(op_args, group):
         from static_moe.ops.forward import check_forward, workspace_spec
 
         dims = check_forward(*op_args[:12], op_args[13], op_args[14])
-        spec = workspace_spec(dims, op_args[9], op_args[10], s, op_args[0].device)
+        spec = workspace_spec(dims, op_args[9], op_args[10], s, op_args[0].device, swiglu_limit=op_args[11])
         return workspace.acquire(spec, group), "leased"
     except Exception as e:  # noqa: BLE001  the op still runs on temporaries; say so in the record
         return None, f"none ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
