@@ -365,6 +365,15 @@ def _three_rank_worker(rank: int, size: int) -> list[dict]:
         rec.update(case=label, failing=failing,
                    next_ok=bool(torch.equal(_call(_case(rank, size), rank, size, name), base)))
         records.append(rec)
+    # An input fault on a group's very first step (no workspace yet): reported the same way.
+    fresh = dist.new_group(list(range(size))).group_name
+    case = _case(rank, size)
+    if rank == 1:
+        _more_tokens(case)
+    rec = _attempt(lambda: _call(case, rank, size, fresh))
+    rec.update(case="T > C on a first step", failing=[1],
+               next_ok=bool(torch.equal(_call(_case(rank, size), rank, size, fresh), base)))
+    records.append(rec)
     case = _case(rank, size, topk=4 if rank == 1 else K)
     rec = _attempt(lambda: _call(case, rank, size, name))
     rec.update(case="top-k on rank 1", failing=[], next_ok=bool(torch.equal(_call(_case(rank, size), rank, size, name),
@@ -390,6 +399,11 @@ def test_faults_on_three_ranks():
         assert d["raised"] == ("TypeError" if rank in (1, 2) else "RuntimeError"), (rank, d)
         if rank == 0:
             assert d["msg"].startswith("forward: ranks [1, 2] failed: rank 1: topk_idx must have dtype"), d
+        f = got["T > C on a first step"]
+        assert f["raised"] == ("ValueError" if rank == 1 else "RuntimeError"), (rank, f)
+        assert "5 tokens exceed the capacity of 4" in f["msg"], (rank, f)
+        if rank != 1:
+            assert f["msg"].startswith("forward: rank 1 failed: 5 tokens exceed"), (rank, f)
         k = got["top-k on rank 1"]
         assert k["raised"] == "ValueError" and "topk: 2 on ranks [0, 2]; 4 on ranks [1]" in k["msg"], (rank, k)
 

@@ -348,11 +348,12 @@ def _describe_differences(manifests: list[dict], keys: list[str]) -> list[str]:
     return out
 
 
-def converge(group, local_error: BaseException | None, stage: str) -> None:
+def converge(group, local_error: BaseException | None, stage: str, others_error=None) -> None:
     """Collective over ``group``: if any rank reports an error, raise on every rank (never leave a rank waiting).
 
     The failing rank re-raises its own exception; the others raise an exception of the same type when it is a
-    ValueError or TypeError, RuntimeError otherwise, naming the failing ranks and their messages.
+    ValueError or TypeError, RuntimeError otherwise, naming the failing ranks and their messages — or
+    ``others_error(failed)`` when given, with ``failed`` = {rank: (exception type name, message)}.
     """
     size = dist.get_world_size(group)
     payload = None if local_error is None else (type(local_error).__name__, str(local_error))
@@ -363,6 +364,8 @@ def converge(group, local_error: BaseException | None, stage: str) -> None:
         return
     if local_error is not None:
         raise local_error
+    if others_error is not None:
+        raise others_error(failed)
     kinds = {p[0] for p in failed.values()}
     cls = ValueError if kinds == {"ValueError"} else TypeError if kinds == {"TypeError"} else RuntimeError
     detail = "; ".join(f"rank {r}: {k}: {m}" for r, (k, m) in failed.items())

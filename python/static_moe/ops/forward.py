@@ -346,22 +346,13 @@ def _others_error(failures: dict[int, tuple[str, str]]) -> RuntimeError:
     return RuntimeError(f"forward: {who} failed: {detail}")
 
 
-def _first_step_on_group(pg, rank: int, error: BaseException | None, spec) -> None:
+def _first_step_on_group(pg, error: BaseException | None, spec) -> None:
     """The raw op's first step on a group that has no workspace (every rank is in that state alike): exchange
     errors, then acquire the op's own workspace — both collective, so ranks whose configurations differ get
     ValueError on every rank (the workspace manifests differ) before any buffer reaches a collective."""
-    import torch.distributed as dist
-
-    reports: list = [None] * dist.get_world_size(pg)
-    mine = None if error is None else (type(error).__name__, str(error))
     if error is None and spec is None:
-        mine = ("ValueError", "forward: the call's configuration makes no valid workspace spec")
-    dist.all_gather_object(reports, mine, group=pg)
-    failures = {r: p for r, p in enumerate(reports) if p is not None}
-    if failures:
-        if rank in failures:
-            raise error if error is not None else ValueError(failures[rank][1])
-        raise _others_error(failures)
+        error = ValueError("forward: the call's configuration makes no valid workspace spec")
+    _workspace.converge(pg, error, "forward", others_error=_others_error)
     _workspace.acquire_implicit(spec, pg)
 
 
@@ -421,7 +412,7 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
     spec = _spec_of(cfg, x.device)
     ws = _workspace.current_frame(group_name)
     if ws is None:  # the group's first step (every rank alike): agree on a workspace first
-        _first_step_on_group(pg, rank, error, spec)
+        _first_step_on_group(pg, error, spec)
         ws = _workspace.current_frame(group_name)
     kind = _status.OK if error is None else _error_kind(error)
     if error is None and (spec is None or _workspace.frame_key(spec) != _workspace.frame_key(ws.spec)):
