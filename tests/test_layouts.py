@@ -419,3 +419,161 @@ def test_prepare_expert_weights_takes_mx_only_when_both_are_pow2():
     assert _same_bytes(out[2], want[0]) and _same_bytes(out[3], want[1])
     out = layouts.prepare_expert_weights(w13, s13, w2, s2, "cuda")
     assert out[0] is w13 and out[4] == "eoi"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ops' weight_layout argument (SPEC §4): reference, checks, CPU refusal, fakes / graphs, NKI dispatch
+# ---------------------------------------------------------------------------------------------------------------
+import static_moe  # noqa: E402  (registers the ops)
+from static_moe import _C, reference  # noqa: E402
+from static_moe.nki import dispatch  # noqa: E402
+from static_moe.testing.backends import cpu_kernels  # noqa: E402
+from static_moe.testing.generators import make_activations, make_routing, make_weights  # noqa: E402
+from static_moe.testing.numeric import assert_equal  # noqa: E402
+
+LH, LI, LL = 256, 128, 3   # H, I, L of the op tests
+# (activation format, weight format, prepared form): "mx" is fp8 weights in the MX form.
+OP_CASES = [("bf16", "bf16", "eio"), ("bf16", "fp8", "eio"), ("fp8", "fp8", "eio"), ("fp8", "fp8", "mx"),
+            ("bf16", "fp4", "eio"), ("fp8", "fp4", "eio")]
+
+
+def _eio_weights(w: dict, form: str) -> dict:
+    a = to_eio(w["w13"], w["w13_scale"], mx=form == "mx")
+    b = to_eio(w["w2"], w["w2_scale"], mx=form == "mx")
+    return {"w13": a[0], "w13_scale": a[1], "w2": b[0], "w2_scale": b[1]}
+
+
+def _le_args(x, xs, idx, tw, w, offset=0, limit=None, fp8_max=448.0):
+    return (x, xs, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], offset, limit, fp8_max)
+
+
+@pytest.mark.parametrize("act,wfmt,form", OP_CASES, ids=[f"{a}x{w}-{f}" for a, w, f in OP_CASES])
+def test_reference_ops_give_the_same_bits_in_either_layout(act, wfmt, form):
+    w = make_weights(LL, LH, LI, wfmt, seed=3)
+    we = _eio_weights(w, form)
+    x, xs = make_activations(9, LH, act, 128, seed=4)
+    idx, tw = make_routing(9, 2, 2 * LL, seed=5, empty_frac=0.2)
+    eoi = reference.local_experts(*_le_args(x, xs, idx, tw, w, LL, 6.0))
+    eio = reference.local_experts(*_le_args(x, xs, idx, tw, we, LL, 6.0), weight_layout="eio")
+    assert eoi.abs().sum() > 0
+    assert_equal(eio, eoi, f"local_experts {act}x{wfmt} {form}")
+    mask = torch.rand(9, generator=torch.Generator().manual_seed(6)) < 0.7
+    for e in range(LL):
+        g_eoi = reference.expert_gemm(x, xs, w["w13"], w["w13_scale"], mask, e)
+        g_eio = reference.expert_gemm(x, xs, we["w13"], we["w13_scale"], mask, e, "eio")
+        assert_equal(g_eio, g_eoi, f"expert_gemm {act}x{wfmt} {form} expert {e}")
+    idx, tw = make_routing(9, 2, LL, seed=6, empty_frac=0.2)
+    f_eoi = reference.forward(x, xs, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], None, LL, 16,
+                              None, "", 0, 1)
+    f_eio = reference.forward(x, xs, idx, tw, we["w13"], we["w13_scale"], we["w2"], we["w2_scale"], None, LL, 16,
+                              None, "", 0, 1, weight_layout="eio")
+    assert f_eoi.abs().sum() > 0
+    assert_equal(f_eio, f_eoi, f"forward {act}x{wfmt} {form}")
+
+
+def test_cpu_kernels_refuse_eio_and_check_its_shapes_first():
+    w = make_weights(LL, LH, LI, "fp8", seed=7)
+    we = _eio_weights(w, "eio")
+    x, xs = make_activations(4, LH, "fp8", 128, seed=8)
+    idx, tw = make_routing(4, 2, LL, seed=9)
+    refuse = r"weight_layout='eio' \(prepared, K-major weights\) is not supported by the CPU kernels"
+    with pytest.raises(ValueError, match="local_experts: " + refuse):
+        torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, we), "eio")
+    with pytest.raises(ValueError, match="expert_gemm: " + refuse):
+        torch.ops.static_moe.expert_gemm(x, xs, we["w13"], we["w13_scale"], torch.ones(4, dtype=torch.bool), 0, "eio")
+    with pytest.raises(ValueError, match="forward: rank 0|local_experts: " + refuse):
+        static_moe.forward(x, xs, idx, tw, we["w13"], we["w13_scale"], we["w2"], we["w2_scale"], num_experts=LL,
+                           capacity=4, weight_layout="eio")
+    # An EOI tensor passed as "eio" fails the EIO shape check, naming the expected prepared shape.
+    with pytest.raises(ValueError, match=r"local_experts: w13_scale must have shape \[L, K/128, N\] \(weight_layout="
+                                         r"'eio'\) = \[3, 2, 256\], got \[3, 256, 2\]"):
+        torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "eio")
+    with pytest.raises(ValueError, match="weight_layout must be 'eoi' .* or 'eio' .*, got 'kio'"):
+        torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "kio")
+    with pytest.raises(ValueError, match="weight_layout must be 'eoi'"):
+        reference.local_experts(*_le_args(x, xs, idx, tw, w), weight_layout="EOI")
+    # "eoi" passed explicitly is today's op.
+    assert_equal(torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "eoi"),
+                 torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w)), "explicit eoi")
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("mixed", TypeError, r"under weight_layout='eio' w2 must have the dtype of w13 \(torch.uint32\), got "
+                         r"torch.float8_e4m3fn"),
+    ("mx_scale_dtype", TypeError, r"w13_scale must have dtype torch.uint8 or torch.float8_e8m0fnu"),
+    ("fp4_shape", ValueError, r"w2 must have shape \[L, K/4, N\] \(weight_layout='eio'\) = \[3, 32, 256\]"),
+    ("uint8", TypeError, r"must have a weight dtype of weight_layout='eio': .* got torch.uint8"),
+])
+def test_eio_checks(case, exc, match):
+    x, xs = make_activations(4, LH, "fp8", 128, seed=8)
+    idx, tw = make_routing(4, 2, LL, seed=9)
+    w8 = make_weights(LL, LH, LI, "fp8", seed=7)
+    mx, plain = _eio_weights(w8, "mx"), _eio_weights(w8, "eio")
+    f4 = _eio_weights(make_weights(LL, LH, LI, "fp4", seed=7), "eio")
+    w = {"mixed": {**mx, "w2": plain["w2"], "w2_scale": plain["w2_scale"]},
+         "mx_scale_dtype": {**mx, "w13_scale": mx["w13_scale"].float()},
+         "fp4_shape": {**f4, "w2": f4["w2"][:, :16]},
+         "uint8": {**f4, "w13": f4["w13"].view(torch.uint8)}}[case]
+    with pytest.raises(exc, match=match):
+        _C.check_local_experts(*_le_args(x, xs, idx, tw, w), weight_layout="eio")
+    with pytest.raises(exc, match=match):
+        torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "eio")
+
+
+@pytest.mark.parametrize("act,wfmt,form", OP_CASES[2:4] + OP_CASES[5:], ids=["fp8xfp8", "fp8xmx", "fp8xfp4"])
+def test_eio_opcheck_and_graphs(act, wfmt, form):
+    """The new argument is graph-safe like the others: opcheck of the "eio" schema (with the reference as the CPU
+    kernel, since the C++ one refuses it), the fake kernel's shapes, and a torch.compile(fullgraph) graph."""
+    w = _eio_weights(make_weights(2, LH, LI, wfmt, seed=13), form)
+    x, xs = make_activations(5, LH, act, 128, seed=14)
+    idx, tw = make_routing(5, 2, 2, seed=15, empty_frac=0.2)
+    args = (*_le_args(x, xs, idx, tw, w, 0, 7.0), "eio")
+    mask = torch.tensor([True, False, True, True, False])
+    g_args = (x, xs, w["w13"], w["w13_scale"], mask, 1, "eio")
+    # float8 inputs: torch's schema check compares inputs with allclose, which float8 lacks on the CPU.
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    with cpu_kernels("reference"):
+        torch.library.opcheck(torch.ops.static_moe.local_experts.default, args, test_utils=utils)
+        torch.library.opcheck(torch.ops.static_moe.expert_gemm.default, g_args, test_utils=utils)
+        eager = torch.ops.static_moe.local_experts(*args)
+
+        def f(*a):
+            return static_moe.local_experts(*a[:-1], weight_layout="eio").to(torch.bfloat16)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True, backend="eager")(*args)
+        assert_equal(compiled, eager.to(torch.bfloat16), "compiled eio local_experts")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = torch.ops.static_moe.local_experts(*args)
+        g = torch.ops.static_moe.expert_gemm(*g_args)
+    assert tuple(out.shape) == (5, LH) and tuple(g.shape) == (5, 2 * LI)
+    # The C++ kernel is back once the block is left.
+    with pytest.raises(ValueError, match="not supported by the CPU kernels"):
+        torch.ops.static_moe.local_experts(*args)
+
+
+def test_nki_dispatch_passes_the_layout_as_a_keyword_only_when_not_eoi(monkeypatch):
+    seen = []
+
+    def fake_kernel(name):
+        def k(*args, **kwargs):
+            seen.append((name, sorted(kwargs)))
+            return torch.zeros(args[0].shape[0], 1)
+        return k
+
+    monkeypatch.setattr(dispatch, "_kernels", lambda: {n: fake_kernel(n) for n in ("expert_gemm", "local_experts")})
+    monkeypatch.setattr(dispatch.shim, "simulate", lambda kernel: kernel)  # call the recording kernel directly
+    w = make_weights(2, LH, LI, "fp8", seed=1)
+    we = _eio_weights(w, "eio")
+    x, xs = make_activations(3, LH, "fp8", 128, seed=2)
+    idx, tw = make_routing(3, 2, 2, seed=3)
+    dispatch.local_experts(*_le_args(x, xs, idx, tw, w, 0, None, 240.0))
+    dispatch.local_experts(*_le_args(x, xs, idx, tw, we, 0, None, 240.0), weight_layout="eio")
+    dispatch.expert_gemm(x, xs, we["w13"], we["w13_scale"], torch.ones(3, dtype=torch.bool), 1, "eio")
+    assert seen == [("local_experts", ["skip_unrouted"]), ("local_experts", ["skip_unrouted", "weight_layout"]),
+                    ("expert_gemm", ["skip_unrouted", "weight_layout"])]
+    with pytest.raises(ValueError, match=r"w2 must have shape \[L, K, N\] \(weight_layout='eio'\) = \[2, 128, 256\]"):
+        dispatch.local_experts(*_le_args(x, xs, idx, tw, {**we, "w2": w["w2"]}, 0, None, 240.0),
+                               weight_layout="eio")
