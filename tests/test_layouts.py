@@ -577,3 +577,14 @@ def test_nki_dispatch_passes_the_layout_as_a_keyword_only_when_not_eoi(monkeypat
     with pytest.raises(ValueError, match=r"w2 must have shape \[L, K, N\] \(weight_layout='eio'\) = \[2, 128, 256\]"):
         dispatch.local_experts(*_le_args(x, xs, idx, tw, {**we, "w2": w["w2"]}, 0, None, 240.0),
                                weight_layout="eio")
+
+
+def test_outputs_have_row_major_strides():
+    """Single-block scales ([L, N, 1]) and one-column weights keep no permuted stride (byte views need none)."""
+    g = torch.Generator().manual_seed(21)
+    w, s = _random_fp8(g, 2, 1, 128, pow2=True, emax=100, allow_nan=False)
+    outs = [*to_eio(w, s), *to_eoi(*to_eio(w, s)), *to_eio(w, s, mx=True), *to_eoi(*to_eio(w, s, mx=True)),
+            *reencode_fp8_for_trn2(*to_eio(w, s), "eio"), *to_eoi(*to_eio(*_random_fp4(g, 2, 1, 32)))]
+    for t in outs:
+        want = torch.empty(t.shape, dtype=t.dtype).stride()
+        assert t.stride() == want, (t.shape, t.stride())
