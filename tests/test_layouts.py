@@ -588,3 +588,69 @@ def test_outputs_have_row_major_strides():
     for t in outs:
         want = torch.empty(t.shape, dtype=t.dtype).stride()
         assert t.stride() == want, (t.shape, t.stride())
+
+
+def _forward_inputs(act, wfmt, form, seed, num_local=LL, ranks=1):
+    w = make_weights(num_local, LH, LI, wfmt, seed=seed)
+    x, xs = make_activations(5, LH, act, 128, seed=seed + 1)
+    idx, tw = make_routing(5, 2, num_local * ranks, seed=seed + 2, empty_frac=0.2)
+    return x, xs, idx, tw, w, _eio_weights(w, form)
+
+
+@pytest.mark.parametrize("act,wfmt,form", [("fp8", "fp8", "mx"), ("bf16", "fp4", "eio")], ids=["fp8xmx", "bf16xfp4"])
+def test_forward_op_takes_the_layout_at_s1(act, wfmt, form):
+    x, xs, idx, tw, w, we = _forward_inputs(act, wfmt, form, seed=31)
+
+    def call(ws, layout):
+        return static_moe.forward(x, xs, idx, tw, ws["w13"], ws["w13_scale"], ws["w2"], ws["w2_scale"],
+                                  num_experts=LL, capacity=8, swiglu_limit=7.0, weight_layout=layout)
+
+    with cpu_kernels("reference"):
+        eoi, eio = call(w, "eoi"), call(we, "eio")
+        args = (x, xs, idx, tw, we["w13"], we["w13_scale"], we["w2"], we["w2_scale"], None, LL, 8, 7.0, "", 0, 1,
+                448.0, "eio")
+        torch.library.opcheck(torch.ops.static_moe.forward.default, args, test_utils=("test_faketensor",))
+
+        class Step(torch.nn.Module):
+            def forward(self, *a):
+                return torch.ops.static_moe.forward(*a)
+
+        ep = torch.export.export(Step(), args)
+        node = next(n for n in ep.graph.nodes if n.target is torch.ops.static_moe.forward.default)
+        assert node.args[-1] == "eio", node.args  # the layout is a constant of the graph, like fp8_max
+        assert_equal(ep.module()(*args), eio, "exported eio forward")
+    assert eoi.abs().sum() > 0
+    assert_equal(eio, eoi, f"forward {act}x{wfmt} {form} vs eoi")
+
+
+def _eio_forward_worker(rank: int, size: int) -> dict:
+    """Two gloo ranks, each with its own experts in the MX form, under the reference kernels: the collective
+    forward (its checks, step header and config) takes the prepared layout like the unprepared one."""
+    x, xs, idx, tw, w, we = _forward_inputs("fp8", "fp8", "mx", seed=41 + rank, num_local=2, ranks=size)
+    import torch.distributed as dist
+
+    group = dist.group.WORLD.group_name
+    out = {}
+    with cpu_kernels("reference"):
+        for layout, ws in (("eoi", w), ("eio", we)):
+            out[layout] = static_moe.forward(x, xs, idx, tw, ws["w13"], ws["w13_scale"], ws["w2"], ws["w2_scale"],
+                                             num_experts=2 * size, capacity=8, group_name=group, ep_rank=rank,
+                                             ep_size=size, weight_layout=layout)
+        try:  # a wrong EIO shape on rank 1 only fails the step on both ranks
+            bad = we["w2"][:, :-1] if rank == 1 else we["w2"]
+            static_moe.forward(x, xs, idx, tw, we["w13"], we["w13_scale"], bad, we["w2_scale"], num_experts=2 * size,
+                               capacity=8, group_name=group, ep_rank=rank, ep_size=size, weight_layout="eio")
+            out["error"] = None
+        except (ValueError, RuntimeError) as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+    return {"same": bool(torch.equal(out["eoi"].view(torch.int16), out["eio"].view(torch.int16))),
+            "nonzero": bool(out["eoi"].abs().sum() > 0), "error": out["error"]}
+
+
+def test_collective_forward_takes_the_layout_on_two_ranks():
+    from static_moe.testing.distributed import run_ranks
+
+    results = run_ranks(_eio_forward_worker, 2, timeout=150)
+    assert all(r["same"] and r["nonzero"] for r in results), results
+    assert "w2 must have shape [L, K/4, N] (weight_layout='eio')" in results[1]["error"], results
+    assert results[0]["error"].startswith("RuntimeError: forward: rank 1 failed"), results
