@@ -654,3 +654,38 @@ def test_collective_forward_takes_the_layout_on_two_ranks():
     assert all(r["same"] and r["nonzero"] for r in results), results
     assert "w2 must have shape [L, K/4, N] (weight_layout='eio')" in results[1]["error"], results
     assert results[0]["error"].startswith("RuntimeError: forward: rank 1 failed"), results
+
+
+def _nki_kernels_take_the_layout() -> bool:
+    import inspect
+
+    from nki_kernels.expert_gemm import expert_gemm_kernel
+    from nki_kernels.local_experts import local_experts_kernel
+
+    return all("weight_layout" in inspect.signature(inspect.unwrap(k)).parameters
+               for k in (expert_gemm_kernel, local_experts_kernel))
+
+
+@pytest.mark.skipif(not _nki_kernels_take_the_layout(), reason="the NKI kernels do not take weight_layout= yet "
+                    "(branches nkigemm / nkilocal add it); dispatch passes it only for 'eio'")
+@pytest.mark.parametrize("target,wfmt", [("trn2", "fp8"), ("trn2", "fp4"), ("trn3", "fp8"), ("trn3", "bf16")])
+def test_nki_takes_the_prepared_bytes_like_the_reference(target, wfmt):
+    """Parity of the prepared bytes (static_moe.layouts.prepare_expert_weights) through the NKI kernels (our
+    interpreter, on the target) and the reference, within SPEC §2, and NKI prepared vs NKI unprepared."""
+    from static_moe.layouts import prepare_expert_weights
+    from static_moe.nki import interpreter
+    from static_moe.testing.numeric import assert_gemm_close
+
+    act = "bf16" if wfmt == "bf16" else "fp8"
+    w = make_weights(2, LH, LI, wfmt, seed=51)
+    p13, p13s, p2, p2s, layout = prepare_expert_weights(w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], target)
+    wp = {"w13": p13, "w13_scale": p13s, "w2": p2, "w2_scale": p2s}
+    x, xs = make_activations(6, LH, act, 128, seed=52)
+    idx, tw = make_routing(6, 2, 2, seed=53, empty_frac=0.2)
+    args = _le_args(x, xs, idx, tw, wp, 0, 7.0, 240.0)
+    with interpreter.target(target):
+        nki_prep = dispatch.local_experts(*args, weight_layout=layout)
+        nki_plain = dispatch.local_experts(*_le_args(x, xs, idx, tw, w, 0, 7.0, 240.0))
+    ref = reference.local_experts(*args, weight_layout=layout)
+    assert_gemm_close(nki_prep, ref, f"NKI {target} {wfmt} prepared vs reference")
+    assert_gemm_close(nki_prep, nki_plain, f"NKI {target} {wfmt} prepared vs unprepared")
