@@ -477,42 +477,18 @@ def load_act_rows(a, a_scale, r0: int, rt: int, mask=None, korder: str = "natura
     :func:`act_rows_into_operand` takes, with rows whose mask is 0 made exact zeros before any arithmetic.
 
     Returns:
-        natural / quad: SBUF bf16 ``[rt, K]`` (fp8 bytes decoded exactly, scale folded in);
-        mx: ``(bytes uint8 [rt, K], e8m0 uint8 [rt, K/32])`` (masked rows: zero bytes, scale byte 127).
+        natural / quad: SBUF bf16 ``[rt, K]`` (fp8 bytes decoded exactly, scale folded in, :func:`fp8_rows_to_bf16`);
+        mx: ``(bytes uint8 [rt, K], e8m0 uint8 [rt, K/32])`` (:func:`fp8_rows_to_mx`).
     """
     k = a.shape[1]
     fmt = act_format(a)
-    if korder == "mx":
-        assert fmt == "fp8", "the MX path needs fp8 activations"
-        raw = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes")
-        nisa.dma_copy(dst=raw, src=a.view(nl.uint8)[r0:r0 + rt, :])
-        g = k // a_scale.shape[1]
-        s_raw = nl.ndarray((rt, k // g), dtype=nl.float32, buffer=nl.sbuf, name="a_s")
-        nisa.dma_copy(dst=s_raw, src=a_scale[r0:r0 + rt, :])
-        e8 = nl.ndarray((rt, k // g), dtype=nl.int32, buffer=nl.sbuf, name="a_e8_i32")
-        nisa.tensor_scalar(dst=e8, data=s_raw.view(nl.int32), op0=nl.right_shift, operand0=23, op1=nl.bitwise_and,
-                           operand1=0xFF)
-        e8b = nl.ndarray((rt, k // 32), dtype=nl.uint8, buffer=nl.sbuf, name="a_e8")
-        if g == 32:
-            nisa.tensor_copy(dst=e8b, src=e8)
-        else:  # one 1×128 scale for its four 32-groups
-            nisa.tensor_copy(dst=e8b.reshape((rt, k // g, g // 32)),
-                             src=e8.reshape((rt, k // g, 1)).broadcast(2, g // 32))
-        if mask is None:
-            return raw, e8b
-        zb = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes_masked")
-        nisa.memset(dst=zb, value=0)
-        nisa.tensor_copy_predicated(dst=zb, src=raw, predicate=mask.broadcast(1, k))
-        zs = nl.ndarray((rt, k // 32), dtype=nl.uint8, buffer=nl.sbuf, name="a_e8_masked")
-        nisa.memset(dst=zs, value=127)
-        nisa.tensor_copy_predicated(dst=zs, src=e8b, predicate=mask.broadcast(1, k // 32))
-        return zb, zs
-    a_nat = nl.ndarray((rt, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="a_nat")
     if fmt == "bf16":
+        assert korder != "mx", "the MX path needs fp8 activations"
         a_raw = nl.ndarray((rt, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="a_raw")
         nisa.dma_copy(dst=a_raw, src=a[r0:r0 + rt, :])
         if mask is None:
             return a_raw
+        a_nat = nl.ndarray((rt, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="a_nat")
         nisa.memset(dst=a_nat, value=0.0)
         nisa.tensor_copy_predicated(dst=a_nat, src=a_raw, predicate=mask.broadcast(1, k))
         return a_nat
@@ -521,9 +497,27 @@ def load_act_rows(a, a_scale, r0: int, rt: int, mask=None, korder: str = "natura
     nisa.dma_copy(dst=raw, src=a.view(nl.uint8)[r0:r0 + rt, :])
     s_raw = nl.ndarray((rt, k // g), dtype=nl.float32, buffer=nl.sbuf, name="a_s")
     nisa.dma_copy(dst=s_raw, src=a_scale[r0:r0 + rt, :])
+    if korder == "mx":
+        return fp8_rows_to_mx(raw, s_raw, mask)
+    return fp8_rows_to_bf16(raw, s_raw, mask)
+
+
+def fp8_rows_to_bf16(raw, s_raw, mask=None):
+    """fp8 rows in SBUF → bf16 values (exact for pow2 scales; other fp32 scales round once to bf16).
+
+    Args:
+        raw: SBUF uint8 ``[rt, K]`` (e4m3fn bytes); s_raw: SBUF float32 ``[rt, K/g]``; mask: SBUF uint8
+            ``[rt, 1]`` or None (masked rows: scale 0, and the decoded bytes are always finite, so exact zeros).
+
+    Returns:
+        SBUF bf16 ``[rt, K]``.
+    """
+    rt, k = raw.shape
+    g = k // s_raw.shape[1]
+    a_nat = nl.ndarray((rt, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="a_nat")
     scale = nl.ndarray((rt, k // g), dtype=nl.float32, buffer=nl.sbuf, name="a_s256")
     nisa.tensor_scalar(dst=scale, data=s_raw, op0=nl.multiply, operand0=256.0)
-    if mask is not None:  # the decoded bytes are always finite: finite · 0 = 0
+    if mask is not None:
         zs = nl.ndarray((rt, k // g), dtype=nl.float32, buffer=nl.sbuf, name="a_s_masked")
         nisa.memset(dst=zs, value=0.0)
         nisa.tensor_copy_predicated(dst=zs, src=scale, predicate=mask.broadcast(1, k // g))
@@ -533,6 +527,34 @@ def load_act_rows(a, a_scale, r0: int, rt: int, mask=None, korder: str = "natura
     decode_e4m3fn_pairs(even, odd, raw.view(nl.uint32))
     fold_scales(a_nat, even.view(nl.float16), odd.view(nl.float16), scale, g)
     return a_nat
+
+
+def fp8_rows_to_mx(raw, s_raw, mask=None):
+    """fp8 rows in SBUF → the MX row form: ``(bytes uint8 [rt, K], E8M0 uint8 [rt, K/32])``.
+
+    The E8M0 byte of a power-of-two float32 scale is its exponent field ``(bits >> 23) & 0xFF`` (exact; the MX
+    path needs pow2 activation scales); a 1×128 scale serves its four 32-groups. Masked rows get zero bytes and
+    scale byte 127 (2^0), so padding (NaN bytes / NaN scales) never reaches the TensorE.
+    """
+    rt, k = raw.shape
+    g = k // s_raw.shape[1]
+    e8 = nl.ndarray((rt, k // g), dtype=nl.int32, buffer=nl.sbuf, name="a_e8_i32")
+    nisa.tensor_scalar(dst=e8, data=s_raw.view(nl.int32), op0=nl.right_shift, operand0=23, op1=nl.bitwise_and,
+                       operand1=0xFF)
+    e8b = nl.ndarray((rt, k // 32), dtype=nl.uint8, buffer=nl.sbuf, name="a_e8")
+    if g == 32:
+        nisa.tensor_copy(dst=e8b, src=e8)
+    else:  # one 1×128 scale for its four 32-groups
+        nisa.tensor_copy(dst=e8b.reshape((rt, k // g, g // 32)), src=e8.reshape((rt, k // g, 1)).broadcast(2, g // 32))
+    if mask is None:
+        return raw, e8b
+    zb = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes_masked")
+    nisa.memset(dst=zb, value=0)
+    nisa.tensor_copy_predicated(dst=zb, src=raw, predicate=mask.broadcast(1, k))
+    zs = nl.ndarray((rt, k // 32), dtype=nl.uint8, buffer=nl.sbuf, name="a_e8_masked")
+    nisa.memset(dst=zs, value=127)
+    nisa.tensor_copy_predicated(dst=zs, src=e8b, predicate=mask.broadcast(1, k // 32))
+    return zb, zs
 
 
 def act_rows_into_operand(op: ActOperand, rows, r0: int):
