@@ -83,6 +83,7 @@ MIN_RUN_BYTES = 512  # a weight slab's contiguous HBM run (DMA cost model: short
 WEIGHT_BUFS = 2  # weight slabs in flight (DMA of slab i+1 overlaps the matmuls of slab i)
 FOLD_VECTOR_PLANES = 1  # of the 4 planes of a packed slab, how many VectorE folds (the rest: GpSimd)
 TRANSPOSES_PER_BANK = 8  # bf16 [128, 128] TensorE transposes per 2 KiB PSUM bank
+SCALAR_EVAC_MIN_ROWS = 64  # fp8_block: from this many rows on, ScalarE applies the K-block scales (see below)
 FOLD_EXTRA_LOG2 = 6  # the packed decode folds 2^(b − 127 + 6): b = 0 stays a normal bf16 (fp8 MX evacuates × 2^-6)
 
 # bit masks as exact-in-fp32 immediates (≤ 24 significant bits) or int32 spellings of the same 32 bits
@@ -303,8 +304,9 @@ def _fold_scale_bf16(sc, plan: WeightPlan):
     is the weight × 2^6, undone on evacuation (exact)."""
     p, nmb, nc = sc.shape
     bits = nl.ndarray((p, nmb, nc), dtype=nl.uint16, buffer=nl.sbuf, name="w_fold_bits")
-    nisa.tensor_scalar(dst=bits, data=sc, op0=nl.add, operand0=float(FOLD_EXTRA_LOG2))  # exact small integers
-    nisa.tensor_scalar(dst=bits, data=bits, op0=nl.left_shift, operand0=7)
+    # b·128 + 6·128 in fp32 is exact (< 2^16) and lands as the uint16 bit pattern: one ScalarE op, off VectorE
+    nisa.tensor_scalar(dst=bits, data=sc, op0=nl.multiply, operand0=128.0, op1=nl.add,
+                       operand1=float(FOLD_EXTRA_LOG2 * 128), engine=nisa.engine.scalar)
     return bits.view(nl.bfloat16)
 
 
@@ -411,15 +413,27 @@ def slab_cols(j: int) -> slice:
 
 
 def _fp8_block_evac(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
-    """Per-K-block PSUM groups, ``kb_per_bank = 512 // mr`` side by side; per bank: ``t = psum · s[n, kb]``
-    (one tensor_tensor), ``part = Σ_kb t`` (one tensor_reduce, increasing kb), ``acc += part`` across banks."""
+    """Per-K-block PSUM groups, ``kb_per_bank = 512 // mr`` side by side in one bank, then
+    ``dst = bf16(Σ_kb s[n, kb] · psum_kb)``.
+
+    Few rows (mr < SCALAR_EVAC_MIN_ROWS, decode): one VectorE ``tensor_tensor`` per bank multiplies every group by
+    its scale on the way out of PSUM into an fp32 SBUF tile ``[P, K/128, mr]``; GpSimd sums the K blocks by a
+    fixed pairwise tree of fp32 adds (SBUF only), the last add rounding once into ``dst``. Instruction counts are
+    what binds here, and the two engines split the work.
+    Many rows: ScalarE applies each group's scale (``activation(copy, scale=s[:, kb])``, one input, per-partition
+    scale), VectorE reduces each bank (``tensor_reduce``) and adds banks in increasing kb. Either way the work per
+    128 columns is ∝ K/128 · R elements: for large R the evacuation binds (feed compacted rows).
+    """
     plan = slab.plan
     nkb = plan.k // P
     per_bank = max(1, min(nkb, PSUM_BANK_F32 // mr))
-    single = nkb <= per_bank
-    acc = dst if (single and dst.dtype == nl.float32) else nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf,
-                                                                       name="fp8_acc")
     cols = slab_cols(j)
+    few = mr < SCALAR_EVAC_MIN_ROWS
+    if few:
+        scaled = nl.ndarray((P, nkb, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_scaled")
+    else:
+        acc = dst if dst.dtype == nl.float32 else nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf,
+                                                               name="fp8_acc")
     for b0 in range(0, nkb, per_bank):
         nb = min(per_bank, nkb - b0)
         ps = nl.ndarray((P, per_bank, mr), dtype=nl.float32, buffer=nl.psum, name="fp8_kb_psum")
@@ -427,17 +441,37 @@ def _fp8_block_evac(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
             kb = b0 + q
             nisa.nc_matmul(dst=ps[:, q, :], stationary=slab.stat[:, kb, cols], moving=act.aT[:, kb, m0:m0 + mr],
                            accumulate=False)
-        scaled = nl.ndarray((P, per_bank, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_scaled")
-        s = slab.scale[:, j, b0:b0 + nb].reshape((P, nb, 1)).broadcast(2, mr)
-        nisa.tensor_tensor(dst=scaled[:, :nb, :], data1=ps[:, :nb, :], data2=s, op=nl.multiply)
-        if b0 == 0:
-            nisa.tensor_reduce(dst=acc, op=nl.add, data=scaled[:, :nb, :].permute((0, 2, 1)), axis=(2,))
-        else:
-            part = nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_part")
-            nisa.tensor_reduce(dst=part, op=nl.add, data=scaled[:, :nb, :].permute((0, 2, 1)), axis=(2,))
+        if few:
+            s = slab.scale[:, j, b0:b0 + nb].reshape((P, nb, 1)).broadcast(2, mr)
+            nisa.tensor_tensor(dst=scaled[:, b0:b0 + nb, :], data1=ps[:, :nb, :], data2=s, op=nl.multiply)
+            continue
+        bank = nl.ndarray((P, per_bank, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_bank")
+        for q in range(nb):
+            nisa.activation(dst=bank[:, q, :], op=nl.copy, data=ps[:, q, :],
+                            scale=slab.scale[:, j, b0 + q:b0 + q + 1])
+        part = acc if b0 == 0 else nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_part")
+        nisa.tensor_reduce(dst=part, op=nl.add, data=bank[:, :nb, :].permute((0, 2, 1)), axis=(2,))
+        if b0:
             nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
-    if acc is not dst:
+    if few:
+        tree_sum(dst, scaled)
+    elif acc is not dst:
         nisa.tensor_copy(dst=dst, src=acc, engine=nisa.engine.vector)  # the one bf16 rounding
+
+
+def tree_sum(dst, x):
+    """``dst[:, m] = Σ_i x[:, i, m]`` by a fixed pairwise tree of fp32 GpSimd adds (x, SBUF fp32 ``[p, n, m]``,
+    is overwritten); the last add writes ``dst`` (any float dtype: one rounding). The order depends only on n."""
+    n = x.shape[1]
+    if n == 1:
+        nisa.tensor_copy(dst=dst, src=x[:, 0, :], engine=nisa.engine.gpsimd)
+        return
+    while n > 2:
+        h = n // 2
+        nisa.tensor_tensor(dst=x[:, 0:h, :], data1=x[:, 0:h, :], data2=x[:, n - h:n, :], op=nl.add,
+                           engine=nisa.engine.gpsimd)
+        n -= h
+    nisa.tensor_tensor(dst=dst, data1=x[:, 0, :], data2=x[:, 1, :], op=nl.add, engine=nisa.engine.gpsimd)
 
 
 # ----------------------------------------------------------------------------------------------------------------
