@@ -84,6 +84,7 @@ WEIGHT_BUFS = 2  # weight slabs in flight (DMA of slab i+1 overlaps the matmuls 
 FOLD_VECTOR_PLANES = 1  # of the 4 planes of a packed slab, how many VectorE folds (the rest: GpSimd)
 TRANSPOSES_PER_BANK = 8  # bf16 [128, 128] TensorE transposes per 2 KiB PSUM bank
 SCALAR_EVAC_MIN_ROWS = 64  # fp8_block: from this many rows on, ScalarE applies the K-block scales (see below)
+EVAC_TILE_BYTES = 32 * 1024  # fp8_block, many rows: per-partition bytes of the one-reduction scaled tile
 FOLD_EXTRA_LOG2 = 6  # the packed decode folds 2^(b − 127 + 6): b = 0 stays a normal bf16 (fp8 MX evacuates × 2^-6)
 
 # bit masks as exact-in-fp32 immediates (≤ 24 significant bits) or int32 spellings of the same 32 bits
@@ -181,7 +182,8 @@ def weight_plan(w, act_fmt: str) -> WeightPlan:
             path, korder = "quad_bf16", "quad"
     assert k % (4 * P if fmt in ("fp8_mx", "fp4") else P) == 0 and n % P == 0, (
         f"K={k} must be a multiple of {4 * P if fmt in ('fp8_mx', 'fp4') else P} and N={n} of {P}")
-    return WeightPlan(fmt, path, korder, k, n, rows, _slab_cols(n, eb))
+    # packed forms: 512 columns per slab so the scale rows (1 byte per column) also move in ≥ 512 B runs
+    return WeightPlan(fmt, path, korder, k, n, rows, _slab_cols(n, eb if fmt in ("bf16", "fp8") else 1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -429,9 +431,10 @@ def _fp8_block_evac(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
     per_bank = max(1, min(nkb, PSUM_BANK_F32 // mr))
     cols = slab_cols(j)
     few = mr < SCALAR_EVAC_MIN_ROWS
-    if few:
+    whole = nkb * mr * 4 <= EVAC_TILE_BYTES  # every K block's scaled sums fit one SBUF tile: one reduction
+    if few or whole:
         scaled = nl.ndarray((P, nkb, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_scaled")
-    else:
+    if not (few or whole):
         acc = dst if dst.dtype == nl.float32 else nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf,
                                                                name="fp8_acc")
     for b0 in range(0, nkb, per_bank):
@@ -445,17 +448,24 @@ def _fp8_block_evac(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
             s = slab.scale[:, j, b0:b0 + nb].reshape((P, nb, 1)).broadcast(2, mr)
             nisa.tensor_tensor(dst=scaled[:, b0:b0 + nb, :], data1=ps[:, :nb, :], data2=s, op=nl.multiply)
             continue
-        bank = nl.ndarray((P, per_bank, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_bank")
+        bank = scaled[:, b0:b0 + nb, :] if whole else nl.ndarray((P, nb, mr), dtype=nl.float32, buffer=nl.sbuf,
+                                                                  name="fp8_bank")
         for q in range(nb):
             nisa.activation(dst=bank[:, q, :], op=nl.copy, data=ps[:, q, :],
                             scale=slab.scale[:, j, b0 + q:b0 + q + 1])
+        if whole:
+            continue
         part = acc if b0 == 0 else nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_part")
-        nisa.tensor_reduce(dst=part, op=nl.add, data=bank[:, :nb, :].permute((0, 2, 1)), axis=(2,))
+        nisa.tensor_reduce(dst=part, op=nl.add, data=bank.permute((0, 2, 1)), axis=(2,))
         if b0:
             nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
     if few:
         tree_sum(dst, scaled)
-    elif acc is not dst:
+        return
+    if whole:  # reduce straight into dst: the one rounding
+        nisa.tensor_reduce(dst=dst, op=nl.add, data=scaled.permute((0, 2, 1)), axis=(2,))
+        return
+    if acc is not dst:
         nisa.tensor_copy(dst=dst, src=acc, engine=nisa.engine.vector)  # the one bf16 rounding
 
 
@@ -518,22 +528,37 @@ def load_act_rows(a, a_scale, r0: int, rt: int, mask=None, korder: str = "natura
     fmt = act_format(a)
     if fmt == "bf16":
         assert korder != "mx", "the MX path needs fp8 activations"
-        a_raw = nl.ndarray((rt, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="a_raw")
-        nisa.dma_copy(dst=a_raw, src=a[r0:r0 + rt, :])
-        if mask is None:
-            return a_raw
-        a_nat = nl.ndarray((rt, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="a_nat")
-        nisa.memset(dst=a_nat, value=0.0)
-        nisa.tensor_copy_predicated(dst=a_nat, src=a_raw, predicate=mask.broadcast(1, k))
-        return a_nat
+        return gather_rows(a, r0, rt, mask, nl.bfloat16, "a_rows")
     g = k // a_scale.shape[1]
-    raw = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes")
-    nisa.dma_copy(dst=raw, src=a.view(nl.uint8)[r0:r0 + rt, :])
     s_raw = nl.ndarray((rt, k // g), dtype=nl.float32, buffer=nl.sbuf, name="a_s")
     nisa.dma_copy(dst=s_raw, src=a_scale[r0:r0 + rt, :])
-    if korder == "mx":
-        return fp8_rows_to_mx(raw, s_raw, mask)
+    if korder == "mx":  # masked rows: zero bytes straight from the DMA; their scale bytes are replaced below
+        raw = gather_rows(a, r0, rt, mask, nl.uint8, "a_bytes")
+        return fp8_rows_to_mx(raw, s_raw, mask, bytes_masked=True)
+    raw = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes")
+    nisa.dma_copy(dst=raw, src=a.view(nl.uint8)[r0:r0 + rt, :])
     return fp8_rows_to_bf16(raw, s_raw, mask)
+
+
+def gather_rows(a, r0: int, rt: int, mask, dtype, name: str):
+    """Rows ``[r0, r0 + rt)`` of HBM ``a [R, K]`` (as ``dtype``, same itemsize) into SBUF ``[rt, K]``, with the
+    rows whose mask is 0 exact zeros: the tile is zeroed on GpSimd and the DMA gathers only the selected rows
+    (``vector_offset`` indices; a masked row's index is out of range and ``oob_mode.skip`` leaves it zero — isa
+    ``dma_copy`` page, access-pattern page). Padding bytes never reach an engine; no VectorE work per element."""
+    r, k = a.shape
+    dst = nl.ndarray((rt, k), dtype=dtype, buffer=nl.sbuf, name=name)
+    if mask is None:
+        nisa.dma_copy(dst=dst, src=a.ap(pattern=[[k, rt], [1, k]], offset=r0 * k, dtype=dtype))
+        return dst
+    nisa.memset(dst=dst, value=0, engine=nisa.engine.gpsimd)
+    idx = nl.ndarray((rt, 1), dtype=nl.int32, buffer=nl.sbuf, name=f"{name}_idx")
+    nisa.iota(dst=idx, pattern=[[0, 1]], offset=r0, channel_multiplier=1)  # r0 + p
+    off = nl.ndarray((rt, 1), dtype=nl.int32, buffer=nl.sbuf, name=f"{name}_oob")
+    nisa.tensor_scalar(dst=off, data=mask, op0=nl.multiply, operand0=float(-r), op1=nl.add, operand1=float(r))
+    nisa.tensor_tensor(dst=idx, data1=idx, data2=off, op=nl.add)  # masked rows: index ≥ R (skipped)
+    nisa.dma_copy(dst=dst, src=a.ap(pattern=[[k, rt], [1, k]], offset=0, vector_offset=idx, indirect_dim=0,
+                                    dtype=dtype), oob_mode=nisa.oob_mode.skip)
+    return dst
 
 
 def fp8_rows_to_bf16(raw, s_raw, mask=None):
@@ -563,12 +588,13 @@ def fp8_rows_to_bf16(raw, s_raw, mask=None):
     return a_nat
 
 
-def fp8_rows_to_mx(raw, s_raw, mask=None):
+def fp8_rows_to_mx(raw, s_raw, mask=None, bytes_masked: bool = False):
     """fp8 rows in SBUF → the MX row form: ``(bytes uint8 [rt, K], E8M0 uint8 [rt, K/32])``.
 
     The E8M0 byte of a power-of-two float32 scale is its exponent field ``(bits >> 23) & 0xFF`` (exact; the MX
     path needs pow2 activation scales); a 1×128 scale serves its four 32-groups. Masked rows get zero bytes and
-    scale byte 127 (2^0), so padding (NaN bytes / NaN scales) never reaches the TensorE.
+    scale byte 127 (2^0), so padding (NaN bytes / NaN scales) never reaches the TensorE (``bytes_masked``: the
+    bytes are zero already, e.g. from :func:`gather_rows`).
     """
     rt, k = raw.shape
     g = k // s_raw.shape[1]
@@ -582,9 +608,11 @@ def fp8_rows_to_mx(raw, s_raw, mask=None):
         nisa.tensor_copy(dst=e8b.reshape((rt, k // g, g // 32)), src=e8.reshape((rt, k // g, 1)).broadcast(2, g // 32))
     if mask is None:
         return raw, e8b
-    zb = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes_masked")
-    nisa.memset(dst=zb, value=0)
-    nisa.tensor_copy_predicated(dst=zb, src=raw, predicate=mask.broadcast(1, k))
+    zb = raw
+    if not bytes_masked:
+        zb = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes_masked")
+        nisa.memset(dst=zb, value=0)
+        nisa.tensor_copy_predicated(dst=zb, src=raw, predicate=mask.broadcast(1, k))
     zs = nl.ndarray((rt, k // 32), dtype=nl.uint8, buffer=nl.sbuf, name="a_e8_masked")
     nisa.memset(dst=zs, value=127)
     nisa.tensor_copy_predicated(dst=zs, src=e8b, predicate=mask.broadcast(1, k // 32))

@@ -617,7 +617,8 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
 
 # ----------------------------------------------------------------------------------------------- elementwise
 def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
-    """Elementwise ``data1 op data2`` (Vector, or GpSimd); bitvec ops on raw integer bits."""
+    """Elementwise ``data1 op data2`` (Vector, or GpSimd for arithmetic); bitvec ops on raw integer bits, VectorE
+    only (``gpsimd-bitvec``)."""
     instr = "tensor_tensor"
     dst, a, b = _onchip(dst, "dst", instr), _onchip(data1, "data1", instr), _onchip(data2, "data2", instr)
     op = _check_op(op, instr, "op", ("arith", "bitvec"))
