@@ -37,10 +37,13 @@ element, k = 512·mb + 4p + j) with E8M0 scales ``[128, K/512, R]`` in the ``nc_
 field).
 
 Evacuation order (SPEC §1.6): ``Σ_kb s_w[n, kb] · Σ_{k∈kb} a_k·q_k`` with the activation scale already in
-``a``: each 128-row K block's fp32 PSUM result is multiplied by its weight scale (VectorE, a PSUM source and a
-broadcast SBUF scale), the K blocks are summed in increasing kb in fp32 and rounded once to bf16. Up to
-``512 / R`` K blocks share one PSUM bank (side by side, each its own accumulation group), so one
-``tensor_tensor`` and one ``tensor_reduce`` evacuate them together.
+``a``: each 128-row K block's fp32 PSUM result is multiplied by its weight scale, the K blocks are summed in
+fp32 in an order that depends only on K, and the sum is rounded once to bf16. Up to ``512 / R`` K blocks share
+one PSUM bank (side by side, each its own accumulation group). Few rows (R < 64, decode): one VectorE
+``tensor_tensor`` per bank (PSUM source × broadcast SBUF scale), then a fixed pairwise tree of fp32 adds on
+GpSimd; many rows: ScalarE ``activation(copy, scale=s[:, kb])`` per group and one VectorE ``tensor_reduce``.
+Masked rows are exact zeros before any engine sees them: a DMA gather skips them (bf16 rows, MX bytes) or their
+fp8 scales are zeroed (bit-decoded bytes are always finite).
 
 Every construct used, and where it is documented (aws-neuron-sdk ``nki/api/nki/isa`` pages unless noted):
 
@@ -52,8 +55,11 @@ Every construct used, and where it is documented (aws-neuron-sdk ``nki/api/nki/i
   nki-library ``mlp_tkg_gate_up_projection.py`` (float8_e4m3 weight tiles against the io-dtype hidden).
 - per-K-block PSUM groups side by side in one bank: ``nc_matmul`` (a matmul writes within one 2 KiB bank; the
   first write overwrites, ``accumulate=False``).
-- evacuation with a broadcast scale / reduction: ``tensor_tensor`` (PSUM + SBUF input), ``tensor_reduce``
-  (trailing free axis), ``.broadcast`` of a free dim (``nki.language`` tensor views).
+- evacuation with a broadcast scale / reduction: ``tensor_tensor`` (PSUM + SBUF input; arithmetic fp32 adds on
+  GpSimd, SBUF only), ``activation`` with a ``(P, 1)`` scale (ScalarE reads PSUM), ``tensor_reduce`` (trailing
+  free axis), ``.broadcast`` / ``.permute`` of free dims (``nki.language`` tensor views).
+- masked rows by a gathering DMA: ``.ap(vector_offset=<(P, 1) int32 SBUF>)`` on the HBM side with
+  ``oob_mode.skip`` (``dma_copy`` page, ``deep-dives/nki-aps.rst``), indices from ``iota``; ``memset`` on GpSimd.
 - DMA transposes of fp32 scales (4-byte dtype, HBM → SBUF) and of fp8 activation words (uint32, SBUF → SBUF):
   ``dma_transpose``; trn2 arch guide "DMA Transpose" (2- and 4-byte dtypes).
 - bf16 TensorE transposes into bf16 PSUM: ``nc_transpose``; nki-library ``moe_tkg`` (identity transposes).
