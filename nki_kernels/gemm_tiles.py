@@ -730,12 +730,14 @@ def fold_scales(dst, even_vals, odd_vals, scale, block: int, vector_blocks: int 
 # ----------------------------------------------------------------------------------------------------------------
 # Rows back from K-major blocks
 # ----------------------------------------------------------------------------------------------------------------
-def rows_from_kmajor(rows_tiles, src_T, col0: int, r: int):
+def rows_from_kmajor(rows_tiles, src_T, col0: int, r: int, engine=None):
     """Transpose ``src_T [P(n), R]`` (bf16) back into row tiles: ``rows_tiles[t][m, col0 + n] = src_T[n, t·128 + m]``
-    (bf16 TensorE transposes into bf16 PSUM, VectorE copy)."""
+    (bf16 TensorE transposes into bf16 PSUM; the copy out on ``engine``, default VectorE — ScalarE when VectorE
+    evacuates the GEMM)."""
+    eng = nisa.engine.vector if engine is None else engine
     for t, dst in enumerate(rows_tiles):
         r0 = t * P
         rt = min(P, r - r0)
         pt = nl.ndarray((rt, P), dtype=src_T.dtype, buffer=nl.psum, name="rows_psum")
         nisa.nc_transpose(dst=pt, data=src_T[:, r0:r0 + rt])
-        nisa.tensor_copy(dst=dst[:, col0:col0 + P], src=pt, engine=nisa.engine.vector)
+        nisa.tensor_copy(dst=dst[:, col0:col0 + P], src=pt, engine=eng)
