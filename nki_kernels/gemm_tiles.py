@@ -409,6 +409,8 @@ def gemm_block(dst, slab: WeightSlab, j: int, act, r: int, out_engine=None):
                 else:  # quad: block c = (mb, plane)
                     st = slab.stat[c % 4][:, c // 4, cols]
                 nisa.nc_matmul(dst=ps, stationary=st, moving=act.aT[:, c, m0:m0 + mr], accumulate=c != 0)
+                if act.aT_lo is not None:
+                    nisa.nc_matmul(dst=ps, stationary=st, moving=act.aT_lo[:, c, m0:m0 + mr], accumulate=True)
         if plan.path == "quad_bf16" and plan.fmt == "fp8_mx":
             nisa.tensor_scalar(dst=dst[:, m0:m0 + mr], data=ps, op0=nl.multiply,
                                operand0=float(2.0 ** -FOLD_EXTRA_LOG2), engine=eng)
@@ -450,6 +452,9 @@ def _fp8_block_evac(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
             kb = b0 + q
             nisa.nc_matmul(dst=ps[:, q, :], stationary=slab.stat[:, kb, cols], moving=act.aT[:, kb, m0:m0 + mr],
                            accumulate=False)
+            if act.aT_lo is not None:
+                nisa.nc_matmul(dst=ps[:, q, :], stationary=slab.stat[:, kb, cols],
+                               moving=act.aT_lo[:, kb, m0:m0 + mr], accumulate=True)
         if few:
             s = slab.scale[:, j, b0:b0 + nb].reshape((P, nb, 1)).broadcast(2, mr)
             nisa.tensor_tensor(dst=scaled[:, b0:b0 + nb, :], data1=ps[:, :nb, :], data2=s, op=nl.multiply)
@@ -503,6 +508,9 @@ class ActOperand:
         x4: mx: SBUF float8_e4m3fn_x4 ``[P, K/512, R]``; else None.
         sc: mx: SBUF uint8 ``[P, K/512, R]`` E8M0 in nc_matmul_mx order; else None.
         r: rows.
+        aT_lo: None, or (``split``) SBUF bf16 like aT holding ``bf16(a − aT)``: each matmul then runs twice into
+            the same PSUM group, so an activation that bf16 cannot hold (fp8 byte × a non-power-of-two fp32
+            scale) still enters with ~16 significant bits (the reference rounds ``q·s`` to fp32).
     """
 
     korder: str
@@ -510,19 +518,21 @@ class ActOperand:
     x4: object
     sc: object
     r: int
+    aT_lo: object = None  # split operands: the bf16 remainder a − bf16(a), K-major like aT (or None)
 
 
-def alloc_act_operand(korder: str, k: int, r: int, name: str = "act") -> ActOperand:
+def alloc_act_operand(korder: str, k: int, r: int, name: str = "act", split: bool = False) -> ActOperand:
     """Allocate the operand buffers for R rows (fill them with :func:`act_rows_into_operand`)."""
     if korder == "mx":
         x4 = nl.ndarray((P, k // (4 * P), r), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name=f"{name}_x4")
         sc = nl.ndarray((P, k // (4 * P), r), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_e8m0")
         return ActOperand(korder, None, x4, sc, r)
     aT = nl.ndarray((P, k // P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name=f"{name}_T")
-    return ActOperand(korder, aT, None, None, r)
+    lo = nl.ndarray((P, k // P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name=f"{name}_T_lo") if split else None
+    return ActOperand(korder, aT, None, None, r, lo)
 
 
-def load_act_rows(a, a_scale, r0: int, rt: int, mask=None, korder: str = "natural"):
+def load_act_rows(a, a_scale, r0: int, rt: int, mask=None, korder: str = "natural", split: bool = False):
     """Rows ``[r0, r0 + rt)`` of an HBM activation ``a [R, K]`` into SBUF, in the form
     :func:`act_rows_into_operand` takes, with rows whose mask is 0 made exact zeros before any arithmetic.
 
@@ -543,7 +553,7 @@ def load_act_rows(a, a_scale, r0: int, rt: int, mask=None, korder: str = "natura
         return fp8_rows_to_mx(raw, s_raw, mask, bytes_masked=True)
     raw = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes")
     nisa.dma_copy(dst=raw, src=a.view(nl.uint8)[r0:r0 + rt, :])
-    return fp8_rows_to_bf16(raw, s_raw, mask)
+    return fp8_rows_to_bf16(raw, s_raw, mask, split)
 
 
 def gather_rows(a, r0: int, rt: int, mask, dtype, name: str):
@@ -567,7 +577,37 @@ def gather_rows(a, r0: int, rt: int, mask, dtype, name: str):
     return dst
 
 
-def fp8_rows_to_bf16(raw, s_raw, mask=None):
+def non_pow2_scale_count(a_scale, mask_tiles, psum_cnt):
+    """Accumulate into ``psum_cnt`` (PSUM float32 ``[1, 1]``) how many selected rows of ``a_scale`` (HBM float32
+    ``[R, K/g]``) hold a scale that is not a power of two (non-zero mantissa bits; masked rows ignored). The MX
+    path is exact only when this is 0 (the E8M0 byte keeps the exponent alone), so kernels branch on it at run
+    time (two runtime loops of trip count 0 / 1; no nested loop).
+
+    Per 128-row tile: a bitvec ``tensor_scalar`` (mantissa & 0x7FFFFF, VectorE), ``min(·, 1)``, a max over the
+    free axis, × the row mask, and a TensorE row sum (``flagᵀ · 1``) into the PSUM counter."""
+    r, ng = a_scale.shape
+    for t, r0 in enumerate(range(0, r, P)):
+        rt = min(P, r - r0)
+        s = nl.ndarray((rt, ng), dtype=nl.float32, buffer=nl.sbuf, name="pow2_s")
+        nisa.dma_copy(dst=s, src=a_scale[r0:r0 + rt, :])
+        mant = nl.ndarray((rt, ng), dtype=nl.int32, buffer=nl.sbuf, name="pow2_mant")
+        nisa.tensor_scalar(dst=mant, data=s.view(nl.int32), op0=nl.bitwise_and, operand0=0x7FFFFF)
+        bad = nl.ndarray((rt, ng), dtype=nl.float32, buffer=nl.sbuf, name="pow2_bad")
+        nisa.tensor_scalar(dst=bad, data=mant, op0=nl.minimum, operand0=1.0)
+        row = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="pow2_row")
+        nisa.tensor_reduce(dst=row, op=nl.maximum, data=bad, axis=(1,))
+        if mask_tiles is not None:
+            mk = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="pow2_mask")
+            nisa.tensor_copy(dst=mk, src=mask_tiles[t])
+            nisa.tensor_tensor(dst=row, data1=row, data2=mk, op=nl.multiply)
+        rb = nl.ndarray((rt, 1), dtype=nl.bfloat16, buffer=nl.sbuf, name="pow2_row_bf16")
+        nisa.tensor_copy(dst=rb, src=row)
+        ones = nl.ndarray((rt, 1), dtype=nl.bfloat16, buffer=nl.sbuf, name="pow2_ones")
+        nisa.memset(dst=ones, value=1.0)
+        nisa.nc_matmul(dst=psum_cnt, stationary=rb, moving=ones, accumulate=t != 0)
+
+
+def fp8_rows_to_bf16(raw, s_raw, mask=None, split: bool = False):
     """fp8 rows in SBUF → bf16 values (exact for pow2 scales; other fp32 scales round once to bf16).
 
     Args:
@@ -575,7 +615,8 @@ def fp8_rows_to_bf16(raw, s_raw, mask=None):
             ``[rt, 1]`` or None (masked rows: scale 0, and the decoded bytes are always finite, so exact zeros).
 
     Returns:
-        SBUF bf16 ``[rt, K]``.
+        SBUF bf16 ``[rt, K]``; with ``split``, ``(hi, lo)``: ``hi = bf16(q·s)``, ``lo = bf16(q·s − hi)`` from the
+        fp32 product the reference forms (for non-pow2 scales; see :class:`ActOperand`).
     """
     rt, k = raw.shape
     g = k // s_raw.shape[1]
@@ -590,8 +631,15 @@ def fp8_rows_to_bf16(raw, s_raw, mask=None):
     even = nl.ndarray((rt, k // 4), dtype=nl.uint32, buffer=nl.sbuf, name="a_even")
     odd = nl.ndarray((rt, k // 4), dtype=nl.uint32, buffer=nl.sbuf, name="a_odd")
     decode_e4m3fn_pairs(even, odd, raw.view(nl.uint32))
-    fold_scales(a_nat, even.view(nl.float16), odd.view(nl.float16), scale, g)
-    return a_nat
+    if not split:
+        fold_scales(a_nat, even.view(nl.float16), odd.view(nl.float16), scale, g)
+        return a_nat
+    a32 = nl.ndarray((rt, k), dtype=nl.float32, buffer=nl.sbuf, name="a_f32")
+    fold_scales(a32, even.view(nl.float16), odd.view(nl.float16), scale, g)  # q·s rounded once to fp32
+    nisa.tensor_copy(dst=a_nat, src=a32)
+    lo = nl.ndarray((rt, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="a_lo")
+    nisa.tensor_tensor(dst=lo, data1=a32, data2=a_nat, op=nl.subtract)
+    return a_nat, lo
 
 
 def fp8_rows_to_mx(raw, s_raw, mask=None, bytes_masked: bool = False):
@@ -650,23 +698,25 @@ def act_rows_into_operand(op: ActOperand, rows, r0: int):
             nisa.nc_transpose(dst=pt, data=slots[:, mb, :])
             nisa.tensor_copy(dst=op.sc[:, mb, r0:r0 + rt], src=pt)
         return
-    a_nat = rows
-    rt, k = a_nat.shape
-    nkb = k // P
-    if op.korder == "natural":
-        blk = [a_nat[:, c * P:(c + 1) * P] for c in range(nkb)]
-    else:
-        q = a_nat.reshape((rt, k // (4 * P), P, 4))
-        blk = [q[:, c // 4, :, c % 4] for c in range(nkb)]
-    for g0 in range(0, nkb, TRANSPOSES_PER_BANK):
-        g = min(TRANSPOSES_PER_BANK, nkb - g0)
-        pt = nl.ndarray((P, TRANSPOSES_PER_BANK, P), dtype=nl.bfloat16, buffer=nl.psum, name="aT_psum")
-        for i in range(g):
-            nisa.nc_transpose(dst=pt[:, i, :rt], data=blk[g0 + i])
-        nisa.tensor_copy(dst=op.aT[:, g0:g0 + g, r0:r0 + rt], src=pt[:, :g, :rt], engine=nisa.engine.vector)
+    parts = rows if isinstance(rows, tuple) else (rows,)
+    assert len(parts) == (2 if op.aT_lo is not None else 1), "split operands take (hi, lo) row pairs"
+    for a_nat, aT in zip(parts, (op.aT, op.aT_lo)):
+        rt, k = a_nat.shape
+        nkb = k // P
+        if op.korder == "natural":
+            blk = [a_nat[:, c * P:(c + 1) * P] for c in range(nkb)]
+        else:
+            q = a_nat.reshape((rt, k // (4 * P), P, 4))
+            blk = [q[:, c // 4, :, c % 4] for c in range(nkb)]
+        for g0 in range(0, nkb, TRANSPOSES_PER_BANK):
+            g = min(TRANSPOSES_PER_BANK, nkb - g0)
+            pt = nl.ndarray((P, TRANSPOSES_PER_BANK, P), dtype=nl.bfloat16, buffer=nl.psum, name="aT_psum")
+            for i in range(g):
+                nisa.nc_transpose(dst=pt[:, i, :rt], data=blk[g0 + i])
+            nisa.tensor_copy(dst=aT[:, g0:g0 + g, r0:r0 + rt], src=pt[:, :g, :rt], engine=nisa.engine.vector)
 
 
-def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act") -> ActOperand:
+def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act", split: bool = False) -> ActOperand:
     """All rows of an HBM activation ``a [R, K]`` as a moving operand (masked rows exact zeros).
 
     Args:
@@ -675,10 +725,11 @@ def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act"
         mask_tiles: None, or one SBUF uint8 ``[rt, 1]`` predicate per 128-row tile.
     """
     r, k = a.shape
-    op = alloc_act_operand(korder, k, r, name)
+    split = split and act_format(a) == "fp8" and korder != "mx"
+    op = alloc_act_operand(korder, k, r, name, split)
     for t, r0 in enumerate(range(0, r, P)):
         rt = min(P, r - r0)
-        rows = load_act_rows(a, a_scale, r0, rt, None if mask_tiles is None else mask_tiles[t], korder)
+        rows = load_act_rows(a, a_scale, r0, rt, None if mask_tiles is None else mask_tiles[t], korder, split)
         act_rows_into_operand(op, rows, r0)
     return op
 

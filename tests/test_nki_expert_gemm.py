@@ -278,6 +278,32 @@ def test_eio_fp8_with_non_pow2_scales(target):
     assert_gemm_close(out, ref, f"{target} fp8 non-pow2")
 
 
+@interpreter_only
+@pytest.mark.parametrize("wfmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("group", [128, 32])
+def test_trn3_mx_path_falls_back_exactly_for_non_pow2_activation_scales(wfmt, group):
+    """nc_matmul_mx keeps only the exponent of an activation scale: with power-of-two scales the MX path runs;
+    one selected row with any other scale switches, on chip, to the exact bf16 decode of the same weights. A
+    masked (padding) row's scale is ignored. Both match the reference."""
+    rows, k, n = 12, 512, 256
+    b, b_s = _weights(2, n, k, wfmt, 8)
+    be, bse = _prepared(b, b_s, "trn3")
+    a, a_s = make_activations(rows, k, "fp8", group=group, seed=9)
+    mask = torch.ones(rows, dtype=torch.bool)
+    mask[5] = False
+    odd = a_s.clone()
+    odd[5] *= 1.37  # a masked row: does not count
+    for scales, mx in ((odd, True), (a_s * torch.where(torch.arange(rows) == 3, 1.37, 1.0)[:, None], False)):
+        aa, ss = _poison_rows(a, scales, mask) if not mx else (a, scales)
+        ref = ref_expert_gemm(aa, ss, be, bse, mask, 1, weight_layout="eio")
+        with interpreter.target("trn3"):
+            out = _eio(aa, ss, be, bse, mask, 1)
+            names = interpreter.last_run().cost.by_name
+        assert_gemm_close(out, ref, f"trn3 {wfmt} g={group} mx={mx}")
+        assert (names.get("tensor.nc_matmul_mx", 0) > 0) == mx
+        assert (names.get("tensor.nc_matmul", 0) > 2) == (not mx)
+
+
 def _code_weights(wfmt, n, k, g):
     """EOI weights holding every code (fp8: every non-NaN e4m3fn code incl. |q| > 240 and subnormals; fp4: every
     byte) under random power-of-two scales."""
