@@ -72,19 +72,20 @@ from __future__ import annotations
 
 from static_moe.nki.shim import nisa, nl
 
-from .expert_gemm import (
+from .expert_gemm import WEIGHT_LAYOUTS, block_times_rows, load_weight_group, rows_per_dma, weight_format, weight_k
+from .gemm_tiles import (
     MOVING_MAX,
     P,
+    WeightRing,
     act_format,
-    block_times_rows,
-    decode_e4m3fn_pairs,
-    fold_scales,
-    load_weight_group,
+    act_rows_into_operand,
+    alloc_act_operand,
+    fp8_rows_to_bf16,
+    fp8_rows_to_mx,
+    gemm_block,
+    load_weight_slab,
     rows_from_kmajor,
-    rows_per_dma,
-    transpose_blocks,
-    weight_format,
-    weight_k,
+    weight_plan,
 )
 from .swiglu_and_cast import swiglu_cast_tile
 
@@ -158,19 +159,24 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
             h = bf16(W13[e] · xT); z = swiglu_and_cast(h, w); d = bf16(W2[e] · z)
             acc[rows] += d                                              # DMA read-modify-write
     """
-    assert weight_layout == "eoi", (
-        f"local_experts_kernel: weight_layout={weight_layout!r} is not supported by this build; pass weights "
-        f"with weight_layout='eoi'")
+    assert weight_layout in WEIGHT_LAYOUTS, f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}"
     r, h = x.shape
     k = topk_idx.shape[1]
     n_local = w13.shape[0]
-    fmt_w = weight_format(w13)
-    two_i = w13.shape[1]
-    inter = two_i // 2
-    assert weight_k(w13, fmt_w) == h, f"w13 has K={weight_k(w13, fmt_w)}, x has H={h}"
-    assert w2.shape[1] == h and weight_k(w2, fmt_w) == inter, "w2 must be [L, H, I] in w13's format"
+    fmt_x = act_format(x)
+    if weight_layout == "eio":
+        g1, g2 = _EioGemm(w13, w13_scale, fmt_x, "w13"), _EioGemm(w2, w2_scale, fmt_x, "w2")
+        assert g1.k == h and g2.n == h, f"w13 must be EIO [L, H, 2I] and w2 [L, I, H] with H={h}"
+        assert g1.n == 2 * g2.k, f"w13 has 2I={g1.n}, w2 has I={g2.k}"
+    else:
+        fmt_w = weight_format(w13)
+        assert weight_k(w13, fmt_w) == h, f"w13 has K={weight_k(w13, fmt_w)}, x has H={h}"
+        g1 = _EoiGemm(w13, w13_scale, fmt_w, h, w13.shape[1])
+        g2 = _EoiGemm(w2, w2_scale, fmt_w, weight_k(w2, fmt_w), w2.shape[1])
+        assert w2.shape[1] == h and 2 * g2.k == g1.n, "w2 must be [L, H, I] in w13's format"
+    inter = g2.k
     assert h % P == 0 and inter % P == 0, f"H={h} and I={inter} must be multiples of {P}"
-    if act_format(x) == "fp8":
+    if fmt_x == "fp8":
         group = h // x_scale.shape[1]
         e4m3fn_native = nisa.get_nc_version() == nisa.nc_version.gen4
         assert fp8_max <= 240.0 or e4m3fn_native, (
@@ -189,10 +195,10 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
     out = nl.ndarray((r, h), dtype=nl.float32, buffer=nl.shared_hbm, name="acc_out")
     tiles = _routing_tiles(topk_idx, topk_weights, expert_offset, n_local, r)
     table, item_expert, n_reg = _work_list(tiles, r, n_local, m, n_max, skip_unrouted, q_static)
-    x_rows = _x_rows_source(x, x_scale, tiles, r, h)
+    x_rows = _x_rows_source(x, x_scale, tiles, r, h, g1.korder)
     _zero_rows(out, r, h)
 
-    bufs = _ItemBuffers(m, h, inter)
+    bufs = _ItemBuffers(m, h, inter, g1, g2, fmt_x, group)
     if skip_unrouted:
         counter = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_counter")
         nisa.memset(dst=counter, value=0)
@@ -202,15 +208,13 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
             nisa.dma_copy(dst=e_sb, src=item_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=counter,
                                                        indirect_dim=0))
             meta = table.ap(pattern=[[2, m], [1, 2]], offset=0, scalar_offset=counter, indirect_dim=0)
-            _item(out, x_rows, meta, e_sb, bufs, w13, w13_scale, w2, w2_scale, fmt_w, h, inter, m, swiglu_limit,
-                  fp8_max, group)
+            _item(out, x_rows, meta, e_sb, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group)
             nisa.tensor_scalar(dst=counter, data=counter, op0=nl.add, operand0=1)
 
         nl.fori_loop(0, n_reg, body)
     else:
         for i in range(n_max):
-            _item(out, x_rows, table[i], i // q_static, bufs, w13, w13_scale, w2, w2_scale, fmt_w, h, inter, m,
-                  swiglu_limit, fp8_max, group)
+            _item(out, x_rows, table[i], i // q_static, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group)
     return out
 
 
@@ -397,13 +401,66 @@ def _work_list(tiles, r: int, n_local: int, m: int, n_max: int, skip_unrouted: b
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The two GEMMs of an item, per weight layout
+# ----------------------------------------------------------------------------------------------------------------
+class _EioGemm:
+    """A GEMM on prepared (EIO) weights through ``nki_kernels/gemm_tiles.py``: K-major weight slabs DMA'd as the
+    stationary operand into a ring of ``WEIGHT_BUFS`` buffers (allocated once, outside the runtime loop: the
+    DMA of slab i+1 overlaps the matmuls of slab i, also across items)."""
+
+    def __init__(self, w, w_scale, act_fmt: str, name: str):
+        self.w, self.w_scale = w, w_scale
+        self.plan = weight_plan(w, act_fmt)
+        self.k, self.n, self.korder = self.plan.k, self.plan.n, self.plan.korder
+        self.ring = None
+        self.name = name
+
+    def alloc(self):
+        self.ring = WeightRing(self.plan, self.name)
+
+    def blocks(self, e, op, m: int):
+        """Yield ``(n0, dT [P, M] bf16)`` per 128 output features: ``bf16(Σ_k W_e[k, n0 + n] · rows[k, :M])``."""
+        plan = self.plan
+        for n0 in range(0, plan.n, plan.ncols):
+            slab = load_weight_slab(self.ring, self.w, self.w_scale, e, n0)
+            for j in range(plan.ncols // P):
+                dT = nl.ndarray((P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name=f"{self.name}_dT")
+                gemm_block(dT, slab, j, op, m, out_engine=nisa.engine.scalar)
+                yield n0 + j * P, dT
+
+
+class _EoiGemm:
+    """A GEMM on nn.Linear (EOI) weights through ``nki_kernels/expert_gemm.py``'s decode path: weight row blocks
+    decoded to bf16 and transposed on the TensorE (correct everywhere; prepare the weights for speed)."""
+
+    korder = "natural"
+
+    def __init__(self, w, w_scale, fmt: str, k: int, n: int):
+        self.w, self.w_scale, self.fmt, self.k, self.n = w, w_scale, fmt, k, n
+
+    def alloc(self):
+        pass
+
+    def blocks(self, e, op, m: int):
+        nnb = self.n // P
+        grp = rows_per_dma(self.fmt, self.k, nnb)
+        for g0 in range(0, nnb, grp):
+            group = load_weight_group(self.w, self.w_scale, e, g0 * P, grp, self.fmt, self.k)
+            for j in range(grp):
+                dT = nl.ndarray((P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name="eoi_dT")
+                block_times_rows(dT, group, j, op.aT, self.fmt, self.k, m)
+                yield (g0 + j) * P, dT
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Rows in and out
 # ----------------------------------------------------------------------------------------------------------------
-def _x_rows_source(x, x_scale, tiles, r: int, h: int):
-    """The HBM rows items gather from: bf16 x as it is; fp8 x decoded once to bf16 (exact; scales folded, rows
-    routed nowhere zeroed through their scales so 0xFF padding never becomes a value) in a private HBM scratch."""
-    if act_format(x) == "bf16":
-        return x
+def _x_rows_source(x, x_scale, tiles, r: int, h: int, korder: str):
+    """The HBM rows items gather from. bf16 x, and fp8 x on the MX path (its bytes and scales are gathered as
+    they are): x itself. fp8 x otherwise: decoded once to bf16 (exact for pow2 scales; rows routed nowhere
+    zeroed through their scales, so 0xFF padding never becomes a value) in a private HBM scratch."""
+    if act_format(x) == "bf16" or korder == "mx":
+        return x, x_scale
     g = h // x_scale.shape[1]
     xs = nl.ndarray((r, h), dtype=nl.bfloat16, buffer=nl.private_hbm, name="x_bf16_rows")
     for tl in tiles:
@@ -412,19 +469,8 @@ def _x_rows_source(x, x_scale, tiles, r: int, h: int):
         nisa.dma_copy(dst=raw, src=x.view(nl.uint8)[r0:r0 + rt, :])
         s_raw = nl.ndarray((rt, h // g), dtype=nl.float32, buffer=nl.sbuf, name="x_s")
         nisa.dma_copy(dst=s_raw, src=x_scale[r0:r0 + rt, :])
-        s256 = nl.ndarray((rt, h // g), dtype=nl.float32, buffer=nl.sbuf, name="x_s256")
-        nisa.tensor_scalar(dst=s256, data=s_raw, op0=nl.multiply, operand0=256.0)
-        scale = nl.ndarray((rt, h // g), dtype=nl.float32, buffer=nl.sbuf, name="x_s_masked")
-        nisa.memset(dst=scale, value=0.0)
-        nisa.tensor_copy_predicated(dst=scale, src=s256, predicate=tl.routed.broadcast(1, h // g))
-        even = nl.ndarray((rt, h // 4), dtype=nl.uint32, buffer=nl.sbuf, name="x_even")
-        odd = nl.ndarray((rt, h // 4), dtype=nl.uint32, buffer=nl.sbuf, name="x_odd")
-        tmp = nl.ndarray((rt, h // 4), dtype=nl.uint32, buffer=nl.sbuf, name="x_tmp")
-        decode_e4m3fn_pairs(even, odd, tmp, raw.view(nl.uint32))
-        rows = nl.ndarray((rt, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="x_rows_bf16")
-        fold_scales(rows, even.view(nl.float16), odd.view(nl.float16), scale, g)
-        nisa.dma_copy(dst=xs[r0:r0 + rt, :], src=rows)
-    return xs
+        nisa.dma_copy(dst=xs[r0:r0 + rt, :], src=fp8_rows_to_bf16(raw, s_raw, tl.routed))
+    return xs, None
 
 
 def _zero_rows(out, r: int, h: int):
@@ -436,67 +482,86 @@ def _zero_rows(out, r: int, h: int):
         nisa.dma_copy(dst=out[r0:r0 + rt, :], src=z[:rt])
 
 
-class _ItemBuffers:
-    """Per-item SBUF tiles, allocated once (a runtime loop body reuses the same addresses every iteration)."""
+def _gather(dst, src, rid, m: int):
+    """``dst[p] = src[rid[p]]`` for p < M (an HBM row gather, ``.ap(vector_offset=...)``); pad rows (id R) are
+    out of range and skipped, so dst keeps what it held there."""
+    c = src.shape[1]
+    nisa.dma_copy(dst=dst, src=src.ap(pattern=[[c, m], [1, c]], offset=0, vector_offset=rid, indirect_dim=0),
+                  oob_mode=nisa.oob_mode.skip)
 
-    def __init__(self, m: int, h: int, inter: int):
+
+class _ItemBuffers:
+    """Per-item SBUF tiles, allocated once: a runtime loop body reuses the same addresses every iteration. Tiles
+    that a gather fills are zeroed first, so pad rows (skipped by the gather) only ever hold zeros or finite
+    values of earlier rows — their columns are computed, never stored."""
+
+    def __init__(self, m: int, h: int, inter: int, g1, g2, fmt_x: str, group):
         self.meta = nl.ndarray((m, 2), dtype=nl.float32, buffer=nl.sbuf, name="item_meta")
         self.rid = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_rows")
-        self.xg = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_x")
-        # pad rows are skipped by the gather and keep what the tile held: start from zeros, so they only ever
-        # hold finite values of earlier rows (their results are never stored)
-        nisa.memset(dst=self.xg, value=0.0)
-        self.xT = nl.ndarray((P, h // P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_xT")
+        if g1.korder == "mx":
+            self.x_raw = nl.ndarray((m, h), dtype=nl.uint8, buffer=nl.sbuf, name="item_x_bytes")
+            self.x_s = nl.ndarray((m, h // group), dtype=nl.float32, buffer=nl.sbuf, name="item_x_scale")
+            nisa.memset(dst=self.x_raw, value=0)
+            nisa.memset(dst=self.x_s, value=0.0)
+        else:
+            self.xg = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_x")
+            nisa.memset(dst=self.xg, value=0.0)
+        self.op1 = alloc_act_operand(g1.korder, h, m, "item_x_op")
+        self.op2 = alloc_act_operand(g2.korder, inter, m, "item_z_op")
         self.h_rows = nl.ndarray((m, 2 * inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_h")
-        self.z = nl.ndarray((m, inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_z")
-        self.zT = nl.ndarray((P, inter // P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_zT")
+        if g2.korder == "mx":
+            self.zq = nl.ndarray((m, inter), dtype=nl.uint8, buffer=nl.sbuf, name="item_z_bytes")
+            self.zs = nl.ndarray((m, inter // group), dtype=nl.float32, buffer=nl.sbuf, name="item_z_scale")
+        else:
+            self.z = nl.ndarray((m, inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_z")
         self.d_rows = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_d")
+        g1.alloc()
+        g2.alloc()
 
 
-def _item(out, x_rows, meta_src, e, bufs, w13, w13_scale, w2, w2_scale, fmt_w, h, inter, m, swiglu_limit, fp8_max,
-          group):
+def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group):
     """One work item: M rows of expert e (an int, or a (1, 1) SBUF int32 tile loaded at run time)."""
-    nkb_h, nkb_i = h // P, inter // P
     nisa.dma_copy(dst=bufs.meta, src=meta_src)
     nisa.tensor_copy(dst=bufs.rid, src=bufs.meta[:, 0:1])  # exact: row ids < 2^24
-    nisa.dma_copy(dst=bufs.xg, src=x_rows.ap(pattern=[[h, m], [1, h]], offset=0, vector_offset=bufs.rid,
-                                             indirect_dim=0), oob_mode=nisa.oob_mode.skip)
-    transpose_blocks(bufs.xT, bufs.xg, m, nkb_h, (nisa.engine.vector,))
-    # ---- GEMM1: h^T blocks → rows h [M, 2I] bf16
-    n_blocks = 2 * inter // P
-    grp = rows_per_dma(fmt_w, h, n_blocks)
-    for g0 in range(0, n_blocks, grp):
-        w13_tiles = load_weight_group(w13, w13_scale, e, g0 * P, grp, fmt_w, h)
-        for j in range(grp):
-            hT = nl.ndarray((P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name="hT")
-            block_times_rows(hT, w13_tiles, j, bufs.xT, fmt_w, h, m)  # h = bf16(GEMM1)
-            rows_from_kmajor([bufs.h_rows], hT, (g0 + j) * P, m)
-    # ---- swiglu-and-cast (rows on partitions: groups along the free dim), z → z^T bf16
+    # ---- x rows → the K-major moving operand of GEMM1
+    x_src, x_src_scale = x_rows
+    if g1.korder == "mx":
+        _gather(bufs.x_raw, x_src.view(nl.uint8), bufs.rid, m)
+        _gather(bufs.x_s, x_src_scale, bufs.rid, m)
+        act_rows_into_operand(bufs.op1, fp8_rows_to_mx(bufs.x_raw, bufs.x_s), 0)
+    else:
+        _gather(bufs.xg, x_src, bufs.rid, m)
+        act_rows_into_operand(bufs.op1, bufs.xg, 0)
+    # ---- GEMM1: h^T blocks → rows h [M, 2I] bf16 (h = bf16(GEMM1))
+    for n0, hT in g1.blocks(e, bufs.op1, m):
+        rows_from_kmajor([bufs.h_rows], hT, n0, m)
+    # ---- swiglu-and-cast (rows on partitions: groups along the free dim) → the moving operand of GEMM2
     fp8 = group is not None
     cols = min(inter, SWIGLU_COLS)
     w_e = bufs.meta[:, 1:2]
-    hr, z = bufs.h_rows, bufs.z
+    hr = bufs.h_rows
     for c0 in range(0, inter, cols):
         c = min(cols, inter - c0)
         res = swiglu_cast_tile(hr[:, c0:c0 + c], hr[:, inter + c0:inter + c0 + c], w_e, swiglu_limit,
                                "fp8" if fp8 else "bf16", group if fp8 else 128, fp8_max)
-        if fp8:
-            q, s = res  # dequantize exactly: q has ≤ 4 significant bits, s is a power of two
-            gc = c // group
-            nisa.tensor_tensor(dst=z[:, c0:c0 + c].reshape((m, gc, group)), data1=q.reshape((m, gc, group)),
+        if not fp8:
+            nisa.tensor_copy(dst=bufs.z[:, c0:c0 + c], src=res)
+            continue
+        q, s = res
+        gc = c // group
+        if g2.korder == "mx":  # the bytes as they are (e4m3 and e4m3fn codes agree below 256) + pow2 scales
+            nisa.tensor_copy(dst=bufs.zq[:, c0:c0 + c], src=q.view(nl.uint8))
+            nisa.tensor_copy(dst=bufs.zs[:, c0 // group:c0 // group + gc], src=s)
+        else:  # dequantize exactly: q has ≤ 4 significant bits, s is a power of two
+            nisa.tensor_tensor(dst=bufs.z[:, c0:c0 + c].reshape((m, gc, group)), data1=q.reshape((m, gc, group)),
                                data2=s.reshape((m, gc, 1)).broadcast(2, group), op=nl.multiply)
-        else:
-            nisa.tensor_copy(dst=z[:, c0:c0 + c], src=res)
-    transpose_blocks(bufs.zT, z, m, nkb_i, (nisa.engine.vector,))
-    # ---- GEMM2: d^T blocks → rows d [M, H] bf16
-    n_blocks2 = nkb_h
-    grp2 = rows_per_dma(fmt_w, inter, n_blocks2)
-    for g0 in range(0, n_blocks2, grp2):
-        w2_tiles = load_weight_group(w2, w2_scale, e, g0 * P, grp2, fmt_w, inter)
-        for j in range(grp2):
-            d_bf = nl.ndarray((P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name="dT")
-            block_times_rows(d_bf, w2_tiles, j, bufs.zT, fmt_w, inter, m)  # d = bf16(GEMM2)
-            rows_from_kmajor([bufs.d_rows], d_bf, (g0 + j) * P, m)
+    if g2.korder == "mx":
+        act_rows_into_operand(bufs.op2, fp8_rows_to_mx(bufs.zq, bufs.zs), 0)
+    else:
+        act_rows_into_operand(bufs.op2, bufs.z, 0)
+    # ---- GEMM2: d^T blocks → rows d [M, H] bf16 (d = bf16(GEMM2))
+    for n0, dT in g2.blocks(e, bufs.op2, m):
+        rows_from_kmajor([bufs.d_rows], dT, n0, m)
     # ---- acc[rows] += d: one DMA read-modify-write (fp32 add, unique rows within an item; pad rows skipped)
     acc_rows = out.ap(pattern=[[h, m], [1, h]], offset=0, vector_offset=bufs.rid, indirect_dim=0)
     nisa.dma_compute(dst=acc_rows, srcs=[acc_rows, bufs.d_rows], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
