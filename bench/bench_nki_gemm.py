@@ -1,26 +1,35 @@
-"""Estimated trn2 time and HBM-roofline fraction of the NKI expert GEMM and fused local-experts kernels at
-decode shapes (DeepSeek-V4-Flash, DeepSeek-V3, Qwen3-30B-A3B; 1–128 tokens per NeuronCore, EP = 1).
+"""Estimated time and HBM-roofline fraction of the fused NKI local-experts kernel (and, on request, the expert
+GEMM) at decode shapes: DeepSeek-V4-Flash, DeepSeek-V3, Qwen3-30B-A3B; T = 1, 16, 128 tokens per rank; expert
+parallelism EP = 1 and 8; trn2 for every format pair, trn3 for the fp8 × fp8 and fp8 × fp4 targets.
 
 No device is needed: the kernels run through static_moe's NKI interpreter, whose cost record the cost model
 (``static_moe.nki.interpreter.cost.CostModel``: figures and assumptions in its docstring) turns into an estimated
-time on one NeuronCore-v3. ``ideal`` is the time to move the bytes the op must move at one core's share of HBM
-bandwidth (2.9 TB/s / 8): the weights (scales included) of the experts that some row selects, the activations
-in, the routing, the result out. ``fraction = ideal / estimate``. Model numbers, not measurements.
+time on one NeuronCore (the trn2 figures; trn3 rows run the trn3 target's instructions under the same figures).
+``ideal`` is the time to move the bytes the op must move at one core's share of HBM bandwidth (2.9 TB/s / 8):
+the weights (scales included) of the experts some row selects, x of the rows routed here, every row's routing
+and fp32 result. ``fraction = ideal / estimate``. Model numbers, not measurements.
 
-Variants: ``skip`` (runtime loop: unrouted experts read no weights) and ``static`` (all experts, no runtime
-control). Routing: ``make_routing(T, k, E)`` (uniform top-k), so T tokens touch ~min(E, T·k) experts.
+Layer (``layer_routing``): EP ranks × T tokens routed top-k over the model's E experts (uniform); rank 0 owns
+L = E/EP experts and gathers R = EP·T rows (capacity T per source rank): the tokens that name a local expert,
+then padding rows. The new design runs on weights prepared for the target (``layouts.prepare_weight``; Qwen3's
+I = 768 cannot hold the x4-packed fp4 form, so its fp4 rows run unprepared, and trn3 keeps plain fp8 for it) with
+M = ``chunk_rows_for(R, k, E)`` rows per work item.
 
-Extrapolation (local_experts): a full layer has 128–256 local experts; interpreting each takes seconds, so the
-per-expert cost is measured at the real H, I and T on 1- and 2-expert layers and extrapolated linearly per
-component (engine cycles, DMA bytes and count, loop iterations, HBM bytes) — exact because the kernel's
-instruction stream is affine in the number of experts L and of routed experts n (each expert body is the same
-static code). The token counts between the measured ones (T = 1 and 128 by default) are interpolated per
-component too: for T ≤ 128 (one row tile) the instruction stream is fixed and only the moving columns,
-evacuated elements and DMA bytes grow, linearly in T; such rows are marked ``~`` in the table. ``--check``
-runs a 4-expert layer and a T = 16 layer directly and prints both errors.
+Extrapolation: a full layer has 16–256 local experts; interpreting each takes seconds, so the cost is measured
+at the real H, I and R on 1- and 2-expert layers and extrapolated per component (engine cycles, DMA bytes and
+count, DGE count, loop iterations, HBM bytes): ``k10 + (L−1)(k20 − k10) + n·(k11 − k10)`` with n the work items
+Σ_e ⌈C_e / M⌉ of the full layer's routing — exact because the instruction stream is affine in L (the routing
+and work-list setup) and in n (every item runs the same static body). ``--check`` runs a 4-expert layer directly
+and prints the error.
 
-    .venv/bin/python bench/bench_nki_gemm.py [--models v4_flash,v3,qwen3_30b_a3b] [--tokens 1,4,16,64,128]
-                                             [--measure 1,128] [--pairs bf16xbf16,...] [--check]
+The old design (before issue 11: every routed expert over all R gathered rows, unprepared weights decoded on
+chip, a runtime loop over all L experts) is not kept runnable — its tile functions were replaced. Its figures
+(``bench/legacy/nki_local_experts_pre_issue11.json``) were recorded by this script's layer model and the same
+cost model against the kernel of commit f17bee4, and are printed beside the new ones ("old").
+
+    .venv/bin/python bench/bench_nki_gemm.py [--models v4_flash,v3,qwen3_30b_a3b] [--tokens 1,16,128]
+                                             [--ep 1,8] [--pairs bf16xbf16,...] [--targets trn2,trn3]
+                                             [--kernels local_experts,expert_gemm] [--check]
                                              [--json bench/results/nki_gemm.json]
 """
 
@@ -37,6 +46,7 @@ import torch
 from nki_kernels.expert_gemm import expert_gemm_kernel
 from nki_kernels.local_experts import chunk_rows_for, local_experts_kernel
 from static_moe.formats import quantize_weight
+from static_moe.layouts import prepare_weight, to_eio
 from static_moe.nki import interpreter, shim
 from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, make_activations, make_routing
 
@@ -156,18 +166,37 @@ def layer_routing(shape, tokens: int, ep: int, seed: int = 0):
     return g_idx, g_w, n_local, n, counts
 
 
-def _le_args(shape, act, wfmt, rows, num_local, routed_local: list[int], seed=0):
+def _le_args(shape, act, wfmt, rows, num_local, routed_local: list[int], seed=0, target=None):
     """Inputs of a ``num_local``-expert layer over ``rows`` gathered rows whose slots select exactly the local
-    experts ``routed_local`` (one row each, in slot order)."""
+    experts ``routed_local`` (one row each, in slot order); weights prepared for ``target`` (EIO) if given."""
     h, i = shape.hidden, shape.intermediate
     w13, s13 = _weights(num_local, 2 * i, h, wfmt, seed)
     w2, s2 = _weights(num_local, h, i, wfmt, seed + 1)
+    if target is not None and layout_for(shape, wfmt, target) == "eio":
+        w13, s13 = _prepare(w13, s13, shape, wfmt, target)
+        w2, s2 = _prepare(w2, s2, shape, wfmt, target)
     x, xs = make_activations(rows, h, act, group=GROUP, seed=seed + 2)
     idx = torch.full((rows, shape.topk), -1, dtype=torch.int32)
     for j, e in enumerate(routed_local):  # row j % R, slot j // R picks local expert e
         idx[j % rows, (j // rows) % shape.topk] = e
     tw = torch.full((rows, shape.topk), 1.0 / shape.topk)
     return (x, xs, idx, tw, w13, s13, w2, s2, 0, LIMIT, FP8_MAX)
+
+
+def layout_for(shape, wfmt, target) -> str:
+    """The weight layout the new design runs at: prepared ("eio") unless the packed fp4 form cannot hold K
+    (``gemm_tiles`` needs K a multiple of 512 for the x4-packed forms: Qwen3-30B-A3B's I = 768 is not)."""
+    packed_ok = shape.hidden % 512 == 0 and shape.intermediate % 512 == 0
+    return "eio" if (wfmt != "fp4" or packed_ok) else "eoi"
+
+
+def _prepare(w, s, shape, wfmt, target):
+    """``layouts.prepare_weight`` for the target, but fp8 on trn3 keeps the plain (per-block) fp8 form when the MX
+    form cannot hold K (K not a multiple of 512)."""
+    if wfmt == "fp8" and target == "trn3" and (shape.hidden % 512 or shape.intermediate % 512):
+        return to_eio(w, s)
+    w, s, _ = prepare_weight(w, s, target)
+    return w, s
 
 
 def _le_ideal(shape, act, wfmt, rows, real_rows, n_routed) -> int:
@@ -178,53 +207,44 @@ def _le_ideal(shape, act, wfmt, rows, real_rows, n_routed) -> int:
     return n_routed * per_expert + _act_bytes(real_rows, h, act) + rows * k * 8 + rows * h * 4
 
 
-def measure_local_experts(shape, act, wfmt, rows, design: str, chunk_rows: int | None = None) -> dict:
+def measure_local_experts(shape, act, wfmt, rows, chunk_rows: int) -> dict:
     """Cost records of 1- and 2-expert layers at the real H, I and R (see the module docstring): ``k10`` / ``k20``
-    with no routed expert, ``k11`` with one routed expert (one row, hence one work item)."""
-    kw = {"skip_unrouted": True}
-    kernel = local_experts_kernel
-    if design == "new":
-        kw["chunk_rows"] = chunk_rows
-    else:
-        kernel = _legacy_kernel()
-    run = lambda L, routed: _profile(kernel, *_le_args(shape, act, wfmt, rows, L, routed), **kw)  # noqa: E731
+    with no routed expert, ``k11`` with one routed expert (one row, hence one work item); weights prepared for
+    the current target (``layout_for``)."""
+    target = "trn3" if nisa_target_is_trn3() else "trn2"
+    kw = {"skip_unrouted": True, "chunk_rows": chunk_rows, "weight_layout": layout_for(shape, wfmt, target)}
+    run = lambda L, routed: _profile(local_experts_kernel,  # noqa: E731
+                                     *_le_args(shape, act, wfmt, rows, L, routed, target=target), **kw)
     return {"k10": run(1, []), "k20": run(2, []), "k11": run(1, [0])}
 
 
-def _legacy_kernel():
-    """The pre-issue-11 kernel, if importable (only to re-record LEGACY_JSON; see the module docstring)."""
-    from nki_kernels.local_experts_legacy import local_experts_kernel as legacy  # noqa: PLC0415
-
-    return legacy
+def nisa_target_is_trn3() -> bool:
+    return shim.nisa.get_nc_version() == shim.nisa.nc_version.gen4
 
 
-def row_local_experts(shape, act, wfmt, tokens, ep, r: dict, design: str, seed=0) -> dict:
+def row_local_experts(shape, act, wfmt, tokens, ep, r: dict, seed=0) -> dict:
     """The full layer (L = E/ep local experts, R = ep·T rows), extrapolated from the 1-/2-expert records:
-    ``k10 + (L−1)(k20 − k10) + n·(k11 − k10)``, n = work items (new design: Σ_e ⌈C_e / M⌉) or routed experts
-    (old design: each routed expert runs once over all R rows)."""
+    ``k10 + (L−1)(k20 − k10) + n·(k11 − k10)``, n = Σ_e ⌈C_e / M⌉ work items."""
     idx, _, n_local, real, counts = layer_routing(shape, tokens, ep, seed)
     rows = ep * tokens
     n_routed = int((counts > 0).sum())
-    if design == "new":
-        m = chunk_rows_for(rows, shape.topk, n_local)
-        n = int(sum(-(-int(c) // m) for c in counts))
-    else:
-        m, n = rows, n_routed
+    m = chunk_rows_for(rows, shape.topk, shape.num_experts)
+    n = int(sum(-(-int(c) // m) for c in counts))
     rec = _combine([(1, r["k10"]), (n_local - 1, r["k20"]), (-(n_local - 1), r["k10"]), (n, r["k11"]),
                     (-n, r["k10"])])
     ideal = _le_ideal(shape, act, wfmt, rows, real, n_routed)
-    return {"kernel": "local_experts", "design": design, "ep": ep, "rows": rows, "chunk_rows": m, "items": n,
+    return {"kernel": "local_experts", "design": "new", "ep": ep, "rows": rows, "chunk_rows": m, "items": n,
             "shape": f"H={shape.hidden} I={shape.intermediate} L={n_local}",
             "routed": f"{n_routed}/{n_local} experts", **_finish(rec, ideal)}
 
 
 def check_extrapolation(shape, act, wfmt, rows=16) -> str:
     """Measured vs extrapolated (new design): a 4-expert layer with 2 routed experts, from 1-/2-expert runs."""
-    m = chunk_rows_for(rows, shape.topk, 4)
-    r = measure_local_experts(shape, act, wfmt, rows, "new", m)
+    m = chunk_rows_for(rows, shape.topk, shape.num_experts)
+    r = measure_local_experts(shape, act, wfmt, rows, m)
     pred = _combine([(1, r["k10"]), (3, r["k20"]), (-3, r["k10"]), (2, r["k11"]), (-2, r["k10"])])
-    meas = _profile(local_experts_kernel, *_le_args(shape, act, wfmt, rows, 4, [1, 3]), skip_unrouted=True,
-                    chunk_rows=m)
+    meas = _profile(local_experts_kernel, *_le_args(shape, act, wfmt, rows, 4, [1, 3], target="trn2"),
+                    skip_unrouted=True, chunk_rows=m, weight_layout=layout_for(shape, wfmt, "trn2"))
     err = max(abs(pred[c] - meas[c]) / max(meas[c], 1e-12) for c in COMPONENTS + ("hbm_bytes",) if meas[c] > 0)
     t_p, t_m = max(pred[c] for c in COMPONENTS), max(meas[c] for c in COMPONENTS)
     return (f"  4 experts, 2 routed, R={rows}: measured {t_m * 1e6:9.2f} µs, extrapolated {t_p * 1e6:9.2f} µs "
@@ -281,7 +301,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _local_experts_rows(models, pairs, targets, tokens, eps, design, legacy, t0) -> list[dict]:
+def _local_experts_rows(models, pairs, targets, tokens, eps, legacy, t0) -> list[dict]:
     rows = []
     for key in models:
         shape = MODEL_SHAPES[key]
@@ -293,15 +313,17 @@ def _local_experts_rows(models, pairs, targets, tokens, eps, design, legacy, t0)
                     for t in tokens:
                         n_rows = ep * t
                         with interpreter.target(tgt):
-                            m = chunk_rows_for(n_rows, shape.topk, shape.num_experts // ep) if design == "new" else None
-                            rec = measure_local_experts(shape, act, wfmt, n_rows, design, m)
-                        row = row_local_experts(shape, act, wfmt, t, ep, rec, design)
+                            rec = measure_local_experts(shape, act, wfmt, n_rows,
+                                                        chunk_rows_for(n_rows, shape.topk, shape.num_experts))
+                        row = row_local_experts(shape, act, wfmt, t, ep, rec)
                         model = shape.name.replace("DeepSeek-", "")
-                        row.update(model=model, pair=f"{act}×{wfmt}", tokens=t, target=tgt)
+                        row.update(model=model, pair=f"{act}×{wfmt}", tokens=t, target=tgt,
+                                   layout=layout_for(shape, wfmt, tgt))
                         old = legacy.get((model, row["pair"], t, ep, tgt))
-                        # the old design's estimate under the corrected model (the same cost model as 'est')
+                        # the old design's estimate under the same (corrected) cost model as 'est'
                         row["old_time_s"] = None if old is None else old["time_s"]
                         row["old_fraction"] = None if old is None else old["fraction"]
+                        row["old_bound"] = None if old is None else old["bound"]
                         rows.append(row)
                         print(table([row]).split("\n", 2)[2], f"   [{time.time() - t0:.0f}s]", flush=True)
     return rows
@@ -345,8 +367,6 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", default="trn2,trn3", help="trn3 runs the trn3 target pairs (fp8×fp8, fp8×fp4)")
     ap.add_argument("--kernels", default="local_experts", help="local_experts and/or expert_gemm (EP 1)")
     ap.add_argument("--check", action="store_true", help="verify the extrapolation on a 4-expert layer")
-    ap.add_argument("--record-legacy", action="store_true", help=f"measure the old design "
-                    f"(nki_kernels/local_experts_legacy.py) and write {LEGACY_JSON.name}")
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "nki_gemm.json")
     args = ap.parse_args(argv)
     if shim.real_nki_available():
@@ -371,19 +391,14 @@ def main(argv=None) -> int:
           f"'serial' = their sum, 'bound' = the binding one; M = rows per work item, items = Σ_e ⌈C_e/M⌉. "
           f"fp8 activations with 1×{GROUP} scales, fp8_max {FP8_MAX:g}, swiglu limit {LIMIT:g}.", flush=True)
     t0 = time.time()
-    if args.record_legacy:
-        rows = _local_experts_rows(models, pairs, targets, tokens, eps, "old", {}, t0)
-        LEGACY_JSON.write_text(json.dumps(rows, indent=1))
-        print(f"wrote {LEGACY_JSON}")
-        return 0
     if args.check:
-        print("extrapolation check (Qwen3-30B-A3B dims, fp8×fp4):")
-        print(check_extrapolation(MODEL_SHAPES["qwen3_30b_a3b"], "fp8", "fp4"), flush=True)
+        print("extrapolation check (V4-Flash dims, fp8×fp4, trn2):")
+        print(check_extrapolation(MODEL_SHAPES["v4_flash"], "fp8", "fp4"), flush=True)
     rows = []
     if "expert_gemm" in kernels:
         rows += _expert_gemm_rows(models, pairs, tokens, sorted({min(tokens), max(tokens)}), t0)
     if "local_experts" in kernels:
-        rows += _local_experts_rows(models, pairs, targets, tokens, eps, "new", _legacy_rows(), t0)
+        rows += _local_experts_rows(models, pairs, targets, tokens, eps, _legacy_rows(), t0)
     print()
     print(table(rows))
     print()

@@ -12,8 +12,8 @@ Routed-row compaction (issue 11 §4)
 -----------------------------------
 The TensorE, evacuation and swiglu work of an expert is proportional to its *routed* rows, not to the R gathered
 rows: the kernel builds, on device, a work list of items (expert e, chunk c) of at most M rows each (``M =
-chunk_rows_for(R, k, L)``, a power of two ≤ 128: twice the most rows a local expert can have on average, so an
-expert is one item in the common case), sorted by expert, and runs one static item body per list entry:
+chunk_rows_for(R, k, E)``, a power of two ≤ 128: twice the mean rows per expert, so an expert is one item in the
+common case), sorted by expert, and runs one static item body per list entry:
 
 1. Routing, per 128-row tile (rows on partitions, local experts along the free dim): ``hit[r, e]`` (row r names
    e), ``w_all[r, e]`` (slot-order sum of its weights, SPEC §1.3; padding slots never reach arithmetic).
@@ -93,14 +93,16 @@ SWIGLU_COLS = 1024  # columns of I per swiglu tile call (bounds its fp32 scratch
 MAX_CHUNK = P  # rows per work item: gathered rows land on partitions
 
 
-def chunk_rows_for(rows: int, topk: int, n_local: int) -> int:
-    """M, the rows per work item: the power of two ≥ twice ``⌈R·min(k, L)/L⌉`` (an upper bound on the mean rows
-    per local expert), capped at 128 and at R rounded up to a power of two.
+def chunk_rows_for(rows: int, topk: int, num_experts: int) -> int:
+    """M, the rows per work item: the power of two ≥ twice ``⌈R·min(k, E)/E⌉`` — the mean rows per expert when the
+    R gathered rows route top-k over E experts (E = the layer's global experts; with expert parallelism over S
+    ranks of capacity C, R = S·C tokens do) — capped at 128 and at R rounded up to a power of two.
 
     Small M keeps the evacuations, transposes and swiglu of an item proportional to the routed rows; the TensorE
-    charges max(M, 64) cycles per 128×128 block anyway, so M below 64 costs it nothing more. An expert with more
-    than M rows takes several items (its weights are streamed once per item)."""
-    mean = -(-rows * min(topk, n_local) // n_local)
+    charges max(M, 64) cycles per 128×128 block anyway, so M below 64 costs it nothing more. Twice the mean makes
+    one item per routed expert the common case: an expert with more than M rows takes several items and streams
+    its weights once per item."""
+    mean = -(-rows * min(topk, num_experts) // num_experts)
     m = 1
     while m < 2 * mean and m < MAX_CHUNK:
         m *= 2
@@ -111,7 +113,8 @@ def chunk_rows_for(rows: int, topk: int, n_local: int) -> int:
 
 
 def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                         swiglu_limit=None, fp8_max=240.0, skip_unrouted=True, chunk_rows=None, weight_layout="eoi"):
+                         swiglu_limit=None, fp8_max=240.0, skip_unrouted=True, chunk_rows=None, weight_layout="eoi",
+                         num_experts=None):
     """Fused local experts (SPEC §1.7) on one NeuronCore, over each expert's routed rows only.
 
     Dimensions:
@@ -132,8 +135,13 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
         fp8_max (float): fp8 range of z (fp8 x only): ≤ 240 on trn2; 448 needs e4m3fn on chip (trn3).
         skip_unrouted (bool): True: the runtime work list (unrouted experts cost nothing); False: the static
             variant (every expert, ⌈R / M⌉ items each, no runtime control flow).
-        chunk_rows (int | None): M (a power of two ≤ 128); None: :func:`chunk_rows_for`.
-        weight_layout (str): ``"eoi"`` (nn.Linear ``[L, N, K]``, the layout above).
+        chunk_rows (int | None): M (a power of two ≤ 128); None: :func:`chunk_rows_for` with num_experts.
+        num_experts (int | None): the layer's global expert count E (for the chunk policy only; None: L, i.e.
+            every expert is local, as without expert parallelism).
+        weight_layout (str): ``"eoi"`` (nn.Linear ``[L, N, K]``, the shapes above) or ``"eio"`` (prepared,
+            K-major, ``python/static_moe/layouts.py``: w13 ``[L, H, 2I]`` bf16 / e4m3fn (trn2: re-encoded) with
+            fp32 ``[L, H/128, 2I]`` scales, or x4-packed ``[L, H/4, 2I]`` uint32 (fp8 MX, trn3) / uint16 (fp4)
+            with UE8M0 ``[L, H/32, 2I]``; w2 likewise with K = I, N = H).
 
     Returns:
         acc (nl.ndarray): [R, H] float32 in shared HBM.
@@ -183,7 +191,7 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
             f"fp8_max={fp8_max} needs float8_e4m3fn on chip (trn3); on trn2 quantize z with fp8_max <= 240")
     else:
         group = None
-    m = chunk_rows_for(r, k, n_local) if chunk_rows is None else int(chunk_rows)
+    m = chunk_rows_for(r, k, num_experts or n_local) if chunk_rows is None else int(chunk_rows)
     assert 1 <= m <= MAX_CHUNK and m & (m - 1) == 0, f"chunk_rows={m} must be a power of two in [1, {MAX_CHUNK}]"
     q_static = -(-r // m)  # items per expert in the static variant
     k_eff = min(k, n_local)
