@@ -13,7 +13,7 @@ Layer (``layer_routing``): EP ranks × T tokens routed top-k over the model's E 
 L = E/EP experts and gathers R = EP·T rows (capacity T per source rank): the tokens that name a local expert,
 then padding rows. The new design runs on weights prepared for the target (``layouts.prepare_weight``; Qwen3's
 I = 768 cannot hold the x4-packed fp4 form, so its fp4 rows run unprepared, and trn3 keeps plain fp8 for it) with
-M = ``chunk_rows_for(R, k, E)`` rows per work item.
+M = ``chunk_rows_for(R, k, E, chunk_margin(path))`` rows per work item (``chunk_for``: as the kernel picks it).
 
 Extrapolation: a full layer has 16–256 local experts; interpreting each takes seconds, so the cost is measured
 at the real H, I and R on 1- and 2-expert layers and extrapolated per component (engine cycles, DMA bytes and
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from nki_kernels.expert_gemm import expert_gemm_kernel
-from nki_kernels.local_experts import chunk_rows_for, local_experts_kernel
+from nki_kernels.local_experts import chunk_margin, chunk_rows_for, local_experts_kernel
 from static_moe.formats import quantize_weight
 from static_moe.layouts import prepare_weight, to_eio
 from static_moe.nki import interpreter, shim
@@ -190,6 +190,24 @@ def layout_for(shape, wfmt, target) -> str:
     return "eio" if (wfmt != "fp4" or packed_ok) else "eoi"
 
 
+def weight_path(shape, act, wfmt, target) -> str:
+    """The GEMM path (``gemm_tiles.WeightPlan.path``, or "eoi") the new design's weights take, for the chunk
+    policy (``chunk_margin``)."""
+    if layout_for(shape, wfmt, target) == "eoi":
+        return "eoi"
+    mx_form = target == "trn3" and shape.hidden % 512 == 0 and shape.intermediate % 512 == 0
+    if wfmt == "fp8" and not mx_form:
+        return "fp8_block"
+    if wfmt == "bf16":
+        return "bf16"
+    return "mx" if (target == "trn3" and act == "fp8") else "quad_bf16"
+
+
+def chunk_for(shape, act, wfmt, target, rows) -> int:
+    """M as the kernel picks it for this layer (``num_experts`` = the model's E)."""
+    return chunk_rows_for(rows, shape.topk, shape.num_experts, chunk_margin(weight_path(shape, act, wfmt, target)))
+
+
 def _prepare(w, s, shape, wfmt, target):
     """``layouts.prepare_weight`` for the target, but fp8 on trn3 keeps the plain (per-block) fp8 form when the MX
     form cannot hold K (K not a multiple of 512)."""
@@ -222,13 +240,13 @@ def nisa_target_is_trn3() -> bool:
     return shim.nisa.get_nc_version() == shim.nisa.nc_version.gen4
 
 
-def row_local_experts(shape, act, wfmt, tokens, ep, r: dict, seed=0) -> dict:
+def row_local_experts(shape, act, wfmt, tokens, ep, r: dict, target: str, seed=0) -> dict:
     """The full layer (L = E/ep local experts, R = ep·T rows), extrapolated from the 1-/2-expert records:
     ``k10 + (L−1)(k20 − k10) + n·(k11 − k10)``, n = Σ_e ⌈C_e / M⌉ work items."""
     idx, _, n_local, real, counts = layer_routing(shape, tokens, ep, seed)
     rows = ep * tokens
     n_routed = int((counts > 0).sum())
-    m = chunk_rows_for(rows, shape.topk, shape.num_experts)
+    m = chunk_for(shape, act, wfmt, target, rows)
     n = int(sum(-(-int(c) // m) for c in counts))
     rec = _combine([(1, r["k10"]), (n_local - 1, r["k20"]), (-(n_local - 1), r["k10"]), (n, r["k11"]),
                     (-n, r["k10"])])
@@ -240,7 +258,7 @@ def row_local_experts(shape, act, wfmt, tokens, ep, r: dict, seed=0) -> dict:
 
 def check_extrapolation(shape, act, wfmt, rows=16) -> str:
     """Measured vs extrapolated (new design): a 4-expert layer with 2 routed experts, from 1-/2-expert runs."""
-    m = chunk_rows_for(rows, shape.topk, shape.num_experts)
+    m = chunk_for(shape, act, wfmt, "trn2", rows)
     r = measure_local_experts(shape, act, wfmt, rows, m)
     pred = _combine([(1, r["k10"]), (3, r["k20"]), (-3, r["k10"]), (2, r["k11"]), (-2, r["k10"])])
     meas = _profile(local_experts_kernel, *_le_args(shape, act, wfmt, rows, 4, [1, 3], target="trn2"),
@@ -314,8 +332,8 @@ def _local_experts_rows(models, pairs, targets, tokens, eps, legacy, t0) -> list
                         n_rows = ep * t
                         with interpreter.target(tgt):
                             rec = measure_local_experts(shape, act, wfmt, n_rows,
-                                                        chunk_rows_for(n_rows, shape.topk, shape.num_experts))
-                        row = row_local_experts(shape, act, wfmt, t, ep, rec)
+                                                        chunk_for(shape, act, wfmt, tgt, n_rows))
+                        row = row_local_experts(shape, act, wfmt, t, ep, rec, tgt)
                         model = shape.name.replace("DeepSeek-", "")
                         row.update(model=model, pair=f"{act}×{wfmt}", tokens=t, target=tgt,
                                    layout=layout_for(shape, wfmt, tgt))

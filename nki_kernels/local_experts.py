@@ -13,7 +13,8 @@ Routed-row compaction (issue 11 §4)
 The TensorE, evacuation and swiglu work of an expert is proportional to its *routed* rows, not to the R gathered
 rows: the kernel builds, on device, a work list of items (expert e, chunk c) of at most M rows each (``M =
 chunk_rows_for(R, k, E)``, a power of two ≤ 128: twice the mean rows per expert, so an expert is one item in the
-common case), sorted by expert, and runs one static item body per list entry:
+common case; once the mean on the per-K-block fp8 path, whose evacuation grows with M), sorted by expert, and
+runs one static item body per list entry:
 
 1. Routing, per 128-row tile (rows on partitions, local experts along the free dim): ``hit[r, e]`` (row r names
    e), ``w_all[r, e]`` (slot-order sum of its weights, SPEC §1.3; padding slots never reach arithmetic).
@@ -93,23 +94,31 @@ SWIGLU_COLS = 1024  # columns of I per swiglu tile call (bounds its fp32 scratch
 MAX_CHUNK = P  # rows per work item: gathered rows land on partitions
 
 
-def chunk_rows_for(rows: int, topk: int, num_experts: int) -> int:
-    """M, the rows per work item: the power of two ≥ twice ``⌈R·min(k, E)/E⌉`` — the mean rows per expert when the
-    R gathered rows route top-k over E experts (E = the layer's global experts; with expert parallelism over S
-    ranks of capacity C, R = S·C tokens do) — capped at 128 and at R rounded up to a power of two.
+def chunk_rows_for(rows: int, topk: int, num_experts: int, margin: int = 2) -> int:
+    """M, the rows per work item: the power of two ≥ ``margin · ⌈R·min(k, E)/E⌉`` — ``margin`` times the mean rows
+    per expert when the R gathered rows route top-k over E experts (E = the layer's global experts; with expert
+    parallelism over S ranks of capacity C, R = S·C tokens do) — capped at 128 and at R rounded up to a power of
+    two.
 
     Small M keeps the evacuations, transposes and swiglu of an item proportional to the routed rows; the TensorE
-    charges max(M, 64) cycles per 128×128 block anyway, so M below 64 costs it nothing more. Twice the mean makes
-    one item per routed expert the common case: an expert with more than M rows takes several items and streams
-    its weights once per item."""
+    charges max(M, 64) cycles per 128×128 block anyway, so M below 64 costs it nothing more. An expert with more
+    than M rows takes several items and streams its weights once per item. The kernel uses margin 2 (one item
+    per routed expert is the common case: right where the weight stream binds) except on the per-K-block fp8
+    path, whose VectorE evacuation grows with M times K/128 and binds first: margin 1 there."""
     mean = -(-rows * min(topk, num_experts) // num_experts)
     m = 1
-    while m < 2 * mean and m < MAX_CHUNK:
+    while m < margin * mean and m < MAX_CHUNK:
         m *= 2
     cap = 1
     while cap < rows:
         cap *= 2
     return max(1, min(m, cap, MAX_CHUNK))
+
+
+def chunk_margin(weight_path: str) -> int:
+    """The :func:`chunk_rows_for` margin for a GEMM path (``gemm_tiles.WeightPlan.path``, ``"eoi"`` for the
+    unprepared decode path)."""
+    return 1 if weight_path == "fp8_block" else 2
 
 
 def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
@@ -191,7 +200,10 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
             f"fp8_max={fp8_max} needs float8_e4m3fn on chip (trn3); on trn2 quantize z with fp8_max <= 240")
     else:
         group = None
-    m = chunk_rows_for(r, k, num_experts or n_local) if chunk_rows is None else int(chunk_rows)
+    if chunk_rows is None:
+        m = chunk_rows_for(r, k, num_experts or n_local, chunk_margin(g1.path))
+    else:
+        m = int(chunk_rows)
     assert 1 <= m <= MAX_CHUNK and m & (m - 1) == 0, f"chunk_rows={m} must be a power of two in [1, {MAX_CHUNK}]"
     q_static = -(-r // m)  # items per expert in the static variant
     k_eff = min(k, n_local)
@@ -419,7 +431,7 @@ class _EioGemm:
     def __init__(self, w, w_scale, act_fmt: str, name: str):
         self.w, self.w_scale = w, w_scale
         self.plan = weight_plan(w, act_fmt)
-        self.k, self.n, self.korder = self.plan.k, self.plan.n, self.plan.korder
+        self.k, self.n, self.korder, self.path = self.plan.k, self.plan.n, self.plan.korder, self.plan.path
         self.ring = None
         self.name = name
 
@@ -442,6 +454,7 @@ class _EoiGemm:
     decoded to bf16 and transposed on the TensorE (correct everywhere; prepare the weights for speed)."""
 
     korder = "natural"
+    path = "eoi"
 
     def __init__(self, w, w_scale, fmt: str, k: int, n: int):
         self.w, self.w_scale, self.fmt, self.k, self.n = w, w_scale, fmt, k, n
