@@ -13,7 +13,7 @@ Layer (``layer_routing``): EP ranks × T tokens routed top-k over the model's E 
 L = E/EP experts and gathers R = EP·T rows (capacity T per source rank): the tokens that name a local expert,
 then padding rows. The new design runs on weights prepared for the target (``layouts.prepare_weight``; Qwen3's
 I = 768 cannot hold the x4-packed fp4 form, so its fp4 rows run unprepared, and trn3 keeps plain fp8 for it) with
-M = ``chunk_rows_for(R, k, E, chunk_margin(path))`` rows per work item (``chunk_for``: as the kernel picks it).
+M = ``chunk_rows_for(R, k, E, chunk_cap(path))`` rows per work item (``chunk_for``: as the kernel picks it).
 
 Extrapolation: a full layer has 16–256 local experts; interpreting each takes seconds, so the cost is measured
 at the real H, I and R on 1- and 2-expert layers and extrapolated per component (engine cycles, DMA bytes and
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from nki_kernels.expert_gemm import expert_gemm_kernel
-from nki_kernels.local_experts import chunk_margin, chunk_rows_for, local_experts_kernel
+from nki_kernels.local_experts import chunk_cap, chunk_rows_for, local_experts_kernel
 from static_moe.formats import quantize_weight
 from static_moe.layouts import prepare_weight, to_eio
 from static_moe.nki import interpreter, shim
@@ -192,7 +192,7 @@ def layout_for(shape, wfmt, target) -> str:
 
 def weight_path(shape, act, wfmt, target) -> str:
     """The GEMM path (``gemm_tiles.WeightPlan.path``, or "eoi") the new design's weights take, for the chunk
-    policy (``chunk_margin``)."""
+    policy (``chunk_cap``)."""
     if layout_for(shape, wfmt, target) == "eoi":
         return "eoi"
     mx_form = target == "trn3" and shape.hidden % 512 == 0 and shape.intermediate % 512 == 0
@@ -205,7 +205,7 @@ def weight_path(shape, act, wfmt, target) -> str:
 
 def chunk_for(shape, act, wfmt, target, rows) -> int:
     """M as the kernel picks it for this layer (``num_experts`` = the model's E)."""
-    return chunk_rows_for(rows, shape.topk, shape.num_experts, chunk_margin(weight_path(shape, act, wfmt, target)))
+    return chunk_rows_for(rows, shape.topk, shape.num_experts, chunk_cap(weight_path(shape, act, wfmt, target)))
 
 
 def _prepare(w, s, shape, wfmt, target):

@@ -13,8 +13,8 @@ Routed-row compaction (issue 11 §4)
 The TensorE, evacuation and swiglu work of an expert is proportional to its *routed* rows, not to the R gathered
 rows: the kernel builds, on device, a work list of items (expert e, chunk c) of at most M rows each (``M =
 chunk_rows_for(R, k, E)``, a power of two ≤ 128: twice the mean rows per expert, so an expert is one item in the
-common case; once the mean on the per-K-block fp8 path, whose evacuation grows with M), sorted by expert, and
-runs one static item body per list entry:
+common case; at most 32 on the per-K-block fp8 path, whose evacuation grows with M), sorted by expert, and runs
+one static item body per list entry:
 
 1. Routing, per 128-row tile (rows on partitions, local experts along the free dim): ``hit[r, e]`` (row r names
    e), ``w_all[r, e]`` (slot-order sum of its weights, SPEC §1.3; padding slots never reach arithmetic).
@@ -94,31 +94,36 @@ SWIGLU_COLS = 1024  # columns of I per swiglu tile call (bounds its fp32 scratch
 MAX_CHUNK = P  # rows per work item: gathered rows land on partitions
 
 
-def chunk_rows_for(rows: int, topk: int, num_experts: int, margin: int = 2) -> int:
-    """M, the rows per work item: the power of two ≥ ``margin · ⌈R·min(k, E)/E⌉`` — ``margin`` times the mean rows
-    per expert when the R gathered rows route top-k over E experts (E = the layer's global experts; with expert
-    parallelism over S ranks of capacity C, R = S·C tokens do) — capped at 128 and at R rounded up to a power of
-    two.
+def chunk_rows_for(rows: int, topk: int, num_experts: int, cap: int = MAX_CHUNK) -> int:
+    """M, the rows per work item: the power of two ≥ twice ``⌈R·min(k, E)/E⌉`` — the mean rows per expert when the
+    R gathered rows route top-k over E experts (E = the layer's global experts; with expert parallelism over S
+    ranks of capacity C, R = S·C tokens do) — capped at ``cap`` (≤ 128) and at R rounded up to a power of two.
 
     Small M keeps the evacuations, transposes and swiglu of an item proportional to the routed rows; the TensorE
-    charges max(M, 64) cycles per 128×128 block anyway, so M below 64 costs it nothing more. An expert with more
-    than M rows takes several items and streams its weights once per item. The kernel uses margin 2 (one item
-    per routed expert is the common case: right where the weight stream binds) except on the per-K-block fp8
-    path, whose VectorE evacuation grows with M times K/128 and binds first: margin 1 there."""
+    charges max(M, 64) cycles per 128×128 block anyway, so M below 64 costs it nothing more. Twice the mean makes
+    one item per routed expert the common case; an expert with more than M rows takes several items and streams
+    its weights once per item (see :func:`chunk_cap` for the path where that is the better trade)."""
     mean = -(-rows * min(topk, num_experts) // num_experts)
     m = 1
-    while m < margin * mean and m < MAX_CHUNK:
+    while m < 2 * mean and m < min(cap, MAX_CHUNK):
         m *= 2
-    cap = 1
-    while cap < rows:
-        cap *= 2
-    return max(1, min(m, cap, MAX_CHUNK))
+    full = 1
+    while full < rows:
+        full *= 2
+    return max(1, min(m, full, cap, MAX_CHUNK))
 
 
-def chunk_margin(weight_path: str) -> int:
-    """The :func:`chunk_rows_for` margin for a GEMM path (``gemm_tiles.WeightPlan.path``, ``"eoi"`` for the
-    unprepared decode path)."""
-    return 1 if weight_path == "fp8_block" else 2
+def chunk_cap(weight_path: str) -> int:
+    """The :func:`chunk_rows_for` cap for a GEMM path (``gemm_tiles.WeightPlan.path``; ``"eoi"`` for the
+    unprepared decode path): 32 on the per-K-block fp8 path, 128 elsewhere.
+
+    The per-K-block fp8 evacuation costs VectorE time per evacuated column times K/128 (cost model, V4-Flash:
+    ≈ 6.6 µs per column per expert against ≈ 70 µs for the expert's fp8 weights), so beyond ~10 rows per
+    expert it binds either way; a 64-row item for a 24-row expert then evacuates 40 pad columns for nothing,
+    while two 32-row items cost one more weight stream, which the evacuation hides. Measured with
+    ``bench/bench_nki_gemm.py`` (V4-Flash, EP 8, T = 128, fp8 × fp8): M = 64 → 18 %, M = 32 → 35 % of the
+    roofline; at small means the cap does not bind (M = 2 … 8 keeps one item per expert)."""
+    return 32 if weight_path == "fp8_block" else MAX_CHUNK
 
 
 def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
@@ -201,7 +206,7 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
     else:
         group = None
     if chunk_rows is None:
-        m = chunk_rows_for(r, k, num_experts or n_local, chunk_margin(g1.path))
+        m = chunk_rows_for(r, k, num_experts or n_local, chunk_cap(g1.path))
     else:
         m = int(chunk_rows)
     assert 1 <= m <= MAX_CHUNK and m & (m - 1) == 0, f"chunk_rows={m} must be a power of two in [1, {MAX_CHUNK}]"

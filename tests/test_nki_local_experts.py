@@ -298,13 +298,14 @@ def test_compacted_rows_are_batch_invariant():
 
 
 def test_chunk_rows_policy():
-    from nki_kernels.local_experts import chunk_margin, chunk_rows_for
+    from nki_kernels.local_experts import chunk_cap, chunk_rows_for
 
-    assert chunk_margin("fp8_block") == 1 and chunk_margin("bf16") == chunk_margin("eoi") == 2
+    assert chunk_cap("fp8_block") == 32 and chunk_cap("bf16") == chunk_cap("eoi") == 128
     assert chunk_rows_for(1, 6, 256) == 1  # decode: one row
     assert chunk_rows_for(128, 6, 256) == 8  # 3 rows per expert on average → 8
     assert chunk_rows_for(1024, 6, 256) == 64  # EP 8 × 128 tokens: 24 rows per expert on average
-    assert chunk_rows_for(1024, 6, 256, margin=1) == 32  # the evacuation-bound per-K-block fp8 path
+    assert chunk_rows_for(1024, 6, 256, cap=chunk_cap("fp8_block")) == 32  # the evacuation-bound fp8 path
+    assert chunk_rows_for(128, 6, 256, cap=chunk_cap("fp8_block")) == 8  # the cap does not bind at small means
     assert chunk_rows_for(1024, 8, 32) == 128  # capped at one partition tile
     assert chunk_rows_for(5, 8, 2) == 8  # ≤ R rounded up to a power of two
     for r in (1, 3, 17, 200):
