@@ -1,26 +1,35 @@
-"""Estimated trn2 time and HBM-roofline fraction of the NKI expert GEMM and fused local-experts kernels at
-decode shapes (DeepSeek-V4-Flash, DeepSeek-V3, Qwen3-30B-A3B; 1–128 tokens per NeuronCore, EP = 1).
+"""Estimated time and HBM-roofline fraction of the fused NKI local-experts kernel (and, on request, the expert
+GEMM) at decode shapes: DeepSeek-V4-Flash, DeepSeek-V3, Qwen3-30B-A3B; T = 1, 16, 128 tokens per rank; expert
+parallelism EP = 1 and 8; trn2 for every format pair, trn3 for the fp8 × fp8 and fp8 × fp4 targets.
 
 No device is needed: the kernels run through static_moe's NKI interpreter, whose cost record the cost model
 (``static_moe.nki.interpreter.cost.CostModel``: figures and assumptions in its docstring) turns into an estimated
-time on one NeuronCore-v3. ``ideal`` is the time to move the bytes the op must move at one core's share of HBM
-bandwidth (2.9 TB/s / 8): the weights (scales included) of the experts that some row selects, the activations
-in, the routing, the result out. ``fraction = ideal / estimate``. Model numbers, not measurements.
+time on one NeuronCore (the trn2 figures; trn3 rows run the trn3 target's instructions under the same figures).
+``ideal`` is the time to move the bytes the op must move at one core's share of HBM bandwidth (2.9 TB/s / 8):
+the weights (scales included) of the experts some row selects, x of the rows routed here, every row's routing
+and fp32 result. ``fraction = ideal / estimate``. Model numbers, not measurements.
 
-Variants: ``skip`` (runtime loop: unrouted experts read no weights) and ``static`` (all experts, no runtime
-control). Routing: ``make_routing(T, k, E)`` (uniform top-k), so T tokens touch ~min(E, T·k) experts.
+Layer (``layer_routing``): EP ranks × T tokens routed top-k over the model's E experts (uniform); rank 0 owns
+L = E/EP experts and gathers R = EP·T rows (capacity T per source rank): the tokens that name a local expert,
+then padding rows. The new design runs on weights prepared for the target (``layouts.prepare_weight``; Qwen3's
+I = 768 cannot hold the x4-packed fp4 form, so its fp4 rows run unprepared, and trn3 keeps plain fp8 for it) with
+M = ``chunk_rows_for(R, k, E, chunk_cap(path))`` rows per work item (``chunk_for``: as the kernel picks it).
 
-Extrapolation (local_experts): a full layer has 128–256 local experts; interpreting each takes seconds, so the
-per-expert cost is measured at the real H, I and T on 1- and 2-expert layers and extrapolated linearly per
-component (engine cycles, DMA bytes and count, loop iterations, HBM bytes) — exact because the kernel's
-instruction stream is affine in the number of experts L and of routed experts n (each expert body is the same
-static code). The token counts between the measured ones (T = 1 and 128 by default) are interpolated per
-component too: for T ≤ 128 (one row tile) the instruction stream is fixed and only the moving columns,
-evacuated elements and DMA bytes grow, linearly in T; such rows are marked ``~`` in the table. ``--check``
-runs a 4-expert layer and a T = 16 layer directly and prints both errors.
+Extrapolation: a full layer has 16–256 local experts; interpreting each takes seconds, so the cost is measured
+at the real H, I and R on 1- and 2-expert layers and extrapolated per component (engine cycles, DMA bytes and
+count, DGE count, loop iterations, HBM bytes): ``k10 + (L−1)(k20 − k10) + n·(k11 − k10)`` with n the work items
+Σ_e ⌈C_e / M⌉ of the full layer's routing — exact because the instruction stream is affine in L (the routing
+and work-list setup) and in n (every item runs the same static body). ``--check`` runs a 4-expert layer directly
+and prints the error.
 
-    .venv/bin/python bench/bench_nki_gemm.py [--models v4_flash,v3,qwen3_30b_a3b] [--tokens 1,4,16,64,128]
-                                             [--measure 1,128] [--pairs bf16xbf16,...] [--check]
+The old design (before issue 11: every routed expert over all R gathered rows, unprepared weights decoded on
+chip, a runtime loop over all L experts) is not kept runnable — its tile functions were replaced. Its figures
+(``bench/legacy/nki_local_experts_pre_issue11.json``) were recorded by this script's layer model and the same
+cost model against the kernel of commit f17bee4, and are printed beside the new ones ("old").
+
+    .venv/bin/python bench/bench_nki_gemm.py [--models v4_flash,v3,qwen3_30b_a3b] [--tokens 1,16,128]
+                                             [--ep 1,8] [--pairs bf16xbf16,...] [--targets trn2,trn3]
+                                             [--kernels local_experts,expert_gemm] [--check]
                                              [--json bench/results/nki_gemm.json]
 """
 
@@ -35,12 +44,15 @@ from pathlib import Path
 import torch
 
 from nki_kernels.expert_gemm import expert_gemm_kernel
-from nki_kernels.local_experts import local_experts_kernel
+from nki_kernels.local_experts import chunk_cap, chunk_rows_for, local_experts_kernel
 from static_moe.formats import quantize_weight
+from static_moe.layouts import prepare_weight, to_eio
 from static_moe.nki import interpreter, shim
 from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, make_activations, make_routing
 
-TOKENS = (1, 4, 16, 64, 128)
+TOKENS = (1, 16, 128)  # per rank
+EPS = (1, 8)
+LEGACY_JSON = Path(__file__).resolve().parent / "legacy" / "nki_local_experts_pre_issue11.json"
 GROUP = 128
 FP8_MAX = 240.0  # trn2 on-chip fp8
 LIMIT = 7.0
@@ -134,45 +146,228 @@ def rows_expert_gemm(shape, act, wfmt, tokens, which: str, recs: dict) -> list[d
 
 
 # ------------------------------------------------------------------------------------------- local_experts
-def _le_args(shape, act, wfmt, tokens, num_local, routed_local: list[int], seed=0):
-    """Inputs of a ``num_local``-expert layer whose rows select exactly the local experts ``routed_local``."""
+def layer_routing(shape, tokens: int, ep: int, seed: int = 0):
+    """The gathered rows of rank 0 of an EP group of ``ep`` ranks, T tokens per rank.
+
+    ``ep·T`` tokens are routed top-k over the model's E experts (``make_routing``); rank 0 owns the local experts
+    [0, E/ep). Its gathered buffer has R = ep·T rows (capacity T per source rank): the tokens that name a local
+    expert first, then padding rows (every slot −1). Returns ``(idx [R, k] int32, weights [R, k] float32,
+    L, real rows, per-expert row counts [L])``.
+    """
+    n_local = shape.num_experts // ep
+    idx, tw = make_routing(ep * tokens, shape.topk, shape.num_experts, seed=seed)
+    here = ((idx >= 0) & (idx < n_local)).any(dim=1)
+    r = ep * tokens
+    g_idx = torch.full((r, shape.topk), -1, dtype=torch.int32)
+    g_w = torch.zeros(r, shape.topk)
+    n = int(here.sum())
+    g_idx[:n], g_w[:n] = idx[here], tw[here]
+    counts = torch.stack([((g_idx == e).any(dim=1)).sum() for e in range(n_local)])
+    return g_idx, g_w, n_local, n, counts
+
+
+def _le_args(shape, act, wfmt, rows, num_local, routed_local: list[int], seed=0, target=None):
+    """Inputs of a ``num_local``-expert layer over ``rows`` gathered rows whose slots select exactly the local
+    experts ``routed_local`` (one row each, in slot order); weights prepared for ``target`` (EIO) if given."""
     h, i = shape.hidden, shape.intermediate
     w13, s13 = _weights(num_local, 2 * i, h, wfmt, seed)
     w2, s2 = _weights(num_local, h, i, wfmt, seed + 1)
-    x, xs = make_activations(tokens, h, act, group=GROUP, seed=seed + 2)
-    idx = torch.full((tokens, shape.topk), -1, dtype=torch.int32)
-    for j, e in enumerate(routed_local):  # row j % T, slot j // T picks local expert e
-        idx[j % tokens, (j // tokens) % shape.topk] = e
-    tw = torch.full((tokens, shape.topk), 1.0 / shape.topk)
+    if target is not None and layout_for(shape, wfmt, target) == "eio":
+        w13, s13 = _prepare(w13, s13, shape, wfmt, target)
+        w2, s2 = _prepare(w2, s2, shape, wfmt, target)
+    x, xs = make_activations(rows, h, act, group=GROUP, seed=seed + 2)
+    idx = torch.full((rows, shape.topk), -1, dtype=torch.int32)
+    for j, e in enumerate(routed_local):  # row j % R, slot j // R picks local expert e
+        idx[j % rows, (j // rows) % shape.topk] = e
+    tw = torch.full((rows, shape.topk), 1.0 / shape.topk)
     return (x, xs, idx, tw, w13, s13, w2, s2, 0, LIMIT, FP8_MAX)
 
 
-def _le_ideal(shape, act, wfmt, tokens, n_routed) -> int:
+def layout_for(shape, wfmt, target) -> str:
+    """The weight layout the new design runs at: prepared ("eio") unless the packed fp4 form cannot hold K
+    (``gemm_tiles`` needs K a multiple of 512 for the x4-packed forms: Qwen3-30B-A3B's I = 768 is not)."""
+    packed_ok = shape.hidden % 512 == 0 and shape.intermediate % 512 == 0
+    return "eio" if (wfmt != "fp4" or packed_ok) else "eoi"
+
+
+def weight_path(shape, act, wfmt, target) -> str:
+    """The GEMM path (``gemm_tiles.WeightPlan.path``, or "eoi") the new design's weights take, for the chunk
+    policy (``chunk_cap``)."""
+    if layout_for(shape, wfmt, target) == "eoi":
+        return "eoi"
+    mx_form = target == "trn3" and shape.hidden % 512 == 0 and shape.intermediate % 512 == 0
+    if wfmt == "fp8" and not mx_form:
+        return "fp8_block"
+    if wfmt == "bf16":
+        return "bf16"
+    return "mx" if (target == "trn3" and act == "fp8") else "quad_bf16"
+
+
+def chunk_for(shape, act, wfmt, target, rows) -> int:
+    """M as the kernel picks it for this layer (``num_experts`` = the model's E)."""
+    return chunk_rows_for(rows, shape.topk, shape.num_experts, chunk_cap(weight_path(shape, act, wfmt, target)))
+
+
+def _prepare(w, s, shape, wfmt, target):
+    """``layouts.prepare_weight`` for the target, but fp8 on trn3 keeps the plain (per-block) fp8 form when the MX
+    form cannot hold K (K not a multiple of 512)."""
+    if wfmt == "fp8" and target == "trn3" and (shape.hidden % 512 or shape.intermediate % 512):
+        return to_eio(w, s)
+    w, s, _ = prepare_weight(w, s, target)
+    return w, s
+
+
+def _le_ideal(shape, act, wfmt, rows, real_rows, n_routed) -> int:
+    """Bytes the op must move: the routed local experts' weights, x of the rows routed here, every row's
+    routing, the fp32 result of every row."""
     h, i, k = shape.hidden, shape.intermediate, shape.topk
     per_expert = _weight_bytes(2 * i, h, wfmt) + _weight_bytes(h, i, wfmt)
-    return n_routed * per_expert + _act_bytes(tokens, h, act) + tokens * k * 8 + tokens * h * 4
+    return n_routed * per_expert + _act_bytes(real_rows, h, act) + rows * k * 8 + rows * h * 4
 
 
-def measure_local_experts(shape, act, wfmt, tokens) -> dict:
-    """Cost records of 1- and 2-expert layers at the real H, I, T (see the module docstring)."""
-    run = lambda L, routed, skip: _profile(local_experts_kernel, *_le_args(shape, act, wfmt, tokens, L, routed),  # noqa: E731
-                                           skip_unrouted=skip)
-    return {"s1": run(1, [0], False), "s2": run(2, [0, 1], False), "k10": run(1, [], True),
-            "k20": run(2, [], True), "k11": run(1, [0], True)}
+def measure_local_experts(shape, act, wfmt, rows, chunk_rows: int) -> dict:
+    """Cost records of 1- and 2-expert layers at the real H, I and R (see the module docstring): ``k10`` / ``k20``
+    with no routed expert, ``k11`` with one routed expert (one row, hence one work item); weights prepared for
+    the current target (``layout_for``)."""
+    target = "trn3" if nisa_target_is_trn3() else "trn2"
+    kw = {"skip_unrouted": True, "chunk_rows": chunk_rows, "weight_layout": layout_for(shape, wfmt, target)}
+    run = lambda L, routed: _profile(local_experts_kernel,  # noqa: E731
+                                     *_le_args(shape, act, wfmt, rows, L, routed, target=target), **kw)
+    return {"k10": run(1, []), "k20": run(2, []), "k11": run(1, [0])}
 
 
-def rows_local_experts(shape, act, wfmt, tokens, r: dict, seed=0) -> list[dict]:
-    """Both variants at the full layer (L = E local experts, EP = 1), extrapolated from the 1-/2-expert records."""
-    n_local = shape.num_experts
-    idx, _ = make_routing(tokens, shape.topk, shape.num_experts, seed=seed)
-    n_routed = int(torch.unique(idx[idx >= 0]).numel())
-    static = _combine([(1, r["s1"]), (n_local - 1, r["s2"]), (-(n_local - 1), r["s1"])])
-    skip = _combine([(1, r["k10"]), (n_local - 1, r["k20"]), (-(n_local - 1), r["k10"]), (n_routed, r["k11"]),
-                     (-n_routed, r["k10"])])
-    ideal = _le_ideal(shape, act, wfmt, tokens, n_routed)
-    common = {"kernel": "local_experts", "shape": f"H={shape.hidden} I={shape.intermediate} L={n_local}"}
-    return [{**common, "variant": "skip", "routed": f"{n_routed}/{n_local} experts", **_finish(skip, ideal)},
-            {**common, "variant": "static", "routed": f"{n_routed}/{n_local} experts", **_finish(static, ideal)}]
+def nisa_target_is_trn3() -> bool:
+    return shim.nisa.get_nc_version() == shim.nisa.nc_version.gen4
+
+
+def row_local_experts(shape, act, wfmt, tokens, ep, r: dict, target: str, seed=0) -> dict:
+    """The full layer (L = E/ep local experts, R = ep·T rows), extrapolated from the 1-/2-expert records:
+    ``k10 + (L−1)(k20 − k10) + n·(k11 − k10)``, n = Σ_e ⌈C_e / M⌉ work items."""
+    idx, _, n_local, real, counts = layer_routing(shape, tokens, ep, seed)
+    rows = ep * tokens
+    n_routed = int((counts > 0).sum())
+    m = chunk_for(shape, act, wfmt, target, rows)
+    n = int(sum(-(-int(c) // m) for c in counts))
+    rec = _combine([(1, r["k10"]), (n_local - 1, r["k20"]), (-(n_local - 1), r["k10"]), (n, r["k11"]),
+                    (-n, r["k10"])])
+    ideal = _le_ideal(shape, act, wfmt, rows, real, n_routed)
+    return {"kernel": "local_experts", "design": "new", "ep": ep, "rows": rows, "chunk_rows": m, "items": n,
+            "shape": f"H={shape.hidden} I={shape.intermediate} L={n_local}",
+            "routed": f"{n_routed}/{n_local} experts", **_finish(rec, ideal)}
+
+
+def check_extrapolation(shape, act, wfmt, rows=16) -> str:
+    """Measured vs extrapolated (new design): a 4-expert layer with 2 routed experts, from 1-/2-expert runs."""
+    m = chunk_for(shape, act, wfmt, "trn2", rows)
+    r = measure_local_experts(shape, act, wfmt, rows, m)
+    pred = _combine([(1, r["k10"]), (3, r["k20"]), (-3, r["k10"]), (2, r["k11"]), (-2, r["k10"])])
+    meas = _profile(local_experts_kernel, *_le_args(shape, act, wfmt, rows, 4, [1, 3], target="trn2"),
+                    skip_unrouted=True, chunk_rows=m, weight_layout=layout_for(shape, wfmt, "trn2"))
+    err = max(abs(pred[c] - meas[c]) / max(meas[c], 1e-12) for c in COMPONENTS + ("hbm_bytes",) if meas[c] > 0)
+    t_p, t_m = max(pred[c] for c in COMPONENTS), max(meas[c] for c in COMPONENTS)
+    return (f"  4 experts, 2 routed, R={rows}: measured {t_m * 1e6:9.2f} µs, extrapolated {t_p * 1e6:9.2f} µs "
+            f"({(t_p - t_m) / t_m:+.2%}), max component error {err:.2e}")
+
+
+# ------------------------------------------------------------------------------------------------- targets
+TARGETS = (  # (target, activation × weight, floor): issue 11
+    ("trn2", ("bf16", "bf16"), 0.90), ("trn2", ("fp8", "fp8"), 0.80), ("trn3", ("fp8", "fp8"), 0.80),
+    ("trn3", ("fp8", "fp4"), 0.80), ("trn2", ("fp8", "fp4"), 0.35))
+
+
+def targets_summary(rows: list[dict]) -> str:
+    """Per target: the worst new-design fraction over every model, T and EP measured, its binding component,
+    and whether the floor is met."""
+    lines = ["targets (new design, worst case over the models, T and EP measured):"]
+    for tgt, (a, w), floor in TARGETS:
+        sel = [r for r in rows if r["design"] == "new" and r["target"] == tgt and r["pair"] == f"{a}×{w}"]
+        if not sel:
+            lines.append(f"  {tgt} {a}×{w} ≥ {floor:.0%}: not measured")
+            continue
+        worst = min(sel, key=lambda r: r["fraction"])
+        ok = "met" if worst["fraction"] >= floor else "NOT met"
+        lines.append(f"  {tgt} {a}×{w} ≥ {floor:.0%}: worst {worst['fraction']:.1%} ({worst['model']} T={worst['tokens']} "
+                     f"EP={worst['ep']}, bound {worst['bound']}, {worst['time_s'] * 1e6:.1f} µs vs ideal "
+                     f"{worst['ideal_s'] * 1e6:.1f} µs) — {ok}")
+    return "\n".join(lines)
+
+
+def _legacy_rows() -> dict:
+    """Old-design rows recorded by a run of the pre-issue-11 kernel, keyed (model, pair, T, EP, target)."""
+    if not LEGACY_JSON.exists():
+        return {}
+    return {(r["model"], r["pair"], r["tokens"], r["ep"], r["target"]): r for r in json.loads(LEGACY_JSON.read_text())}
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def table(rows: list[dict]) -> str:
+    """expert_gemm rows (variants) and local_experts rows (new design, the old design's figures beside)."""
+    head = (f"{'model':<14} {'kernel':<19} {'act×w':<10} {'tgt':<4} {'T':>4} {'EP':>2} {'R':>5} {'M':>4} "
+            f"{'items':>5} {'touched':<16} {'old µs':>9} {'est µs':>9} {'serial µs':>10} {'bound':>6} "
+            f"{'ideal µs':>9} {'old frac':>8} {'fraction':>8} {'HBM MiB':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        t = f"{'~' if r.get('interpolated') else ''}{r['tokens']}"
+        old_us = f"{r['old_time_s'] * 1e6:9.1f}" if r.get("old_time_s") is not None else f"{'—':>9}"
+        old_fr = f"{r['old_fraction']:8.1%}" if r.get("old_fraction") is not None else f"{'—':>8}"
+        kern = r["kernel"] if r["kernel"] != "local_experts" else "local_experts"
+        lines.append(f"{r['model']:<14} {kern:<19} {r['pair']:<10} {r['target']:<4} {t:>4} {r.get('ep', 1):>2} "
+                     f"{r.get('rows', r['tokens']):>5} {r.get('chunk_rows', ''):>4} {r.get('items', ''):>5} "
+                     f"{r['routed']:<16} {old_us} {r['time_s'] * 1e6:>9.1f} {r['serial_s'] * 1e6:>10.1f} "
+                     f"{r['bound']:>6} {r['ideal_s'] * 1e6:>9.1f} {old_fr} {r['fraction']:>8.1%} "
+                     f"{r['hbm_bytes'] / 2**20:>8.2f}")
+    return "\n".join(lines)
+
+
+def _local_experts_rows(models, pairs, targets, tokens, eps, legacy, t0) -> list[dict]:
+    rows = []
+    for key in models:
+        shape = MODEL_SHAPES[key]
+        for act, wfmt in pairs:
+            for tgt in targets:
+                if tgt == "trn3" and (act, wfmt) not in (("fp8", "fp8"), ("fp8", "fp4")):
+                    continue  # the trn3 targets; the other pairs run the trn2 code there
+                for ep in eps:
+                    for t in tokens:
+                        n_rows = ep * t
+                        with interpreter.target(tgt):
+                            rec = measure_local_experts(shape, act, wfmt, n_rows,
+                                                        chunk_for(shape, act, wfmt, tgt, n_rows))
+                        row = row_local_experts(shape, act, wfmt, t, ep, rec, tgt)
+                        model = shape.name.replace("DeepSeek-", "")
+                        row.update(model=model, pair=f"{act}×{wfmt}", tokens=t, target=tgt,
+                                   layout=layout_for(shape, wfmt, tgt))
+                        old = legacy.get((model, row["pair"], t, ep, tgt))
+                        # the old design's estimate under the same (corrected) cost model as 'est'
+                        row["old_time_s"] = None if old is None else old["time_s"]
+                        row["old_fraction"] = None if old is None else old["fraction"]
+                        row["old_bound"] = None if old is None else old["bound"]
+                        rows.append(row)
+                        print(table([row]).split("\n", 2)[2], f"   [{time.time() - t0:.0f}s]", flush=True)
+    return rows
+
+
+def _expert_gemm_rows(models, pairs, tokens, measured, t0) -> list[dict]:
+    rows = []
+    for key in models:
+        shape = MODEL_SHAPES[key]
+        for act, wfmt in pairs:
+            meas = {t: {w: measure_expert_gemm(shape, act, wfmt, t, w) for w in ("gemm1", "gemm2")} for t in measured}
+            for t in tokens:
+                if t in meas:
+                    recs, mark = meas[t], False
+                else:
+                    lo = max(m for m in measured if m < t)
+                    hi = min(m for m in measured if m > t)
+                    recs = {k: _interp(meas[lo][k], meas[hi][k], lo, hi, t) for k in meas[lo]}
+                    mark = True
+                for which in ("gemm1", "gemm2"):
+                    for r in rows_expert_gemm(shape, act, wfmt, t, which, recs[which]):
+                        r.update(model=shape.name.replace("DeepSeek-", ""), pair=f"{act}×{wfmt}", tokens=t,
+                                 interpolated=mark, target="trn2", old_time_s=r["old_time_s"])
+                        rows.append(r)
+                        print(table([r]).split("\n", 2)[2], f"   [{time.time() - t0:.0f}s]", flush=True)
+    return rows
 
 
 def _interp(recs_lo: dict, recs_hi: dict, t_lo: int, t_hi: int, t: int) -> dict:
@@ -181,51 +376,14 @@ def _interp(recs_lo: dict, recs_hi: dict, t_lo: int, t_hi: int, t: int) -> dict:
     return {key: _combine([(1 - f, recs_lo[key]), (f, recs_hi[key])]) for key in recs_lo}
 
 
-def check_extrapolation(shape, act, wfmt) -> str:
-    """Measured vs extrapolated: a 4-expert layer with 2 routed experts (from 1-/2-expert runs, T = 16), and
-    T = 16 interpolated from T = 1 and T = 128 (1-expert static layer)."""
-    run = lambda L, routed, skip, t=16: _profile(local_experts_kernel,  # noqa: E731
-                                                 *_le_args(shape, act, wfmt, t, L, routed), skip_unrouted=skip)
-    r = measure_local_experts(shape, act, wfmt, 16)
-    pred = {"4 experts static": _combine([(1, r["s1"]), (3, r["s2"]), (-3, r["s1"])]),
-            "4 experts skip": _combine([(1, r["k10"]), (3, r["k20"]), (-3, r["k10"]), (2, r["k11"]), (-2, r["k10"])]),
-            "T=16 from 1, 128": _interp({"s1": run(1, [0], False, 1)}, {"s1": run(1, [0], False, 128)}, 1, 128,
-                                        16)["s1"]}
-    meas = {"4 experts static": run(4, [0, 1, 2, 3], False), "4 experts skip": run(4, [1, 3], True),
-            "T=16 from 1, 128": r["s1"]}
-    lines = []
-    for v in pred:
-        err = max(abs(pred[v][c] - meas[v][c]) / max(meas[v][c], 1e-12) for c in COMPONENTS + ("hbm_bytes",)
-                  if meas[v][c] > 0)
-        t_p, t_m = max(pred[v][c] for c in COMPONENTS), max(meas[v][c] for c in COMPONENTS)
-        lines.append(f"  {v:<17}: measured {t_m * 1e6:9.2f} µs, extrapolated {t_p * 1e6:9.2f} µs "
-                     f"({(t_p - t_m) / t_m:+.2%}), max component error {err:.2e}")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------- main
-def table(rows: list[dict]) -> str:
-    head = (f"{'model':<14} {'kernel':<19} {'act×w':<10} {'T':>4} {'variant':<7} {'touched':<15} {'old µs':>9} "
-            f"{'est µs':>9} {'serial µs':>9} {'bound':>6} {'ideal µs':>9} {'old frac':>8} {'fraction':>8} "
-            f"{'HBM MiB':>8}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        t = f"{'~' if r.get('interpolated') else ''}{r['tokens']}"
-        lines.append(f"{r['model']:<14} {r['kernel']:<19} {r['pair']:<10} {t:>4} {r['variant']:<7} "
-                     f"{r['routed']:<15} {r['old_time_s'] * 1e6:>9.1f} {r['time_s'] * 1e6:>9.1f} "
-                     f"{r['serial_s'] * 1e6:>9.1f} {r['bound']:>6} {r['ideal_s'] * 1e6:>9.1f} "
-                     f"{r['old_fraction']:>8.1%} {r['fraction']:>8.1%} {r['hbm_bytes'] / 2**20:>8.2f}")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="v4_flash,v3,qwen3_30b_a3b")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--measure", default="1,128", help="token counts run through the interpreter; others are "
-                    "interpolated (exact within one 128-row tile)")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per rank")
+    ap.add_argument("--ep", default=",".join(map(str, EPS)), help="expert-parallel group sizes")
     ap.add_argument("--pairs", default=",".join(f"{a}x{w}" for a, w in FORMAT_PAIRS))
-    ap.add_argument("--kernels", default="expert_gemm,local_experts")
+    ap.add_argument("--targets", default="trn2,trn3", help="trn3 runs the trn3 target pairs (fp8×fp8, fp8×fp4)")
+    ap.add_argument("--kernels", default="local_experts", help="local_experts and/or expert_gemm (EP 1)")
     ap.add_argument("--check", action="store_true", help="verify the extrapolation on a 4-expert layer")
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "nki_gemm.json")
     args = ap.parse_args(argv)
@@ -235,59 +393,34 @@ def main(argv=None) -> int:
         return 1
     models = args.models.split(",")
     tokens = [int(t) for t in args.tokens.split(",")]
-    measured = sorted(int(t) for t in args.measure.split(","))
-    assert all(measured[0] <= t <= measured[-1] for t in tokens) and max(measured) <= 128, (
-        "interpolate only inside the measured token counts, within one 128-row tile")
+    eps = [int(e) for e in args.ep.split(",")]
     pairs = [tuple(p.split("x")) for p in args.pairs.split(",")]
+    targets = args.targets.split(",")
     kernels = args.kernels.split(",")
     m = interpreter.TRN2
-    print(f"NKI expert GEMM / local experts — estimated trn2 time on one NeuronCore-v3 (interpreter cost model: "
+    print(f"NKI local experts — estimated time on one NeuronCore (interpreter cost model: "
           f"DMA {m.dma_bandwidth / 1e9:.0f} GB/s + {m.dma_fixed * 1e6:.1f} µs per DMA over {m.dma_queues} queues, "
           f"+{m.dge_fixed * 1e6:.1f} µs per runtime-descriptor (DGE) DMA over {m.dge_instances} DGEs; TensorE "
           f"max(N, 64) cycles per matmul at 2.4 GHz; VectorE 0.96 GHz (2N for two-input ops), ScalarE/GpSimd "
           f"1.2 GHz (GpSimd 32 bit/partition/cycle), {m.instr_fixed_cycles} cycles per instruction) vs the ideal "
-          f"HBM time at {m.hbm_bandwidth_per_core / 1e9:.0f} GB/s per core. 'old' = the pre-issue-10 model on the "
-          f"same run; 'est' = overlapped estimate (max of engines, DMA, DGE, loop), 'serial' = their sum, "
-          f"'bound' = the binding one. EP = 1, fp8 activations with 1×{GROUP} scales, fp8_max {FP8_MAX:g}, "
-          f"swiglu limit {LIMIT:g}.", flush=True)
-    if args.check:
-        print("extrapolation check (Qwen3-30B-A3B dims, fp8×fp4):")
-        print(check_extrapolation(MODEL_SHAPES["qwen3_30b_a3b"], "fp8", "fp4"), flush=True)
-    rows = []
+          f"HBM time at {m.hbm_bandwidth_per_core / 1e9:.0f} GB/s per core (trn3 rows: the same model, run on the "
+          f"trn3 target's instructions). 'old' = the pre-issue-11 design (routed experts over all R rows), "
+          f"recorded in {LEGACY_JSON.name}; 'est' = overlapped estimate (max of engines, DMA, DGE, loop), "
+          f"'serial' = their sum, 'bound' = the binding one; M = rows per work item, items = Σ_e ⌈C_e/M⌉. "
+          f"fp8 activations with 1×{GROUP} scales, fp8_max {FP8_MAX:g}, swiglu limit {LIMIT:g}.", flush=True)
     t0 = time.time()
-    for key in models:
-        shape = MODEL_SHAPES[key]
-        for act, wfmt in pairs:
-            meas = {}
-            for t in measured:
-                meas[t] = {}
-                if "expert_gemm" in kernels:
-                    for which in ("gemm1", "gemm2"):
-                        meas[t][which] = measure_expert_gemm(shape, act, wfmt, t, which)
-                if "local_experts" in kernels:
-                    meas[t]["le"] = measure_local_experts(shape, act, wfmt, t)
-            for t in tokens:
-                if t in meas:
-                    recs, mark = meas[t], ""
-                else:
-                    lo = max(m for m in measured if m < t)
-                    hi = min(m for m in measured if m > t)
-                    recs = {k: _interp(meas[lo][k], meas[hi][k], lo, hi, t) for k in meas[lo]}
-                    mark = "~"
-                new = []
-                for which in ("gemm1", "gemm2"):
-                    if which in recs:
-                        new += rows_expert_gemm(shape, act, wfmt, t, which, recs[which])
-                if "le" in recs:
-                    new += rows_local_experts(shape, act, wfmt, t, recs["le"])
-                for r in new:
-                    r.update(model=shape.name.replace("DeepSeek-", ""), pair=f"{act}×{wfmt}", tokens=t,
-                             interpolated=bool(mark))
-                rows += new
-                if new:
-                    print(table(new).split("\n", 2)[2], f"   [{time.time() - t0:.0f}s]", flush=True)
+    if args.check:
+        print("extrapolation check (V4-Flash dims, fp8×fp4, trn2):")
+        print(check_extrapolation(MODEL_SHAPES["v4_flash"], "fp8", "fp4"), flush=True)
+    rows = []
+    if "expert_gemm" in kernels:
+        rows += _expert_gemm_rows(models, pairs, tokens, sorted({min(tokens), max(tokens)}), t0)
+    if "local_experts" in kernels:
+        rows += _local_experts_rows(models, pairs, targets, tokens, eps, _legacy_rows(), t0)
     print()
     print(table(rows))
+    print()
+    print(targets_summary(rows))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.json}")

@@ -1,71 +1,139 @@
 """NKI kernel: the fused local-experts step (SPEC §1.7) — GEMM1 → swiglu-and-cast → GEMM2 → weighted fp32
-accumulate, every intermediate on chip.
+accumulate, each expert over exactly the rows routed to it.
 
-Per local expert e (global id expert_offset + e), over the R gathered rows:
+Per local expert e (global id expert_offset + e) and its C_e routed rows (the reference's ``rows``):
 
-    h   = bf16(x · W13_eᵀ)                                  [R, 2I]   (GEMM1, PSUM fp32 → bf16)
-    z   = swiglu_and_cast(h, w_e, limit, act format)         [R, I]    (SBUF; fp8 with x's group g)
-    d   = bf16(z · W2_eᵀ)                                    [R, H]    (GEMM2)
-    acc += d (fp32), experts in increasing local id
+    h   = bf16(x[rows] · W13_eᵀ)                             [C_e, 2I]  (GEMM1, PSUM fp32 → bf16)
+    z   = swiglu_and_cast(h, w_e[rows], limit, act format)    [C_e, I]   (SBUF; fp8 with x's group g)
+    d   = bf16(z · W2_eᵀ)                                     [C_e, H]   (GEMM2)
+    acc[rows] += d (fp32), experts in increasing local id     [R, H]
 
-Rows not routed to e carry routing weight w_e = 0, so z = 0 and d = 0 exactly: their contribution is exact zeros
-whatever they hold, and a routed row's arithmetic does not depend on which other rows are present (each row is
-its own column of the moving operand; batch invariance). Rows routed to no local expert (including 0xFF padding:
-id −1, NaN weight) are zeroed in x before any arithmetic, so NaN cannot leak.
+Routed-row compaction (issue 11 §4)
+-----------------------------------
+The TensorE, evacuation and swiglu work of an expert is proportional to its *routed* rows, not to the R gathered
+rows: the kernel builds, on device, a work list of items (expert e, chunk c) of at most M rows each (``M =
+chunk_rows_for(R, k, E)``, a power of two ≤ 128: twice the mean rows per expert, so an expert is one item in the
+common case; at most 32 on the per-K-block fp8 path, whose evacuation grows with M), sorted by expert, and runs
+one static item body per list entry:
 
-Layout (see ``nki_kernels/expert_gemm.py`` for the format decoders and why weights are stationary): x is decoded
-once to ``x^T [k, H/128, R]`` bf16 and shared by every expert; GEMM1 produces ``h^T [n, R]`` per 128 output
-features, transposed into row tiles ``h [rows, 2I]`` so swiglu-and-cast (the same tile code as
-``nki_kernels/swiglu_and_cast.py``) quantizes along the free dim per row and group; ``z`` is dequantized exactly
-(pow2 scales) to bf16 and transposed to ``z^T [i, I/128, R]``, the moving operand of GEMM2; ``d^T`` is rounded to
-bf16 and added into ``acc^T [h, H/128, R]`` fp32 in SBUF, transposed to rows once at the end.
+1. Routing, per 128-row tile (rows on partitions, local experts along the free dim): ``hit[r, e]`` (row r names
+   e), ``w_all[r, e]`` (slot-order sum of its weights, SPEC §1.3; padding slots never reach arithmetic).
+2. On the TensorE, exact in fp32 PSUM (integers < 2^24): the expert row counts ``C_e = Σ_r hit[r, e]`` (ones ·
+   hit) and each hit's rank in its expert, ``pos[r, e] = Σ_{r' < r} hit[r', e]`` (a strictly-triangular ones
+   matrix · hit, plus the counts of the earlier tiles).
+3. ``n_e = ⌈C_e / M⌉`` (int32 add and shift), ``base_e = Σ_{e' < e} n_e'`` (VectorE running sum along the free
+   dim), N = Σ n_e items. A hit's slot in the flat item table is ``M·base_e + pos[r, e]`` (item base_e + ⌊pos/M⌋,
+   row pos mod M), so one indirect DMA per top-k slot scatters ``(row id, w_all)`` of every row into the table
+   (non-local slots get an out-of-range address and are skipped). Unfilled slots keep the pad row id R.
+4. The expert of item i, ``#{e : base_e + n_e ≤ i}``, is computed with items on partitions and stored next to
+   the table.
+5. A runtime loop of N iterations (unrouted experts have no item: no weight byte read, no instruction issued;
+   L never appears in a loop) with the item index in a (1, 1) SBUF counter. Per item: the expert id and the
+   item's M (row, weight) pairs come in by DMA at that counter (``.ap(scalar_offset=<SBUF (1, 1)>)`` on HBM);
+   the rows of x are gathered by an indirect DMA (``.ap(vector_offset=...)``, pad rows skipped); they are
+   transposed on the TensorE into ``x^T [k, H/128, M]``, the moving operand of GEMM1 (weights stationary,
+   ``nki_kernels/expert_gemm.py``); swiglu-and-cast runs on M row-tiles; GEMM2 gives ``d^T`` which is
+   transposed to rows and added into ``acc`` in HBM by one DMA read-modify-write (``dma_compute`` scatter with
+   unique indices: fp32 ``acc[row] + float(d)``, exactly the reference's ``index_add_``). Items run in expert
+   order, so every row's sum runs over its experts in increasing id, as the reference.
 
-Skip unrouted experts (``skip_unrouted=True``): per-expert row counts are summed on the TensorE into a [1, L]
-flag row; a runtime loop over the L experts loads each flag into a register and runs the expert's body in an
-inner runtime loop of 0 or 1 iterations, with the expert id as a register: the weight DMAs address
-``W[e]`` through ``.ap(scalar_offset=e)``. An expert no row selects issues one register load and reads no weight
-byte. ``skip_unrouted=False`` is the static all-experts variant (a Python loop over L, unrolled at trace time).
+Rows routed to no local expert (0xFF padding: id −1, NaN weight, NaN x) are never gathered: they stay the zeros
+``acc`` was initialised with. A row's arithmetic depends only on its own column of each item (batch invariance).
+An expert with more than M rows is split over several items, each streaming the expert's weights again (the
+cost of skewed routing; uniform routing gives one item per routed expert).
 
-Runtime loops need NKI >= 0.6 (``nl.fori_loop``); the static variant is NKI >= 0.3.
+``skip_unrouted=False`` is the static variant: the same tables with ``n_e = ⌈R / M⌉`` for every expert and a
+Python-unrolled item list (every expert's weights are read; no runtime control flow).
+
+Documented constructs used, and where they are documented or used publicly
+--------------------------------------------------------------------------
+- Triangular / ones matmuls for counts and ranks, fp32 operands: ISA ``nc_matmul`` (fp32 inputs, fp32 PSUM).
+- ``nisa.iota`` (row ids, thresholds), ``tensor_scalar`` / ``tensor_tensor`` / ``tensor_reduce``: ISA stubs.
+- Running sum along the free dim: ISA ``tensor_scalar_cumulative`` (pseudocode in the stub).
+- int32 add and ``right_shift`` on VectorE (``tensor_scalar``): ISA bitvec ops (VectorE, immediate < 2^24).
+- Scatter of the table entries: ``dma_copy`` to an HBM ``.ap(vector_offset=<SBUF (P, 1) int32>)`` view with
+  ``oob_mode.skip``: APS deep-dive (indirect DMA) and ISA ``dma_copy``; nki-library
+  ``core/moe/moe_tkg/all_expert_mx_impl.py`` gathers token rows the same way (``oob_mode.skip`` for −1 ids).
+- Runtime loop with a register trip count: LANG ``nl.fori_loop`` (NKI 0.6); the loop counter lives in a (1, 1)
+  SBUF tile incremented by ``tensor_scalar``, as ``all_expert_mx_impl.py``'s dynamic-block loop does;
+  ``register_load`` reads a plain (1, 1) SBUF tile (ISA ``register_load``), never an ``.ap`` view.
+- Per-item table rows and the expert id: ``dma_copy`` from HBM ``.ap(scalar_offset=<SBUF (1, 1) tensor>)``
+  (APS; ``all_expert_mx_impl.py`` loads its per-block indices so; ``selective_expert_impl.py`` addresses
+  expert weights by an SBUF index through ``scalar_offset``). No SBUF ``.ap(scalar_offset=...)`` is used as a
+  compute operand or register source, and no runtime loop is nested.
+- Row scatter-add: ISA ``dma_compute`` (read-modify-write scatter, unique indices, fp32 add).
+- TensorE transposes of bf16 (x, h, z, d) into bf16 PSUM: ISA ``nc_transpose``; fp32 never transposed.
+
+Buffers: the per-item tiles are allocated once outside the runtime loop (static addresses, as runtime loops
+require); the weight tiles inside ``load_weight_group`` are fresh per weight group, so consecutive groups'
+DMAs overlap the previous group's matmuls (the overlap the cost model's estimate assumes).
 """
 
 from __future__ import annotations
 
 from static_moe.nki.shim import nisa, nl
 
-from .expert_gemm import (
+from .expert_gemm import WEIGHT_LAYOUTS, block_times_rows, load_weight_group, rows_per_dma, weight_format, weight_k
+from .gemm_tiles import (
     MOVING_MAX,
     P,
+    WeightRing,
     act_format,
-    block_times_rows,
-    load_a_kmajor,
-    load_weight_group,
+    act_rows_into_operand,
+    alloc_act_operand,
+    fp8_rows_to_bf16,
+    fp8_rows_to_mx,
+    gemm_block,
+    load_weight_slab,
     rows_from_kmajor,
-    rows_per_dma,
-    transpose_blocks,
-    weight_format,
-    weight_k,
+    weight_plan,
 )
 from .swiglu_and_cast import swiglu_cast_tile
 
-SBUF_ROW_BUDGET = 100 * 1024  # bytes per partition for the row-dependent buffers (x^T, acc^T, h, z^T)
 SWIGLU_COLS = 1024  # columns of I per swiglu tile call (bounds its fp32 scratch)
+MAX_CHUNK = P  # rows per work item: gathered rows land on partitions
 
 
-def _rows_per_pass(h: int, i: int, r: int) -> int:
-    """Rows processed per pass: as many 128-row tiles as the SBUF row budget holds (x^T 2H + acc^T 4H +
-    h 4I + z^T 2I bytes per row and partition, /128 for the K-major ones), at most 512 (one PSUM bank)."""
-    per_tile = (2 * h + 4 * h + 2 * i) + 4 * i  # per 128 rows, bytes per partition
-    tiles = max(1, min(MOVING_MAX // P, SBUF_ROW_BUDGET // per_tile))
-    return min(r, tiles * P)
+def chunk_rows_for(rows: int, topk: int, num_experts: int, cap: int = MAX_CHUNK) -> int:
+    """M, the rows per work item: the power of two ≥ twice ``⌈R·min(k, E)/E⌉`` — the mean rows per expert when the
+    R gathered rows route top-k over E experts (E = the layer's global experts; with expert parallelism over S
+    ranks of capacity C, R = S·C tokens do) — capped at ``cap`` (≤ 128) and at R rounded up to a power of two.
+
+    Small M keeps the evacuations, transposes and swiglu of an item proportional to the routed rows; the TensorE
+    charges max(M, 64) cycles per 128×128 block anyway, so M below 64 costs it nothing more. Twice the mean makes
+    one item per routed expert the common case; an expert with more than M rows takes several items and streams
+    its weights once per item (see :func:`chunk_cap` for the path where that is the better trade)."""
+    mean = -(-rows * min(topk, num_experts) // num_experts)
+    m = 1
+    while m < 2 * mean and m < min(cap, MAX_CHUNK):
+        m *= 2
+    full = 1
+    while full < rows:
+        full *= 2
+    return max(1, min(m, full, cap, MAX_CHUNK))
+
+
+def chunk_cap(weight_path: str) -> int:
+    """The :func:`chunk_rows_for` cap for a GEMM path (``gemm_tiles.WeightPlan.path``; ``"eoi"`` for the
+    unprepared decode path): 32 on the per-K-block fp8 path, 128 elsewhere.
+
+    The per-K-block fp8 evacuation costs VectorE time per evacuated column times K/128 (cost model, V4-Flash:
+    ≈ 6.6 µs per column per expert against ≈ 70 µs for the expert's fp8 weights), so beyond ~10 rows per
+    expert it binds either way; a 64-row item for a 24-row expert then evacuates 40 pad columns for nothing,
+    while two 32-row items cost one more weight stream, which the evacuation hides. Measured with
+    ``bench/bench_nki_gemm.py`` (V4-Flash, EP 8, T = 128, fp8 × fp8): M = 64 → 18 %, M = 32 → 35 % of the
+    roofline; at small means the cap does not bind (M = 2 … 8 keeps one item per expert)."""
+    return 32 if weight_path == "fp8_block" else MAX_CHUNK
 
 
 def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                         swiglu_limit=None, fp8_max=240.0, skip_unrouted=True):
-    """Fused local experts (SPEC §1.7) on one NeuronCore.
+                         swiglu_limit=None, fp8_max=240.0, skip_unrouted=True, chunk_rows=None, weight_layout="eoi",
+                         num_experts=None):
+    """Fused local experts (SPEC §1.7) on one NeuronCore, over each expert's routed rows only.
 
     Dimensions:
-        R: gathered rows, H: hidden, I: intermediate, L: local experts, k: top-k slots, g: activation group.
+        R: gathered rows, H: hidden, I: intermediate, L: local experts, k: top-k slots, g: activation group,
+        M: rows per work item, N: work items (Σ_e ⌈C_e / M⌉).
 
     Args:
         x (nl.ndarray): [R, H] bf16 or float8_e4m3fn, HBM.
@@ -79,210 +147,447 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
         expert_offset (int): global id of local expert 0.
         swiglu_limit (float | None): SwiGLU clamp (gate ≤ L, |up| ≤ L).
         fp8_max (float): fp8 range of z (fp8 x only): ≤ 240 on trn2; 448 needs e4m3fn on chip (trn3).
-        skip_unrouted (bool): runtime skip of experts no row selects (True) or the static all-experts loop.
+        skip_unrouted (bool): True: the runtime work list (unrouted experts cost nothing); False: the static
+            variant (every expert, ⌈R / M⌉ items each, no runtime control flow).
+        chunk_rows (int | None): M (a power of two ≤ 128); None: :func:`chunk_rows_for` with num_experts.
+        num_experts (int | None): the layer's global expert count E (for the chunk policy only; None: L, i.e.
+            every expert is local, as without expert parallelism).
+        weight_layout (str): ``"eoi"`` (nn.Linear ``[L, N, K]``, the shapes above) or ``"eio"`` (prepared,
+            K-major, ``python/static_moe/layouts.py``: w13 ``[L, H, 2I]`` bf16 / e4m3fn (trn2: re-encoded) with
+            fp32 ``[L, H/128, 2I]`` scales, or x4-packed ``[L, H/4, 2I]`` uint32 (fp8 MX, trn3) / uint16 (fp4)
+            with UE8M0 ``[L, H/32, 2I]``; w2 likewise with K = I, N = H).
 
     Returns:
         acc (nl.ndarray): [R, H] float32 in shared HBM.
 
     Notes:
-        - H, I multiples of 128; R any (passes of up to 512 rows that fit the SBUF row budget; weights are
-          streamed once per pass).
+        - H, I multiples of 128; R any.
         - z uses x's activation group g (fp8) or is bf16 (bf16 x), as the reference.
-        - SBUF per partition: x^T 2HR/128 + acc^T 4HR/128 + h 4I + z^T 2IR/128 bytes + one decoded weight block.
+        - HBM scratch: the item table (N_max·M·8 bytes), the item experts (4·N_max), and for fp8 x its
+          decoded bf16 rows (2·R·H).
+        - SBUF per partition: the routing tiles (≈ 16·L bytes per 128 rows) and per item x 2H, x^T 2HM/128,
+          h 4I, z^T 2IM/128, d 2H bytes + the weight group in flight.
 
     Pseudocode:
-        w_all[r, e] = Σ_j [idx[r, j] == off + e] · w[r, j]      # slot order, padding-safe
-        xT = transpose(routed_anywhere ? dequant(x) : 0)
-        accT = 0
-        for e in experts (runtime-skipped when unrouted):
-            for nb in 2I/128:  hT[nb] = bf16(decode(W13[e, nb])ᵀ · xT)
-            h = transpose(hT)                                   # rows on partitions
-            z = dequant(swiglu_and_cast(h, w_all[:, e]))        # bf16, exact for pow2 scales
-            zT = transpose(z)
-            for hb in H/128:   accT[hb] += bf16(decode(W2[e, hb])ᵀ · zT)
-        out = transpose(accT)
+        hit, w_all = routing(topk_idx, topk_weights)                   # [R, L]
+        C = Σ_r hit; pos = exclusive prefix count of hit over rows      # TensorE, exact
+        n = ceil(C / M); base = exclusive prefix sum of n; N = Σ n
+        table[M·base_e + pos[r, e]] = (r, w_all[r, e])   for every hit (one scatter per top-k slot)
+        expert_of[i] = #{e : base_e + n_e ≤ i}
+        acc = 0
+        for i in runtime range(N):                                      # items in expert order
+            e = expert_of[i]; rows, w = table[i]                        # M rows (pad rows = R, skipped)
+            xT = transpose(gather(x, rows))
+            h = bf16(W13[e] · xT); z = swiglu_and_cast(h, w); d = bf16(W2[e] · z)
+            acc[rows] += d                                              # DMA read-modify-write
     """
+    assert weight_layout in WEIGHT_LAYOUTS, f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}"
     r, h = x.shape
+    k = topk_idx.shape[1]
     n_local = w13.shape[0]
-    fmt_w = weight_format(w13)
-    two_i = w13.shape[1]
-    inter = two_i // 2
-    assert weight_k(w13, fmt_w) == h, f"w13 has K={weight_k(w13, fmt_w)}, x has H={h}"
-    assert w2.shape[1] == h and weight_k(w2, fmt_w) == inter, "w2 must be [L, H, I] in w13's format"
+    fmt_x = act_format(x)
+    if weight_layout == "eio":
+        g1, g2 = _EioGemm(w13, w13_scale, fmt_x, "w13"), _EioGemm(w2, w2_scale, fmt_x, "w2")
+        assert g1.k == h and g2.n == h, f"w13 must be EIO [L, H, 2I] and w2 [L, I, H] with H={h}"
+        assert g1.n == 2 * g2.k, f"w13 has 2I={g1.n}, w2 has I={g2.k}"
+    else:
+        fmt_w = weight_format(w13)
+        assert weight_k(w13, fmt_w) == h, f"w13 has K={weight_k(w13, fmt_w)}, x has H={h}"
+        g1 = _EoiGemm(w13, w13_scale, fmt_w, h, w13.shape[1])
+        g2 = _EoiGemm(w2, w2_scale, fmt_w, weight_k(w2, fmt_w), w2.shape[1])
+        assert w2.shape[1] == h and 2 * g2.k == g1.n, "w2 must be [L, H, I] in w13's format"
+    inter = g2.k
     assert h % P == 0 and inter % P == 0, f"H={h} and I={inter} must be multiples of {P}"
-    if act_format(x) == "fp8":
+    if fmt_x == "fp8":
         group = h // x_scale.shape[1]
         e4m3fn_native = nisa.get_nc_version() == nisa.nc_version.gen4
         assert fp8_max <= 240.0 or e4m3fn_native, (
             f"fp8_max={fp8_max} needs float8_e4m3fn on chip (trn3); on trn2 quantize z with fp8_max <= 240")
     else:
         group = None
+    if chunk_rows is None:
+        m = chunk_rows_for(r, k, num_experts or n_local, chunk_cap(g1.path))
+    else:
+        m = int(chunk_rows)
+    assert 1 <= m <= MAX_CHUNK and m & (m - 1) == 0, f"chunk_rows={m} must be a power of two in [1, {MAX_CHUNK}]"
+    q_static = -(-r // m)  # items per expert in the static variant
+    k_eff = min(k, n_local)
+    if skip_unrouted:
+        n_max = min(n_local * q_static, -(-r * k_eff // m) + min(n_local, r * k_eff))
+    else:
+        n_max = n_local * q_static
 
     out = nl.ndarray((r, h), dtype=nl.float32, buffer=nl.shared_hbm, name="acc_out")
-    rp = _rows_per_pass(h, inter, r)
-    for r0 in range(0, r, rp):
-        _rows_pass(out, x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                   swiglu_limit, fp8_max, skip_unrouted, r0, min(rp, r - r0), n_local, fmt_w, inter, group)
+    tiles = _routing_tiles(topk_idx, topk_weights, expert_offset, n_local, r)
+    table, item_expert, n_reg = _work_list(tiles, r, n_local, m, n_max, skip_unrouted, q_static)
+    x_rows = _x_rows_source(x, x_scale, tiles, r, h, g1.korder)
+    _zero_rows(out, r, h)
+
+    bufs = _ItemBuffers(m, h, inter, g1, g2, fmt_x, group)
+    if skip_unrouted:
+        counter = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_counter")
+        nisa.memset(dst=counter, value=0)
+
+        def body(_i):
+            e_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_expert")
+            nisa.dma_copy(dst=e_sb, src=item_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=counter,
+                                                       indirect_dim=0))
+            meta = table.ap(pattern=[[2, m], [1, 2]], offset=0, scalar_offset=counter, indirect_dim=0)
+            _item(out, x_rows, meta, e_sb, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group)
+            nisa.tensor_scalar(dst=counter, data=counter, op0=nl.add, operand0=1)
+
+        nl.fori_loop(0, n_reg, body)
+    else:
+        for i in range(n_max):
+            _item(out, x_rows, table[i], i // q_static, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group)
     return out
 
 
-def _routing(topk_idx, topk_weights, r0: int, rt: int, expert_offset: int, n_local: int):
-    """Per-row routing of one 128-row tile, in row layout.
+# ----------------------------------------------------------------------------------------------------------------
+# Routing and the work list
+# ----------------------------------------------------------------------------------------------------------------
+class _RowTile:
+    """Routing of one 128-row tile in row layout (rows on partitions, local experts along the free dim)."""
+
+    def __init__(self, r0, rt, idx_f, w_all, hit, routed):
+        self.r0, self.rt = r0, rt
+        self.idx_f = idx_f  # SBUF float32 [rt, k]: the slot ids (exact: ids < 2^24)
+        self.w_all = w_all  # SBUF float32 [rt, L]: Σ_j [idx[r, j] == off + e] · w[r, j], slot order
+        self.hit = hit  # SBUF float32 [rt, L]: 1 where row r names local expert e, else 0
+        self.routed = routed  # SBUF uint8 [rt, 1]: 1 where the row names any local expert
+
+
+def _routing_tiles(topk_idx, topk_weights, expert_offset: int, n_local: int, r: int) -> list:
+    """:class:`_RowTile` per 128 rows. Padding rows (id −1, NaN weight) select, never multiply: the weights of
+    invalid slots are replaced by 0 with a predicated copy before any arithmetic."""
+    k = topk_idx.shape[1]
+    tiles = []
+    ids = nl.ndarray((min(P, r), n_local), dtype=nl.float32, buffer=nl.sbuf, name="local_ids")
+    nisa.iota(dst=ids, pattern=[[1, n_local]], offset=expert_offset)
+    for r0 in range(0, r, P):
+        rt = min(P, r - r0)
+        idx = nl.ndarray((rt, k), dtype=nl.int32, buffer=nl.sbuf, name="topk_idx")
+        nisa.dma_copy(dst=idx, src=topk_idx[r0:r0 + rt, :])
+        w_raw = nl.ndarray((rt, k), dtype=nl.float32, buffer=nl.sbuf, name="topk_w")
+        nisa.dma_copy(dst=w_raw, src=topk_weights[r0:r0 + rt, :])
+        valid = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="slot_valid")
+        nisa.tensor_scalar(dst=valid, data=idx, op0=nl.greater_equal, operand0=0.0)
+        w = nl.ndarray((rt, k), dtype=nl.float32, buffer=nl.sbuf, name="topk_w_clean")
+        nisa.memset(dst=w, value=0.0)
+        nisa.tensor_copy_predicated(dst=w, src=w_raw, predicate=valid)
+        idx_f = nl.ndarray((rt, k), dtype=nl.float32, buffer=nl.sbuf, name="topk_idx_f32")
+        nisa.tensor_copy(dst=idx_f, src=idx)
+        w_all = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="w_all")
+        hits = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="hits")
+        eq = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="slot_eq")
+        for j in range(k):
+            dst_eq = hits if j == 0 else eq
+            nisa.tensor_scalar(dst=dst_eq, data=ids[:rt], op0=nl.equal, operand0=idx_f[:, j:j + 1])
+            if j == 0:
+                nisa.tensor_scalar(dst=w_all, data=hits, op0=nl.multiply, operand0=w[:, 0:1])
+            else:
+                nisa.scalar_tensor_tensor(dst=w_all, data=eq, op0=nl.multiply, operand0=w[:, j:j + 1], op1=nl.add,
+                                          operand1=w_all)
+                nisa.tensor_tensor(dst=hits, data1=hits, data2=eq, op=nl.add)
+        hit = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="hit01")
+        nisa.tensor_scalar(dst=hit, data=hits, op0=nl.minimum, operand0=1.0)  # duplicates count once
+        any_hit = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="any_hit")
+        nisa.tensor_reduce(dst=any_hit, op=nl.maximum, data=hit, axis=(1,))
+        routed = nl.ndarray((rt, 1), dtype=nl.uint8, buffer=nl.sbuf, name="routed")
+        nisa.tensor_copy(dst=routed, src=any_hit)
+        tiles.append(_RowTile(r0, rt, idx_f, w_all, hit, routed))
+    tiles[0].ids = ids
+    return tiles
+
+
+def _col_chunks(n: int):
+    """[(c0, c)] column chunks of at most one PSUM bank (512 fp32) — the moving free size limit."""
+    return [(c0, min(MOVING_MAX, n - c0)) for c0 in range(0, n, MOVING_MAX)]
+
+
+def _work_list(tiles, r: int, n_local: int, m: int, n_max: int, skip_unrouted: bool, q_static: int):
+    """The item table, each item's expert and the item count (see the module docstring, steps 2–4).
 
     Returns:
-        w_all: SBUF float32 [rt, L], ``Σ_j [idx[r, j] == off + e] · w[r, j]`` summed in slot order (SPEC §1.3:
-            duplicates add up); weights of empty (−1) slots are replaced by 0 before any arithmetic.
-        hits: SBUF float32 [rt, L], the number of slots of row r that name local expert e.
-        routed: SBUF uint8 [rt, 1], 1 where the row names any local expert.
+        table: HBM float32 [N_max, M, 2]: per item its M (row id, routing weight) pairs; pad rows have id R and
+            weight 0.
+        item_expert: HBM int32 [N_max, 1] (runtime variant) or None.
+        n_reg: a register holding N (runtime variant) or None.
     """
-    k = topk_idx.shape[1]
-    idx = nl.ndarray((rt, k), dtype=nl.int32, buffer=nl.sbuf, name="topk_idx")
-    nisa.dma_copy(dst=idx, src=topk_idx[r0:r0 + rt, :])
-    w_raw = nl.ndarray((rt, k), dtype=nl.float32, buffer=nl.sbuf, name="topk_w")
-    nisa.dma_copy(dst=w_raw, src=topk_weights[r0:r0 + rt, :])
-    # padding rows read as id −1 and weight NaN: select, never multiply, the weights of real slots
-    valid = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="slot_valid")
-    nisa.tensor_scalar(dst=valid, data=idx, op0=nl.greater_equal, operand0=0.0)
-    w = nl.ndarray((rt, k), dtype=nl.float32, buffer=nl.sbuf, name="topk_w_clean")
-    nisa.memset(dst=w, value=0.0)
-    nisa.tensor_copy_predicated(dst=w, src=w_raw, predicate=valid)
-    idx_f = nl.ndarray((rt, k), dtype=nl.float32, buffer=nl.sbuf, name="topk_idx_f32")
-    nisa.tensor_copy(dst=idx_f, src=idx)  # exact: ids < 2^24
-    ids = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="local_ids")
-    nisa.iota(dst=ids, pattern=[[1, n_local]], offset=expert_offset)
-    w_all = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="w_all")
-    hits = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="hits")
-    eq = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="slot_eq")
-    for j in range(k):
-        dst_eq = hits if j == 0 else eq
-        nisa.tensor_scalar(dst=dst_eq, data=ids, op0=nl.equal, operand0=idx_f[:, j:j + 1])
-        if j == 0:
-            nisa.tensor_scalar(dst=w_all, data=hits, op0=nl.multiply, operand0=w[:, 0:1])
+    log2m = m.bit_length() - 1
+    # ---- counts C_e = Σ_r hit[r, e] (TensorE, fp32 exact)
+    ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf, name="ones_col")
+    nisa.memset(dst=ones_col, value=1.0)
+    cnt_ps = nl.ndarray((1, n_local), dtype=nl.float32, buffer=nl.psum, name="expert_rows")
+    for t, tl in enumerate(tiles):
+        for c0, c in _col_chunks(n_local):
+            nisa.nc_matmul(dst=cnt_ps[:, c0:c0 + c], stationary=ones_col[:tl.rt], moving=tl.hit[:, c0:c0 + c],
+                           accumulate=t != 0)
+    # ---- n_e = ⌈C_e / M⌉ (int32: (C + M − 1) >> log2 M); static variant: ⌈R / M⌉ for every expert
+    n_f = nl.ndarray((1, n_local), dtype=nl.float32, buffer=nl.sbuf, name="expert_items")
+    if skip_unrouted:
+        n_i = nl.ndarray((1, n_local), dtype=nl.int32, buffer=nl.sbuf, name="expert_items_i32")
+        nisa.tensor_copy(dst=n_i, src=cnt_ps)  # exact: integers < 2^24
+        nisa.tensor_scalar(dst=n_i, data=n_i, op0=nl.add, operand0=float(m - 1))
+        nisa.tensor_scalar(dst=n_i, data=n_i, op0=nl.right_shift, operand0=log2m)
+        nisa.tensor_copy(dst=n_f, src=n_i)
+    else:
+        nisa.memset(dst=n_f, value=float(q_static))
+    # ---- end_e = Σ_{e' ≤ e} n_e' (running sum), M·base_e = M·(end_e − n_e)
+    end = nl.ndarray((1, n_local), dtype=nl.float32, buffer=nl.sbuf, name="expert_end")
+    nisa.tensor_scalar_cumulative(dst=end, src=n_f, op0=nl.multiply, op1=nl.add, imm0=1.0)
+    mbase = nl.ndarray((1, n_local), dtype=nl.float32, buffer=nl.sbuf, name="expert_mbase")
+    nisa.tensor_tensor(dst=mbase, data1=end, data2=n_f, op=nl.subtract)
+    nisa.tensor_scalar(dst=mbase, data=mbase, op0=nl.multiply, operand0=float(m))
+
+    # ---- the table, pre-filled with (R, 0): pad rows that every gather / scatter skips
+    table = nl.ndarray((n_max, m, 2), dtype=nl.float32, buffer=nl.private_hbm, name="item_table")
+    for i0 in range(0, n_max, P):
+        ni = min(P, n_max - i0)
+        fill = nl.ndarray((ni, m, 2), dtype=nl.float32, buffer=nl.sbuf, name="table_fill")
+        nisa.memset(dst=fill, value=float(r))
+        nisa.memset(dst=fill[:, :, 1], value=0.0)
+        nisa.dma_copy(dst=table[i0:i0 + ni], src=fill)
+    flat = table.reshape((n_max * m, 2))
+    big = float(n_max * m)  # an address past the table: the DMA skips it
+
+    ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf, name="ones_row")
+    nisa.memset(dst=ones_row, value=1.0)
+    ones_sq = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf, name="ones_square")
+    nisa.memset(dst=ones_sq, value=1.0)
+    tri = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf, name="strict_upper")
+    nisa.iota(dst=tri, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # tri[r', r] = r − r'
+    nisa.tensor_scalar(dst=tri, data=tri, op0=nl.greater, operand0=0.0)  # 1 where r' < r
+    k = tiles[0].idx_f.shape[1]
+    ids = tiles[0].ids
+    for t, tl in enumerate(tiles):
+        rt = tl.rt
+        # addr[r, e] = M·base_e + Σ_{earlier tiles} hit + Σ_{r' < r in this tile} hit   (PSUM fp32, exact)
+        addr = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="hit_addr")
+        for c0, c in _col_chunks(n_local):
+            ps = nl.ndarray((rt, c), dtype=nl.float32, buffer=nl.psum, name="hit_addr_psum")
+            nisa.nc_matmul(dst=ps, stationary=ones_row[:, :rt], moving=mbase[:, c0:c0 + c], accumulate=False)
+            for t2 in range(t):
+                prev = tiles[t2]
+                nisa.nc_matmul(dst=ps, stationary=ones_sq[:prev.rt, :rt], moving=prev.hit[:, c0:c0 + c],
+                               accumulate=True)
+            nisa.nc_matmul(dst=ps, stationary=tri[:rt, :rt], moving=tl.hit[:, c0:c0 + c], accumulate=True)
+            nisa.tensor_copy(dst=addr[:, c0:c0 + c], src=ps)
+        # one scatter per top-k slot j: (row id, w_all[r, e_j]) to addr[r, e_j]; non-local slots → past the end
+        rowid = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="row_id")
+        nisa.iota(dst=rowid, pattern=[[0, 1]], offset=tl.r0, channel_multiplier=1)
+        for j in range(k):
+            eq = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="slot_onehot")
+            nisa.tensor_scalar(dst=eq, data=ids[:rt], op0=nl.equal, operand0=tl.idx_f[:, j:j + 1])
+            prod = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="slot_prod")
+            a_j = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="slot_addr")
+            nisa.tensor_tensor(dst=prod, data1=eq, data2=addr, op=nl.multiply)
+            nisa.tensor_reduce(dst=a_j, op=nl.add, data=prod, axis=(1,))  # one nonzero term: exact
+            any_j = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="slot_local")
+            nisa.tensor_reduce(dst=any_j, op=nl.add, data=eq, axis=(1,))
+            # a_j += (1 − any_j) · big   (non-local slot: out of range)
+            nisa.scalar_tensor_tensor(dst=a_j, data=any_j, op0=nl.multiply, operand0=-big, op1=nl.add, operand1=a_j)
+            nisa.tensor_scalar(dst=a_j, data=a_j, op0=nl.add, operand0=big)
+            a_i = nl.ndarray((rt, 1), dtype=nl.int32, buffer=nl.sbuf, name="slot_addr_i32")
+            nisa.tensor_copy(dst=a_i, src=a_j)
+            val = nl.ndarray((rt, 2), dtype=nl.float32, buffer=nl.sbuf, name="slot_entry")
+            nisa.tensor_copy(dst=val[:, 0:1], src=rowid)
+            nisa.tensor_tensor(dst=prod, data1=eq, data2=tl.w_all, op=nl.multiply)
+            nisa.tensor_reduce(dst=val[:, 1:2], op=nl.add, data=prod, axis=(1,))
+            nisa.dma_copy(dst=flat.ap(pattern=[[2, rt], [1, 2]], offset=0, vector_offset=a_i, indirect_dim=0),
+                          src=val, oob_mode=nisa.oob_mode.skip)
+    if not skip_unrouted:
+        return table, None, None
+
+    # ---- expert of item i = #{e : end_e ≤ i}, items on partitions (i = i0 + p)
+    item_expert = nl.ndarray((n_max, 1), dtype=nl.int32, buffer=nl.private_hbm, name="item_expert_tab")
+    for i0 in range(0, n_max, P):
+        ni = min(P, n_max - i0)
+        end_bc = nl.ndarray((ni, n_local), dtype=nl.float32, buffer=nl.sbuf, name="end_bcast")
+        for c0, c in _col_chunks(n_local):
+            ps = nl.ndarray((ni, c), dtype=nl.float32, buffer=nl.psum, name="end_bcast_psum")
+            nisa.nc_matmul(dst=ps, stationary=ones_row[:, :ni], moving=end[:, c0:c0 + c], accumulate=False)
+            nisa.tensor_copy(dst=end_bc[:, c0:c0 + c], src=ps)
+        item = nl.ndarray((ni, 1), dtype=nl.float32, buffer=nl.sbuf, name="item_index")
+        nisa.iota(dst=item, pattern=[[0, 1]], offset=i0, channel_multiplier=1)
+        before = nl.ndarray((ni, n_local), dtype=nl.float32, buffer=nl.sbuf, name="expert_before")
+        nisa.tensor_scalar(dst=before, data=end_bc, op0=nl.less_equal, operand0=item)
+        e_f = nl.ndarray((ni, 1), dtype=nl.float32, buffer=nl.sbuf, name="item_expert_f32")
+        nisa.tensor_reduce(dst=e_f, op=nl.add, data=before, axis=(1,))
+        e_i = nl.ndarray((ni, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_expert_i32")
+        nisa.tensor_copy(dst=e_i, src=e_f)
+        nisa.dma_copy(dst=item_expert[i0:i0 + ni, :], src=e_i)
+    # ---- N = end_{L−1} → register
+    n_items = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="n_items")
+    nisa.tensor_copy(dst=n_items, src=end[:, n_local - 1:n_local])
+    n_reg = nisa.register_alloc(0)
+    nisa.register_load(n_reg, n_items)
+    return table, item_expert, n_reg
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The two GEMMs of an item, per weight layout
+# ----------------------------------------------------------------------------------------------------------------
+class _EioGemm:
+    """A GEMM on prepared (EIO) weights through ``nki_kernels/gemm_tiles.py``: K-major weight slabs DMA'd as the
+    stationary operand into a ring of ``WEIGHT_BUFS`` buffers (allocated once, outside the runtime loop: the
+    DMA of slab i+1 overlaps the matmuls of slab i, also across items)."""
+
+    def __init__(self, w, w_scale, act_fmt: str, name: str):
+        self.w, self.w_scale = w, w_scale
+        self.plan = weight_plan(w, act_fmt)
+        self.k, self.n, self.korder, self.path = self.plan.k, self.plan.n, self.plan.korder, self.plan.path
+        self.ring = None
+        self.name = name
+
+    def alloc(self):
+        self.ring = WeightRing(self.plan, self.name)
+
+    def blocks(self, e, op, m: int):
+        """Yield ``(n0, dT [P, M] bf16)`` per 128 output features: ``bf16(Σ_k W_e[k, n0 + n] · rows[k, :M])``."""
+        plan = self.plan
+        for n0 in range(0, plan.n, plan.ncols):
+            slab = load_weight_slab(self.ring, self.w, self.w_scale, e, n0)
+            for j in range(plan.ncols // P):
+                dT = nl.ndarray((P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name=f"{self.name}_dT")
+                gemm_block(dT, slab, j, op, m, out_engine=nisa.engine.scalar)
+                yield n0 + j * P, dT
+
+
+class _EoiGemm:
+    """A GEMM on nn.Linear (EOI) weights through ``nki_kernels/expert_gemm.py``'s decode path: weight row blocks
+    decoded to bf16 and transposed on the TensorE (correct everywhere; prepare the weights for speed)."""
+
+    korder = "natural"
+    path = "eoi"
+
+    def __init__(self, w, w_scale, fmt: str, k: int, n: int):
+        self.w, self.w_scale, self.fmt, self.k, self.n = w, w_scale, fmt, k, n
+
+    def alloc(self):
+        pass
+
+    def blocks(self, e, op, m: int):
+        nnb = self.n // P
+        grp = rows_per_dma(self.fmt, self.k, nnb)
+        for g0 in range(0, nnb, grp):
+            group = load_weight_group(self.w, self.w_scale, e, g0 * P, grp, self.fmt, self.k)
+            for j in range(grp):
+                dT = nl.ndarray((P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name="eoi_dT")
+                block_times_rows(dT, group, j, op.aT, self.fmt, self.k, m)
+                yield (g0 + j) * P, dT
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rows in and out
+# ----------------------------------------------------------------------------------------------------------------
+def _x_rows_source(x, x_scale, tiles, r: int, h: int, korder: str):
+    """The HBM rows items gather from. bf16 x, and fp8 x on the MX path (its bytes and scales are gathered as
+    they are): x itself. fp8 x otherwise: decoded once to bf16 (exact for pow2 scales; rows routed nowhere
+    zeroed through their scales, so 0xFF padding never becomes a value) in a private HBM scratch."""
+    if act_format(x) == "bf16" or korder == "mx":
+        return x, x_scale
+    g = h // x_scale.shape[1]
+    xs = nl.ndarray((r, h), dtype=nl.bfloat16, buffer=nl.private_hbm, name="x_bf16_rows")
+    for tl in tiles:
+        r0, rt = tl.r0, tl.rt
+        raw = nl.ndarray((rt, h), dtype=nl.uint8, buffer=nl.sbuf, name="x_bytes")
+        nisa.dma_copy(dst=raw, src=x.view(nl.uint8)[r0:r0 + rt, :])
+        s_raw = nl.ndarray((rt, h // g), dtype=nl.float32, buffer=nl.sbuf, name="x_s")
+        nisa.dma_copy(dst=s_raw, src=x_scale[r0:r0 + rt, :])
+        nisa.dma_copy(dst=xs[r0:r0 + rt, :], src=fp8_rows_to_bf16(raw, s_raw, tl.routed))
+    return xs, None
+
+
+def _zero_rows(out, r: int, h: int):
+    """acc = 0: what rows no local expert selects return."""
+    z = nl.ndarray((min(P, r), h), dtype=nl.float32, buffer=nl.sbuf, name="acc_zero")
+    nisa.memset(dst=z, value=0.0)
+    for r0 in range(0, r, P):
+        rt = min(P, r - r0)
+        nisa.dma_copy(dst=out[r0:r0 + rt, :], src=z[:rt])
+
+
+def _gather(dst, src, rid, m: int):
+    """``dst[p] = src[rid[p]]`` for p < M (an HBM row gather, ``.ap(vector_offset=...)``); pad rows (id R) are
+    out of range and skipped, so dst keeps what it held there."""
+    c = src.shape[1]
+    nisa.dma_copy(dst=dst, src=src.ap(pattern=[[c, m], [1, c]], offset=0, vector_offset=rid, indirect_dim=0),
+                  oob_mode=nisa.oob_mode.skip)
+
+
+class _ItemBuffers:
+    """Per-item SBUF tiles, allocated once: a runtime loop body reuses the same addresses every iteration. Tiles
+    that a gather fills are zeroed first, so pad rows (skipped by the gather) only ever hold zeros or finite
+    values of earlier rows — their columns are computed, never stored."""
+
+    def __init__(self, m: int, h: int, inter: int, g1, g2, fmt_x: str, group):
+        self.meta = nl.ndarray((m, 2), dtype=nl.float32, buffer=nl.sbuf, name="item_meta")
+        self.rid = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_rows")
+        if g1.korder == "mx":
+            self.x_raw = nl.ndarray((m, h), dtype=nl.uint8, buffer=nl.sbuf, name="item_x_bytes")
+            self.x_s = nl.ndarray((m, h // group), dtype=nl.float32, buffer=nl.sbuf, name="item_x_scale")
+            nisa.memset(dst=self.x_raw, value=0)
+            nisa.memset(dst=self.x_s, value=0.0)
         else:
-            nisa.scalar_tensor_tensor(dst=w_all, data=eq, op0=nl.multiply, operand0=w[:, j:j + 1], op1=nl.add,
-                                      operand1=w_all)
-            nisa.tensor_tensor(dst=hits, data1=hits, data2=eq, op=nl.add)
-    any_hit = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="any_hit")
-    nisa.tensor_reduce(dst=any_hit, op=nl.maximum, data=hits, axis=(1,))
-    routed = nl.ndarray((rt, 1), dtype=nl.uint8, buffer=nl.sbuf, name="routed")
-    nisa.tensor_copy(dst=routed, src=any_hit)
-    return w_all, hits, routed
+            self.xg = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_x")
+            nisa.memset(dst=self.xg, value=0.0)
+        self.op1 = alloc_act_operand(g1.korder, h, m, "item_x_op")
+        self.op2 = alloc_act_operand(g2.korder, inter, m, "item_z_op")
+        self.h_rows = nl.ndarray((m, 2 * inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_h")
+        if g2.korder == "mx":
+            self.zq = nl.ndarray((m, inter), dtype=nl.uint8, buffer=nl.sbuf, name="item_z_bytes")
+            self.zs = nl.ndarray((m, inter // group), dtype=nl.float32, buffer=nl.sbuf, name="item_z_scale")
+        else:
+            self.z = nl.ndarray((m, inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_z")
+        self.d_rows = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_d")
+        g1.alloc()
+        g2.alloc()
 
 
-def _expert_flags(hits_tiles, n_local: int):
-    """SBUF int32 [1, L]: ``min(Σ_rows hits[:, e], 1)`` — 1 for experts some row selects (TensorE row sum)."""
-    cnt = nl.ndarray((1, n_local), dtype=nl.float32, buffer=nl.psum, name="expert_rows")
-    for t, hits in enumerate(hits_tiles):
-        rt = hits.shape[0]
-        ones = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="ones_col")
-        nisa.memset(dst=ones, value=1.0)
-        for c0 in range(0, n_local, MOVING_MAX):
-            c = min(MOVING_MAX, n_local - c0)
-            nisa.nc_matmul(dst=cnt[:, c0:c0 + c], stationary=ones, moving=hits[:, c0:c0 + c], accumulate=t != 0)
-    flags = nl.ndarray((1, n_local), dtype=nl.int32, buffer=nl.sbuf, name="expert_flags")
-    nisa.tensor_scalar(dst=flags, data=cnt, op0=nl.minimum, operand0=1.0)
-    return flags
-
-
-def _column(t, e):
-    """Column e of an SBUF [p, L] tile as a (p, 1) view; e static or a register."""
-    if isinstance(e, int):
-        return t[:, e:e + 1]
-    return t.ap(pattern=[[t.shape[1], t.shape[0]], [1, 1]], offset=0, scalar_offset=e, indirect_dim=1)
-
-
-def _expert_body(e, xT, accT, w_all_tiles, w13, w13_scale, w2, w2_scale, fmt_w, h, inter, r, swiglu_limit,
-                 fp8_max, group):
-    """One expert (static int or register e): GEMM1 → swiglu-and-cast → GEMM2 → acc^T += bf16(d^T)."""
-    nkb_i = inter // P
-    # ---- GEMM1: h^T blocks → row tiles h [rt, 2I] bf16
-    h_rows = [nl.ndarray((min(P, r - r0), 2 * inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="h_rows")
-              for r0 in range(0, r, P)]
-    n_blocks = 2 * inter // P
-    grp = rows_per_dma(fmt_w, h, n_blocks)
-    for g0 in range(0, n_blocks, grp):
-        w13_tiles = load_weight_group(w13, w13_scale, e, g0 * P, grp, fmt_w, h)
-        for j in range(grp):
-            hT = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="hT")
-            block_times_rows(hT, w13_tiles, j, xT, fmt_w, h, r)  # h = bf16(GEMM1)
-            rows_from_kmajor(h_rows, hT, (g0 + j) * P, r)
-    # ---- swiglu-and-cast per row tile (rows on partitions: groups along the free dim), z → z^T bf16
-    zT = nl.ndarray((P, nkb_i, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="zT")
+def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group):
+    """One work item: M rows of expert e (an int, or a (1, 1) SBUF int32 tile loaded at run time)."""
+    nisa.dma_copy(dst=bufs.meta, src=meta_src)
+    nisa.tensor_copy(dst=bufs.rid, src=bufs.meta[:, 0:1])  # exact: row ids < 2^24
+    # ---- x rows → the K-major moving operand of GEMM1
+    x_src, x_src_scale = x_rows
+    if g1.korder == "mx":
+        _gather(bufs.x_raw, x_src.view(nl.uint8), bufs.rid, m)
+        _gather(bufs.x_s, x_src_scale, bufs.rid, m)
+        act_rows_into_operand(bufs.op1, fp8_rows_to_mx(bufs.x_raw, bufs.x_s), 0)
+    else:
+        _gather(bufs.xg, x_src, bufs.rid, m)
+        act_rows_into_operand(bufs.op1, bufs.xg, 0)
+    # ---- GEMM1: h^T blocks → rows h [M, 2I] bf16 (h = bf16(GEMM1))
+    for n0, hT in g1.blocks(e, bufs.op1, m):
+        rows_from_kmajor([bufs.h_rows], hT, n0, m)
+    # ---- swiglu-and-cast (rows on partitions: groups along the free dim) → the moving operand of GEMM2
     fp8 = group is not None
     cols = min(inter, SWIGLU_COLS)
-    for t, hr in enumerate(h_rows):
-        rt = hr.shape[0]
-        w_e = _column(w_all_tiles[t], e)
-        z = nl.ndarray((rt, inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="z_rows")
-        for c0 in range(0, inter, cols):
-            c = min(cols, inter - c0)
-            res = swiglu_cast_tile(hr[:, c0:c0 + c], hr[:, inter + c0:inter + c0 + c], w_e, swiglu_limit,
-                                   "fp8" if fp8 else "bf16", group if fp8 else 128, fp8_max)
-            if fp8:
-                q, s = res  # dequantize exactly: q has ≤ 4 significant bits, s is a power of two
-                gc = c // group
-                nisa.tensor_tensor(dst=z[:, c0:c0 + c].reshape((rt, gc, group)), data1=q.reshape((rt, gc, group)),
-                                   data2=s.reshape((rt, gc, 1)).broadcast(2, group), op=nl.multiply)
-            else:
-                nisa.tensor_copy(dst=z[:, c0:c0 + c], src=res)
-        transpose_blocks(zT[:, :, t * P:t * P + rt], z, rt, nkb_i, (nisa.engine.vector,))
-    # ---- GEMM2: acc^T[hb] += bf16(W2[e, hb] · z)
-    n_blocks2 = h // P
-    grp2 = rows_per_dma(fmt_w, inter, n_blocks2)
-    for g0 in range(0, n_blocks2, grp2):
-        w2_tiles = load_weight_group(w2, w2_scale, e, g0 * P, grp2, fmt_w, inter)
-        for j in range(grp2):
-            hb = g0 + j
-            d_bf = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="dT")
-            block_times_rows(d_bf, w2_tiles, j, zT, fmt_w, inter, r)  # d = bf16(GEMM2)
-            nisa.tensor_tensor(dst=accT[:, hb, :], data1=accT[:, hb, :], data2=d_bf, op=nl.add)
-
-
-def _rows_pass(out, x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-               swiglu_limit, fp8_max, skip_unrouted, r0, r, n_local, fmt_w, inter, group):
-    """Everything for rows [r0, r0 + r) (r ≤ 512)."""
-    h = x.shape[1]
-    nkb_h = h // P
-    # ---- routing (row layout), per 128-row tile
-    w_all_tiles, hits_tiles, routed_tiles = [], [], []
-    for t0 in range(0, r, P):
-        w_all, hits, routed = _routing(topk_idx, topk_weights, r0 + t0, min(P, r - t0), expert_offset, n_local)
-        w_all_tiles.append(w_all)
-        hits_tiles.append(hits)
-        routed_tiles.append(routed)
-    # ---- x^T (shared by all experts), rows routed nowhere zeroed
-    xs = x[r0:r0 + r, :]
-    xss = None if x_scale is None else x_scale[r0:r0 + r, :]
-    xT = nl.ndarray((P, nkb_h, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="xT")
-    load_a_kmajor(xT, xs, xss, routed_tiles)
-    accT = nl.ndarray((P, nkb_h, r), dtype=nl.float32, buffer=nl.sbuf, name="accT")
-    nisa.memset(dst=accT, value=0.0)
-
-    def body(e):
-        _expert_body(e, xT, accT, w_all_tiles, w13, w13_scale, w2, w2_scale, fmt_w, h, inter, r, swiglu_limit,
-                     fp8_max, group)
-
-    if skip_unrouted:
-        flags = _expert_flags(hits_tiles, n_local)
-
-        def outer(e):
-            f = nisa.register_alloc(0)
-            nisa.register_load(f, _column(flags, e))
-            nl.fori_loop(0, f, lambda _i: body(e))
-
-        nl.fori_loop(0, n_local, outer)
+    w_e = bufs.meta[:, 1:2]
+    hr = bufs.h_rows
+    for c0 in range(0, inter, cols):
+        c = min(cols, inter - c0)
+        res = swiglu_cast_tile(hr[:, c0:c0 + c], hr[:, inter + c0:inter + c0 + c], w_e, swiglu_limit,
+                               "fp8" if fp8 else "bf16", group if fp8 else 128, fp8_max)
+        if not fp8:
+            nisa.tensor_copy(dst=bufs.z[:, c0:c0 + c], src=res)
+            continue
+        q, s = res
+        gc = c // group
+        if g2.korder == "mx":  # the bytes as they are (e4m3 and e4m3fn codes agree below 256) + pow2 scales
+            nisa.tensor_copy(dst=bufs.zq[:, c0:c0 + c], src=q.view(nl.uint8))
+            nisa.tensor_copy(dst=bufs.zs[:, c0 // group:c0 // group + gc], src=s)
+        else:  # dequantize exactly: q has ≤ 4 significant bits, s is a power of two
+            nisa.tensor_tensor(dst=bufs.z[:, c0:c0 + c].reshape((m, gc, group)), data1=q.reshape((m, gc, group)),
+                               data2=s.reshape((m, gc, 1)).broadcast(2, group), op=nl.multiply)
+    if g2.korder == "mx":
+        act_rows_into_operand(bufs.op2, fp8_rows_to_mx(bufs.zq, bufs.zs), 0)
     else:
-        for e in range(n_local):
-            body(e)
-
-    # ---- acc^T → rows (fp32 TensorE transposes, bit-exact) → HBM
-    for t0 in range(0, r, P):
-        rt = min(P, r - t0)
-        rows = nl.ndarray((rt, h), dtype=nl.float32, buffer=nl.sbuf, name="acc_rows")
-        for hb0 in range(0, nkb_h, 4):
-            nb = min(4, nkb_h - hb0)
-            pt = nl.ndarray((rt, 4, P), dtype=nl.float32, buffer=nl.psum, name="acc_psum")
-            for j in range(nb):
-                nisa.nc_transpose(dst=pt[:, j, :], data=accT[:, hb0 + j, t0:t0 + rt])
-            nisa.tensor_copy(dst=rows[:, hb0 * P:(hb0 + nb) * P], src=pt[:, :nb, :], engine=nisa.engine.vector)
-        nisa.dma_copy(dst=out[r0 + t0:r0 + t0 + rt, :], src=rows)
+        act_rows_into_operand(bufs.op2, bufs.z, 0)
+    # ---- GEMM2: d^T blocks → rows d [M, H] bf16 (d = bf16(GEMM2))
+    for n0, dT in g2.blocks(e, bufs.op2, m):
+        rows_from_kmajor([bufs.d_rows], dT, n0, m)
+    # ---- acc[rows] += d: one DMA read-modify-write (fp32 add, unique rows within an item; pad rows skipped)
+    acc_rows = out.ap(pattern=[[h, m], [1, h]], offset=0, vector_offset=bufs.rid, indirect_dim=0)
+    nisa.dma_compute(dst=acc_rows, srcs=[acc_rows, bufs.d_rows], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
