@@ -5,11 +5,15 @@
 //             the bandwidth roof for weights on t threads
 //   kernel    static_moe's expert_gemm_rows (the real kernel, Isa::Avx512Bf16 and Isa::Avx512), cold and hot
 //   decode    the kernel's fp4 decode sequence alone (load + vpmultishiftqb + table exponent add + vpermw per 32
-//             weights, results xor-folded so nothing is optimised away), hot (weights in L2)
+//             weights, results xor-folded so nothing is optimised away), hot (weights in L2); decode_v2 / v3: two
+//             candidate decodes of 64 weights per step (see decode_only_v2 / v3), kept because v2 is faster alone
+//             but was slower inside the kernel (see docs/backends/cpu.md)
 //   dot       vdpbf16ps over already-decoded bf16 weights alone (the kernel with bf16 weights), hot
-// Every timing is the best of `reps` runs (other processes can only slow a run down). "cold" rewrites a buffer of
-// 4× the last-level cache before each run; "hot" uses an N small enough that the weights stay in L2.
+// Every timing is the best of `reps` runs (3 × reps cold, 50 × reps short ones for the peak: other processes can only
+// slow a run down, and the best run is the one that had the core alone). "cold" rewrites a buffer of 4× the
+// last-level cache before each run; "hot" uses an N small enough that the weights stay in L2.
 // Output: one line per measurement, "name threads rows value unit", parsed by the driver.
+// Usage: fp4_gemv [N=4096] [K=4096] [reps=7] [decode]   ("decode": stop after the decode timings)
 #include <immintrin.h>
 #include <omp.h>
 
@@ -123,7 +127,8 @@ double kernel(Isa isa, const Expert& e, WeightFormat wf, Rows& r, int64_t m, int
 
 // Read-only stream over `bytes` bytes on t threads (static split), one 512-bit load per line.
 __attribute__((noinline)) double read_stream(const uint8_t* p, size_t bytes, int t, int reps) {
-  static volatile int sink;
+  static volatile int sink;  // keeps the loads alive
+  (void)sink;
   return best_of(reps, true, [&] {
     int acc_all = 0;
 #pragma omp parallel num_threads(t) reduction(^ : acc_all)
@@ -178,6 +183,93 @@ __attribute__((noinline)) uint32_t decode_only(const Expert& e, int64_t rows) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_castsi512_si128(f)));
 }
 
+// A candidate decode, two units (64 weights) per step: the 32 bytes zero-extended to words (vpmovzxbw), low and high
+// nibbles as word indices, unit A's words 0-15 and unit B's words 16-31 told apart by index bit 4, so one 32-entry
+// table holds both units' scaled e2m1 values; two vpermw give the even and the odd columns.
+__attribute__((noinline)) uint32_t decode_only_v2(const Expert& e, int64_t rows) {
+  const __m512i table = _mm512_load_si512(kTable);
+  const __m512i c0f = _mm512_set1_epi16(0x000F);
+  const __m512i hib = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x0010), 1);
+  const __m512i idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);  // [0]*16 + [1]*16
+  __m512i f0 = _mm512_setzero_si512(), f1 = f0, f2 = f0, f3 = f0;
+  const int64_t rb = e.k / 2, sb = e.k / 32;
+  for (int64_t n = 0; n < rows; n += 4) {
+    for (int64_t c = 0; c < e.k / 512; ++c) {
+      __m512i dl[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e.s.data() + (n + j) * sb + c * 16));
+        dl[j] = _mm512_castsi256_si512(
+            _mm256_slli_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(b), _mm256_set1_epi16(127)), 7));
+      }
+      __m512i idx = idx0;
+      for (int p = 0; p < 8; ++p) {
+        auto one = [&](int j, __m512i& f) {
+          const uint8_t* q = e.q.data() + (n + j) * rb + c * 256 + p * 32;
+          const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+          const __m512i lo = _mm512_ternarylogic_epi32(x, c0f, hib, 0xEA);  // (x & 0xF) | hib
+          const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(x, 4), hib);
+          const __m512i d = _mm512_permutexvar_epi16(idx, dl[j]);
+          const __m512i lut = _mm512_mask_add_epi16(table, 0xFEFEFEFEu, table, d);
+          f = _mm512_xor_si512(f, _mm512_permutexvar_epi16(lo, lut));
+          f = _mm512_xor_si512(f, _mm512_permutexvar_epi16(hi, lut));
+        };
+        one(0, f0);
+        one(1, f1);
+        one(2, f2);
+        one(3, f3);
+        idx = _mm512_add_epi16(idx, _mm512_set1_epi16(2));
+      }
+    }
+  }
+  const __m512i f = _mm512_xor_si512(_mm512_xor_si512(f0, f1), _mm512_xor_si512(f2, f3));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_castsi512_si128(f)));
+}
+
+// Candidate 3: the 32 bytes broadcast to both 256-bit halves (a plain load), each word's four nibbles picked by
+// per-half variable shifts (vpsrlvw), no cross-lane shuffle before the two table lookups.
+__attribute__((noinline)) uint32_t decode_only_v3(const Expert& e, int64_t rows) {
+  const __m512i table = _mm512_load_si512(kTable);
+  // words 8-15 of each half come from bytes 16-31 (unit B): index bit 4 set there
+  const __m512i sel = _mm512_set_epi16(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0,
+                                       16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i c0f = _mm512_set1_epi16(0x000F);
+  const __m512i sh1 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  const __m512i sh2 = _mm512_inserti64x4(_mm512_set1_epi16(8), _mm256_set1_epi16(12), 1);
+  const __m512i idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);
+  __m512i f0 = _mm512_setzero_si512(), f1 = f0, f2 = f0, f3 = f0;
+  const int64_t rb = e.k / 2, sb = e.k / 32;
+  for (int64_t n = 0; n < rows; n += 4) {
+    for (int64_t c = 0; c < e.k / 512; ++c) {
+      __m512i dl[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e.s.data() + (n + j) * sb + c * 16));
+        dl[j] = _mm512_castsi256_si512(
+            _mm256_slli_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(b), _mm256_set1_epi16(127)), 7));
+      }
+      __m512i idx = idx0;
+      for (int p = 0; p < 8; ++p) {
+        auto one = [&](int j, __m512i& f) {
+          const uint8_t* q = e.q.data() + (n + j) * rb + c * 256 + p * 32;
+          const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+          const __m512i i1 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(x, sh1), c0f, sel, 0xEA);
+          const __m512i i2 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(x, sh2), c0f, sel, 0xEA);
+          const __m512i d = _mm512_permutexvar_epi16(idx, dl[j]);
+          const __m512i lut = _mm512_mask_add_epi16(table, 0xFEFEFEFEu, table, d);
+          f = _mm512_xor_si512(f, _mm512_permutexvar_epi16(i1, lut));
+          f = _mm512_xor_si512(f, _mm512_permutexvar_epi16(i2, lut));
+        };
+        one(0, f0);
+        one(1, f1);
+        one(2, f2);
+        one(3, f3);
+        idx = _mm512_add_epi16(idx, _mm512_set1_epi16(2));
+      }
+    }
+  }
+  const __m512i f = _mm512_xor_si512(_mm512_xor_si512(f0, f1), _mm512_xor_si512(f2, f3));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_castsi512_si128(f)));
+}
+
 // Peak of vdpbf16ps from registers: 12 independent chains (what one core can issue at best).
 __attribute__((noinline)) float dpbf16_peak(int64_t iters) {
   __m512 c[12];
@@ -203,24 +295,6 @@ int main(int argc, char** argv) {
   const int64_t N = argc > 1 ? std::atoll(argv[1]) : 4096, K = argc > 2 ? std::atoll(argv[2]) : 4096;
   const int reps = argc > 3 ? std::atoi(argv[3]) : 7;
   const int tmax = omp_get_max_threads();
-  if (std::getenv("AB_ROWS") != nullptr) {  // temporary A/B mode
-    std::mt19937 g2(3);
-    const int64_t m = std::atoll(std::getenv("AB_ROWS"));
-    const bool f8 = std::getenv("AB_FP8") != nullptr;
-    const WeightFormat wf = f8 ? WeightFormat::Fp8 : WeightFormat::Fp4;
-    const Expert hot = f8 ? make_fp8(64, K, g2) : make_fp4(64, K, g2);
-    Rows r4(Isa::Avx512Bf16, wf, m, K, 64, g2);
-    double best[2] = {1e30, 1e30};
-    for (int rr = 0; rr < reps; ++rr)
-      for (int v = 0; v < 2; ++v) {
-        if (v) setenv("SM_NO_PANEL", "1", 1); else unsetenv("SM_NO_PANEL");
-        const double t0 = now();
-        for (int i = 0; i < 10; ++i) kernel(Isa::Avx512Bf16, hot, wf, r4, m, 1, 1, false);
-        best[v] = std::min(best[v], (now() - t0) / 10);
-      }
-    std::printf("m=%lld A %.1f GFLOP/s  B %.1f GFLOP/s\n", (long long)m, 2.0 * m * 64 * K / best[0] / 1e9, 2.0 * m * 64 * K / best[1] / 1e9);
-    return 0;
-  }
   for (int w = 0; w < 32; ++w) {
     const int col = 16 * ((w / 4) % 2) + 4 * (w / 8) + w % 4;
     kCtl[2 * w] = kCtl[2 * w + 1] = static_cast<uint8_t>(4 * (col % 16));
@@ -231,6 +305,7 @@ int main(int argc, char** argv) {
   const int64_t NH = 64;  // hot: 64 fp4 rows = 128 KiB at K 4096 (in L2); bf16: 512 KiB
   const Expert hot = make_fp4(NH, K, g);
   const Expert hot16 = make_bf16(NH, K, g);
+  const Expert hot8 = make_fp8(NH, K, g);
   const double wbytes = static_cast<double>(big.q.size() + big.s.size());
   std::vector<uint8_t> stream(big.q.size() + 64);
   uint8_t* sp = stream.data() + (64 - reinterpret_cast<uintptr_t>(stream.data()) % 64) % 64;
@@ -238,30 +313,40 @@ int main(int argc, char** argv) {
 
   // Single-core vdpbf16ps peak (GFLOP/s: 64 FLOPs per instruction).
   {
-    const int64_t it = 20000000;
+    const int64_t it = 1000000;  // ~3 ms a sample: short, many, so that the best of them saw the core alone
     float sink = 0;
-    const double t = best_of(reps, false, [&] { sink += dpbf16_peak(it); });
+    const double t = best_of(50 * reps, false, [&] { sink += dpbf16_peak(it); });
     line("dpbf16_peak", 1, 0, 12.0 * it * 64 / t / 1e9, "GFLOP/s");
     if (sink == 1.2345f) std::printf("#\n");
   }
   for (int t = 1; t <= tmax; ++t) {
-    line("read_cold", t, 0, big.q.size() / read_stream(sp, big.q.size(), t, reps) / 1e9, "GB/s");
+    line("read_cold", t, 0, big.q.size() / read_stream(sp, big.q.size(), t, 3 * reps) / 1e9, "GB/s");
   }
   // Decode alone, hot: ns per 32-weight unit (and the GB/s of fp4 bytes that rate could consume).
   {
     const int64_t rounds = 200;
-    volatile uint32_t sink = 0;
+    volatile uint32_t sink = 0;  // keeps the decodes alive
     const double t = best_of(reps, false, [&] {
       for (int64_t r = 0; r < rounds; ++r) sink = sink + decode_only(hot, NH);
     });
     const double units = static_cast<double>(rounds) * NH * K / 32;
     line("decode_hot_ns_per_unit", 1, 0, t / units * 1e9, "ns");
     line("decode_hot", 1, 0, units * 16 / t / 1e9, "GB/s");
+    const double t2 = best_of(reps, false, [&] {
+      for (int64_t r = 0; r < rounds; ++r) sink = sink + decode_only_v2(hot, NH);
+    });
+    line("decode_v2_hot_ns_per_unit", 1, 0, t2 / units * 1e9, "ns");
+    const double t3 = best_of(reps, false, [&] {
+      for (int64_t r = 0; r < rounds; ++r) sink = sink + decode_only_v3(hot, NH);
+    });
+    line("decode_v3_hot_ns_per_unit", 1, 0, t3 / units * 1e9, "ns");
   }
+  if (argc > 4 && std::strcmp(argv[4], "decode") == 0) return 0;
   for (int64_t m : {1, 16, 64}) {
     Rows r4(Isa::Avx512Bf16, WeightFormat::Fp4, m, K, N, g);
     Rows r16(Isa::Avx512Bf16, WeightFormat::Bf16, m, K, N, g);
     Rows r32(Isa::Avx512, WeightFormat::Fp4, m, K, N, g);
+    Rows r8(Isa::Avx512Bf16, WeightFormat::Fp8, m, K, N, g);
     const int hot_reps = m == 1 ? 200 : (m == 16 ? 20 : 5);
     auto hot_rate = [&](const Expert& e, WeightFormat wf, Rows& r, Isa isa) {
       double best = 1e30;
@@ -277,13 +362,15 @@ int main(int argc, char** argv) {
     const double t_fp4 = hot_rate(hot, WeightFormat::Fp4, r4, Isa::Avx512Bf16);
     const double t_bf16 = hot_rate(hot16, WeightFormat::Bf16, r16, Isa::Avx512Bf16);
     const double t_f32 = hot_rate(hot, WeightFormat::Fp4, r32, Isa::Avx512);
+    const double t_fp8 = hot_rate(hot8, WeightFormat::Fp8, r8, Isa::Avx512Bf16);
     line("kernel_fp4_hot_ns_per_unit", 1, m, t_fp4 / units * 1e9, "ns");
     line("kernel_bf16w_hot_ns_per_unit", 1, m, t_bf16 / units * 1e9, "ns");
     line("kernel_fp4_fp32path_hot_ns_per_unit", 1, m, t_f32 / units * 1e9, "ns");
     line("kernel_fp4_hot", 1, m, 2.0 * m * NH * K / t_fp4 / 1e9, "GFLOP/s");
     line("kernel_bf16w_hot", 1, m, 2.0 * m * NH * K / t_bf16 / 1e9, "GFLOP/s");
+    line("kernel_fp8_hot", 1, m, 2.0 * m * NH * K / t_fp8 / 1e9, "GFLOP/s");
     for (int t = 1; t <= tmax; ++t) {
-      const double tc = kernel(Isa::Avx512Bf16, big, WeightFormat::Fp4, r4, m, t, reps, true);
+      const double tc = kernel(Isa::Avx512Bf16, big, WeightFormat::Fp4, r4, m, t, 3 * reps, true);
       line("kernel_fp4_cold", t, m, wbytes / tc / 1e9, "GB/s");
       line("kernel_fp4_cold_flops", t, m, 2.0 * m * N * K / tc / 1e9, "GFLOP/s");
       const double tb = kernel(Isa::Avx512Bf16, big16, WeightFormat::Bf16, r16, m, t, reps, true);
