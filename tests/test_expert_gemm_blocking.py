@@ -1,6 +1,8 @@
 """expert_gemm gives a row the same bits whatever the number of rows beside it, for every row count up to two
 blocks of rows: every tail of every ISA's row blocking (blocks of 4 or 6 rows, the one-row path) is exercised on
-every weight format, on every CPU instruction set."""
+every weight format, on every CPU instruction set. On avx512bf16, fp4 and fp8 weights with more rows than one block
+take the decoded-panel path (blocks of 4 rows reading weights decoded once per chunk) and fewer take the direct
+one, so the comparisons with the full 13 rows check that the two paths give the same bits."""
 
 from __future__ import annotations
 

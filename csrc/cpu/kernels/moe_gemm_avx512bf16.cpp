@@ -62,6 +62,9 @@ constexpr int kNR1 = 4;           // weight rows per block when there is one act
 // block, so that both sets stay in the 32 zmm registers next to the decode table.
 constexpr int kMRFp8 = 4;
 constexpr int kNRFp8 = 3;
+// fp4 with more than kMR rows (the decoded-panel path, dot_panel_fp4): blocks of 4 rows × kNR weight rows read the
+// panel; 4 beat 6 at 16 rows (4 + 4 + 4 + 4 against 6 + 6 + 4: +4 %) and tied at 64 (one thread, weights in L2).
+constexpr int kMRPanel = 4;
 
 // Power-of-two scale whose products with any e4m3fn value are normal bf16 numbers (or inf, as in fp32).
 inline bool exact_bf16_scale(float s) {
@@ -358,30 +361,224 @@ inline void dot_any_block(const uint16_t* const* a, int64_t i0, const ExpertWeig
   }
 }
 
+// The m % MR rows after the full blocks: one block of exactly that many rows.
+template <WeightFormat F, int NR, int R>
+inline void dot_tail(int r, const uint16_t* const* a, int64_t i, const ExpertWeight& w, int64_t n, const OutRows& out,
+                     bool prefetch, uint32_t& bad) {
+  if constexpr (R > 0) {
+    if (r == R) {
+      dot_any_block<F, R, NR>(a, i, w, n, out, prefetch, bad);
+    } else {
+      dot_tail<F, NR, R - 1>(r, a, i, w, n, out, prefetch, bad);
+    }
+  }
+}
+
 template <WeightFormat F, int NR, int MR>
 void dot_row_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                     bool prefetch, uint32_t& bad) {
-  static_assert(MR <= 6, "tails below cover MR <= 6");
   int64_t i = 0;
   for (; i + MR <= m; i += MR) dot_any_block<F, MR, NR>(a, i, w, n, out, prefetch && i == 0, bad);
-  constexpr int c4 = MR > 4 ? 4 : 1, c5 = MR > 5 ? 5 : 1;  // never reached where MR <= 4 / 5
-  switch (m - i) {
-    case 1: dot_any_block<F, 1, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
-    case 2: dot_any_block<F, 2, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
-    case 3: dot_any_block<F, 3, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
-    case 4: dot_any_block<F, c4, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
-    case 5: dot_any_block<F, c5, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
-    default: break;
+  dot_tail<F, NR, MR - 1>(static_cast<int>(m - i), a, i, w, n, out, prefetch && i == 0, bad);
+}
+
+// fp4 weights, more rows than one block: dot_block would decode every unit of the NR weight rows once per block of
+// MR rows (3 times at 16 rows, 11 at 64). Here each 512-k chunk of the NR rows is decoded once into a bf16 panel
+// (NR × 512 bf16: 4 KiB, in L1) and every row block reads it from there; the blocks' accumulators wait in memory
+// between chunks (fp32 stores and loads are exact). Every accumulator sees exactly dot_block's sequence of
+// vdpbf16ps (units in increasing k, the same operands; slow chunks through the same slow_fp4_chunk), so the bits
+// are dot_block's: which path a row takes depends on the row count, and the result must not (batch invariance).
+// Measured (bench/micro/fp4_gemv.cpp, one thread, weights in L2): the decode was ~30 % of the time at 16-64 rows.
+struct alignas(64) Acc {  // an accumulator parked in memory (a struct: std::vector keeps its alignment)
+  __m512 v;
+};
+
+template <int NR>
+struct Fp4Panel {
+  alignas(64) uint16_t w[kChunk / kUnit][NR][kUnit];
+};
+
+template <int MR, int NR>
+inline void panel_rows(const uint16_t* const* ap, const Fp4Panel<NR>& p, int64_t kc, int nu, Acc* accm) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = accm[i * NR + j].v;
+  for (int u = 0; u < nu; ++u) {
+    const int64_t k0 = kc + u * kUnit;
+    for (int j = 0; j < NR; ++j) {
+      const __m512bh wv = (__m512bh)(_mm512_load_si512(p.w[u][j]));
+      for (int i = 0; i < MR; ++i)
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)(_mm512_loadu_si512(ap[i] + k0)), wv);
+    }
   }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) accm[i * NR + j].v = acc[i][j];
+}
+
+// A chunk with a scale byte outside [2, 252] for one block of MR rows: dot_block's own slow path.
+template <int MR, int NR>
+inline void panel_rows_slow(const uint16_t* const* ap, const uint8_t* const* rq, const Fp4Chunk* ch, int64_t kc,
+                            int64_t kend, Acc* accm) {
+  Accumulators<MR, NR> t;
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) t.v[i][j] = accm[i * NR + j].v;
+  slow_fp4_chunk<MR, NR>(ap, rq, ch, kc, kend, t);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) accm[i * NR + j].v = t.v[i][j];
+}
+
+// One block of R rows (R = the runtime r, 1 <= r <= MR) of a chunk, fast or slow.
+template <int NR, int MR>
+inline void panel_block(int r, bool fast, const uint16_t* const* ap, const Fp4Panel<NR>& p, const uint8_t* const* rq,
+                        const Fp4Chunk* ch, int64_t kc, int64_t kend, Acc* accm) {
+  if constexpr (MR > 0) {
+    if (r != MR) return panel_block<NR, MR - 1>(r, fast, ap, p, rq, ch, kc, kend, accm);
+    if (fast) {
+      panel_rows<MR, NR>(ap, p, kc, static_cast<int>((kend - kc) / kUnit), accm);
+    } else {
+      panel_rows_slow<MR, NR>(ap, rq, ch, kc, kend, accm);
+    }
+  }
+}
+
+// All m rows × the NR weight rows from n. accm: room for m · NR accumulators.
+template <int NR>
+void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
+                   bool prefetch, uint32_t& bad_out, Acc* accm) {
+  const uint8_t* rq[NR];
+  const uint8_t* rs[NR];
+  for (int j = 0; j < NR; ++j) {
+    rq[j] = w.data + (n + j) * w.row_stride;
+    rs[j] = static_cast<const uint8_t*>(w.scale) + (n + j) * w.scale_row_stride;
+  }
+  const uint8_t* next = w.data + (n + NR) * w.row_stride;  // hints only: never dereferenced
+  const uint8_t* next_s = static_cast<const uint8_t*>(w.scale) + (n + NR) * w.scale_row_stride;
+  for (int64_t i = 0; i < m * NR; ++i) accm[i].v = _mm512_setzero_ps();
+  Fp4Chunk ch[NR];
+  Fp4Panel<NR> panel;
+  uint32_t bad = 0;
+  const int64_t K = w.k;
+  for (int64_t kc = 0; kc < K; kc += kChunk) {
+    const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
+    bool fast = true;
+    for (int j = 0; j < NR; ++j) {
+      fp4_chunk(rs[j] + kc / kFp4WeightBlock, static_cast<int>((kend - kc) / 32), ch[j], bad);
+      fast = fast && ch[j].fast;
+    }
+    if (prefetch) {  // the next rows' scales and bytes of this chunk (the decode below is short: ask early)
+      for (int j = 0; j < NR; ++j) __builtin_prefetch(next_s + j * w.scale_row_stride + kc / kFp4WeightBlock, 0, 3);
+      for (int64_t kl = kc; kl < kend; kl += 128)
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl / 2, 0, 3);
+    }
+    if (fast) {
+      for (int64_t k0 = kc; k0 < kend; k0 += kUnit) {
+        const int u = static_cast<int>((k0 - kc) / kUnit);
+        for (int j = 0; j < NR; ++j)
+          _mm512_store_si512(panel.w[u][j], decode<WeightFormat::Fp4, true>(rq[j], k0, ch[j], u));
+      }
+    }
+    for (int64_t i = 0; i < m; i += kMRPanel) {
+      const int r = static_cast<int>(m - i < kMRPanel ? m - i : kMRPanel);
+      panel_block<NR, kMRPanel>(r, fast, a + i, panel, rq, ch, kc, kend, accm + i * NR);
+    }
+  }
+  bad_out |= bad;
+  for (int64_t i = 0; i < m; ++i)
+    for (int j = 0; j < NR; ++j) emit_output(out, i, n + j, _mm512_reduce_add_ps(accm[i * NR + j].v));
+}
+
+// fp8 weights, more rows than one block: as dot_panel_fp4, each 512-k chunk of the NR weight rows is decoded once
+// into a bf16 panel that every block of MR rows reads; per 128-k block a row block sums into its block
+// accumulators and folds them in with the block's scale, exactly dot_block_fp8's sequence (same bits).
+template <int MR, int NR>
+inline void panel_rows_fp8(const uint16_t* const* ap, const Fp4Panel<NR>& p, const float* const* rs, int64_t kc,
+                           int64_t kend, Acc* accm) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = accm[i * NR + j].v;
+  for (int64_t kb = kc; kb < kend; kb += kFp8WeightBlock) {
+    __m512 blk[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) blk[i][j] = _mm512_setzero_ps();
+    for (int64_t k0 = kb; k0 < kb + kFp8WeightBlock; k0 += kUnit) {
+      const int u = static_cast<int>((k0 - kc) / kUnit);
+      for (int j = 0; j < NR; ++j) {
+        const __m512bh wv = (__m512bh)(_mm512_load_si512(p.w[u][j]));
+        for (int i = 0; i < MR; ++i)
+          blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)(_mm512_loadu_si512(ap[i] + k0)), wv);
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m512 sv = _mm512_set1_ps(rs[j][kb / kFp8WeightBlock]);
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(blk[i][j], sv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) accm[i * NR + j].v = acc[i][j];
+}
+
+template <int NR, int MR>
+inline void panel_block_fp8(int r, const uint16_t* const* ap, const Fp4Panel<NR>& p, const float* const* rs,
+                            int64_t kc, int64_t kend, Acc* accm) {
+  if constexpr (MR > 0) {
+    if (r != MR) return panel_block_fp8<NR, MR - 1>(r, ap, p, rs, kc, kend, accm);
+    panel_rows_fp8<MR, NR>(ap, p, rs, kc, kend, accm);
+  }
+}
+
+template <int NR>
+void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
+                   bool prefetch, Acc* accm) {
+  static_assert(kChunk % kFp8WeightBlock == 0, "a chunk holds whole fp8 blocks");
+  const Fp8Decoder decode8;
+  const uint8_t* rq[NR];
+  const float* rs[NR];
+  for (int j = 0; j < NR; ++j) {
+    rq[j] = w.data + (n + j) * w.row_stride;
+    rs[j] = static_cast<const float*>(w.scale) + (n + j) * w.scale_row_stride;
+  }
+  const uint8_t* next = w.data + (n + NR) * w.row_stride;  // hints only: never dereferenced
+  const float* next_s = static_cast<const float*>(w.scale) + (n + NR) * w.scale_row_stride;
+  for (int64_t i = 0; i < m * NR; ++i) accm[i].v = _mm512_setzero_ps();
+  Fp4Panel<NR> panel;
+  const int64_t K = w.k;
+  for (int64_t kc = 0; kc < K; kc += kChunk) {
+    const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
+    if (prefetch) {
+      for (int j = 0; j < NR; ++j) __builtin_prefetch(next_s + j * w.scale_row_stride + kc / kFp8WeightBlock, 0, 3);
+      for (int64_t kl = kc; kl < kend; kl += 64)
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl, 0, 3);
+    }
+    for (int64_t k0 = kc; k0 < kend; k0 += kUnit) {
+      const int u = static_cast<int>((k0 - kc) / kUnit);
+      for (int j = 0; j < NR; ++j) _mm512_store_si512(panel.w[u][j], decode8(rq[j] + k0));
+    }
+    for (int64_t i = 0; i < m; i += kMRFp8) {
+      const int r = static_cast<int>(m - i < kMRFp8 ? m - i : kMRFp8);
+      panel_block_fp8<NR, kMRFp8>(r, a + i, panel, rs, kc, kend, accm + i * NR);
+    }
+  }
+  for (int64_t i = 0; i < m; ++i)
+    for (int j = 0; j < NR; ++j) emit_output(out, i, n + j, _mm512_reduce_add_ps(accm[i * NR + j].v));
 }
 
 template <WeightFormat F, int NR, int MR = 4>  // MR: rows per block (narrow tail blocks: 4)
 void dot_column_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t& n, int64_t n1,
                        const OutRows& out, uint32_t& bad) {
+  // fp4 with more rows than one block: the decoded-panel path (same bits as dot_row_blocks, less decode)
+  constexpr bool panel_format = F == WeightFormat::Fp4 ? NR == kNR && MR == kMR
+                                                     : F == WeightFormat::Fp8 && NR == kNRFp8 && MR == kMRFp8;
+  std::vector<Acc> accm(panel_format && m > MR && n + NR <= n1 ? m * NR : 0);
   for (; n + NR <= n1; n += NR) {
     const bool prefetch = n + 2 * NR <= n1;
     if (m == 1) {
       dot_any_block<F, 1, NR>(a, 0, w, n, out, prefetch, bad);
+    } else if (!accm.empty()) {
+      if constexpr (F == WeightFormat::Fp8) {
+        dot_panel_fp8<NR>(a, m, w, n, out, prefetch, accm.data());
+      } else {
+        dot_panel_fp4<NR>(a, m, w, n, out, prefetch, bad, accm.data());
+      }
     } else {
       dot_row_blocks<F, NR, MR>(a, m, w, n, out, prefetch, bad);
     }
