@@ -28,3 +28,24 @@ def test_every_row_count_matches_the_full_batch(cpu_isa, act, wf, rng):
         mask = torch.arange(ROWS) < m
         part = static_moe.expert_gemm(a, a_s, b, b_s, mask, 0)
         assert_equal(part[:m], full[:m], f"{cpu_isa} {act}x{wf}: the first {m} rows")
+
+
+@pytest.mark.parametrize("wf", ["fp4", "fp8"])
+def test_many_rows_match_each_row_alone(cpu_isa, wf, rng):
+    """27 rows (six blocks of 4 and a tail of 3 on avx512bf16's decoded-panel path; 4 + 4 + 3 rows per block tail
+    elsewhere) over K = 1024 (two 512-k chunks): each row computed alone (the one-row path, which decodes in
+    registers) gives the batch's bits. fp4: the UE8M0 bytes of about a tenth of the blocks are set to 0 or 1 (their
+    weights below 2^-126), so chunks of the panel path take the slow (lifted) decode next to fast ones."""
+    rows, n, k = 27, 40, 1024
+    b, b_s = quantize_weight(torch.randn(1, n, k, generator=rng) / k**0.5, wf)
+    x = torch.randn(rows, k, generator=rng).to(torch.bfloat16)
+    if wf == "fp4":
+        s = b_s.view(torch.uint8).clone()
+        low = torch.rand(s.shape, generator=rng) < 0.1  # some blocks: bytes 0 / 1 (bf16-subnormal weights)
+        s[low] = torch.randint(0, 2, (int(low.sum()),), generator=rng, dtype=torch.uint8)
+        b_s = s
+    full = static_moe.expert_gemm(x, None, b, b_s, torch.ones(rows, dtype=torch.bool), 0)
+    assert float(full.float().abs().mean()) > 0.05, "the crafted input must keep the results of ordinary size"
+    for r in range(rows):
+        one = static_moe.expert_gemm(x[r : r + 1], None, b, b_s, torch.ones(1, dtype=torch.bool), 0)
+        assert_equal(one[0], full[r], f"{cpu_isa} {wf}: row {r} alone")

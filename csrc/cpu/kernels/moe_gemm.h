@@ -6,7 +6,8 @@
 // float32 1×128 scales, or fp4 e2m1 (two per byte, low nibble = even k) with UE8M0 1×32 scales. It is decoded on
 // the fly, one unit (a few dozen k of one weight row) at a time, straight into registers, and used there by a block
 // of up to MR activation rows × NR weight rows of accumulators (more rows: the NR weight rows, still in L1, are
-// decoded again per row block) — never a whole weight tensor. The next NR weight rows and their scales are
+// decoded again per row block, or, on Avx512Bf16 with fp4 / fp8 weights, decoded once per 512-k chunk into a bf16
+// panel in L1 that every row block reads) — never a whole weight tensor. The next NR weight rows and their scales are
 // prefetched one block ahead, so one core keeps enough DRAM reads in flight.
 //
 // Numerics: every operand is decoded to float32 exactly as formats.py dequantizes it (fp8: q·s rounded once in

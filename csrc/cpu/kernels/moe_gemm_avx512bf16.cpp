@@ -388,18 +388,20 @@ void dot_row_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, 
 // between chunks (fp32 stores and loads are exact). Every accumulator sees exactly dot_block's sequence of
 // vdpbf16ps (units in increasing k, the same operands; slow chunks through the same slow_fp4_chunk), so the bits
 // are dot_block's: which path a row takes depends on the row count, and the result must not (batch invariance).
-// Measured (bench/micro/fp4_gemv.cpp, one thread, weights in L2): the decode was ~30 % of the time at 16-64 rows.
+// Measured (bench/micro/fp4_gemv.cpp, one core, weights in L2): at 16 and 64 rows the re-decodes made fp4 22-25 %
+// slower than bf16 weights (no decode); with the panel 3-8 %. The panel (bf16, [unit][weight row][32]) serves fp8
+// weights the same way (dot_panel_fp8).
 struct alignas(64) Acc {  // an accumulator parked in memory (a struct: std::vector keeps its alignment)
   __m512 v;
 };
 
 template <int NR>
-struct Fp4Panel {
+struct WeightPanel {
   alignas(64) uint16_t w[kChunk / kUnit][NR][kUnit];
 };
 
 template <int MR, int NR>
-inline void panel_rows(const uint16_t* const* ap, const Fp4Panel<NR>& p, int64_t kc, int nu, Acc* accm) {
+inline void panel_rows(const uint16_t* const* ap, const WeightPanel<NR>& p, int64_t kc, int nu, Acc* accm) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = accm[i * NR + j].v;
@@ -429,7 +431,7 @@ inline void panel_rows_slow(const uint16_t* const* ap, const uint8_t* const* rq,
 
 // One block of R rows (R = the runtime r, 1 <= r <= MR) of a chunk, fast or slow.
 template <int NR, int MR>
-inline void panel_block(int r, bool fast, const uint16_t* const* ap, const Fp4Panel<NR>& p, const uint8_t* const* rq,
+inline void panel_block(int r, bool fast, const uint16_t* const* ap, const WeightPanel<NR>& p, const uint8_t* const* rq,
                         const Fp4Chunk* ch, int64_t kc, int64_t kend, Acc* accm) {
   if constexpr (MR > 0) {
     if (r != MR) return panel_block<NR, MR - 1>(r, fast, ap, p, rq, ch, kc, kend, accm);
@@ -455,7 +457,7 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
   const uint8_t* next_s = static_cast<const uint8_t*>(w.scale) + (n + NR) * w.scale_row_stride;
   for (int64_t i = 0; i < m * NR; ++i) accm[i].v = _mm512_setzero_ps();
   Fp4Chunk ch[NR];
-  Fp4Panel<NR> panel;
+  WeightPanel<NR> panel;
   uint32_t bad = 0;
   const int64_t K = w.k;
   for (int64_t kc = 0; kc < K; kc += kChunk) {
@@ -491,7 +493,7 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
 // into a bf16 panel that every block of MR rows reads; per 128-k block a row block sums into its block
 // accumulators and folds them in with the block's scale, exactly dot_block_fp8's sequence (same bits).
 template <int MR, int NR>
-inline void panel_rows_fp8(const uint16_t* const* ap, const Fp4Panel<NR>& p, const float* const* rs, int64_t kc,
+inline void panel_rows_fp8(const uint16_t* const* ap, const WeightPanel<NR>& p, const float* const* rs, int64_t kc,
                            int64_t kend, Acc* accm) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -518,7 +520,7 @@ inline void panel_rows_fp8(const uint16_t* const* ap, const Fp4Panel<NR>& p, con
 }
 
 template <int NR, int MR>
-inline void panel_block_fp8(int r, const uint16_t* const* ap, const Fp4Panel<NR>& p, const float* const* rs,
+inline void panel_block_fp8(int r, const uint16_t* const* ap, const WeightPanel<NR>& p, const float* const* rs,
                             int64_t kc, int64_t kend, Acc* accm) {
   if constexpr (MR > 0) {
     if (r != MR) return panel_block_fp8<NR, MR - 1>(r, ap, p, rs, kc, kend, accm);
@@ -540,7 +542,7 @@ void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
   const uint8_t* next = w.data + (n + NR) * w.row_stride;  // hints only: never dereferenced
   const float* next_s = static_cast<const float*>(w.scale) + (n + NR) * w.scale_row_stride;
   for (int64_t i = 0; i < m * NR; ++i) accm[i].v = _mm512_setzero_ps();
-  Fp4Panel<NR> panel;
+  WeightPanel<NR> panel;
   const int64_t K = w.k;
   for (int64_t kc = 0; kc < K; kc += kChunk) {
     const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
