@@ -191,7 +191,8 @@ def test_mx_refuses_non_pow2_scales():
     w, s = _random_fp8(g, 1, 4, 256, pow2=True)
     s[0, 2, 1] = 0.75
     # Reported by to_eio at its index in the EOI scale the caller passed, not at the permuted EIO index.
-    with pytest.raises(ValueError, match=r"^to_eio: the MX fp8 form needs power-of-two scales.*scale\[0, 2, 1\] = 0.75"):
+    with pytest.raises(ValueError, match=r"^to_eio: the MX fp8 form needs power-of-two scales.*"
+                                         r"scale\[0, 2, 1\] = 0.75"):
         to_eio(w, s, mx=True)
     with pytest.raises(ValueError, match=r"^to_mx_fp8: .*scale\[0, 1, 2\] = 0.75"):
         to_mx_fp8(*to_eio(w, s))  # given EIO scales, the EIO index

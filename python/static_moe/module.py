@@ -25,7 +25,8 @@ The ``from_*`` constructors are collective over the EP group: an error on one ra
 Prepared layout (SPEC §1.2): a layer holds its weights in the layout its device's kernels read — EOI (the table
 above) on CPU and CUDA; for trn2 / trn3 the K-major EIO forms of
 ``static_moe.layouts`` (w13 [L, H, 2I], w2 [L, I, H]; fp4 uint16 [L, K/4, N]), with fp8 re-encoded for trn2
-(``reencode_fp8_for_trn2``) and, on trn3, the MX form (uint32 + UE8M0) when every fp8 scale is a power of two.
+(``reencode_fp8_for_trn2``) and, on trn3, the MX form (uint32 + UE8M0) when every fp8 scale is a power of two
+and the activations are fp8 (plain K-major fp8 for bf16 activations: static_moe.layouts.prepare_weight).
 ``prepare_for=`` ("cpu", "cuda", "trn2", "trn3") asks for a target explicitly, whatever the device (e.g. to
 run the Neuron path on CPU tensors through the reference or the NKI interpreter); on a Neuron device (xla /
 neuron / privateuseone) it is required ("trn2" or "trn3": the device does not tell them apart). Every loader
