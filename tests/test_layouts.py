@@ -719,3 +719,17 @@ def test_nki_takes_the_prepared_bytes_like_the_reference(target, wfmt):
     ref = reference.local_experts(*args, weight_layout=layout)
     assert_gemm_close(nki_prep, ref, f"NKI {target} {wfmt} prepared vs reference")
     assert_gemm_close(nki_prep, nki_plain, f"NKI {target} {wfmt} prepared vs unprepared")
+
+
+@pytest.mark.parametrize("weight_layout, dim", [("eoi", 1), ("eio", 2)])
+def test_forward_names_the_w13_dim_that_gives_i(weight_layout, dim):
+    """forward's own check of I names the w13 dimension I is read from in each layout."""
+    x, _ = make_activations(4, LH, "bf16", 128, seed=1)
+    idx, tw = make_routing(4, 2, 2, seed=2)
+    w13, w2 = torch.zeros(2, 0, LH, dtype=torch.bfloat16), torch.zeros(2, LH, 0, dtype=torch.bfloat16)
+    if weight_layout == "eio":
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    with pytest.raises(ValueError, match=rf"^forward: I \(w13.size\({dim}\) / 2\) must be a positive multiple of "
+                                         r"128, got 0$"):
+        static_moe.forward(x, None, idx, tw, w13, None, w2, None, num_experts=2, capacity=4,
+                           weight_layout=weight_layout)
