@@ -330,7 +330,7 @@ def _mx_trips(a_scale, masks, skip_unrouted: bool):
 # The kernel
 # ----------------------------------------------------------------------------------------------------------------
 def _check_eio(a, b, k: int, n: int):
-    plan = weight_plan(b, act_format(a))
+    plan = weight_plan(b, act_format(a), rows=a.shape[0])
     assert plan.k == k, f"A has K={k}, B has K={plan.k}"
     return plan
 

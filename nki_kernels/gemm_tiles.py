@@ -91,6 +91,7 @@ FOLD_VECTOR_PLANES = 1  # of the 4 planes of a packed slab, how many VectorE fol
 TRANSPOSES_PER_BANK = 8  # bf16 [128, 128] TensorE transposes per 2 KiB PSUM bank
 SCALAR_EVAC_MIN_ROWS = 64  # fp8_block: from this many rows on, ScalarE applies the K-block scales (see below)
 EVAC_TILE_BYTES = 32 * 1024  # fp8_block, many rows: per-partition bytes of the one-reduction scaled tile
+GROUP_PATH_MAX_ROWS = 4  # quad_grp: 16 groups × R moving columns per matmul stay within the 64-cycle minimum
 FOLD_EXTRA_LOG2 = 6  # the packed decode folds 2^(b − 127 + 6): b = 0 stays a normal bf16 (fp8 MX evacuates × 2^-6)
 
 # bit masks as exact-in-fp32 immediates (≤ 24 significant bits) or int32 spellings of the same 32 bits
@@ -126,6 +127,11 @@ class WeightPlan:
     n: int
     rows: int
     ncols: int
+
+    @property
+    def ngroups(self) -> int:
+        """1×32 scale groups along K."""
+        return self.k // 32
 
     @property
     def nkc(self) -> int:
@@ -169,8 +175,13 @@ def _slab_cols(n: int, elem_bytes: int) -> int:
     return min(c, n)
 
 
-def weight_plan(w, act_fmt: str) -> WeightPlan:
-    """The plan for an EIO weight ``w [L, rows, N]`` against activations of ``act_fmt`` on the current target."""
+def weight_plan(w, act_fmt: str, rows: int | None = None) -> WeightPlan:
+    """The plan for an EIO weight ``w [L, rows, N]`` against activations of ``act_fmt`` on the current target.
+
+    ``rows``: the moving rows per GEMM call, if known at trace time. Packed weights that would take the bf16
+    decode (quad_bf16) take the group path (quad_grp) instead when ``rows ≤ GROUP_PATH_MAX_ROWS``: no scale
+    fold at all (see :func:`_grp_block`)."""
+    n_rows = rows
     fmt = eio_format(w)
     rows, n = w.shape[1], w.shape[2]
     trn3 = is_trn3()
@@ -184,6 +195,8 @@ def weight_plan(w, act_fmt: str) -> WeightPlan:
                                      "with layouts.prepare_weight(..., 'trn2')"
         if trn3 and act_fmt == "fp8":
             path, korder = "mx", "mx"
+        elif n_rows is not None and n_rows <= GROUP_PATH_MAX_ROWS:
+            path, korder = "quad_grp", "quad_grp"
         else:
             path, korder = "quad_bf16", "quad"
     assert k % (4 * P if fmt in ("fp8_mx", "fp4") else P) == 0 and n % P == 0, (
@@ -229,6 +242,9 @@ class WeightRing:
         if plan.path == "fp8_block":
             self.scale = [nl.ndarray((P, plan.ncols // P, plan.k // P), dtype=nl.float32, buffer=nl.sbuf,
                                      name=f"{name}_scale{i}") for i in range(WEIGHT_BUFS)]
+        elif plan.path == "quad_grp":  # transposed 2^(b - 121) per (n, group), bf16
+            self.scale = [nl.ndarray((P, plan.ncols // P, plan.ngroups), dtype=nl.bfloat16, buffer=nl.sbuf,
+                                     name=f"{name}_grp_scale{i}") for i in range(WEIGHT_BUFS)]
         elif plan.path in ("mx", "quad_bf16"):
             self.scale = [nl.ndarray((P, plan.nrb, plan.ncols), dtype=nl.uint8, buffer=nl.sbuf,
                                      name=f"{name}_e8m0_{i}") for i in range(WEIGHT_BUFS)]
@@ -301,6 +317,8 @@ def load_weight_slab(ring: WeightRing, w, w_scale, e, n0: int) -> WeightSlab:
                           src=_hbm_ap(w_scale, e, [[n, 4], [16 * n, nmb], [1, plan.ncols]], 4 * c * n + n0))
         x4 = nl.float4_e2m1fn_x4 if plan.fmt == "fp4" else nl.float8_e4m3fn_x4
         return WeightSlab(plan, n0, raw.view(x4), sc)
+    if plan.path == "quad_grp":
+        return WeightSlab(plan, n0, _byte_planes(raw, plan), _grp_scales(ring.scale[i], w_scale, e, n0, plan))
     # quad_bf16: data partition p of block mb uses UE8M0 row 16·mb + p // 8: replicate each row over 8 partitions
     nisa.dma_copy(dst=sc, src=_hbm_ap(w_scale, e, [[n, 16], [0, 8], [16 * n, nmb], [1, plan.ncols]], n0))
     return WeightSlab(plan, n0, _decode_quad(raw, sc, plan), None)
@@ -341,6 +359,101 @@ def _decode_quad(raw, sc, plan: WeightPlan):
         eng = nisa.engine.vector if j < FOLD_VECTOR_PLANES else nisa.engine.gpsimd
         nisa.tensor_tensor(dst=planes[j], data1=srcs[j], data2=scale, op=nl.multiply, engine=eng)
     return planes
+
+
+def _byte_planes(raw, plan: WeightPlan):
+    """Packed slab → 4 fp8 planes ``[P, nmb, ncols]`` (views; plane j holds k = 512·mb + 4p + j), unscaled:
+    fp4 decoded to float8_e4m3 bytes holding v·2^-6 (exact bit work, no multiply), fp8 MX viewed as its e4m3fn
+    bytes. The planes are strided views (every 2nd / 4th byte): the stationary operand reads them in place."""
+    p, nmb, nc = raw.shape
+    if plan.fmt == "fp8_mx":
+        byt = raw.view(nl.float8_e4m3fn).reshape((p, nmb, nc, 4))
+        return [byt[:, :, :, j] for j in range(4)]
+    nw = nmb * nc // 2
+    words = raw.reshape((p, nmb * nc)).view(nl.uint32)
+    lo = nl.ndarray((p, nw), dtype=nl.uint32, buffer=nl.sbuf, name="w_lo")
+    hi = nl.ndarray((p, nw), dtype=nl.uint32, buffer=nl.sbuf, name="w_hi")
+    decode_e2m1_nibbles(lo, hi, words, _mask_tile(_M_1C1C1C1C, "m_1c"))
+    lo8 = lo.view(nl.float8_e4m3).reshape((p, nmb, nc, 2))
+    hi8 = hi.view(nl.float8_e4m3).reshape((p, nmb, nc, 2))
+    return [lo8[:, :, :, 0], hi8[:, :, :, 0], lo8[:, :, :, 1], hi8[:, :, :, 1]]
+
+
+def _grp_scales(dst, w_scale, e, n0: int, plan: WeightPlan):
+    """``dst[n, jj, g] = 2^(b[g, n0 + 128·jj + n] − 121)`` (bf16; fp4 planes carry 2^-6, fp8 MX evacuation
+    multiplies by 2^-6) from UE8M0 rows ``[K/32, N]``: the rows DMA'd as bf16 values (the DMA converts 0 … 255
+    exactly), transposed per 128 × 128 on the TensorE (bf16 into bf16 PSUM), and the bits ``(b + x) · 128`` built
+    by ScalarE straight from PSUM into uint16 (the bf16 pattern)."""
+    ng, nc = plan.ngroups, plan.ncols
+    x = FOLD_EXTRA_LOG2  # fp4: the planes carry 2^-6; fp8 MX: undone on evacuation (keeps b = 0 a normal bf16)
+    bits = dst.view(nl.uint16)
+    for g0 in range(0, ng, P):
+        gk = min(P, ng - g0)
+        rows = nl.ndarray((gk, nc), dtype=nl.bfloat16, buffer=nl.sbuf, name="grp_rows")
+        nisa.dma_copy(dst=rows, src=_hbm_ap(w_scale, e, [[plan.n, gk], [1, nc]], g0 * plan.n + n0))
+        for jj in range(nc // P):
+            pt = nl.ndarray((P, gk), dtype=nl.bfloat16, buffer=nl.psum, name="grp_psum")
+            nisa.nc_transpose(dst=pt, data=rows[:, jj * P:(jj + 1) * P])
+            nisa.tensor_scalar(dst=bits[:, jj, g0:g0 + gk], data=pt, op0=nl.multiply, operand0=128.0, op1=nl.add,
+                               operand1=float(x * 128), engine=nisa.engine.scalar)
+    return dst
+
+
+def group_operand(op: ActOperand) -> ActOperand:
+    """The quad_grp moving operand from a quad one: ``aG[p, c, g, r] = aT[p, c, r]`` if ``p // 8 == g`` else 0
+    (g < 16: the 1×32 group within the 512-row block), so one matmul of ``16·R`` moving columns yields every
+    group's partial sum separately. One VectorE multiply by a 0/1 indicator built with ``iota`` (once per
+    operand, shared by all experts)."""
+    _, nkc, r = op.aT.shape
+    ind_i = nl.ndarray((P, 16), dtype=nl.int32, buffer=nl.sbuf, name="grp_ind_i")
+    nisa.iota(dst=ind_i, pattern=[[-8, 16]], offset=0, channel_multiplier=1)  # p − 8g
+    a0 = nl.ndarray((P, 16), dtype=nl.float32, buffer=nl.sbuf, name="grp_ge")
+    nisa.tensor_scalar(dst=a0, data=ind_i, op0=nl.greater_equal, operand0=0.0)
+    a1 = nl.ndarray((P, 16), dtype=nl.float32, buffer=nl.sbuf, name="grp_le")
+    nisa.tensor_scalar(dst=a1, data=ind_i, op0=nl.less_equal, operand0=7.0)
+    ind = nl.ndarray((P, 16), dtype=nl.bfloat16, buffer=nl.sbuf, name="grp_ind")
+    nisa.tensor_tensor(dst=ind, data1=a0, data2=a1, op=nl.multiply)
+    aG = nl.ndarray((P, nkc, 16, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="act_grp")
+    for src, dst in ((op.aT, aG),) + (((op.aT_lo, None),) if op.aT_lo is not None else ()):
+        if dst is None:
+            dst = nl.ndarray((P, nkc, 16, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="act_grp_lo")
+            lo = dst
+        nisa.tensor_tensor(dst=dst, data1=src.reshape((P, nkc, 1, r)).broadcast(2, 16),
+                           data2=ind.reshape((P, 1, 16, 1)).broadcast(1, nkc).broadcast(3, r), op=nl.multiply)
+    return ActOperand("quad_grp", aG, None, None, r, lo if op.aT_lo is not None else None)
+
+
+def _grp_block(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
+    """quad_grp: ``dst[n, r] = bf16(Σ_g s[g, n] · Σ_{k∈g} q[k, n] · a[r, k])``. Per 512-row block mb the four
+    planes accumulate into one PSUM group of ``16·mr`` columns (column block g = group 16·mb + g); up to 512
+    columns share a bank; VectorE multiplies a bank by the transposed group scales, GpSimd sums the K/32 groups
+    (fixed tree) and rounds once into dst."""
+    plan = slab.plan
+    nmb, ng = plan.nrb, plan.ngroups
+    cols = slab_cols(j)
+    mb_per_bank = max(1, PSUM_BANK_F32 // (16 * mr))
+    scaled = nl.ndarray((P, ng, mr), dtype=nl.float32, buffer=nl.sbuf, name="grp_scaled")
+    for b0 in range(0, nmb, mb_per_bank):
+        nb = min(mb_per_bank, nmb - b0)
+        ps = nl.ndarray((P, mb_per_bank, 16, mr), dtype=nl.float32, buffer=nl.psum, name="grp_psum")
+        for q in range(nb):
+            mb = b0 + q
+            for jp in range(4):
+                c = 4 * mb + jp
+                nisa.nc_matmul(dst=ps[:, q, :, :], stationary=slab.stat[jp][:, mb, cols],
+                               moving=act.aT[:, c, :, m0:m0 + mr], accumulate=jp != 0)
+                if act.aT_lo is not None:
+                    nisa.nc_matmul(dst=ps[:, q, :, :], stationary=slab.stat[jp][:, mb, cols],
+                                   moving=act.aT_lo[:, c, :, m0:m0 + mr], accumulate=True)
+        g0 = 16 * b0
+        s = slab.scale[:, j, g0:g0 + 16 * nb].reshape((P, 16 * nb, 1)).broadcast(2, mr)
+        psv = ps[:, :nb, :, :].reshape((P, 16 * nb, mr))
+        if plan.fmt == "fp4":
+            nisa.tensor_tensor(dst=scaled[:, g0:g0 + 16 * nb, :], data1=psv, data2=s, op=nl.multiply)
+        else:  # fp8 MX: (psum · 2^-6) · scale, one instruction
+            nisa.scalar_tensor_tensor(dst=scaled[:, g0:g0 + 16 * nb, :], data=psv, op0=nl.multiply,
+                                      operand0=float(2.0 ** -FOLD_EXTRA_LOG2), op1=nl.multiply, operand1=s)
+    tree_sum(dst, scaled)
 
 
 def decode_e2m1_nibbles(lo, hi, words, m1c):
@@ -395,6 +508,9 @@ def gemm_block(dst, slab: WeightSlab, j: int, act, r: int, out_engine=None):
         mr = min(MOVING_MAX, r - m0)
         if plan.path == "fp8_block":
             _fp8_block_evac(dst[:, m0:m0 + mr], slab, j, act, m0, mr)
+            continue
+        if plan.path == "quad_grp":
+            _grp_block(dst[:, m0:m0 + mr], slab, j, act, m0, mr)
             continue
         ps = nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.psum, name="gemm_psum")
         if plan.path == "mx":
@@ -725,6 +841,8 @@ def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act"
         mask_tiles: None, or one SBUF uint8 ``[rt, 1]`` predicate per 128-row tile.
     """
     r, k = a.shape
+    if korder == "quad_grp":
+        return group_operand(load_act_operand("quad", a, a_scale, mask_tiles, name, split))
     split = split and act_format(a) == "fp8" and korder != "mx"
     op = alloc_act_operand(korder, k, r, name, split)
     for t, r0 in enumerate(range(0, r, P)):

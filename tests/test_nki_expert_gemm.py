@@ -304,6 +304,35 @@ def test_trn3_mx_path_falls_back_exactly_for_non_pow2_activation_scales(wfmt, gr
         assert (names.get("tensor.nc_matmul", 0) > 2) == (not mx)
 
 
+GRP_CASES = [("trn2", "bf16", "fp4"), ("trn2", "fp8", "fp4"), ("trn3", "bf16", "fp4"), ("trn3", "bf16", "fp8")]
+
+
+@interpreter_only
+@pytest.mark.parametrize("target,act,wfmt", GRP_CASES, ids=[f"{t}-{a}x{w}" for t, a, w in GRP_CASES])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_eio_packed_weights_at_decode_rows_take_the_group_path(target, act, wfmt, rows):
+    """Packed weights without an MX matmul (fp4 on trn2; fp4 / fp8 MX against bf16 activations on trn3): with
+    ≤ 4 moving rows every 1×32 group gets its own PSUM columns (group-masked moving operand) and its scale on
+    evacuation — no per-weight multiply; with more rows the bf16 fold. Both match the reference; masked rows
+    (padding) stay exact zeros. The group path shows as the scale transposes (K/32 rows per 128 columns)."""
+    k, n = 1024, 384
+    b, b_s = _weights(2, n, k, wfmt, 11)
+    be, bse = _prepared(b, b_s, target)
+    a, a_s = make_activations(rows, k, act, group=32, seed=12)
+    mask = torch.ones(rows, dtype=torch.bool)
+    mask[rows // 2] = rows == 1
+    a, a_s = _poison_rows(a, a_s, mask)
+    ref = ref_expert_gemm(a, a_s, be, bse, mask, 1, weight_layout="eio")
+    with interpreter.target(target):
+        out = _eio(a, a_s, be, bse, mask, 1)
+        names = interpreter.last_run().cost.by_name
+    assert_gemm_close(out, ref, f"{target} {act}x{wfmt} R={rows}")
+    assert bool((out[~mask] == 0).all())
+    base = k // 128 * ((rows + 127) // 128) + n // 128  # A's and the output's transposes
+    grp = rows <= 4
+    assert names.get("tensor.nc_transpose", 0) == base + (n // 128 * -(-(k // 32) // 128) if grp else 0)
+
+
 def _code_weights(wfmt, n, k, g):
     """EOI weights holding every code (fp8: every non-NaN e4m3fn code incl. |q| > 240 and subnormals; fp4: every
     byte) under random power-of-two scales."""
@@ -347,6 +376,27 @@ def test_eio_every_weight_code_is_exact(target, act, wfmt):
     _assert_same_values(out, want, f"{target} {act}x{wfmt} eio decode")
     if target == "trn3" and act == "fp8":
         assert path.get("tensor.nc_matmul_mx", 0) == (n // 128) * (k // 512)
+
+
+@interpreter_only
+@pytest.mark.parametrize("target,wfmt", [("trn2", "fp4"), ("trn3", "fp4"), ("trn3", "fp8")])
+def test_eio_group_path_is_exact(target, wfmt):
+    """The group path (≤ 4 rows) on one-hot rows returns weight rows bit-exactly: every e2m1 byte / MX e4m3fn
+    code under its own 1×32 scale, including 2^-127 … 2^-98 and large scales."""
+    k, n = 512, 256
+    g = torch.Generator().manual_seed(13)
+    b, b_s = _code_weights(wfmt, n, k, g)
+    if wfmt == "fp4":
+        b_s[0, :2] = torch.tensor([0, 1, 2, 3, 200, 248, 127, 100] * (k // 32 // 8), dtype=torch.uint8)
+    be, bse = _prepared(b, b_s, target)
+    picks = [0, 37, 300, 511]
+    a = torch.zeros(4, k, dtype=torch.bfloat16)
+    a[range(4), picks] = 1.0
+    with interpreter.target(target):
+        out = _eio(a, None, be, bse, torch.ones(4, dtype=torch.bool), 0)
+    w_eoi, s_eoi = layouts.as_eoi(be, bse, "eio")
+    want = dequantize_weight(w_eoi[0], s_eoi[0]).T[picks]
+    _assert_same_values(out, want, f"{target} {wfmt} group path")
 
 
 @interpreter_only
