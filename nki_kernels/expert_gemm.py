@@ -408,11 +408,11 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
             slab = load_weight_slab(ring, b, b_scale, expert, n0)
             for j in range(plan.ncols // P):
                 o_bf = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="o_bf16")
-                # fp8_block evacuates on VectorE/GpSimd: the row copies go to ScalarE; the other paths evacuate
-                # on ScalarE and copy rows on VectorE
-                fp8 = plan.path == "fp8_block"
+                # fp8_block / quad_grp evacuate on VectorE + GpSimd: the row copies go to ScalarE; the other
+                # paths evacuate on ScalarE and copy rows on VectorE
+                vec_evac = plan.path in ("fp8_block", "quad_grp")
                 gemm_block(o_bf, slab, j, act, r, out_engine=nisa.engine.scalar)
-                rows_from_kmajor(out_rows, o_bf, n0 + j * P, r, nisa.engine.scalar if fp8 else None)
+                rows_from_kmajor(out_rows, o_bf, n0 + j * P, r, nisa.engine.scalar if vec_evac else None)
 
     def body_eoi():
         nnb = n // P
