@@ -24,9 +24,18 @@ the partitions and each nibble / byte j forms its own ``[m, n]`` plane — the c
 k = 512·mb + 4p + j (p the partition). The 1×32 UE8M0 scale of such a k is row ``16·mb + p // 8``, i.e. one
 128-partition matmul spans 16 scale groups, so per-32 scales cannot be applied per PSUM group: they are folded
 into the bf16 weight by one multiply (exact: an e2m1 / e4m3 value times a power of two; UE8M0 bytes ≤ 248 for
-fp4, ≤ 240 for fp8 MX — larger ones overflow bf16 and are refused by the cast). The e2m1 → float8_e4m3 step is pure bit work on VectorE (4 ``tensor_scalar`` per
-32-bit word of 8 nibbles) plus two exact integer adds on GpSimd; the fold runs ¾ on GpSimd, ¼ on VectorE. This
-path is decode-bound (about one VectorE cycle per weight, see :data:`FOLD_VECTOR_PLANES`).
+fp4, ≤ 240 for fp8 MX — larger ones overflow bf16 and are refused by the cast). The e2m1 → float8_e4m3 step is
+pure bit work on VectorE (4 ``tensor_scalar`` per 32-bit word of 8 nibbles) plus two exact integer adds on
+GpSimd; the fold runs ¾ on GpSimd, ¼ on VectorE. This path is decode-bound (about one VectorE cycle per weight,
+see :data:`FOLD_VECTOR_PLANES`).
+
+"Group path" (``quad_grp``, the same formats when a GEMM call has ≤ ``GROUP_PATH_MAX_ROWS`` moving rows): no
+fold. The planes stay fp8 (e2m1 → float8_e4m3 bytes by the bit decode alone; fp8 MX bytes as they are) and the
+moving operand holds 16 copies of each 512-row block, copy g zero outside the partitions of group g
+(:func:`group_operand`), so one matmul of ``16·R`` moving columns (still the 64-cycle minimum for R ≤ 4) puts
+every 1×32 group's partial sum in its own PSUM columns; the evacuation multiplies them by the transposed group
+scales and a GpSimd tree sums the K/32 groups (:func:`_grp_block`). Only the bit decode remains per weight
+(0.5 VectorE cycle).
 
 The activation (moving) operand is K-major ``aT [k, c, R]`` bf16 (exact: fp8 bytes decoded with bit ops, pow2
 scale folded; non-pow2 fp32 activation scales round to bf16, ≤ 2^-9 relative per element), with block c holding
@@ -113,8 +122,10 @@ class WeightPlan:
     Attributes:
         fmt: "bf16", "fp8", "fp8_mx" or "fp4" (from the weight dtype).
         path: "bf16" (bf16 stationary), "fp8_block" (native fp8 stationary, per-K-block groups), "mx"
-            (``nc_matmul_mx``) or "quad_bf16" (packed weights decoded to bf16).
-        korder: activation operand the path needs: "natural", "quad" (bf16 aT) or "mx" (x4 + E8M0).
+            (``nc_matmul_mx``), "quad_bf16" (packed weights decoded to bf16) or "quad_grp" (packed weights as
+            fp8 planes, per-group PSUM columns).
+        korder: activation operand the path needs: "natural", "quad" (bf16 aT), "quad_grp" (group-masked
+            quad) or "mx" (x4 + E8M0).
         k, n: contraction length and output features.
         rows: HBM rows per expert of the weight tensor (K, or K/4 for the packed forms).
         ncols: output columns per weight slab (a multiple of 128 dividing N, ≥ 512 B contiguous per row).
@@ -208,9 +219,9 @@ def weight_plan(w, act_fmt: str, rows: int | None = None) -> WeightPlan:
 # ----------------------------------------------------------------------------------------------------------------
 # HBM views (static expert: slicing; runtime expert: .ap(scalar_offset=<register>) on the HBM side of a DMA)
 # ----------------------------------------------------------------------------------------------------------------
-def _hbm_rows(t, e, row0: int, nblk: int, col0: int, ncols: int, dtype=None, rows_per_part: int = 1):
-    """HBM view ``[P, nblk, ncols]`` of rows ``row0 + j·128 + p`` (``rows_per_part = 1``) of expert ``e`` of
-    ``t [L, R, C]``, columns ``col0 …``; ``dtype`` reinterprets the bytes (same itemsize)."""
+def _hbm_rows(t, e, row0: int, nblk: int, col0: int, ncols: int, dtype=None):
+    """HBM view ``[P, nblk, ncols]`` of rows ``row0 + j·128 + p`` of expert ``e`` of ``t [L, R, C]``, columns
+    ``col0 …``; ``dtype`` reinterprets the bytes (same itemsize)."""
     _, r, c = t.shape
     pattern = [[c, P], [P * c, nblk], [1, ncols]]
     if isinstance(e, int):
@@ -260,9 +271,10 @@ class WeightSlab:
         n0: first column.
         stat: per path — bf16: bf16 ``[P, K/128, ncols]``; fp8_block: fp8 ``[P, K/128, ncols]`` (float8_e4m3 on
             trn2, float8_e4m3fn on trn3); mx: x4 ``[P, K/512, ncols]``; quad_bf16: list of 4 bf16 planes
-            ``[P, K/512, ncols]`` (plane j holds k = 512·mb + 4p + j).
+            ``[P, K/512, ncols]`` (plane j holds k = 512·mb + 4p + j); quad_grp: the same 4 planes as fp8 views.
         scale: fp8_block: float32 ``[P(n), ncols/128, K/128]`` (``scale[p, j, kb] = s[kb, n0 + 128j + p]``);
-            mx: uint8 E8M0 ``[P, K/512, ncols]`` in nc_matmul_mx order; else None.
+            mx: uint8 E8M0 ``[P, K/512, ncols]`` in nc_matmul_mx order; quad_grp: bf16 ``[P(n), ncols/128, K/32]``
+            group scales; else None.
     """
 
     plan: WeightPlan
