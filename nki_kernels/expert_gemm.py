@@ -45,6 +45,7 @@ from static_moe.nki.shim import nisa, nl
 
 from .gemm_tiles import (  # noqa: F401  (re-exported: the tile API lives in gemm_tiles)
     _M_1C1C1C1C,
+    GROUP_PATH_MAX_ROWS,
     MOVING_MAX,
     TRANSPOSES_PER_BANK,
     P,
@@ -430,10 +431,11 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         # any other scale on a selected row runs the weights through the exact bf16 decode instead
         trips = _mx_trips(a_scale, masks, skip_unrouted)
         nl.fori_loop(0, trips[0], lambda _i: body())
-        plan_q = replace(plan, path="quad_bf16", korder="quad")
+        grp = r <= GROUP_PATH_MAX_ROWS
+        plan_q = replace(plan, path="quad_grp" if grp else "quad_bf16", korder="quad_grp" if grp else "quad")
 
         def body_quad(_i):
-            body_eio(plan_q, load_act_operand("quad", a, a_scale, masks, name="act_q", split=True))
+            body_eio(plan_q, load_act_operand(plan_q.korder, a, a_scale, masks, name="act_q", split=True))
 
         nl.fori_loop(0, trips[1], body_quad)
     elif skip_unrouted:

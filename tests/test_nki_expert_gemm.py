@@ -281,19 +281,20 @@ def test_eio_fp8_with_non_pow2_scales(target):
 @interpreter_only
 @pytest.mark.parametrize("wfmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("group", [128, 32])
-def test_trn3_mx_path_falls_back_exactly_for_non_pow2_activation_scales(wfmt, group):
+@pytest.mark.parametrize("rows", [12, 3])  # the fallback's bf16 fold / group path
+def test_trn3_mx_path_falls_back_exactly_for_non_pow2_activation_scales(wfmt, group, rows):
     """nc_matmul_mx keeps only the exponent of an activation scale: with power-of-two scales the MX path runs;
     one selected row with any other scale switches, on chip, to the exact bf16 decode of the same weights. A
     masked (padding) row's scale is ignored. Both match the reference."""
-    rows, k, n = 12, 512, 256
+    k, n = 512, 256
     b, b_s = _weights(2, n, k, wfmt, 8)
     be, bse = _prepared(b, b_s, "trn3")
     a, a_s = make_activations(rows, k, "fp8", group=group, seed=9)
     mask = torch.ones(rows, dtype=torch.bool)
-    mask[5] = False
+    mask[rows // 2] = False
     odd = a_s.clone()
-    odd[5] *= 1.37  # a masked row: does not count
-    for scales, mx in ((odd, True), (a_s * torch.where(torch.arange(rows) == 3, 1.37, 1.0)[:, None], False)):
+    odd[rows // 2] *= 1.37  # a masked row: does not count
+    for scales, mx in ((odd, True), (a_s * torch.where(torch.arange(rows) == rows - 1, 1.37, 1.0)[:, None], False)):
         aa, ss = _poison_rows(a, scales, mask) if not mx else (a, scales)
         ref = ref_expert_gemm(aa, ss, be, bse, mask, 1, weight_layout="eio")
         with interpreter.target("trn3"):
