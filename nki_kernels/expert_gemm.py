@@ -431,7 +431,7 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         # any other scale on a selected row runs the weights through the exact bf16 decode instead
         trips = _mx_trips(a_scale, masks, skip_unrouted)
         nl.fori_loop(0, trips[0], lambda _i: body())
-        grp = r <= GROUP_PATH_MAX_ROWS
+        grp = r <= GROUP_PATH_MAX_ROWS[plan.fmt]
         plan_q = replace(plan, path="quad_grp" if grp else "quad_bf16", korder="quad_grp" if grp else "quad")
 
         def body_quad(_i):

@@ -29,10 +29,10 @@ pure bit work on VectorE (4 ``tensor_scalar`` per 32-bit word of 8 nibbles) plus
 GpSimd; the fold runs ¾ on GpSimd, ¼ on VectorE. This path is decode-bound (about one VectorE cycle per weight,
 see :data:`FOLD_VECTOR_PLANES`).
 
-"Group path" (``quad_grp``, the same formats when a GEMM call has ≤ ``GROUP_PATH_MAX_ROWS`` moving rows): no
-fold. The planes stay fp8 (e2m1 → float8_e4m3 bytes by the bit decode alone; fp8 MX bytes as they are) and the
+"Group path" (``quad_grp``, the same formats when a GEMM call has ≤ ``GROUP_PATH_MAX_ROWS`` moving rows, 4 for
+fp4 and 8 for fp8 MX): no fold. The planes stay fp8 (e2m1 → float8_e4m3 bytes by the bit decode alone; fp8 MX bytes as they are) and the
 moving operand holds 16 copies of each 512-row block, copy g zero outside the partitions of group g
-(:func:`group_operand`), so one matmul of ``16·R`` moving columns (still the 64-cycle minimum for R ≤ 4) puts
+(:func:`group_operand`), so one matmul of ``16·R`` moving columns (the 64-cycle minimum for R ≤ 4) puts
 every 1×32 group's partial sum in its own PSUM columns; the evacuation multiplies them by the transposed group
 scales and a GpSimd tree sums the K/32 groups (:func:`_grp_block`). Only the bit decode remains per weight
 (0.5 VectorE cycle).
@@ -100,7 +100,10 @@ FOLD_VECTOR_PLANES = 1  # of the 4 planes of a packed slab, how many VectorE fol
 TRANSPOSES_PER_BANK = 8  # bf16 [128, 128] TensorE transposes per 2 KiB PSUM bank
 SCALAR_EVAC_MIN_ROWS = 64  # fp8_block: from this many rows on, ScalarE applies the K-block scales (see below)
 EVAC_TILE_BYTES = 32 * 1024  # fp8_block, many rows: per-partition bytes of the one-reduction scaled tile
-GROUP_PATH_MAX_ROWS = 4  # quad_grp: 16 groups × R moving columns per matmul stay within the 64-cycle minimum
+# quad_grp up to this many moving rows (16·R columns per matmul): fp4 keeps its bit decode, so its group path
+# beats the fold only while 16·R ≤ 64 (the matmul minimum); fp8 MX has no decode and wins up to 8 rows
+# (cost model, V4-Flash GEMM1 on trn3: 77.5 µs vs 86.7 µs at 8 rows)
+GROUP_PATH_MAX_ROWS = {"fp4": 4, "fp8_mx": 8}
 FOLD_EXTRA_LOG2 = 6  # the packed decode folds 2^(b − 127 + 6): b = 0 stays a normal bf16 (fp8 MX evacuates × 2^-6)
 
 # bit masks as exact-in-fp32 immediates (≤ 24 significant bits) or int32 spellings of the same 32 bits
@@ -190,8 +193,8 @@ def weight_plan(w, act_fmt: str, rows: int | None = None) -> WeightPlan:
     """The plan for an EIO weight ``w [L, rows, N]`` against activations of ``act_fmt`` on the current target.
 
     ``rows``: the moving rows per GEMM call, if known at trace time. Packed weights that would take the bf16
-    decode (quad_bf16) take the group path (quad_grp) instead when ``rows ≤ GROUP_PATH_MAX_ROWS``: no scale
-    fold at all (see :func:`_grp_block`)."""
+    decode (quad_bf16) take the group path (quad_grp) instead when ``rows ≤ GROUP_PATH_MAX_ROWS[fmt]``: no
+    scale fold at all (see :func:`_grp_block`)."""
     n_rows = rows
     fmt = eio_format(w)
     rows, n = w.shape[1], w.shape[2]
@@ -206,7 +209,7 @@ def weight_plan(w, act_fmt: str, rows: int | None = None) -> WeightPlan:
                                      "with layouts.prepare_weight(..., 'trn2')"
         if trn3 and act_fmt == "fp8":
             path, korder = "mx", "mx"
-        elif n_rows is not None and n_rows <= GROUP_PATH_MAX_ROWS:
+        elif n_rows is not None and n_rows <= GROUP_PATH_MAX_ROWS[fmt]:
             path, korder = "quad_grp", "quad_grp"
         else:
             path, korder = "quad_bf16", "quad"

@@ -310,10 +310,10 @@ GRP_CASES = [("trn2", "bf16", "fp4"), ("trn2", "fp8", "fp4"), ("trn3", "bf16", "
 
 @interpreter_only
 @pytest.mark.parametrize("target,act,wfmt", GRP_CASES, ids=[f"{t}-{a}x{w}" for t, a, w in GRP_CASES])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9])
 def test_eio_packed_weights_at_decode_rows_take_the_group_path(target, act, wfmt, rows):
     """Packed weights without an MX matmul (fp4 on trn2; fp4 / fp8 MX against bf16 activations on trn3): with
-    ≤ 4 moving rows every 1×32 group gets its own PSUM columns (group-masked moving operand) and its scale on
+    ≤ 4 (fp4) / 8 (fp8 MX) moving rows every 1×32 group gets its own PSUM columns (group-masked moving operand) and its scale on
     evacuation — no per-weight multiply; with more rows the bf16 fold. Both match the reference; masked rows
     (padding) stay exact zeros. The group path shows as the scale transposes (K/32 rows per 128 columns)."""
     k, n = 1024, 384
@@ -330,7 +330,7 @@ def test_eio_packed_weights_at_decode_rows_take_the_group_path(target, act, wfmt
     assert_gemm_close(out, ref, f"{target} {act}x{wfmt} R={rows}")
     assert bool((out[~mask] == 0).all())
     base = k // 128 * ((rows + 127) // 128) + n // 128  # A's and the output's transposes
-    grp = rows <= 4
+    grp = rows <= {"fp4": 4, "fp8": 8}[wfmt]  # fp8 here is the MX form (trn3, pow2 scales)
     assert names.get("tensor.nc_transpose", 0) == base + (n // 128 * -(-(k // 32) // 128) if grp else 0)
 
 
