@@ -415,6 +415,7 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
                 vec_evac = plan.path in ("fp8_block", "quad_grp")
                 gemm_block(o_bf, slab, j, act, r, out_engine=nisa.engine.scalar)
                 rows_from_kmajor(out_rows, o_bf, n0 + j * P, r, nisa.engine.scalar if vec_evac else None)
+            slab = None  # the decoded planes of a slab die here, before the next slab is decoded
 
     def body_eoi():
         nnb = n // P

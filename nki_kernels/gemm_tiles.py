@@ -104,6 +104,7 @@ EVAC_TILE_BYTES = 32 * 1024  # fp8_block, many rows: per-partition bytes of the 
 # beats the fold only while 16·R ≤ 64 (the matmul minimum); fp8 MX has no decode and wins up to 8 rows
 # (cost model, V4-Flash GEMM1 on trn3: 77.5 µs vs 86.7 µs at 8 rows)
 GROUP_PATH_MAX_ROWS = {"fp4": 4, "fp8_mx": 8}
+DECODE_SLAB_ELEMS = 4096  # packed elements per partition in one decoded slab (SBUF bound of the decode paths)
 FOLD_EXTRA_LOG2 = 6  # the packed decode folds 2^(b − 127 + 6): b = 0 stays a normal bf16 (fp8 MX evacuates × 2^-6)
 
 # bit masks as exact-in-fp32 immediates (≤ 24 significant bits) or int32 spellings of the same 32 bits
@@ -224,8 +225,23 @@ def weight_plan(w, act_fmt: str, rows: int | None = None) -> WeightPlan:
         else:
             path, korder = "quad_bf16", "quad"
     assert k % P == 0 and n % P == 0, f"K={k} and N={n} must be multiples of {P}"
-    # packed forms: 512 columns per slab so the scale rows (1 byte per column) also move in ≥ 512 B runs
-    return WeightPlan(fmt, path, korder, k, n, rows, _slab_cols(n, eb if fmt in ("bf16", "fp8") else 1))
+    # packed forms: 512 columns per slab so the scale rows (1 byte per column) also move in ≥ 512 B runs — but
+    # the decoding paths keep ≤ DECODE_SLAB_ELEMS packed elements per partition (their planes and bit-decode
+    # temporaries take ~20 B per element: V3's K = 7168 gets 256 columns)
+    ncols = _slab_cols(n, eb if fmt in ("bf16", "fp8") else 1)
+    if path in ("quad_bf16", "quad_grp"):
+        nmb = -(-rows // P)
+        while ncols > P and nmb * ncols > DECODE_SLAB_ELEMS:
+            ncols = _slab_cols_at_most(n, ncols - P)
+    return WeightPlan(fmt, path, korder, k, n, rows, ncols)
+
+
+def _slab_cols_at_most(n: int, c: int) -> int:
+    """The largest multiple of 128 that divides N and is ≤ c (at least 128)."""
+    c = max(P, c // P * P)
+    while n % c:
+        c -= P
+    return c
 
 
 # ----------------------------------------------------------------------------------------------------------------
