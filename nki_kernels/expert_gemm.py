@@ -368,6 +368,10 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
           activations as a bf16 pair (hi + lo, two matmuls per block: ~16 significant bits) — decided on chip.
         - Elsewhere fp8 activations enter as bf16 ``q·s``: exact for power-of-two scales; other fp32 scales round
           to bf16 (≤ 2^-9 relative per element).
+        - Constructs: every instruction form used is listed with its doc page / public kernel in this module's
+          docstring and in ``nki_kernels/gemm_tiles.py``'s; the interpreter refuses the undocumented ones
+          (docs/backends/nki_interpreter.md, rules sbuf-indirect-operand, gpsimd-bitvec, immediate-range,
+          fp8-transpose).
 
     Pseudocode:
         aT = Kmajor(mask ? dequant(A) : 0)                           # once (x4 + E8M0 for the MX path)
