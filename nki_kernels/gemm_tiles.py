@@ -105,6 +105,7 @@ EVAC_TILE_BYTES = 32 * 1024  # fp8_block, many rows: per-partition bytes of the 
 # (cost model, V4-Flash GEMM1 on trn3: 77.5 µs vs 86.7 µs at 8 rows)
 GROUP_PATH_MAX_ROWS = {"fp4": 4, "fp8_mx": 8}
 DECODE_SLAB_ELEMS = 4096  # packed elements per partition in one decoded slab (SBUF bound of the decode paths)
+SLAB_BYTES = 16 * 1024  # per partition and ring buffer: how wide a slab may grow when K is small
 FOLD_EXTRA_LOG2 = 6  # the packed decode folds 2^(b − 127 + 6): b = 0 stays a normal bf16 (fp8 MX evacuates × 2^-6)
 
 # bit masks as exact-in-fp32 immediates (≤ 24 significant bits) or int32 spellings of the same 32 bits
@@ -229,10 +230,12 @@ def weight_plan(w, act_fmt: str, rows: int | None = None) -> WeightPlan:
     # the decoding paths keep ≤ DECODE_SLAB_ELEMS packed elements per partition (their planes and bit-decode
     # temporaries take ~20 B per element: V3's K = 7168 gets 256 columns)
     ncols = _slab_cols(n, eb if fmt in ("bf16", "fp8") else 1)
+    nrb = -(-rows // P)
     if path in ("quad_bf16", "quad_grp"):
-        nmb = -(-rows // P)
-        while ncols > P and nmb * ncols > DECODE_SLAB_ELEMS:
+        while ncols > P and nrb * ncols > DECODE_SLAB_ELEMS:
             ncols = _slab_cols_at_most(n, ncols - P)
+    else:  # small K: widen the slab up to SLAB_BYTES per partition (fewer, larger DMAs; each has a fixed cost)
+        ncols = max(ncols, _slab_cols_at_most(n, SLAB_BYTES // (nrb * eb)))
     return WeightPlan(fmt, path, korder, k, n, rows, ncols)
 
 
