@@ -189,7 +189,8 @@ def eio_format(w) -> str:
 
 
 def is_trn3() -> bool:
-    return nisa.get_nc_version() >= nisa.nc_version.gen4
+    """NeuronCore-v4 (``nisa.get_nc_version()``, isa page): e4m3fn matmul inputs and ``nc_matmul_mx``."""
+    return nisa.get_nc_version() == nisa.nc_version.gen4
 
 
 def _slab_cols(n: int, elem_bytes: int) -> int:
