@@ -490,3 +490,44 @@ def test_eio_weights_reach_the_tensor_engine_as_loaded(target, act, wfmt):
     # and the output copies
     touched = cost.instr_elems.get("vector", 0) + cost.instr_elems.get("gpsimd", 0)
     assert touched < k * n // P, f"{touched} elements per partition on Vector/GpSimd"
+
+
+# ------------------------------------------------------------------------------------------ tiles, runtime expert
+def _tiles_all_experts_kernel(a, a_s, b, bs, rows):
+    """Every expert of an EIO weight through the gemm_tiles API inside a runtime loop: the expert id is a
+    register, reaching only the HBM side of the DMAs (as the fused kernel uses the tiles)."""
+    from nki_kernels import gemm_tiles as G
+    from static_moe.nki.shim import nisa, nl
+
+    r, _ = a.shape
+    plan = G.weight_plan(b, G.act_format(a), rows=rows)
+    act = G.load_act_operand(plan.korder, a, a_s, kp=plan.kp)
+    out = nl.ndarray((b.shape[0], plan.n, r), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="o")
+
+    def body(e):
+        ring = G.WeightRing(plan)
+        for n0 in range(0, plan.n, plan.ncols):
+            slab = G.load_weight_slab(ring, b, bs, e, n0)
+            for j in range(plan.ncols // P):
+                d = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="d")
+                G.gemm_block(d, slab, j, act, r)
+                nisa.dma_copy(dst=out.ap(pattern=[[r, P], [1, r]], offset=(n0 + j * P) * r, scalar_offset=e,
+                                         indirect_dim=0), src=d)
+
+    nl.fori_loop(0, b.shape[0], body)
+    return out
+
+
+@interpreter_only
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("act,wfmt", [("bf16", "bf16"), ("fp8", "fp8"), ("bf16", "fp4"), ("fp8", "fp4")])
+@pytest.mark.parametrize("rows", [3, 20])
+def test_tiles_take_a_runtime_expert_id(target, act, wfmt, rows):
+    b, b_s = _weights(3, 256, 640, wfmt, 14)
+    be, bse = _prepared(b, b_s, target)
+    a, a_s = make_activations(rows, 640, act, group=128, seed=15)
+    with interpreter.target(target):
+        out = torch.as_tensor(shim.simulate(_tiles_all_experts_kernel)(a, a_s, be, bse, rows))
+    for e in range(3):
+        ref = ref_expert_gemm(a, a_s, be, bse, torch.ones(rows, dtype=torch.bool), e, weight_layout="eio")
+        assert_gemm_close(out[e].T.contiguous(), ref, f"{target} {act}x{wfmt} expert {e}")
