@@ -45,6 +45,7 @@ from static_moe.nki.shim import nisa, nl
 
 from .gemm_tiles import (  # noqa: F401  (re-exported: the tile API lives in gemm_tiles)
     _M_1C1C1C1C,
+    GROUP_PATH_MAX_ROWS,
     MOVING_MAX,
     TRANSPOSES_PER_BANK,
     P,
@@ -330,7 +331,7 @@ def _mx_trips(a_scale, masks, skip_unrouted: bool):
 # The kernel
 # ----------------------------------------------------------------------------------------------------------------
 def _check_eio(a, b, k: int, n: int):
-    plan = weight_plan(b, act_format(a))
+    plan = weight_plan(b, act_format(a), rows=a.shape[0])
     assert plan.k == k, f"A has K={k}, B has K={plan.k}"
     return plan
 
@@ -359,14 +360,18 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         out (nl.ndarray): [R, N] bf16 in shared HBM; ``bf16(Σ_k A·B_e)`` on masked-in rows, ±0 elsewhere.
 
     Notes:
-        - K and N multiples of 128 (fp4 / fp8 MX under "eio": K a multiple of 512); R any (row tiles of 128,
-          moving chunks of 512).
+        - K and N multiples of 128 (the packed "eio" forms pad K to whole 512 blocks with zeros on chip); R any
+          (row tiles of 128, moving chunks of 512).
         - "eio" fp8 × fp8 MX and fp8 × fp4 on trn3 run ``nc_matmul_mx`` when every selected row's activation
           scales are powers of two (SPEC §1.1 produces only those; the E8M0 byte is the exponent field); if any
           is not, a second runtime loop runs the same weights through the exact bf16 decode instead, with the
           activations as a bf16 pair (hi + lo, two matmuls per block: ~16 significant bits) — decided on chip.
         - Elsewhere fp8 activations enter as bf16 ``q·s``: exact for power-of-two scales; other fp32 scales round
           to bf16 (≤ 2^-9 relative per element).
+        - Constructs: every instruction form used is listed with its doc page / public kernel in this module's
+          docstring and in ``nki_kernels/gemm_tiles.py``'s; the interpreter refuses the undocumented ones
+          (docs/backends/nki_interpreter.md, rules sbuf-indirect-operand, gpsimd-bitvec, immediate-range,
+          fp8-transpose).
 
     Pseudocode:
         aT = Kmajor(mask ? dequant(A) : 0)                           # once (x4 + E8M0 for the MX path)
@@ -393,7 +398,8 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
 
     out = nl.ndarray((r, n), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="out")
     masks = load_row_mask_tiles(row_mask, r)
-    act = load_act_operand(plan.korder if plan is not None else "natural", a, a_scale, masks)
+    act = load_act_operand(plan.korder if plan is not None else "natural", a, a_scale, masks,
+                           kp=None if plan is None else plan.kp)
 
     out_rows = []
     for r0 in range(0, r, P):
@@ -408,11 +414,12 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
             slab = load_weight_slab(ring, b, b_scale, expert, n0)
             for j in range(plan.ncols // P):
                 o_bf = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="o_bf16")
-                # fp8_block evacuates on VectorE/GpSimd: the row copies go to ScalarE; the other paths evacuate
-                # on ScalarE and copy rows on VectorE
-                fp8 = plan.path == "fp8_block"
+                # fp8_block / quad_grp evacuate on VectorE + GpSimd: the row copies go to ScalarE; the other
+                # paths evacuate on ScalarE and copy rows on VectorE
+                vec_evac = plan.path in ("fp8_block", "quad_grp")
                 gemm_block(o_bf, slab, j, act, r, out_engine=nisa.engine.scalar)
-                rows_from_kmajor(out_rows, o_bf, n0 + j * P, r, nisa.engine.scalar if fp8 else None)
+                rows_from_kmajor(out_rows, o_bf, n0 + j * P, r, nisa.engine.scalar if vec_evac else None)
+            slab = None  # the decoded planes of a slab die here, before the next slab is decoded
 
     def body_eoi():
         nnb = n // P
@@ -430,10 +437,12 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         # any other scale on a selected row runs the weights through the exact bf16 decode instead
         trips = _mx_trips(a_scale, masks, skip_unrouted)
         nl.fori_loop(0, trips[0], lambda _i: body())
-        plan_q = replace(plan, path="quad_bf16", korder="quad")
+        grp = r <= GROUP_PATH_MAX_ROWS[plan.fmt]
+        plan_q = replace(plan, path="quad_grp" if grp else "quad_bf16", korder="quad_grp" if grp else "quad")
 
         def body_quad(_i):
-            body_eio(plan_q, load_act_operand("quad", a, a_scale, masks, name="act_q", split=True))
+            body_eio(plan_q, load_act_operand(plan_q.korder, a, a_scale, masks, name="act_q", split=True,
+                                              kp=plan_q.kp))
 
         nl.fori_loop(0, trips[1], body_quad)
     elif skip_unrouted:

@@ -24,9 +24,18 @@ the partitions and each nibble / byte j forms its own ``[m, n]`` plane — the c
 k = 512·mb + 4p + j (p the partition). The 1×32 UE8M0 scale of such a k is row ``16·mb + p // 8``, i.e. one
 128-partition matmul spans 16 scale groups, so per-32 scales cannot be applied per PSUM group: they are folded
 into the bf16 weight by one multiply (exact: an e2m1 / e4m3 value times a power of two; UE8M0 bytes ≤ 248 for
-fp4, ≤ 240 for fp8 MX — larger ones overflow bf16 and are refused by the cast). The e2m1 → float8_e4m3 step is pure bit work on VectorE (4 ``tensor_scalar`` per
-32-bit word of 8 nibbles) plus two exact integer adds on GpSimd; the fold runs ¾ on GpSimd, ¼ on VectorE. This
-path is decode-bound (about one VectorE cycle per weight, see :data:`FOLD_VECTOR_PLANES`).
+fp4, ≤ 240 for fp8 MX — larger ones overflow bf16 and are refused by the cast). The e2m1 → float8_e4m3 step is
+pure bit work on VectorE (4 ``tensor_scalar`` per 32-bit word of 8 nibbles) plus two exact integer adds on
+GpSimd; the fold runs ¾ on GpSimd, ¼ on VectorE. This path is decode-bound (about one VectorE cycle per weight,
+see :data:`FOLD_VECTOR_PLANES`).
+
+"Group path" (``quad_grp``, the same formats when a GEMM call has ≤ ``GROUP_PATH_MAX_ROWS`` moving rows, 4 for
+fp4 and 8 for fp8 MX): no fold. The planes stay fp8 (e2m1 → float8_e4m3 bytes by the bit decode alone; fp8 MX bytes as they are) and the
+moving operand holds 16 copies of each 512-row block, copy g zero outside the partitions of group g
+(:func:`group_operand`), so one matmul of ``16·R`` moving columns (the 64-cycle minimum for R ≤ 4) puts
+every 1×32 group's partial sum in its own PSUM columns; the evacuation multiplies them by the transposed group
+scales and a GpSimd tree sums the K/32 groups (:func:`_grp_block`). Only the bit decode remains per weight
+(0.5 VectorE cycle).
 
 The activation (moving) operand is K-major ``aT [k, c, R]`` bf16 (exact: fp8 bytes decoded with bit ops, pow2
 scale folded; non-pow2 fp32 activation scales round to bf16, ≤ 2^-9 relative per element), with block c holding
@@ -91,6 +100,12 @@ FOLD_VECTOR_PLANES = 1  # of the 4 planes of a packed slab, how many VectorE fol
 TRANSPOSES_PER_BANK = 8  # bf16 [128, 128] TensorE transposes per 2 KiB PSUM bank
 SCALAR_EVAC_MIN_ROWS = 64  # fp8_block: from this many rows on, ScalarE applies the K-block scales (see below)
 EVAC_TILE_BYTES = 32 * 1024  # fp8_block, many rows: per-partition bytes of the one-reduction scaled tile
+# quad_grp up to this many moving rows (16·R columns per matmul): fp4 keeps its bit decode, so its group path
+# beats the fold only while 16·R ≤ 64 (the matmul minimum); fp8 MX has no decode and wins up to 8 rows
+# (cost model, V4-Flash GEMM1 on trn3: 77.5 µs vs 86.7 µs at 8 rows)
+GROUP_PATH_MAX_ROWS = {"fp4": 4, "fp8_mx": 8}
+DECODE_SLAB_ELEMS = 4096  # packed elements per partition in one decoded slab (SBUF bound of the decode paths)
+SLAB_BYTES = 16 * 1024  # per partition and ring buffer: how wide a slab may grow when K is small
 FOLD_EXTRA_LOG2 = 6  # the packed decode folds 2^(b − 127 + 6): b = 0 stays a normal bf16 (fp8 MX evacuates × 2^-6)
 
 # bit masks as exact-in-fp32 immediates (≤ 24 significant bits) or int32 spellings of the same 32 bits
@@ -112,8 +127,10 @@ class WeightPlan:
     Attributes:
         fmt: "bf16", "fp8", "fp8_mx" or "fp4" (from the weight dtype).
         path: "bf16" (bf16 stationary), "fp8_block" (native fp8 stationary, per-K-block groups), "mx"
-            (``nc_matmul_mx``) or "quad_bf16" (packed weights decoded to bf16).
-        korder: activation operand the path needs: "natural", "quad" (bf16 aT) or "mx" (x4 + E8M0).
+            (``nc_matmul_mx``), "quad_bf16" (packed weights decoded to bf16) or "quad_grp" (packed weights as
+            fp8 planes, per-group PSUM columns).
+        korder: activation operand the path needs: "natural", "quad" (bf16 aT), "quad_grp" (group-masked
+            quad) or "mx" (x4 + E8M0).
         k, n: contraction length and output features.
         rows: HBM rows per expert of the weight tensor (K, or K/4 for the packed forms).
         ncols: output columns per weight slab (a multiple of 128 dividing N, ≥ 512 B contiguous per row).
@@ -128,14 +145,29 @@ class WeightPlan:
     ncols: int
 
     @property
+    def kp(self) -> int:
+        """K padded to whole 512-row blocks for the packed forms (the missing rows are zeros on chip)."""
+        return self.k if self.fmt in ("bf16", "fp8") else -(-self.k // (4 * P)) * 4 * P
+
+    @property
+    def last_rows(self) -> int:
+        """HBM rows in the last 128-row block (128 unless K is not a multiple of 512 for a packed form)."""
+        return self.rows - P * (self.nrb - 1)
+
+    @property
+    def ngroups(self) -> int:
+        """1×32 scale groups along K."""
+        return self.kp // 32
+
+    @property
     def nkc(self) -> int:
         """128-row contraction blocks per n block (matmuls per PSUM group for bf16 / quad; K/512 for mx)."""
-        return self.k // (4 * P) if self.path == "mx" else self.k // P
+        return self.kp // (4 * P) if self.path == "mx" else self.kp // P
 
     @property
     def nrb(self) -> int:
-        """128-row blocks of the HBM weight rows (K/128, or K/512 for the packed forms)."""
-        return self.rows // P
+        """128-row blocks of the HBM weight rows (K/128, or ⌈K/512⌉ for the packed forms)."""
+        return -(-self.rows // P)
 
 
 def act_format(a) -> str:
@@ -157,7 +189,8 @@ def eio_format(w) -> str:
 
 
 def is_trn3() -> bool:
-    return nisa.get_nc_version() >= nisa.nc_version.gen4
+    """NeuronCore-v4 (``nisa.get_nc_version()``, isa page): e4m3fn matmul inputs and ``nc_matmul_mx``."""
+    return nisa.get_nc_version() == nisa.nc_version.gen4
 
 
 def _slab_cols(n: int, elem_bytes: int) -> int:
@@ -169,8 +202,13 @@ def _slab_cols(n: int, elem_bytes: int) -> int:
     return min(c, n)
 
 
-def weight_plan(w, act_fmt: str) -> WeightPlan:
-    """The plan for an EIO weight ``w [L, rows, N]`` against activations of ``act_fmt`` on the current target."""
+def weight_plan(w, act_fmt: str, rows: int | None = None) -> WeightPlan:
+    """The plan for an EIO weight ``w [L, rows, N]`` against activations of ``act_fmt`` on the current target.
+
+    ``rows``: the moving rows per GEMM call, if known at trace time. Packed weights that would take the bf16
+    decode (quad_bf16) take the group path (quad_grp) instead when ``rows ≤ GROUP_PATH_MAX_ROWS[fmt]``: no
+    scale fold at all (see :func:`_grp_block`)."""
+    n_rows = rows
     fmt = eio_format(w)
     rows, n = w.shape[1], w.shape[2]
     trn3 = is_trn3()
@@ -184,20 +222,38 @@ def weight_plan(w, act_fmt: str) -> WeightPlan:
                                      "with layouts.prepare_weight(..., 'trn2')"
         if trn3 and act_fmt == "fp8":
             path, korder = "mx", "mx"
+        elif n_rows is not None and n_rows <= GROUP_PATH_MAX_ROWS[fmt]:
+            path, korder = "quad_grp", "quad_grp"
         else:
             path, korder = "quad_bf16", "quad"
-    assert k % (4 * P if fmt in ("fp8_mx", "fp4") else P) == 0 and n % P == 0, (
-        f"K={k} must be a multiple of {4 * P if fmt in ('fp8_mx', 'fp4') else P} and N={n} of {P}")
-    # packed forms: 512 columns per slab so the scale rows (1 byte per column) also move in ≥ 512 B runs
-    return WeightPlan(fmt, path, korder, k, n, rows, _slab_cols(n, eb if fmt in ("bf16", "fp8") else 1))
+    assert k % P == 0 and n % P == 0, f"K={k} and N={n} must be multiples of {P}"
+    # packed forms: 512 columns per slab so the scale rows (1 byte per column) also move in ≥ 512 B runs — but
+    # the decoding paths keep ≤ DECODE_SLAB_ELEMS packed elements per partition (their planes and bit-decode
+    # temporaries take ~20 B per element: V3's K = 7168 gets 256 columns)
+    ncols = _slab_cols(n, eb if fmt in ("bf16", "fp8") else 1)
+    nrb = -(-rows // P)
+    if path in ("quad_bf16", "quad_grp"):
+        while ncols > P and nrb * ncols > DECODE_SLAB_ELEMS:
+            ncols = _slab_cols_at_most(n, ncols - P)
+    else:  # small K: widen the slab up to SLAB_BYTES per partition (fewer, larger DMAs; each has a fixed cost)
+        ncols = max(ncols, _slab_cols_at_most(n, SLAB_BYTES // (nrb * eb)))
+    return WeightPlan(fmt, path, korder, k, n, rows, ncols)
+
+
+def _slab_cols_at_most(n: int, c: int) -> int:
+    """The largest multiple of 128 that divides N and is ≤ c (at least 128)."""
+    c = max(P, c // P * P)
+    while n % c:
+        c -= P
+    return c
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # HBM views (static expert: slicing; runtime expert: .ap(scalar_offset=<register>) on the HBM side of a DMA)
 # ----------------------------------------------------------------------------------------------------------------
-def _hbm_rows(t, e, row0: int, nblk: int, col0: int, ncols: int, dtype=None, rows_per_part: int = 1):
-    """HBM view ``[P, nblk, ncols]`` of rows ``row0 + j·128 + p`` (``rows_per_part = 1``) of expert ``e`` of
-    ``t [L, R, C]``, columns ``col0 …``; ``dtype`` reinterprets the bytes (same itemsize)."""
+def _hbm_rows(t, e, row0: int, nblk: int, col0: int, ncols: int, dtype=None):
+    """HBM view ``[P, nblk, ncols]`` of rows ``row0 + j·128 + p`` of expert ``e`` of ``t [L, R, C]``, columns
+    ``col0 …``; ``dtype`` reinterprets the bytes (same itemsize)."""
     _, r, c = t.shape
     pattern = [[c, P], [P * c, nblk], [1, ncols]]
     if isinstance(e, int):
@@ -229,6 +285,9 @@ class WeightRing:
         if plan.path == "fp8_block":
             self.scale = [nl.ndarray((P, plan.ncols // P, plan.k // P), dtype=nl.float32, buffer=nl.sbuf,
                                      name=f"{name}_scale{i}") for i in range(WEIGHT_BUFS)]
+        elif plan.path == "quad_grp":  # transposed 2^(b - 121) per (n, group), bf16
+            self.scale = [nl.ndarray((P, plan.ncols // P, plan.ngroups), dtype=nl.bfloat16, buffer=nl.sbuf,
+                                     name=f"{name}_grp_scale{i}") for i in range(WEIGHT_BUFS)]
         elif plan.path in ("mx", "quad_bf16"):
             self.scale = [nl.ndarray((P, plan.nrb, plan.ncols), dtype=nl.uint8, buffer=nl.sbuf,
                                      name=f"{name}_e8m0_{i}") for i in range(WEIGHT_BUFS)]
@@ -244,9 +303,10 @@ class WeightSlab:
         n0: first column.
         stat: per path — bf16: bf16 ``[P, K/128, ncols]``; fp8_block: fp8 ``[P, K/128, ncols]`` (float8_e4m3 on
             trn2, float8_e4m3fn on trn3); mx: x4 ``[P, K/512, ncols]``; quad_bf16: list of 4 bf16 planes
-            ``[P, K/512, ncols]`` (plane j holds k = 512·mb + 4p + j).
+            ``[P, K/512, ncols]`` (plane j holds k = 512·mb + 4p + j); quad_grp: the same 4 planes as fp8 views.
         scale: fp8_block: float32 ``[P(n), ncols/128, K/128]`` (``scale[p, j, kb] = s[kb, n0 + 128j + p]``);
-            mx: uint8 E8M0 ``[P, K/512, ncols]`` in nc_matmul_mx order; else None.
+            mx: uint8 E8M0 ``[P, K/512, ncols]`` in nc_matmul_mx order; quad_grp: bf16 ``[P(n), ncols/128, K/32]``
+            group scales; else None.
     """
 
     plan: WeightPlan
@@ -281,7 +341,15 @@ def load_weight_slab(ring: WeightRing, w, w_scale, e, n0: int) -> WeightSlab:
     i = ring.turn
     ring.turn = (i + 1) % WEIGHT_BUFS
     raw = ring.raw[i]
-    nisa.dma_copy(dst=raw, src=_hbm_rows(w, e, 0, plan.nrb, n0, plan.ncols, dtype=raw.dtype))
+    nrb, last = plan.nrb, plan.last_rows
+    if last == P:
+        nisa.dma_copy(dst=raw, src=_hbm_rows(w, e, 0, nrb, n0, plan.ncols, dtype=raw.dtype))
+    else:  # packed K not a multiple of 512: the last block's missing rows are zeros (weight 0: adds nothing)
+        nisa.memset(dst=raw[:, nrb - 1, :], value=0, engine=nisa.engine.gpsimd)
+        if nrb > 1:
+            nisa.dma_copy(dst=raw[:, :nrb - 1, :], src=_hbm_rows(w, e, 0, nrb - 1, n0, plan.ncols, dtype=raw.dtype))
+        nisa.dma_copy(dst=raw[:last, nrb - 1, :], src=_hbm_ap(w, e, [[plan.n, last], [1, plan.ncols]],
+                                                             P * (nrb - 1) * plan.n + n0, dtype=raw.dtype))
     if plan.path == "bf16":
         return WeightSlab(plan, n0, raw, None)
     if plan.path == "fp8_block":
@@ -293,16 +361,30 @@ def load_weight_slab(ring: WeightRing, w, w_scale, e, n0: int) -> WeightSlab:
         return WeightSlab(plan, n0, raw.view(fp8), sc)
     sc = ring.scale[i]
     nmb, n = plan.nrb, plan.n
+    full = nmb if last == P else nmb - 1  # blocks with all 16 scale rows
+    if last != P:
+        nisa.memset(dst=sc[:, nmb - 1, :], value=0, engine=nisa.engine.gpsimd)
     if plan.path == "mx":
         # partition 32c + i of the scale tile holds UE8M0 row 16·mb + 4c + i (the group of data partitions
         # 32c + 8i … 32c + 8i + 7), columns n0 …; rows 4 … 31 of each quadrant are not read
         for c in range(4):
-            nisa.dma_copy(dst=sc[32 * c:32 * c + 4, :, :],
-                          src=_hbm_ap(w_scale, e, [[n, 4], [16 * n, nmb], [1, plan.ncols]], 4 * c * n + n0))
+            if full:
+                nisa.dma_copy(dst=sc[32 * c:32 * c + 4, :full, :],
+                              src=_hbm_ap(w_scale, e, [[n, 4], [16 * n, full], [1, plan.ncols]], 4 * c * n + n0))
+            if full < nmb and 32 * c < last:
+                nisa.dma_copy(dst=sc[32 * c:32 * c + 4, nmb - 1, :],
+                              src=_hbm_ap(w_scale, e, [[n, 4], [1, plan.ncols]], (16 * full + 4 * c) * n + n0))
         x4 = nl.float4_e2m1fn_x4 if plan.fmt == "fp4" else nl.float8_e4m3fn_x4
         return WeightSlab(plan, n0, raw.view(x4), sc)
+    if plan.path == "quad_grp":
+        return WeightSlab(plan, n0, _byte_planes(raw, plan), _grp_scales(ring.scale[i], w_scale, e, n0, plan))
     # quad_bf16: data partition p of block mb uses UE8M0 row 16·mb + p // 8: replicate each row over 8 partitions
-    nisa.dma_copy(dst=sc, src=_hbm_ap(w_scale, e, [[n, 16], [0, 8], [16 * n, nmb], [1, plan.ncols]], n0))
+    if full:
+        nisa.dma_copy(dst=sc[:, :full, :], src=_hbm_ap(w_scale, e, [[n, 16], [0, 8], [16 * n, full], [1, plan.ncols]],
+                                                      n0))
+    if full < nmb:
+        nisa.dma_copy(dst=sc[:last, nmb - 1, :], src=_hbm_ap(w_scale, e, [[n, last // 8], [0, 8], [1, plan.ncols]],
+                                                            16 * full * n + n0))
     return WeightSlab(plan, n0, _decode_quad(raw, sc, plan), None)
 
 
@@ -341,6 +423,106 @@ def _decode_quad(raw, sc, plan: WeightPlan):
         eng = nisa.engine.vector if j < FOLD_VECTOR_PLANES else nisa.engine.gpsimd
         nisa.tensor_tensor(dst=planes[j], data1=srcs[j], data2=scale, op=nl.multiply, engine=eng)
     return planes
+
+
+def _byte_planes(raw, plan: WeightPlan):
+    """Packed slab → 4 fp8 planes ``[P, nmb, ncols]`` (views; plane j holds k = 512·mb + 4p + j), unscaled:
+    fp4 decoded to float8_e4m3 bytes holding v·2^-6 (exact bit work, no multiply), fp8 MX viewed as its e4m3fn
+    bytes. The planes are strided views (every 2nd / 4th byte): the stationary operand reads them in place."""
+    p, nmb, nc = raw.shape
+    if plan.fmt == "fp8_mx":
+        byt = raw.view(nl.float8_e4m3fn).reshape((p, nmb, nc, 4))
+        return [byt[:, :, :, j] for j in range(4)]
+    nw = nmb * nc // 2
+    words = raw.reshape((p, nmb * nc)).view(nl.uint32)
+    lo = nl.ndarray((p, nw), dtype=nl.uint32, buffer=nl.sbuf, name="w_lo")
+    hi = nl.ndarray((p, nw), dtype=nl.uint32, buffer=nl.sbuf, name="w_hi")
+    decode_e2m1_nibbles(lo, hi, words, _mask_tile(_M_1C1C1C1C, "m_1c"))
+    lo8 = lo.view(nl.float8_e4m3).reshape((p, nmb, nc, 2))
+    hi8 = hi.view(nl.float8_e4m3).reshape((p, nmb, nc, 2))
+    return [lo8[:, :, :, 0], hi8[:, :, :, 0], lo8[:, :, :, 1], hi8[:, :, :, 1]]
+
+
+def _grp_scales(dst, w_scale, e, n0: int, plan: WeightPlan):
+    """``dst[n, jj, g] = 2^(b[g, n0 + 128·jj + n] − 121)`` (bf16; fp4 planes carry 2^-6, fp8 MX evacuation
+    multiplies by 2^-6) from UE8M0 rows ``[K/32, N]``: the rows DMA'd as bf16 values (the DMA converts 0 … 255
+    exactly), transposed per 128 × 128 on the TensorE (bf16 into bf16 PSUM), and the bits ``(b + x) · 128`` built
+    by ScalarE straight from PSUM into uint16 (the bf16 pattern)."""
+    ng, nc = plan.ngroups, plan.ncols
+    x = FOLD_EXTRA_LOG2  # fp4: the planes carry 2^-6; fp8 MX: undone on evacuation (keeps b = 0 a normal bf16)
+    bits = dst.view(nl.uint16)
+    real = plan.k // 32  # groups that exist in HBM; the padded ones get byte 0 (their PSUM columns are 0)
+    for g0 in range(0, ng, P):
+        gk = min(P, ng - g0)
+        rows = nl.ndarray((gk, nc), dtype=nl.bfloat16, buffer=nl.sbuf, name="grp_rows")
+        have = max(0, min(gk, real - g0))
+        if have < gk:
+            nisa.memset(dst=rows, value=0.0, engine=nisa.engine.gpsimd)
+        if have:
+            nisa.dma_copy(dst=rows[:have, :], src=_hbm_ap(w_scale, e, [[plan.n, have], [1, nc]], g0 * plan.n + n0))
+        for jj in range(nc // P):
+            pt = nl.ndarray((P, gk), dtype=nl.bfloat16, buffer=nl.psum, name="grp_psum")
+            nisa.nc_transpose(dst=pt, data=rows[:, jj * P:(jj + 1) * P])
+            nisa.tensor_scalar(dst=bits[:, jj, g0:g0 + gk], data=pt, op0=nl.multiply, operand0=128.0, op1=nl.add,
+                               operand1=float(x * 128), engine=nisa.engine.scalar)
+    return dst
+
+
+def group_operand(op: ActOperand) -> ActOperand:
+    """The quad_grp moving operand from a quad one: ``aG[p, c, g, r] = aT[p, c, r]`` if ``p // 8 == g`` else 0
+    (g < 16: the 1×32 group within the 512-row block), so one matmul of ``16·R`` moving columns yields every
+    group's partial sum separately. One VectorE multiply by a 0/1 indicator built with ``iota`` (once per
+    operand, shared by all experts)."""
+    _, nkc, r = op.aT.shape
+    ind_i = nl.ndarray((P, 16), dtype=nl.int32, buffer=nl.sbuf, name="grp_ind_i")
+    nisa.iota(dst=ind_i, pattern=[[-8, 16]], offset=0, channel_multiplier=1)  # p − 8g
+    a0 = nl.ndarray((P, 16), dtype=nl.float32, buffer=nl.sbuf, name="grp_ge")
+    nisa.tensor_scalar(dst=a0, data=ind_i, op0=nl.greater_equal, operand0=0.0)
+    a1 = nl.ndarray((P, 16), dtype=nl.float32, buffer=nl.sbuf, name="grp_le")
+    nisa.tensor_scalar(dst=a1, data=ind_i, op0=nl.less_equal, operand0=7.0)
+    ind = nl.ndarray((P, 16), dtype=nl.bfloat16, buffer=nl.sbuf, name="grp_ind")
+    nisa.tensor_tensor(dst=ind, data1=a0, data2=a1, op=nl.multiply)
+    aG = nl.ndarray((P, nkc, 16, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="act_grp")
+    for src, dst in ((op.aT, aG),) + (((op.aT_lo, None),) if op.aT_lo is not None else ()):
+        if dst is None:
+            dst = nl.ndarray((P, nkc, 16, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="act_grp_lo")
+            lo = dst
+        nisa.tensor_tensor(dst=dst, data1=src.reshape((P, nkc, 1, r)).broadcast(2, 16),
+                           data2=ind.reshape((P, 1, 16, 1)).broadcast(1, nkc).broadcast(3, r), op=nl.multiply)
+    return ActOperand("quad_grp", aG, None, None, r, lo if op.aT_lo is not None else None)
+
+
+def _grp_block(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
+    """quad_grp: ``dst[n, r] = bf16(Σ_g s[g, n] · Σ_{k∈g} q[k, n] · a[r, k])``. Per 512-row block mb the four
+    planes accumulate into one PSUM group of ``16·mr`` columns (column block g = group 16·mb + g); up to 512
+    columns share a bank; VectorE multiplies a bank by the transposed group scales, GpSimd sums the K/32 groups
+    (fixed tree) and rounds once into dst."""
+    plan = slab.plan
+    nmb, ng = plan.nrb, plan.ngroups
+    cols = slab_cols(j)
+    mb_per_bank = max(1, PSUM_BANK_F32 // (16 * mr))
+    scaled = nl.ndarray((P, ng, mr), dtype=nl.float32, buffer=nl.sbuf, name="grp_scaled")
+    for b0 in range(0, nmb, mb_per_bank):
+        nb = min(mb_per_bank, nmb - b0)
+        ps = nl.ndarray((P, mb_per_bank, 16, mr), dtype=nl.float32, buffer=nl.psum, name="grp_psum")
+        for q in range(nb):
+            mb = b0 + q
+            for jp in range(4):
+                c = 4 * mb + jp
+                nisa.nc_matmul(dst=ps[:, q, :, :], stationary=slab.stat[jp][:, mb, cols],
+                               moving=act.aT[:, c, :, m0:m0 + mr], accumulate=jp != 0)
+                if act.aT_lo is not None:
+                    nisa.nc_matmul(dst=ps[:, q, :, :], stationary=slab.stat[jp][:, mb, cols],
+                                   moving=act.aT_lo[:, c, :, m0:m0 + mr], accumulate=True)
+        g0 = 16 * b0
+        s = slab.scale[:, j, g0:g0 + 16 * nb].reshape((P, 16 * nb, 1)).broadcast(2, mr)
+        psv = ps[:, :nb, :, :].reshape((P, 16 * nb, mr))
+        if plan.fmt == "fp4":
+            nisa.tensor_tensor(dst=scaled[:, g0:g0 + 16 * nb, :], data1=psv, data2=s, op=nl.multiply)
+        else:  # fp8 MX: (psum · 2^-6) · scale, one instruction
+            nisa.scalar_tensor_tensor(dst=scaled[:, g0:g0 + 16 * nb, :], data=psv, op0=nl.multiply,
+                                      operand0=float(2.0 ** -FOLD_EXTRA_LOG2), op1=nl.multiply, operand1=s)
+    tree_sum(dst, scaled)
 
 
 def decode_e2m1_nibbles(lo, hi, words, m1c):
@@ -395,6 +577,9 @@ def gemm_block(dst, slab: WeightSlab, j: int, act, r: int, out_engine=None):
         mr = min(MOVING_MAX, r - m0)
         if plan.path == "fp8_block":
             _fp8_block_evac(dst[:, m0:m0 + mr], slab, j, act, m0, mr)
+            continue
+        if plan.path == "quad_grp":
+            _grp_block(dst[:, m0:m0 + mr], slab, j, act, m0, mr)
             continue
         ps = nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.psum, name="gemm_psum")
         if plan.path == "mx":
@@ -673,6 +858,17 @@ def fp8_rows_to_mx(raw, s_raw, mask=None, bytes_masked: bool = False):
     return zb, zs
 
 
+def _pad_cols(t, k: int, fill, name: str):
+    """``t [rt, K']`` → ``[rt, k]`` with columns ``K' …`` = ``fill`` (K padded to whole 512 blocks)."""
+    rt, k0 = t.shape
+    if k0 == k:
+        return t
+    out = nl.ndarray((rt, k), dtype=t.dtype, buffer=nl.sbuf, name=name)
+    nisa.memset(dst=out[:, k0:], value=fill, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=out[:, :k0], src=t, engine=nisa.engine.gpsimd)
+    return out
+
+
 def act_rows_into_operand(op: ActOperand, rows, r0: int):
     """Write row tile ``rows`` (what :func:`load_act_rows` returned, ``rt ≤ 128`` rows) into columns
     ``[r0, r0 + rt)`` of the operand.
@@ -682,7 +878,8 @@ def act_rows_into_operand(op: ActOperand, rows, r0: int):
     ``32c + i`` by four free-dim copies and a bf16 TensorE transpose (values 0 … 255 exact in bf16).
     """
     if op.korder == "mx":
-        raw, e8 = rows
+        kp = op.x4.shape[1] * 4 * P
+        raw, e8 = _pad_cols(rows[0], kp, 0, "a_bytes_pad"), _pad_cols(rows[1], kp // 32, 127, "a_e8_pad")
         rt, k = raw.shape
         nmb = k // (4 * P)
         words = raw.view(nl.uint32).reshape((rt, nmb, P))
@@ -700,6 +897,8 @@ def act_rows_into_operand(op: ActOperand, rows, r0: int):
         return
     parts = rows if isinstance(rows, tuple) else (rows,)
     assert len(parts) == (2 if op.aT_lo is not None else 1), "split operands take (hi, lo) row pairs"
+    kp = op.aT.shape[1] * P
+    parts = tuple(_pad_cols(t, kp, 0.0, "a_pad") for t in parts)
     for a_nat, aT in zip(parts, (op.aT, op.aT_lo)):
         rt, k = a_nat.shape
         nkb = k // P
@@ -716,17 +915,21 @@ def act_rows_into_operand(op: ActOperand, rows, r0: int):
             nisa.tensor_copy(dst=aT[:, g0:g0 + g, r0:r0 + rt], src=pt[:, :g, :rt], engine=nisa.engine.vector)
 
 
-def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act", split: bool = False) -> ActOperand:
+def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act", split: bool = False,
+                     kp: int | None = None) -> ActOperand:
     """All rows of an HBM activation ``a [R, K]`` as a moving operand (masked rows exact zeros).
 
     Args:
         korder: the plan's ``korder``.
         a: HBM bf16 / float8_e4m3fn ``[R, K]``; a_scale: HBM float32 ``[R, K/g]`` (fp8) or None.
         mask_tiles: None, or one SBUF uint8 ``[rt, 1]`` predicate per 128-row tile.
+        kp: the plan's ``kp`` (K padded to whole 512 blocks for the packed forms; the padding is zeros).
     """
     r, k = a.shape
+    if korder == "quad_grp":
+        return group_operand(load_act_operand("quad", a, a_scale, mask_tiles, name, split, kp))
     split = split and act_format(a) == "fp8" and korder != "mx"
-    op = alloc_act_operand(korder, k, r, name, split)
+    op = alloc_act_operand(korder, k if kp is None else kp, r, name, split)
     for t, r0 in enumerate(range(0, r, P)):
         rt = min(P, r - r0)
         rows = load_act_rows(a, a_scale, r0, rt, None if mask_tiles is None else mask_tiles[t], korder, split)

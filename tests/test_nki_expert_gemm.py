@@ -249,15 +249,15 @@ def _run_eio(target, act, wfmt, group, rows, k, n, mask, skip, seed, scale=1.0, 
 @pytest.mark.parametrize("target,act,wfmt,group", EIO_CASES, ids=[f"{t}-{a}x{w}-g{g}" for t, a, w, g in EIO_CASES])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                HealthCheck.function_scoped_fixture])
-@given(rows=st.integers(1, 200), kb=st.integers(1, 2), nb=st.integers(1, 5),
+@given(rows=st.integers(1, 200), kb=st.integers(1, 9), nb=st.integers(1, 5),
        density=st.sampled_from([0.0, 0.3, 1.0]), skip=st.booleans(), seed=st.integers(0, 2**16),
        scale=st.sampled_from([1.0, 1e-3, 50.0]))
 def test_eio_matches_reference(target, act, wfmt, group, rows, kb, nb, density, skip, seed, scale):
-    """Every format pair on both targets, prepared bytes through the kernel and the reference (K multiple of
-    512: the packed forms hold four k per element and contract 512 per MX matmul)."""
+    """Every format pair on both targets, prepared bytes through the kernel and the reference; K any multiple
+    of 128 (the packed forms, four k per element, pad K to whole 512 blocks on chip)."""
     mask = torch.rand(rows, generator=torch.Generator().manual_seed(seed)) < density
-    _run_eio(target, act, wfmt, group, rows, 512 * kb, 128 * nb, mask, skip, seed, scale,
-             f"{target} eio {act}x{wfmt} g={group} R={rows} K={512 * kb} N={128 * nb} density={density}")
+    _run_eio(target, act, wfmt, group, rows, 128 * kb, 128 * nb, mask, skip, seed, scale,
+             f"{target} eio {act}x{wfmt} g={group} R={rows} K={128 * kb} N={128 * nb} density={density}")
 
 
 @interpreter_only
@@ -281,19 +281,20 @@ def test_eio_fp8_with_non_pow2_scales(target):
 @interpreter_only
 @pytest.mark.parametrize("wfmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("group", [128, 32])
-def test_trn3_mx_path_falls_back_exactly_for_non_pow2_activation_scales(wfmt, group):
+@pytest.mark.parametrize("rows", [12, 3])  # the fallback's bf16 fold / group path
+def test_trn3_mx_path_falls_back_exactly_for_non_pow2_activation_scales(wfmt, group, rows):
     """nc_matmul_mx keeps only the exponent of an activation scale: with power-of-two scales the MX path runs;
     one selected row with any other scale switches, on chip, to the exact bf16 decode of the same weights. A
     masked (padding) row's scale is ignored. Both match the reference."""
-    rows, k, n = 12, 512, 256
+    k, n = 512, 256
     b, b_s = _weights(2, n, k, wfmt, 8)
     be, bse = _prepared(b, b_s, "trn3")
     a, a_s = make_activations(rows, k, "fp8", group=group, seed=9)
     mask = torch.ones(rows, dtype=torch.bool)
-    mask[5] = False
+    mask[rows // 2] = False
     odd = a_s.clone()
-    odd[5] *= 1.37  # a masked row: does not count
-    for scales, mx in ((odd, True), (a_s * torch.where(torch.arange(rows) == 3, 1.37, 1.0)[:, None], False)):
+    odd[rows // 2] *= 1.37  # a masked row: does not count
+    for scales, mx in ((odd, True), (a_s * torch.where(torch.arange(rows) == rows - 1, 1.37, 1.0)[:, None], False)):
         aa, ss = _poison_rows(a, scales, mask) if not mx else (a, scales)
         ref = ref_expert_gemm(aa, ss, be, bse, mask, 1, weight_layout="eio")
         with interpreter.target("trn3"):
@@ -302,6 +303,35 @@ def test_trn3_mx_path_falls_back_exactly_for_non_pow2_activation_scales(wfmt, gr
         assert_gemm_close(out, ref, f"trn3 {wfmt} g={group} mx={mx}")
         assert (names.get("tensor.nc_matmul_mx", 0) > 0) == mx
         assert (names.get("tensor.nc_matmul", 0) > 2) == (not mx)
+
+
+GRP_CASES = [("trn2", "bf16", "fp4"), ("trn2", "fp8", "fp4"), ("trn3", "bf16", "fp4"), ("trn3", "bf16", "fp8")]
+
+
+@interpreter_only
+@pytest.mark.parametrize("target,act,wfmt", GRP_CASES, ids=[f"{t}-{a}x{w}" for t, a, w in GRP_CASES])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9])
+def test_eio_packed_weights_at_decode_rows_take_the_group_path(target, act, wfmt, rows):
+    """Packed weights without an MX matmul (fp4 on trn2; fp4 / fp8 MX against bf16 activations on trn3): with
+    ≤ 4 (fp4) / 8 (fp8 MX) moving rows every 1×32 group gets its own PSUM columns (group-masked moving operand) and its scale on
+    evacuation — no per-weight multiply; with more rows the bf16 fold. Both match the reference; masked rows
+    (padding) stay exact zeros. The group path shows as the scale transposes (K/32 rows per 128 columns)."""
+    k, n = 1024, 384
+    b, b_s = _weights(2, n, k, wfmt, 11)
+    be, bse = _prepared(b, b_s, target)
+    a, a_s = make_activations(rows, k, act, group=32, seed=12)
+    mask = torch.ones(rows, dtype=torch.bool)
+    mask[rows // 2] = rows == 1
+    a, a_s = _poison_rows(a, a_s, mask)
+    ref = ref_expert_gemm(a, a_s, be, bse, mask, 1, weight_layout="eio")
+    with interpreter.target(target):
+        out = _eio(a, a_s, be, bse, mask, 1)
+        names = interpreter.last_run().cost.by_name
+    assert_gemm_close(out, ref, f"{target} {act}x{wfmt} R={rows}")
+    assert bool((out[~mask] == 0).all())
+    base = k // 128 * ((rows + 127) // 128) + n // 128  # A's and the output's transposes
+    grp = rows <= {"fp4": 4, "fp8": 8}[wfmt]  # fp8 here is the MX form (trn3, pow2 scales)
+    assert names.get("tensor.nc_transpose", 0) == base + (n // 128 * -(-(k // 32) // 128) if grp else 0)
 
 
 def _code_weights(wfmt, n, k, g):
@@ -326,10 +356,11 @@ EXACT_CASES = [("trn2", "bf16", "fp8"), ("trn2", "bf16", "fp4"), ("trn3", "bf16"
 
 @interpreter_only
 @pytest.mark.parametrize("target,act,wfmt", EXACT_CASES, ids=[f"{t}-{a}x{w}" for t, a, w in EXACT_CASES])
-def test_eio_every_weight_code_is_exact(target, act, wfmt):
+@pytest.mark.parametrize("k", [512, 640])  # 640: the packed forms' last 512-block is partial (zero-padded)
+def test_eio_every_weight_code_is_exact(target, act, wfmt, k):
     """A = identity makes D = Wᵀ: every prepared code (trn2 fp8: the re-encoded bytes, read as float8_e4m3;
     trn3: e4m3fn, the MX form, e2m1 through nc_matmul_mx or the bf16 decode) comes out bit-exact."""
-    k, n = 512, 256
+    n = 256
     g = torch.Generator().manual_seed(7)
     b, b_s = _code_weights(wfmt, n, k, g)
     be, bse = _prepared(b, b_s, target)
@@ -346,7 +377,31 @@ def test_eio_every_weight_code_is_exact(target, act, wfmt):
     assert bool((want.to(torch.bfloat16).float() == want).all())
     _assert_same_values(out, want, f"{target} {act}x{wfmt} eio decode")
     if target == "trn3" and act == "fp8":
-        assert path.get("tensor.nc_matmul_mx", 0) == (n // 128) * (k // 512)
+        # per 128 columns: ⌈K/512⌉ MX matmuls for each ≤ 512-row moving chunk of the R = K identity rows
+        assert path.get("tensor.nc_matmul_mx", 0) == (n // 128) * -(-k // 512) * -(-k // 512)
+
+
+@interpreter_only
+@pytest.mark.parametrize("target,wfmt", [("trn2", "fp4"), ("trn3", "fp4"), ("trn3", "fp8")])
+@pytest.mark.parametrize("k", [512, 896])
+def test_eio_group_path_is_exact(target, wfmt, k):
+    """The group path (≤ 4 rows) on one-hot rows returns weight rows bit-exactly: every e2m1 byte / MX e4m3fn
+    code under its own 1×32 scale, including 2^-127 … 2^-98 and large scales (K = 896: a partial last block)."""
+    n = 256
+    g = torch.Generator().manual_seed(13)
+    b, b_s = _code_weights(wfmt, n, k, g)
+    if wfmt == "fp4":
+        pattern = torch.tensor([0, 1, 2, 3, 200, 248, 127, 100], dtype=torch.uint8)
+        b_s[0, :2] = pattern.repeat(k // 32 // 8 + 1)[:k // 32]
+    be, bse = _prepared(b, b_s, target)
+    picks = [0, 37, 300, k - 1]
+    a = torch.zeros(4, k, dtype=torch.bfloat16)
+    a[range(4), picks] = 1.0
+    with interpreter.target(target):
+        out = _eio(a, None, be, bse, torch.ones(4, dtype=torch.bool), 0)
+    w_eoi, s_eoi = layouts.as_eoi(be, bse, "eio")
+    want = dequantize_weight(w_eoi[0], s_eoi[0]).T[picks]
+    _assert_same_values(out, want, f"{target} {wfmt} group path")
 
 
 @interpreter_only
@@ -435,3 +490,44 @@ def test_eio_weights_reach_the_tensor_engine_as_loaded(target, act, wfmt):
     # and the output copies
     touched = cost.instr_elems.get("vector", 0) + cost.instr_elems.get("gpsimd", 0)
     assert touched < k * n // P, f"{touched} elements per partition on Vector/GpSimd"
+
+
+# ------------------------------------------------------------------------------------------ tiles, runtime expert
+def _tiles_all_experts_kernel(a, a_s, b, bs, rows):
+    """Every expert of an EIO weight through the gemm_tiles API inside a runtime loop: the expert id is a
+    register, reaching only the HBM side of the DMAs (as the fused kernel uses the tiles)."""
+    from nki_kernels import gemm_tiles as G
+    from static_moe.nki.shim import nisa, nl
+
+    r, _ = a.shape
+    plan = G.weight_plan(b, G.act_format(a), rows=rows)
+    act = G.load_act_operand(plan.korder, a, a_s, kp=plan.kp)
+    out = nl.ndarray((b.shape[0], plan.n, r), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="o")
+
+    def body(e):
+        ring = G.WeightRing(plan)
+        for n0 in range(0, plan.n, plan.ncols):
+            slab = G.load_weight_slab(ring, b, bs, e, n0)
+            for j in range(plan.ncols // P):
+                d = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="d")
+                G.gemm_block(d, slab, j, act, r)
+                nisa.dma_copy(dst=out.ap(pattern=[[r, P], [1, r]], offset=(n0 + j * P) * r, scalar_offset=e,
+                                         indirect_dim=0), src=d)
+
+    nl.fori_loop(0, b.shape[0], body)
+    return out
+
+
+@interpreter_only
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("act,wfmt", [("bf16", "bf16"), ("fp8", "fp8"), ("bf16", "fp4"), ("fp8", "fp4")])
+@pytest.mark.parametrize("rows", [3, 20])
+def test_tiles_take_a_runtime_expert_id(target, act, wfmt, rows):
+    b, b_s = _weights(3, 256, 640, wfmt, 14)
+    be, bse = _prepared(b, b_s, target)
+    a, a_s = make_activations(rows, 640, act, group=128, seed=15)
+    with interpreter.target(target):
+        out = torch.as_tensor(shim.simulate(_tiles_all_experts_kernel)(a, a_s, be, bse, rows))
+    for e in range(3):
+        ref = ref_expert_gemm(a, a_s, be, bse, torch.ones(rows, dtype=torch.bool), e, weight_layout="eio")
+        assert_gemm_close(out[e].T.contiguous(), ref, f"{target} {act}x{wfmt} expert {e}")
