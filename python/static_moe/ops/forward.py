@@ -482,9 +482,11 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
         acc = torch.full((size * c, dims.hidden), float("nan"), dtype=torch.float32, device=x.device)
 
     with record_function(PHASE_PREFIX + "reduce_scatter"):
-        # The reduce-scatter reads from the workspace so that, on symmetric memory, its input is registered
-        # memory. (The copy goes away once local_experts can write into a given buffer.)
-        acc = ws.acc.copy_(acc)
+        # On symmetric memory the reduce-scatter's input must be the registered buffer, so local_experts' result
+        # is copied there (until local_experts can write into a given buffer). Elsewhere (gloo, plain NCCL) any
+        # tensor will do and the copy — S·C·H fp32, 7.3 MB at V3 T = 128 — would only lengthen the step.
+        if ws.symmetric:
+            acc = ws.acc.copy_(acc)
         scattered = _c10d.wait_tensor(_c10d.reduce_scatter_tensor_out(acc, "sum", size, group_name,
                                                                       out=ws.scattered))
     if kernel_error is not None:
