@@ -16,12 +16,14 @@ experts and S·L of the touched ones are kept, with their real rows), capacity C
   the shared expert's output, bf16.
 - ``collectives``: the all-gather of the [C, W] packed rows and the reduce-scatter of the fp32 [S·C, H]
   accumulator alone, on the same group (the part of a step no kernel can speed up).
-- phases: a few more profiled calls of the op give each rank's time per phase (pack, all_gather, unpack,
+- phases: five more profiled calls of the op give each rank's median time per phase (pack, all_gather, unpack,
   local_experts, reduce_scatter, combine: the op's record_function ranges); ``collective_share`` is the
   collectives' part of a step (largest over ranks; it includes waiting for the slower rank). At S > 1 each rank
-  also times its local_experts call alone on the same gathered rows and thread count while the others wait
-  (``local_experts_in_step_vs_alone``: > 1 means the ranks slow each other down, e.g. by sharing cores or
-  bandwidth).
+  also times its local_experts call on the same gathered rows and thread count alone, while the others wait at a
+  barrier, and with every rank running its own at once outside the op, in wall and process-CPU time
+  (``local_experts_in_step_vs_alone``, ``..._concurrent_vs_alone``, ``..._cpu_concurrent_vs_alone``,
+  ``local_experts_cpu_share``; docs/benchmarks.md): a wall ratio > 1 with a CPU ratio ≈ 1 means the ranks do
+  not slow each other's execution but the host gave them less CPU time at once than one alone (shared cores).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_forward.py --shape v4_flash --tokens 1 16 --ep 2
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_forward.py --quick
@@ -314,17 +316,20 @@ def _alone_and_concurrent(call, rank: int, s: int, barrier, repeat: int = 5) -> 
     return {k: statistics.median(v) for k, v in got.items()}
 
 
-PROFILED_CALLS = 3  # forward calls profiled per point for the phase breakdown (after the timed ones)
+PROFILED_CALLS = 5  # forward calls profiled per point for the phase breakdown (after the timed ones)
 
 
 def _phases(call, barrier, n: int = PROFILED_CALLS) -> dict[str, float]:
-    """Mean seconds per call of each phase of forward on this rank (the op's record_function ranges), over
-    ``n`` cold calls each after a barrier, as the timed ones."""
+    """Median seconds per call of each phase of forward on this rank (the op's record_function ranges), over
+    ``n`` cold calls each after a barrier, as the timed ones (the median, like every other figure here, so that
+    the in-step local_experts compares with the same call timed alone)."""
+    import statistics
+
     from torch.profiler import ProfilerActivity, profile
 
     from static_moe.ops.forward import PHASE_PREFIX, PHASES
 
-    out = {p: 0.0 for p in PHASES}
+    got = {p: [0.0] * n for p in PHASES}
     prof = profile(activities=[ProfilerActivity.CPU])
     with quiet_stderr():  # the profiler's C++ side prints a line at every start and stop
         prof.start()
@@ -334,10 +339,14 @@ def _phases(call, barrier, n: int = PROFILED_CALLS) -> dict[str, float]:
         call()
     with quiet_stderr():
         prof.stop()
-    for ev in prof.key_averages():
-        if ev.key.startswith(PHASE_PREFIX):
-            out[ev.key[len(PHASE_PREFIX):]] += ev.cpu_time_total * 1e-6 / n
-    return out
+    seen = {p: 0 for p in PHASES}
+    for ev in sorted(prof.events(), key=lambda e: e.time_range.start):
+        if ev.name.startswith(PHASE_PREFIX):
+            ph = ev.name[len(PHASE_PREFIX):]
+            if ph in got and seen[ph] < n:  # one range per phase per call, in call order
+                got[ph][seen[ph]] = ev.time_range.elapsed_us() * 1e-6
+                seen[ph] += 1
+    return {p: statistics.median(v) for p, v in got.items()}
 
 
 def _lease_workspace(op_args, group):
