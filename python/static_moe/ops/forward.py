@@ -13,6 +13,8 @@ S with T ≤ C tokens:
 
 Collectives are torch's functional collectives on the group name (``_c10d_functional.*_out`` + ``wait_tensor``),
 writing into a workspace's buffers (static_moe.workspace; the raw op's first step on a group acquires one itself).
+The reduce-scatter reads local_experts' result where it lies, except on a symmetric-memory workspace, where it
+is first copied into the registered ``acc`` buffer.
 Every rank issues exactly one all-gather and one reduce-scatter whose shapes depend only on the workspace,
 whatever its tokens or routing (T = 0 included).
 
