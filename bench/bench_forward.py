@@ -16,12 +16,14 @@ experts and S·L of the touched ones are kept, with their real rows), capacity C
   the shared expert's output, bf16.
 - ``collectives``: the all-gather of the [C, W] packed rows and the reduce-scatter of the fp32 [S·C, H]
   accumulator alone, on the same group (the part of a step no kernel can speed up).
-- phases: a few more profiled calls of the op give each rank's time per phase (pack, all_gather, unpack,
+- phases: five more profiled calls of the op give each rank's median time per phase (pack, all_gather, unpack,
   local_experts, reduce_scatter, combine: the op's record_function ranges); ``collective_share`` is the
   collectives' part of a step (largest over ranks; it includes waiting for the slower rank). At S > 1 each rank
-  also times its local_experts call alone on the same gathered rows and thread count while the others wait
-  (``local_experts_in_step_vs_alone``: > 1 means the ranks slow each other down, e.g. by sharing cores or
-  bandwidth).
+  also times its local_experts call on the same gathered rows and thread count alone, while the others wait at a
+  barrier, and with every rank running its own at once outside the op, in wall and process-CPU time
+  (``local_experts_in_step_vs_alone``, ``..._concurrent_vs_alone``, ``..._cpu_concurrent_vs_alone``,
+  ``local_experts_cpu_share``; docs/benchmarks.md): a wall ratio > 1 with a CPU ratio ≈ 1 means the ranks do
+  not slow each other's execution but the host gave them less CPU time at once than one alone (shared cores).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_forward.py --shape v4_flash --tokens 1 16 --ep 2
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_forward.py --quick
@@ -205,24 +207,22 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
 
         coll, _ = time_fn(collectives, **timer)
 
-    # --- this rank's local experts on the same gathered rows, alone (every other rank waits at a barrier) -------
+    # --- this rank's local experts on the same gathered rows: alone (every other rank waits at a barrier) and
+    # with every rank running its own at once, as in a step; wall time and this thread's CPU time ------------------
     alone = None
     if s > 1 and phases is not None:
         gathered = fc.wait_tensor(fc.all_gather_into_tensor(reference.pack_rows(parts, cap), s, gname))
         g = [reference.unpack_rows(gathered, off, n, p.dtype, list(p.shape[1:])) for (off, n), p in zip(spans, parts)]
         le_args = (g[0], g[1] if xs is not None else None, g[-2], g[-1], w["w13"], w["w13_scale"], w["w2"],
                    w["w2_scale"], rank * num_local, limit, 448.0)
-        for r in range(s):
-            barrier()
-            if r == rank:
-                alone = time_fn(lambda: torch.ops.static_moe.local_experts(*le_args), cold=True)[0].median_s
-        barrier()
+        alone = _alone_and_concurrent(lambda: torch.ops.static_moe.local_experts(*le_args), rank, s, barrier)
     if phases is not None:
         per_rank = [None] * s
         dist.all_gather_object(per_rank, (phases, alone), group=group)
         op["phases_s"] = [ph for ph, _ in per_rank]
         if s > 1:
-            op["local_experts_alone_s"] = [a for _, a in per_rank]
+            for key in ALONE_KEYS:
+                op[f"local_experts_{key}"] = [a[key] for _, a in per_rank]
 
     # --- once per configuration: every rank's outputs against the reference ------------------------------------
     if check:
@@ -256,22 +256,80 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
         rec["collective_share"] = max((ph["all_gather"] + ph["reduce_scatter"]) / max(sum(ph.values()), 1e-12)
                                       for ph in op["phases_s"])
         if "local_experts_alone_s" in op:
+            alone_s, conc_s = op["local_experts_alone_s"], op["local_experts_concurrent_s"]
             rec["local_experts_in_step_vs_alone"] = max(
-                ph["local_experts"] / a for ph, a in zip(op["phases_s"], op["local_experts_alone_s"]) if a)
+                ph["local_experts"] / a for ph, a in zip(op["phases_s"], alone_s) if a)
+            # The same ratio with no op around the call: both ranks' local_experts at once, against alone. When it
+            # matches the in-step ratio, the op adds nothing; the ranks slow each other by running at the same time.
+            rec["local_experts_concurrent_vs_alone"] = max(c / a for c, a in zip(conc_s, alone_s) if a)
+            # The rank's CPU seconds per call, concurrent against alone: ≈ 1 when neither rank slows the other's
+            # execution (shared caches or bandwidth would raise it); the wall ratio above it is then CPU time the
+            # host did not give the rank (cpu_share: CPU seconds / (wall seconds × threads), lowest over ranks).
+            rec["local_experts_cpu_concurrent_vs_alone"] = max(
+                c / a for c, a in zip(op["local_experts_concurrent_cpu_s"], op["local_experts_alone_cpu_s"]) if a)
+            rec["local_experts_cpu_share"] = {
+                k: min(c / (wl * torch.get_num_threads()) for c, wl in zip(op[f"local_experts_{k}_cpu_s"], op[f"local_experts_{k}_s"])
+                       if wl)
+                for k in ("alone", "concurrent")}
+            if rank == 0:
+                print(f"[{BENCH}] S={s} {shape_key} {act_fmt}×{w_fmt} T={t}: local_experts in step / alone "
+                      f"×{rec['local_experts_in_step_vs_alone']:.2f}, both ranks at once / alone (wall) "
+                      f"×{rec['local_experts_concurrent_vs_alone']:.2f}, (CPU time) "
+                      f"×{rec['local_experts_cpu_concurrent_vs_alone']:.2f}; CPU share alone "
+                      f"{rec['local_experts_cpu_share']['alone']:.0%}, at once "
+                      f"{rec['local_experts_cpu_share']['concurrent']:.0%}", flush=True)
     return rec
 
 
-PROFILED_CALLS = 3  # forward calls profiled per point for the phase breakdown (after the timed ones)
+ALONE_KEYS = ("alone_s", "alone_cpu_s", "concurrent_s", "concurrent_cpu_s")
+
+
+def _alone_and_concurrent(call, rank: int, s: int, barrier, repeat: int = 5) -> dict[str, float]:
+    """Median wall and process-CPU seconds of ``call``, cold: (a) alone, each rank in turn while the others wait
+    in a gloo barrier (measured to use a few % of a core: no busy polling), and (b) concurrent, every rank at
+    once after one barrier, as inside a step. Process CPU time counts the OpenMP workers too (and their spinning,
+    if any); the gloo threads add next to nothing while no collective runs."""
+    import statistics
+    import time
+
+    call()  # warm-up
+    got = {k: [] for k in ALONE_KEYS}
+
+    def timed(key: str) -> None:
+        c0, t0 = time.process_time(), time.perf_counter()
+        call()
+        got[key + "_s"].append(time.perf_counter() - t0)
+        got[key + "_cpu_s"].append(time.process_time() - c0)
+
+    for _ in range(repeat):
+        for r in range(s):
+            if r == rank:
+                flush_caches()
+            barrier()
+            if r == rank:
+                timed("alone")
+        barrier()
+        flush_caches()
+        barrier()
+        timed("concurrent")
+    barrier()
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+PROFILED_CALLS = 5  # forward calls profiled per point for the phase breakdown (after the timed ones)
 
 
 def _phases(call, barrier, n: int = PROFILED_CALLS) -> dict[str, float]:
-    """Mean seconds per call of each phase of forward on this rank (the op's record_function ranges), over
-    ``n`` cold calls each after a barrier, as the timed ones."""
+    """Median seconds per call of each phase of forward on this rank (the op's record_function ranges), over
+    ``n`` cold calls each after a barrier, as the timed ones (the median, like every other figure here, so that
+    the in-step local_experts compares with the same call timed alone)."""
+    import statistics
+
     from torch.profiler import ProfilerActivity, profile
 
     from static_moe.ops.forward import PHASE_PREFIX, PHASES
 
-    out = {p: 0.0 for p in PHASES}
+    got = {p: [0.0] * n for p in PHASES}
     prof = profile(activities=[ProfilerActivity.CPU])
     with quiet_stderr():  # the profiler's C++ side prints a line at every start and stop
         prof.start()
@@ -281,10 +339,14 @@ def _phases(call, barrier, n: int = PROFILED_CALLS) -> dict[str, float]:
         call()
     with quiet_stderr():
         prof.stop()
-    for ev in prof.key_averages():
-        if ev.key.startswith(PHASE_PREFIX):
-            out[ev.key[len(PHASE_PREFIX):]] += ev.cpu_time_total * 1e-6 / n
-    return out
+    seen = {p: 0 for p in PHASES}
+    for ev in sorted(prof.events(), key=lambda e: e.time_range.start):
+        if ev.name.startswith(PHASE_PREFIX):
+            ph = ev.name[len(PHASE_PREFIX):]
+            if ph in got and seen[ph] < n:  # one range per phase per call, in call order
+                got[ph][seen[ph]] = ev.time_range.elapsed_us() * 1e-6
+                seen[ph] += 1
+    return {p: statistics.median(v) for p, v in got.items()}
 
 
 def _lease_workspace(op_args, group):

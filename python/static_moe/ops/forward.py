@@ -13,6 +13,8 @@ S with T ≤ C tokens:
 
 Collectives are torch's functional collectives on the group name (``_c10d_functional.*_out`` + ``wait_tensor``),
 writing into a workspace's buffers (static_moe.workspace; the raw op's first step on a group acquires one itself).
+The reduce-scatter reads local_experts' result where it lies, except on a symmetric-memory workspace, where it
+is first copied into the registered ``acc`` buffer.
 Every rank issues exactly one all-gather and one reduce-scatter whose shapes depend only on the workspace,
 whatever its tokens or routing (T = 0 included).
 
@@ -484,9 +486,11 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
         acc = torch.full((size * c, dims.hidden), float("nan"), dtype=torch.float32, device=x.device)
 
     with record_function(PHASE_PREFIX + "reduce_scatter"):
-        # The reduce-scatter reads from the workspace so that, on symmetric memory, its input is registered
-        # memory. (The copy goes away once local_experts can write into a given buffer.)
-        acc = ws.acc.copy_(acc)
+        # On symmetric memory the reduce-scatter's input must be the registered buffer, so local_experts' result
+        # is copied there (until local_experts can write into a given buffer). Elsewhere (gloo, plain NCCL) any
+        # tensor will do and the copy — S·C·H fp32, 7.3 MB at V3 T = 128 — would only lengthen the step.
+        if ws.symmetric:
+            acc = ws.acc.copy_(acc)
         scattered = _c10d.wait_tensor(_c10d.reduce_scatter_tensor_out(acc, "sum", size, group_name,
                                                                       out=ws.scattered))
     if kernel_error is not None:
