@@ -95,8 +95,8 @@ MAX_CHUNK = P  # rows per work item: gathered rows land on partitions
 
 
 def chunk_rows_for(rows: int, topk: int, num_experts: int, cap: int = MAX_CHUNK) -> int:
-    """M, the rows per work item: the power of two ≥ twice ``⌈R·min(k, E)/E⌉`` — the mean rows per expert when the
-    R gathered rows route top-k over E experts (E = the layer's global experts; with expert parallelism over S
+    """M, the rows per work item: the power of two ≥ twice ``⌈R·min(k, E)/E⌉`` — the mean rows per expert when
+    the R gathered rows route top-k over E experts (E = the layer's global experts; with expert parallelism over S
     ranks of capacity C, R = S·C tokens do) — capped at ``cap`` (≤ 128) and at R rounded up to a power of two.
 
     Small M keeps the evacuations, transposes and swiglu of an item proportional to the routed rows; the TensorE
@@ -218,8 +218,8 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
         n_max = n_local * q_static
 
     out = nl.ndarray((r, h), dtype=nl.float32, buffer=nl.shared_hbm, name="acc_out")
-    tiles = _routing_tiles(topk_idx, topk_weights, expert_offset, n_local, r)
-    table, item_expert, n_reg = _work_list(tiles, r, n_local, m, n_max, skip_unrouted, q_static)
+    tiles, ids = _routing_tiles(topk_idx, topk_weights, expert_offset, n_local, r)
+    table, item_expert, n_reg = _work_list(tiles, ids, r, n_local, m, n_max, skip_unrouted, q_static)
     x_rows = _x_rows_source(x, x_scale, tiles, r, h, g1.korder)
     _zero_rows(out, r, h)
 
@@ -257,9 +257,10 @@ class _RowTile:
         self.routed = routed  # SBUF uint8 [rt, 1]: 1 where the row names any local expert
 
 
-def _routing_tiles(topk_idx, topk_weights, expert_offset: int, n_local: int, r: int) -> list:
-    """:class:`_RowTile` per 128 rows. Padding rows (id −1, NaN weight) select, never multiply: the weights of
-    invalid slots are replaced by 0 with a predicated copy before any arithmetic."""
+def _routing_tiles(topk_idx, topk_weights, expert_offset: int, n_local: int, r: int):
+    """(:class:`_RowTile` per 128 rows, the SBUF float32 ``[min(R, 128), L]`` tile of the local experts' global
+    ids). Padding rows (id −1, NaN weight) select, never multiply: the weights of invalid slots are replaced by 0
+    with a predicated copy before any arithmetic."""
     k = topk_idx.shape[1]
     tiles = []
     ids = nl.ndarray((min(P, r), n_local), dtype=nl.float32, buffer=nl.sbuf, name="local_ids")
@@ -296,8 +297,7 @@ def _routing_tiles(topk_idx, topk_weights, expert_offset: int, n_local: int, r: 
         routed = nl.ndarray((rt, 1), dtype=nl.uint8, buffer=nl.sbuf, name="routed")
         nisa.tensor_copy(dst=routed, src=any_hit)
         tiles.append(_RowTile(r0, rt, idx_f, w_all, hit, routed))
-    tiles[0].ids = ids
-    return tiles
+    return tiles, ids
 
 
 def _col_chunks(n: int):
@@ -305,7 +305,7 @@ def _col_chunks(n: int):
     return [(c0, min(MOVING_MAX, n - c0)) for c0 in range(0, n, MOVING_MAX)]
 
 
-def _work_list(tiles, r: int, n_local: int, m: int, n_max: int, skip_unrouted: bool, q_static: int):
+def _work_list(tiles, ids, r: int, n_local: int, m: int, n_max: int, skip_unrouted: bool, q_static: int):
     """The item table, each item's expert and the item count (see the module docstring, steps 2–4).
 
     Returns:
@@ -359,7 +359,6 @@ def _work_list(tiles, r: int, n_local: int, m: int, n_max: int, skip_unrouted: b
     nisa.iota(dst=tri, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # tri[r', r] = r − r'
     nisa.tensor_scalar(dst=tri, data=tri, op0=nl.greater, operand0=0.0)  # 1 where r' < r
     k = tiles[0].idx_f.shape[1]
-    ids = tiles[0].ids
     for t, tl in enumerate(tiles):
         rt = tl.rt
         # addr[r, e] = M·base_e + Σ_{earlier tiles} hit + Σ_{r' < r in this tile} hit   (PSUM fp32, exact)

@@ -199,7 +199,8 @@ def test_fp8_max_reaches_the_requantization_on_trn3(wfmt, group):
 
 
 @interpreter_only
-@pytest.mark.parametrize("act,wfmt,layout,target", LAYOUT_CASES, ids=[f"{a}x{w}-{l}-{t}" for a, w, l, t in LAYOUT_CASES])
+@pytest.mark.parametrize("act,wfmt,layout,target", LAYOUT_CASES,
+                         ids=[f"{a}x{w}-{lay}-{t}" for a, w, lay, t in LAYOUT_CASES])
 def test_layouts_and_targets_match_reference(act, wfmt, layout, target):
     """Every format pair, unprepared and prepared weights, on trn2 and trn3: ragged rows, 0xFF padding, empty
     and duplicate slots, a hot expert, ids of other ranks; the runtime work list and the static variant."""
