@@ -52,8 +52,9 @@ Documented constructs used, and where they are documented or used publicly
 - Running sum along the free dim: ISA ``tensor_scalar_cumulative`` (pseudocode in the stub).
 - int32 add and ``right_shift`` on VectorE (``tensor_scalar``): ISA bitvec ops (VectorE, immediate < 2^24).
 - Scatter of the table entries: ``dma_copy`` to an HBM ``.ap(vector_offset=<SBUF (P, 1) int32>)`` view with
-  ``oob_mode.skip``: APS deep-dive (indirect DMA) and ISA ``dma_copy``; nki-library
-  ``core/moe/moe_tkg/all_expert_mx_impl.py`` gathers token rows the same way (``oob_mode.skip`` for −1 ids).
+  ``oob_mode.skip``: APS deep-dive (indirect DMA) and ISA ``dma_copy``; nki-library's blockwise MoE spills its
+  block rows so (``core/moe/moe_tkg/down_projection_mx_shard_I.py``, dst-side ``vector_offset``) and gathers
+  token rows from HBM the same way, ``oob_mode.skip`` for −1 ids (``all_expert_mx_impl.py``).
 - Runtime loop with a register trip count: LANG ``nl.fori_loop`` (NKI 0.6); the loop counter lives in a (1, 1)
   SBUF tile incremented by ``tensor_scalar``, as ``all_expert_mx_impl.py``'s dynamic-block loop does;
   ``register_load`` reads a plain (1, 1) SBUF tile (ISA ``register_load``), never an ``.ap`` view.
