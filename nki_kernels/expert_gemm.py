@@ -39,10 +39,13 @@ else NKI >= 0.3.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from static_moe.nki.shim import nisa, nl
 
 from .gemm_tiles import (  # noqa: F401  (re-exported: the tile API lives in gemm_tiles)
     _M_1C1C1C1C,
+    GROUP_PATH_MAX_ROWS,
     MOVING_MAX,
     TRANSPOSES_PER_BANK,
     P,
@@ -55,6 +58,7 @@ from .gemm_tiles import (  # noqa: F401  (re-exported: the tile API lives in gem
     gemm_block,
     load_act_operand,
     load_weight_slab,
+    non_pow2_scale_count,
     rows_from_kmajor,
     weight_plan,
 )
@@ -290,11 +294,44 @@ def any_row_register(mask_tiles):
     return reg
 
 
+def _mx_trips(a_scale, masks, skip_unrouted: bool):
+    """Registers ``(mx, fallback)``: trip counts (0 or 1) of the MX body (every selected row's activation scales
+    are powers of two) and of the bf16-decode fallback (some are not); both 0 for an unrouted expert under
+    ``skip_unrouted``. Computed on chip from plain (1, 1) tiles (no indirection)."""
+    bad = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.psum, name="non_pow2_rows")
+    non_pow2_scale_count(a_scale, masks, bad)
+    fb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf, name="fallback_f")
+    nisa.tensor_scalar(dst=fb, data=bad, op0=nl.minimum, operand0=1.0)  # 1 if any non-pow2 scale
+    mx = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf, name="mx_f")
+    nisa.tensor_scalar(dst=mx, data=fb, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+    if skip_unrouted:
+        cnt = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.psum, name="row_count_mx")
+        for t, mask in enumerate(masks):
+            rt = mask.shape[0]
+            mf = nl.ndarray((rt, 1), dtype=nl.bfloat16, buffer=nl.sbuf, name="mask_bf16")
+            nisa.tensor_copy(dst=mf, src=mask)
+            ones = nl.ndarray((rt, 1), dtype=nl.bfloat16, buffer=nl.sbuf, name="ones")
+            nisa.memset(dst=ones, value=1.0)
+            nisa.nc_matmul(dst=cnt, stationary=mf, moving=ones, accumulate=t != 0)
+        anyr = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf, name="any_row_f")
+        nisa.tensor_scalar(dst=anyr, data=cnt, op0=nl.minimum, operand0=1.0)
+        for f in (fb, mx):
+            nisa.tensor_tensor(dst=f, data1=f, data2=anyr, op=nl.multiply)
+    regs = []
+    for f in (mx, fb):
+        fi = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="trip")
+        nisa.tensor_copy(dst=fi, src=f)
+        reg = nisa.register_alloc(0)
+        nisa.register_load(reg, fi)
+        regs.append(reg)
+    return regs
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------------------------
 def _check_eio(a, b, k: int, n: int):
-    plan = weight_plan(b, act_format(a))
+    plan = weight_plan(b, act_format(a), rows=a.shape[0])
     assert plan.k == k, f"A has K={k}, B has K={plan.k}"
     return plan
 
@@ -325,8 +362,12 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
     Notes:
         - K and N multiples of 128 (fp4 / fp8 MX under "eio": K a multiple of 512); R any (row tiles of 128,
           moving chunks of 512).
-        - "eio" fp8 × fp8 MX and fp8 × fp4 on trn3 need power-of-two activation scales (SPEC §1.1 produces
-          only those): the E8M0 byte is the scale's exponent field.
+        - "eio" fp8 × fp8 MX and fp8 × fp4 on trn3 run ``nc_matmul_mx`` when every selected row's activation
+          scales are powers of two (SPEC §1.1 produces only those; the E8M0 byte is the exponent field); if any
+          is not, a second runtime loop runs the same weights through the exact bf16 decode instead, with the
+          activations as a bf16 pair (hi + lo, two matmuls per block: ~16 significant bits) — decided on chip.
+        - Elsewhere fp8 activations enter as bf16 ``q·s``: exact for power-of-two scales; other fp32 scales round
+          to bf16 (≤ 2^-9 relative per element).
 
     Pseudocode:
         aT = Kmajor(mask ? dequant(A) : 0)                           # once (x4 + E8M0 for the MX path)
@@ -359,17 +400,20 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
     for r0 in range(0, r, P):
         t = nl.ndarray((min(P, r - r0), n), dtype=nl.bfloat16, buffer=nl.sbuf, name="out_rows")
         if skip_unrouted:
-            nisa.memset(dst=t, value=0.0)  # what an unrouted expert returns
+            nisa.memset(dst=t, value=0.0, engine=nisa.engine.gpsimd)  # what an unrouted expert returns
         out_rows.append(t)
 
-    def body_eio():
+    def body_eio(plan=plan, act=act):
         ring = WeightRing(plan)
         for n0 in range(0, n, plan.ncols):
             slab = load_weight_slab(ring, b, b_scale, expert, n0)
             for j in range(plan.ncols // P):
                 o_bf = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="o_bf16")
+                # fp8_block / quad_grp evacuate on VectorE + GpSimd: the row copies go to ScalarE; the other
+                # paths evacuate on ScalarE and copy rows on VectorE
+                vec_evac = plan.path in ("fp8_block", "quad_grp")
                 gemm_block(o_bf, slab, j, act, r, out_engine=nisa.engine.scalar)
-                rows_from_kmajor(out_rows, o_bf, n0 + j * P, r)
+                rows_from_kmajor(out_rows, o_bf, n0 + j * P, r, nisa.engine.scalar if vec_evac else None)
 
     def body_eoi():
         nnb = n // P
@@ -382,7 +426,19 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
                 rows_from_kmajor(out_rows, o_bf, (g0 + j) * P, r)
 
     body = body_eio if plan is not None else body_eoi
-    if skip_unrouted:
+    if plan is not None and plan.path == "mx":
+        # the MX path is exact for power-of-two activation scales only (the E8M0 byte is the exponent field);
+        # any other scale on a selected row runs the weights through the exact bf16 decode instead
+        trips = _mx_trips(a_scale, masks, skip_unrouted)
+        nl.fori_loop(0, trips[0], lambda _i: body())
+        grp = r <= GROUP_PATH_MAX_ROWS[plan.fmt]
+        plan_q = replace(plan, path="quad_grp" if grp else "quad_bf16", korder="quad_grp" if grp else "quad")
+
+        def body_quad(_i):
+            body_eio(plan_q, load_act_operand(plan_q.korder, a, a_scale, masks, name="act_q", split=True))
+
+        nl.fori_loop(0, trips[1], body_quad)
+    elif skip_unrouted:
         nl.fori_loop(0, any_row_register(masks), lambda _i: body())
     else:
         body()

@@ -24,9 +24,18 @@ the partitions and each nibble / byte j forms its own ``[m, n]`` plane — the c
 k = 512·mb + 4p + j (p the partition). The 1×32 UE8M0 scale of such a k is row ``16·mb + p // 8``, i.e. one
 128-partition matmul spans 16 scale groups, so per-32 scales cannot be applied per PSUM group: they are folded
 into the bf16 weight by one multiply (exact: an e2m1 / e4m3 value times a power of two; UE8M0 bytes ≤ 248 for
-fp4, ≤ 240 for fp8 MX — larger ones overflow bf16 and are refused by the cast). The e2m1 → float8_e4m3 step is pure bit work on VectorE (4 ``tensor_scalar`` per
-32-bit word of 8 nibbles) plus two exact integer adds on GpSimd; the fold runs ¾ on GpSimd, ¼ on VectorE. This
-path is decode-bound (about one VectorE cycle per weight, see :data:`FOLD_VECTOR_PLANES`).
+fp4, ≤ 240 for fp8 MX — larger ones overflow bf16 and are refused by the cast). The e2m1 → float8_e4m3 step is
+pure bit work on VectorE (4 ``tensor_scalar`` per 32-bit word of 8 nibbles) plus two exact integer adds on
+GpSimd; the fold runs ¾ on GpSimd, ¼ on VectorE. This path is decode-bound (about one VectorE cycle per weight,
+see :data:`FOLD_VECTOR_PLANES`).
+
+"Group path" (``quad_grp``, the same formats when a GEMM call has ≤ ``GROUP_PATH_MAX_ROWS`` moving rows, 4 for
+fp4 and 8 for fp8 MX): no fold. The planes stay fp8 (e2m1 → float8_e4m3 bytes by the bit decode alone; fp8 MX bytes as they are) and the
+moving operand holds 16 copies of each 512-row block, copy g zero outside the partitions of group g
+(:func:`group_operand`), so one matmul of ``16·R`` moving columns (the 64-cycle minimum for R ≤ 4) puts
+every 1×32 group's partial sum in its own PSUM columns; the evacuation multiplies them by the transposed group
+scales and a GpSimd tree sums the K/32 groups (:func:`_grp_block`). Only the bit decode remains per weight
+(0.5 VectorE cycle).
 
 The activation (moving) operand is K-major ``aT [k, c, R]`` bf16 (exact: fp8 bytes decoded with bit ops, pow2
 scale folded; non-pow2 fp32 activation scales round to bf16, ≤ 2^-9 relative per element), with block c holding
@@ -37,10 +46,13 @@ element, k = 512·mb + 4p + j) with E8M0 scales ``[128, K/512, R]`` in the ``nc_
 field).
 
 Evacuation order (SPEC §1.6): ``Σ_kb s_w[n, kb] · Σ_{k∈kb} a_k·q_k`` with the activation scale already in
-``a``: each 128-row K block's fp32 PSUM result is multiplied by its weight scale (VectorE, a PSUM source and a
-broadcast SBUF scale), the K blocks are summed in increasing kb in fp32 and rounded once to bf16. Up to
-``512 / R`` K blocks share one PSUM bank (side by side, each its own accumulation group), so one
-``tensor_tensor`` and one ``tensor_reduce`` evacuate them together.
+``a``: each 128-row K block's fp32 PSUM result is multiplied by its weight scale, the K blocks are summed in
+fp32 in an order that depends only on K, and the sum is rounded once to bf16. Up to ``512 / R`` K blocks share
+one PSUM bank (side by side, each its own accumulation group). Few rows (R < 64, decode): one VectorE
+``tensor_tensor`` per bank (PSUM source × broadcast SBUF scale), then a fixed pairwise tree of fp32 adds on
+GpSimd; many rows: ScalarE ``activation(copy, scale=s[:, kb])`` per group and one VectorE ``tensor_reduce``.
+Masked rows are exact zeros before any engine sees them: a DMA gather skips them (bf16 rows, MX bytes) or their
+fp8 scales are zeroed (bit-decoded bytes are always finite).
 
 Every construct used, and where it is documented (aws-neuron-sdk ``nki/api/nki/isa`` pages unless noted):
 
@@ -52,8 +64,11 @@ Every construct used, and where it is documented (aws-neuron-sdk ``nki/api/nki/i
   nki-library ``mlp_tkg_gate_up_projection.py`` (float8_e4m3 weight tiles against the io-dtype hidden).
 - per-K-block PSUM groups side by side in one bank: ``nc_matmul`` (a matmul writes within one 2 KiB bank; the
   first write overwrites, ``accumulate=False``).
-- evacuation with a broadcast scale / reduction: ``tensor_tensor`` (PSUM + SBUF input), ``tensor_reduce``
-  (trailing free axis), ``.broadcast`` of a free dim (``nki.language`` tensor views).
+- evacuation with a broadcast scale / reduction: ``tensor_tensor`` (PSUM + SBUF input; arithmetic fp32 adds on
+  GpSimd, SBUF only), ``activation`` with a ``(P, 1)`` scale (ScalarE reads PSUM), ``tensor_reduce`` (trailing
+  free axis), ``.broadcast`` / ``.permute`` of free dims (``nki.language`` tensor views).
+- masked rows by a gathering DMA: ``.ap(vector_offset=<(P, 1) int32 SBUF>)`` on the HBM side with
+  ``oob_mode.skip`` (``dma_copy`` page, ``deep-dives/nki-aps.rst``), indices from ``iota``; ``memset`` on GpSimd.
 - DMA transposes of fp32 scales (4-byte dtype, HBM → SBUF) and of fp8 activation words (uint32, SBUF → SBUF):
   ``dma_transpose``; trn2 arch guide "DMA Transpose" (2- and 4-byte dtypes).
 - bf16 TensorE transposes into bf16 PSUM: ``nc_transpose``; nki-library ``moe_tkg`` (identity transposes).
@@ -83,6 +98,12 @@ MIN_RUN_BYTES = 512  # a weight slab's contiguous HBM run (DMA cost model: short
 WEIGHT_BUFS = 2  # weight slabs in flight (DMA of slab i+1 overlaps the matmuls of slab i)
 FOLD_VECTOR_PLANES = 1  # of the 4 planes of a packed slab, how many VectorE folds (the rest: GpSimd)
 TRANSPOSES_PER_BANK = 8  # bf16 [128, 128] TensorE transposes per 2 KiB PSUM bank
+SCALAR_EVAC_MIN_ROWS = 64  # fp8_block: from this many rows on, ScalarE applies the K-block scales (see below)
+EVAC_TILE_BYTES = 32 * 1024  # fp8_block, many rows: per-partition bytes of the one-reduction scaled tile
+# quad_grp up to this many moving rows (16·R columns per matmul): fp4 keeps its bit decode, so its group path
+# beats the fold only while 16·R ≤ 64 (the matmul minimum); fp8 MX has no decode and wins up to 8 rows
+# (cost model, V4-Flash GEMM1 on trn3: 77.5 µs vs 86.7 µs at 8 rows)
+GROUP_PATH_MAX_ROWS = {"fp4": 4, "fp8_mx": 8}
 FOLD_EXTRA_LOG2 = 6  # the packed decode folds 2^(b − 127 + 6): b = 0 stays a normal bf16 (fp8 MX evacuates × 2^-6)
 
 # bit masks as exact-in-fp32 immediates (≤ 24 significant bits) or int32 spellings of the same 32 bits
@@ -104,8 +125,10 @@ class WeightPlan:
     Attributes:
         fmt: "bf16", "fp8", "fp8_mx" or "fp4" (from the weight dtype).
         path: "bf16" (bf16 stationary), "fp8_block" (native fp8 stationary, per-K-block groups), "mx"
-            (``nc_matmul_mx``) or "quad_bf16" (packed weights decoded to bf16).
-        korder: activation operand the path needs: "natural", "quad" (bf16 aT) or "mx" (x4 + E8M0).
+            (``nc_matmul_mx``), "quad_bf16" (packed weights decoded to bf16) or "quad_grp" (packed weights as
+            fp8 planes, per-group PSUM columns).
+        korder: activation operand the path needs: "natural", "quad" (bf16 aT), "quad_grp" (group-masked
+            quad) or "mx" (x4 + E8M0).
         k, n: contraction length and output features.
         rows: HBM rows per expert of the weight tensor (K, or K/4 for the packed forms).
         ncols: output columns per weight slab (a multiple of 128 dividing N, ≥ 512 B contiguous per row).
@@ -118,6 +141,11 @@ class WeightPlan:
     n: int
     rows: int
     ncols: int
+
+    @property
+    def ngroups(self) -> int:
+        """1×32 scale groups along K."""
+        return self.k // 32
 
     @property
     def nkc(self) -> int:
@@ -161,8 +189,13 @@ def _slab_cols(n: int, elem_bytes: int) -> int:
     return min(c, n)
 
 
-def weight_plan(w, act_fmt: str) -> WeightPlan:
-    """The plan for an EIO weight ``w [L, rows, N]`` against activations of ``act_fmt`` on the current target."""
+def weight_plan(w, act_fmt: str, rows: int | None = None) -> WeightPlan:
+    """The plan for an EIO weight ``w [L, rows, N]`` against activations of ``act_fmt`` on the current target.
+
+    ``rows``: the moving rows per GEMM call, if known at trace time. Packed weights that would take the bf16
+    decode (quad_bf16) take the group path (quad_grp) instead when ``rows ≤ GROUP_PATH_MAX_ROWS[fmt]``: no
+    scale fold at all (see :func:`_grp_block`)."""
+    n_rows = rows
     fmt = eio_format(w)
     rows, n = w.shape[1], w.shape[2]
     trn3 = is_trn3()
@@ -176,19 +209,22 @@ def weight_plan(w, act_fmt: str) -> WeightPlan:
                                      "with layouts.prepare_weight(..., 'trn2')"
         if trn3 and act_fmt == "fp8":
             path, korder = "mx", "mx"
+        elif n_rows is not None and n_rows <= GROUP_PATH_MAX_ROWS[fmt]:
+            path, korder = "quad_grp", "quad_grp"
         else:
             path, korder = "quad_bf16", "quad"
     assert k % (4 * P if fmt in ("fp8_mx", "fp4") else P) == 0 and n % P == 0, (
         f"K={k} must be a multiple of {4 * P if fmt in ('fp8_mx', 'fp4') else P} and N={n} of {P}")
-    return WeightPlan(fmt, path, korder, k, n, rows, _slab_cols(n, eb))
+    # packed forms: 512 columns per slab so the scale rows (1 byte per column) also move in ≥ 512 B runs
+    return WeightPlan(fmt, path, korder, k, n, rows, _slab_cols(n, eb if fmt in ("bf16", "fp8") else 1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # HBM views (static expert: slicing; runtime expert: .ap(scalar_offset=<register>) on the HBM side of a DMA)
 # ----------------------------------------------------------------------------------------------------------------
-def _hbm_rows(t, e, row0: int, nblk: int, col0: int, ncols: int, dtype=None, rows_per_part: int = 1):
-    """HBM view ``[P, nblk, ncols]`` of rows ``row0 + j·128 + p`` (``rows_per_part = 1``) of expert ``e`` of
-    ``t [L, R, C]``, columns ``col0 …``; ``dtype`` reinterprets the bytes (same itemsize)."""
+def _hbm_rows(t, e, row0: int, nblk: int, col0: int, ncols: int, dtype=None):
+    """HBM view ``[P, nblk, ncols]`` of rows ``row0 + j·128 + p`` of expert ``e`` of ``t [L, R, C]``, columns
+    ``col0 …``; ``dtype`` reinterprets the bytes (same itemsize)."""
     _, r, c = t.shape
     pattern = [[c, P], [P * c, nblk], [1, ncols]]
     if isinstance(e, int):
@@ -220,6 +256,9 @@ class WeightRing:
         if plan.path == "fp8_block":
             self.scale = [nl.ndarray((P, plan.ncols // P, plan.k // P), dtype=nl.float32, buffer=nl.sbuf,
                                      name=f"{name}_scale{i}") for i in range(WEIGHT_BUFS)]
+        elif plan.path == "quad_grp":  # transposed 2^(b - 121) per (n, group), bf16
+            self.scale = [nl.ndarray((P, plan.ncols // P, plan.ngroups), dtype=nl.bfloat16, buffer=nl.sbuf,
+                                     name=f"{name}_grp_scale{i}") for i in range(WEIGHT_BUFS)]
         elif plan.path in ("mx", "quad_bf16"):
             self.scale = [nl.ndarray((P, plan.nrb, plan.ncols), dtype=nl.uint8, buffer=nl.sbuf,
                                      name=f"{name}_e8m0_{i}") for i in range(WEIGHT_BUFS)]
@@ -235,9 +274,10 @@ class WeightSlab:
         n0: first column.
         stat: per path — bf16: bf16 ``[P, K/128, ncols]``; fp8_block: fp8 ``[P, K/128, ncols]`` (float8_e4m3 on
             trn2, float8_e4m3fn on trn3); mx: x4 ``[P, K/512, ncols]``; quad_bf16: list of 4 bf16 planes
-            ``[P, K/512, ncols]`` (plane j holds k = 512·mb + 4p + j).
+            ``[P, K/512, ncols]`` (plane j holds k = 512·mb + 4p + j); quad_grp: the same 4 planes as fp8 views.
         scale: fp8_block: float32 ``[P(n), ncols/128, K/128]`` (``scale[p, j, kb] = s[kb, n0 + 128j + p]``);
-            mx: uint8 E8M0 ``[P, K/512, ncols]`` in nc_matmul_mx order; else None.
+            mx: uint8 E8M0 ``[P, K/512, ncols]`` in nc_matmul_mx order; quad_grp: bf16 ``[P(n), ncols/128, K/32]``
+            group scales; else None.
     """
 
     plan: WeightPlan
@@ -292,6 +332,8 @@ def load_weight_slab(ring: WeightRing, w, w_scale, e, n0: int) -> WeightSlab:
                           src=_hbm_ap(w_scale, e, [[n, 4], [16 * n, nmb], [1, plan.ncols]], 4 * c * n + n0))
         x4 = nl.float4_e2m1fn_x4 if plan.fmt == "fp4" else nl.float8_e4m3fn_x4
         return WeightSlab(plan, n0, raw.view(x4), sc)
+    if plan.path == "quad_grp":
+        return WeightSlab(plan, n0, _byte_planes(raw, plan), _grp_scales(ring.scale[i], w_scale, e, n0, plan))
     # quad_bf16: data partition p of block mb uses UE8M0 row 16·mb + p // 8: replicate each row over 8 partitions
     nisa.dma_copy(dst=sc, src=_hbm_ap(w_scale, e, [[n, 16], [0, 8], [16 * n, nmb], [1, plan.ncols]], n0))
     return WeightSlab(plan, n0, _decode_quad(raw, sc, plan), None)
@@ -303,8 +345,9 @@ def _fold_scale_bf16(sc, plan: WeightPlan):
     is the weight × 2^6, undone on evacuation (exact)."""
     p, nmb, nc = sc.shape
     bits = nl.ndarray((p, nmb, nc), dtype=nl.uint16, buffer=nl.sbuf, name="w_fold_bits")
-    nisa.tensor_scalar(dst=bits, data=sc, op0=nl.add, operand0=float(FOLD_EXTRA_LOG2))  # exact small integers
-    nisa.tensor_scalar(dst=bits, data=bits, op0=nl.left_shift, operand0=7)
+    # b·128 + 6·128 in fp32 is exact (< 2^16) and lands as the uint16 bit pattern: one ScalarE op, off VectorE
+    nisa.tensor_scalar(dst=bits, data=sc, op0=nl.multiply, operand0=128.0, op1=nl.add,
+                       operand1=float(FOLD_EXTRA_LOG2 * 128), engine=nisa.engine.scalar)
     return bits.view(nl.bfloat16)
 
 
@@ -331,6 +374,101 @@ def _decode_quad(raw, sc, plan: WeightPlan):
         eng = nisa.engine.vector if j < FOLD_VECTOR_PLANES else nisa.engine.gpsimd
         nisa.tensor_tensor(dst=planes[j], data1=srcs[j], data2=scale, op=nl.multiply, engine=eng)
     return planes
+
+
+def _byte_planes(raw, plan: WeightPlan):
+    """Packed slab → 4 fp8 planes ``[P, nmb, ncols]`` (views; plane j holds k = 512·mb + 4p + j), unscaled:
+    fp4 decoded to float8_e4m3 bytes holding v·2^-6 (exact bit work, no multiply), fp8 MX viewed as its e4m3fn
+    bytes. The planes are strided views (every 2nd / 4th byte): the stationary operand reads them in place."""
+    p, nmb, nc = raw.shape
+    if plan.fmt == "fp8_mx":
+        byt = raw.view(nl.float8_e4m3fn).reshape((p, nmb, nc, 4))
+        return [byt[:, :, :, j] for j in range(4)]
+    nw = nmb * nc // 2
+    words = raw.reshape((p, nmb * nc)).view(nl.uint32)
+    lo = nl.ndarray((p, nw), dtype=nl.uint32, buffer=nl.sbuf, name="w_lo")
+    hi = nl.ndarray((p, nw), dtype=nl.uint32, buffer=nl.sbuf, name="w_hi")
+    decode_e2m1_nibbles(lo, hi, words, _mask_tile(_M_1C1C1C1C, "m_1c"))
+    lo8 = lo.view(nl.float8_e4m3).reshape((p, nmb, nc, 2))
+    hi8 = hi.view(nl.float8_e4m3).reshape((p, nmb, nc, 2))
+    return [lo8[:, :, :, 0], hi8[:, :, :, 0], lo8[:, :, :, 1], hi8[:, :, :, 1]]
+
+
+def _grp_scales(dst, w_scale, e, n0: int, plan: WeightPlan):
+    """``dst[n, jj, g] = 2^(b[g, n0 + 128·jj + n] − 121)`` (bf16; fp4 planes carry 2^-6, fp8 MX evacuation
+    multiplies by 2^-6) from UE8M0 rows ``[K/32, N]``: the rows DMA'd as bf16 values (the DMA converts 0 … 255
+    exactly), transposed per 128 × 128 on the TensorE (bf16 into bf16 PSUM), and the bits ``(b + x) · 128`` built
+    by ScalarE straight from PSUM into uint16 (the bf16 pattern)."""
+    ng, nc = plan.ngroups, plan.ncols
+    x = FOLD_EXTRA_LOG2  # fp4: the planes carry 2^-6; fp8 MX: undone on evacuation (keeps b = 0 a normal bf16)
+    bits = dst.view(nl.uint16)
+    for g0 in range(0, ng, P):
+        gk = min(P, ng - g0)
+        rows = nl.ndarray((gk, nc), dtype=nl.bfloat16, buffer=nl.sbuf, name="grp_rows")
+        nisa.dma_copy(dst=rows, src=_hbm_ap(w_scale, e, [[plan.n, gk], [1, nc]], g0 * plan.n + n0))
+        for jj in range(nc // P):
+            pt = nl.ndarray((P, gk), dtype=nl.bfloat16, buffer=nl.psum, name="grp_psum")
+            nisa.nc_transpose(dst=pt, data=rows[:, jj * P:(jj + 1) * P])
+            nisa.tensor_scalar(dst=bits[:, jj, g0:g0 + gk], data=pt, op0=nl.multiply, operand0=128.0, op1=nl.add,
+                               operand1=float(x * 128), engine=nisa.engine.scalar)
+    return dst
+
+
+def group_operand(op: ActOperand) -> ActOperand:
+    """The quad_grp moving operand from a quad one: ``aG[p, c, g, r] = aT[p, c, r]`` if ``p // 8 == g`` else 0
+    (g < 16: the 1×32 group within the 512-row block), so one matmul of ``16·R`` moving columns yields every
+    group's partial sum separately. One VectorE multiply by a 0/1 indicator built with ``iota`` (once per
+    operand, shared by all experts)."""
+    _, nkc, r = op.aT.shape
+    ind_i = nl.ndarray((P, 16), dtype=nl.int32, buffer=nl.sbuf, name="grp_ind_i")
+    nisa.iota(dst=ind_i, pattern=[[-8, 16]], offset=0, channel_multiplier=1)  # p − 8g
+    a0 = nl.ndarray((P, 16), dtype=nl.float32, buffer=nl.sbuf, name="grp_ge")
+    nisa.tensor_scalar(dst=a0, data=ind_i, op0=nl.greater_equal, operand0=0.0)
+    a1 = nl.ndarray((P, 16), dtype=nl.float32, buffer=nl.sbuf, name="grp_le")
+    nisa.tensor_scalar(dst=a1, data=ind_i, op0=nl.less_equal, operand0=7.0)
+    ind = nl.ndarray((P, 16), dtype=nl.bfloat16, buffer=nl.sbuf, name="grp_ind")
+    nisa.tensor_tensor(dst=ind, data1=a0, data2=a1, op=nl.multiply)
+    aG = nl.ndarray((P, nkc, 16, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="act_grp")
+    for src, dst in ((op.aT, aG),) + (((op.aT_lo, None),) if op.aT_lo is not None else ()):
+        if dst is None:
+            dst = nl.ndarray((P, nkc, 16, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="act_grp_lo")
+            lo = dst
+        nisa.tensor_tensor(dst=dst, data1=src.reshape((P, nkc, 1, r)).broadcast(2, 16),
+                           data2=ind.reshape((P, 1, 16, 1)).broadcast(1, nkc).broadcast(3, r), op=nl.multiply)
+    return ActOperand("quad_grp", aG, None, None, r, lo if op.aT_lo is not None else None)
+
+
+def _grp_block(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
+    """quad_grp: ``dst[n, r] = bf16(Σ_g s[g, n] · Σ_{k∈g} q[k, n] · a[r, k])``. Per 512-row block mb the four
+    planes accumulate into one PSUM group of ``16·mr`` columns (column block g = group 16·mb + g); up to 512
+    columns share a bank; VectorE multiplies a bank by the transposed group scales, GpSimd sums the K/32 groups
+    (fixed tree) and rounds once into dst."""
+    plan = slab.plan
+    nmb, ng = plan.nrb, plan.ngroups
+    cols = slab_cols(j)
+    mb_per_bank = max(1, PSUM_BANK_F32 // (16 * mr))
+    scaled = nl.ndarray((P, ng, mr), dtype=nl.float32, buffer=nl.sbuf, name="grp_scaled")
+    for b0 in range(0, nmb, mb_per_bank):
+        nb = min(mb_per_bank, nmb - b0)
+        ps = nl.ndarray((P, mb_per_bank, 16, mr), dtype=nl.float32, buffer=nl.psum, name="grp_psum")
+        for q in range(nb):
+            mb = b0 + q
+            for jp in range(4):
+                c = 4 * mb + jp
+                nisa.nc_matmul(dst=ps[:, q, :, :], stationary=slab.stat[jp][:, mb, cols],
+                               moving=act.aT[:, c, :, m0:m0 + mr], accumulate=jp != 0)
+                if act.aT_lo is not None:
+                    nisa.nc_matmul(dst=ps[:, q, :, :], stationary=slab.stat[jp][:, mb, cols],
+                                   moving=act.aT_lo[:, c, :, m0:m0 + mr], accumulate=True)
+        g0 = 16 * b0
+        s = slab.scale[:, j, g0:g0 + 16 * nb].reshape((P, 16 * nb, 1)).broadcast(2, mr)
+        psv = ps[:, :nb, :, :].reshape((P, 16 * nb, mr))
+        if plan.fmt == "fp4":
+            nisa.tensor_tensor(dst=scaled[:, g0:g0 + 16 * nb, :], data1=psv, data2=s, op=nl.multiply)
+        else:  # fp8 MX: (psum · 2^-6) · scale, one instruction
+            nisa.scalar_tensor_tensor(dst=scaled[:, g0:g0 + 16 * nb, :], data=psv, op0=nl.multiply,
+                                      operand0=float(2.0 ** -FOLD_EXTRA_LOG2), op1=nl.multiply, operand1=s)
+    tree_sum(dst, scaled)
 
 
 def decode_e2m1_nibbles(lo, hi, words, m1c):
@@ -386,6 +524,9 @@ def gemm_block(dst, slab: WeightSlab, j: int, act, r: int, out_engine=None):
         if plan.path == "fp8_block":
             _fp8_block_evac(dst[:, m0:m0 + mr], slab, j, act, m0, mr)
             continue
+        if plan.path == "quad_grp":
+            _grp_block(dst[:, m0:m0 + mr], slab, j, act, m0, mr)
+            continue
         ps = nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.psum, name="gemm_psum")
         if plan.path == "mx":
             for mb in range(plan.nkc):
@@ -399,6 +540,8 @@ def gemm_block(dst, slab: WeightSlab, j: int, act, r: int, out_engine=None):
                 else:  # quad: block c = (mb, plane)
                     st = slab.stat[c % 4][:, c // 4, cols]
                 nisa.nc_matmul(dst=ps, stationary=st, moving=act.aT[:, c, m0:m0 + mr], accumulate=c != 0)
+                if act.aT_lo is not None:
+                    nisa.nc_matmul(dst=ps, stationary=st, moving=act.aT_lo[:, c, m0:m0 + mr], accumulate=True)
         if plan.path == "quad_bf16" and plan.fmt == "fp8_mx":
             nisa.tensor_scalar(dst=dst[:, m0:m0 + mr], data=ps, op0=nl.multiply,
                                operand0=float(2.0 ** -FOLD_EXTRA_LOG2), engine=eng)
@@ -411,15 +554,28 @@ def slab_cols(j: int) -> slice:
 
 
 def _fp8_block_evac(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
-    """Per-K-block PSUM groups, ``kb_per_bank = 512 // mr`` side by side; per bank: ``t = psum · s[n, kb]``
-    (one tensor_tensor), ``part = Σ_kb t`` (one tensor_reduce, increasing kb), ``acc += part`` across banks."""
+    """Per-K-block PSUM groups, ``kb_per_bank = 512 // mr`` side by side in one bank, then
+    ``dst = bf16(Σ_kb s[n, kb] · psum_kb)``.
+
+    Few rows (mr < SCALAR_EVAC_MIN_ROWS, decode): one VectorE ``tensor_tensor`` per bank multiplies every group by
+    its scale on the way out of PSUM into an fp32 SBUF tile ``[P, K/128, mr]``; GpSimd sums the K blocks by a
+    fixed pairwise tree of fp32 adds (SBUF only), the last add rounding once into ``dst``. Instruction counts are
+    what binds here, and the two engines split the work.
+    Many rows: ScalarE applies each group's scale (``activation(copy, scale=s[:, kb])``, one input, per-partition
+    scale), VectorE reduces each bank (``tensor_reduce``) and adds banks in increasing kb. Either way the work per
+    128 columns is ∝ K/128 · R elements: for large R the evacuation binds (feed compacted rows).
+    """
     plan = slab.plan
     nkb = plan.k // P
     per_bank = max(1, min(nkb, PSUM_BANK_F32 // mr))
-    single = nkb <= per_bank
-    acc = dst if (single and dst.dtype == nl.float32) else nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf,
-                                                                       name="fp8_acc")
     cols = slab_cols(j)
+    few = mr < SCALAR_EVAC_MIN_ROWS
+    whole = nkb * mr * 4 <= EVAC_TILE_BYTES  # every K block's scaled sums fit one SBUF tile: one reduction
+    if few or whole:
+        scaled = nl.ndarray((P, nkb, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_scaled")
+    if not (few or whole):
+        acc = dst if dst.dtype == nl.float32 else nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf,
+                                                               name="fp8_acc")
     for b0 in range(0, nkb, per_bank):
         nb = min(per_bank, nkb - b0)
         ps = nl.ndarray((P, per_bank, mr), dtype=nl.float32, buffer=nl.psum, name="fp8_kb_psum")
@@ -427,17 +583,47 @@ def _fp8_block_evac(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
             kb = b0 + q
             nisa.nc_matmul(dst=ps[:, q, :], stationary=slab.stat[:, kb, cols], moving=act.aT[:, kb, m0:m0 + mr],
                            accumulate=False)
-        scaled = nl.ndarray((P, per_bank, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_scaled")
-        s = slab.scale[:, j, b0:b0 + nb].reshape((P, nb, 1)).broadcast(2, mr)
-        nisa.tensor_tensor(dst=scaled[:, :nb, :], data1=ps[:, :nb, :], data2=s, op=nl.multiply)
-        if b0 == 0:
-            nisa.tensor_reduce(dst=acc, op=nl.add, data=scaled[:, :nb, :].permute((0, 2, 1)), axis=(2,))
-        else:
-            part = nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_part")
-            nisa.tensor_reduce(dst=part, op=nl.add, data=scaled[:, :nb, :].permute((0, 2, 1)), axis=(2,))
+            if act.aT_lo is not None:
+                nisa.nc_matmul(dst=ps[:, q, :], stationary=slab.stat[:, kb, cols],
+                               moving=act.aT_lo[:, kb, m0:m0 + mr], accumulate=True)
+        if few:
+            s = slab.scale[:, j, b0:b0 + nb].reshape((P, nb, 1)).broadcast(2, mr)
+            nisa.tensor_tensor(dst=scaled[:, b0:b0 + nb, :], data1=ps[:, :nb, :], data2=s, op=nl.multiply)
+            continue
+        bank = scaled[:, b0:b0 + nb, :] if whole else nl.ndarray((P, nb, mr), dtype=nl.float32, buffer=nl.sbuf,
+                                                                  name="fp8_bank")
+        for q in range(nb):
+            nisa.activation(dst=bank[:, q, :], op=nl.copy, data=ps[:, q, :],
+                            scale=slab.scale[:, j, b0 + q:b0 + q + 1])
+        if whole:
+            continue
+        part = acc if b0 == 0 else nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_part")
+        nisa.tensor_reduce(dst=part, op=nl.add, data=bank.permute((0, 2, 1)), axis=(2,))
+        if b0:
             nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
+    if few:
+        tree_sum(dst, scaled)
+        return
+    if whole:  # reduce straight into dst: the one rounding
+        nisa.tensor_reduce(dst=dst, op=nl.add, data=scaled.permute((0, 2, 1)), axis=(2,))
+        return
     if acc is not dst:
         nisa.tensor_copy(dst=dst, src=acc, engine=nisa.engine.vector)  # the one bf16 rounding
+
+
+def tree_sum(dst, x):
+    """``dst[:, m] = Σ_i x[:, i, m]`` by a fixed pairwise tree of fp32 GpSimd adds (x, SBUF fp32 ``[p, n, m]``,
+    is overwritten); the last add writes ``dst`` (any float dtype: one rounding). The order depends only on n."""
+    n = x.shape[1]
+    if n == 1:
+        nisa.tensor_copy(dst=dst, src=x[:, 0, :], engine=nisa.engine.gpsimd)
+        return
+    while n > 2:
+        h = n // 2
+        nisa.tensor_tensor(dst=x[:, 0:h, :], data1=x[:, 0:h, :], data2=x[:, n - h:n, :], op=nl.add,
+                           engine=nisa.engine.gpsimd)
+        n -= h
+    nisa.tensor_tensor(dst=dst, data1=x[:, 0, :], data2=x[:, 1, :], op=nl.add, engine=nisa.engine.gpsimd)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -453,6 +639,9 @@ class ActOperand:
         x4: mx: SBUF float8_e4m3fn_x4 ``[P, K/512, R]``; else None.
         sc: mx: SBUF uint8 ``[P, K/512, R]`` E8M0 in nc_matmul_mx order; else None.
         r: rows.
+        aT_lo: None, or (``split``) SBUF bf16 like aT holding ``bf16(a − aT)``: each matmul then runs twice into
+            the same PSUM group, so an activation that bf16 cannot hold (fp8 byte × a non-power-of-two fp32
+            scale) still enters with ~16 significant bits (the reference rounds ``q·s`` to fp32).
     """
 
     korder: str
@@ -460,19 +649,21 @@ class ActOperand:
     x4: object
     sc: object
     r: int
+    aT_lo: object = None  # split operands: the bf16 remainder a − bf16(a), K-major like aT (or None)
 
 
-def alloc_act_operand(korder: str, k: int, r: int, name: str = "act") -> ActOperand:
+def alloc_act_operand(korder: str, k: int, r: int, name: str = "act", split: bool = False) -> ActOperand:
     """Allocate the operand buffers for R rows (fill them with :func:`act_rows_into_operand`)."""
     if korder == "mx":
         x4 = nl.ndarray((P, k // (4 * P), r), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name=f"{name}_x4")
         sc = nl.ndarray((P, k // (4 * P), r), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_e8m0")
         return ActOperand(korder, None, x4, sc, r)
     aT = nl.ndarray((P, k // P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name=f"{name}_T")
-    return ActOperand(korder, aT, None, None, r)
+    lo = nl.ndarray((P, k // P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name=f"{name}_T_lo") if split else None
+    return ActOperand(korder, aT, None, None, r, lo)
 
 
-def load_act_rows(a, a_scale, r0: int, rt: int, mask=None, korder: str = "natural"):
+def load_act_rows(a, a_scale, r0: int, rt: int, mask=None, korder: str = "natural", split: bool = False):
     """Rows ``[r0, r0 + rt)`` of an HBM activation ``a [R, K]`` into SBUF, in the form
     :func:`act_rows_into_operand` takes, with rows whose mask is 0 made exact zeros before any arithmetic.
 
@@ -484,25 +675,70 @@ def load_act_rows(a, a_scale, r0: int, rt: int, mask=None, korder: str = "natura
     fmt = act_format(a)
     if fmt == "bf16":
         assert korder != "mx", "the MX path needs fp8 activations"
-        a_raw = nl.ndarray((rt, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="a_raw")
-        nisa.dma_copy(dst=a_raw, src=a[r0:r0 + rt, :])
-        if mask is None:
-            return a_raw
-        a_nat = nl.ndarray((rt, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="a_nat")
-        nisa.memset(dst=a_nat, value=0.0)
-        nisa.tensor_copy_predicated(dst=a_nat, src=a_raw, predicate=mask.broadcast(1, k))
-        return a_nat
+        return gather_rows(a, r0, rt, mask, nl.bfloat16, "a_rows")
     g = k // a_scale.shape[1]
-    raw = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes")
-    nisa.dma_copy(dst=raw, src=a.view(nl.uint8)[r0:r0 + rt, :])
     s_raw = nl.ndarray((rt, k // g), dtype=nl.float32, buffer=nl.sbuf, name="a_s")
     nisa.dma_copy(dst=s_raw, src=a_scale[r0:r0 + rt, :])
-    if korder == "mx":
-        return fp8_rows_to_mx(raw, s_raw, mask)
-    return fp8_rows_to_bf16(raw, s_raw, mask)
+    if korder == "mx":  # masked rows: zero bytes straight from the DMA; their scale bytes are replaced below
+        raw = gather_rows(a, r0, rt, mask, nl.uint8, "a_bytes")
+        return fp8_rows_to_mx(raw, s_raw, mask, bytes_masked=True)
+    raw = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes")
+    nisa.dma_copy(dst=raw, src=a.view(nl.uint8)[r0:r0 + rt, :])
+    return fp8_rows_to_bf16(raw, s_raw, mask, split)
 
 
-def fp8_rows_to_bf16(raw, s_raw, mask=None):
+def gather_rows(a, r0: int, rt: int, mask, dtype, name: str):
+    """Rows ``[r0, r0 + rt)`` of HBM ``a [R, K]`` (as ``dtype``, same itemsize) into SBUF ``[rt, K]``, with the
+    rows whose mask is 0 exact zeros: the tile is zeroed on GpSimd and the DMA gathers only the selected rows
+    (``vector_offset`` indices; a masked row's index is out of range and ``oob_mode.skip`` leaves it zero — isa
+    ``dma_copy`` page, access-pattern page). Padding bytes never reach an engine; no VectorE work per element."""
+    r, k = a.shape
+    dst = nl.ndarray((rt, k), dtype=dtype, buffer=nl.sbuf, name=name)
+    if mask is None:
+        nisa.dma_copy(dst=dst, src=a.ap(pattern=[[k, rt], [1, k]], offset=r0 * k, dtype=dtype))
+        return dst
+    nisa.memset(dst=dst, value=0, engine=nisa.engine.gpsimd)
+    idx = nl.ndarray((rt, 1), dtype=nl.int32, buffer=nl.sbuf, name=f"{name}_idx")
+    nisa.iota(dst=idx, pattern=[[0, 1]], offset=r0, channel_multiplier=1)  # r0 + p
+    off = nl.ndarray((rt, 1), dtype=nl.int32, buffer=nl.sbuf, name=f"{name}_oob")
+    nisa.tensor_scalar(dst=off, data=mask, op0=nl.multiply, operand0=float(-r), op1=nl.add, operand1=float(r))
+    nisa.tensor_tensor(dst=idx, data1=idx, data2=off, op=nl.add)  # masked rows: index ≥ R (skipped)
+    nisa.dma_copy(dst=dst, src=a.ap(pattern=[[k, rt], [1, k]], offset=0, vector_offset=idx, indirect_dim=0,
+                                    dtype=dtype), oob_mode=nisa.oob_mode.skip)
+    return dst
+
+
+def non_pow2_scale_count(a_scale, mask_tiles, psum_cnt):
+    """Accumulate into ``psum_cnt`` (PSUM float32 ``[1, 1]``) how many selected rows of ``a_scale`` (HBM float32
+    ``[R, K/g]``) hold a scale that is not a power of two (non-zero mantissa bits; masked rows ignored). The MX
+    path is exact only when this is 0 (the E8M0 byte keeps the exponent alone), so kernels branch on it at run
+    time (two runtime loops of trip count 0 / 1; no nested loop).
+
+    Per 128-row tile: a bitvec ``tensor_scalar`` (mantissa & 0x7FFFFF, VectorE), ``min(·, 1)``, a max over the
+    free axis, × the row mask, and a TensorE row sum (``flagᵀ · 1``) into the PSUM counter."""
+    r, ng = a_scale.shape
+    for t, r0 in enumerate(range(0, r, P)):
+        rt = min(P, r - r0)
+        s = nl.ndarray((rt, ng), dtype=nl.float32, buffer=nl.sbuf, name="pow2_s")
+        nisa.dma_copy(dst=s, src=a_scale[r0:r0 + rt, :])
+        mant = nl.ndarray((rt, ng), dtype=nl.int32, buffer=nl.sbuf, name="pow2_mant")
+        nisa.tensor_scalar(dst=mant, data=s.view(nl.int32), op0=nl.bitwise_and, operand0=0x7FFFFF)
+        bad = nl.ndarray((rt, ng), dtype=nl.float32, buffer=nl.sbuf, name="pow2_bad")
+        nisa.tensor_scalar(dst=bad, data=mant, op0=nl.minimum, operand0=1.0)
+        row = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="pow2_row")
+        nisa.tensor_reduce(dst=row, op=nl.maximum, data=bad, axis=(1,))
+        if mask_tiles is not None:
+            mk = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="pow2_mask")
+            nisa.tensor_copy(dst=mk, src=mask_tiles[t])
+            nisa.tensor_tensor(dst=row, data1=row, data2=mk, op=nl.multiply)
+        rb = nl.ndarray((rt, 1), dtype=nl.bfloat16, buffer=nl.sbuf, name="pow2_row_bf16")
+        nisa.tensor_copy(dst=rb, src=row)
+        ones = nl.ndarray((rt, 1), dtype=nl.bfloat16, buffer=nl.sbuf, name="pow2_ones")
+        nisa.memset(dst=ones, value=1.0)
+        nisa.nc_matmul(dst=psum_cnt, stationary=rb, moving=ones, accumulate=t != 0)
+
+
+def fp8_rows_to_bf16(raw, s_raw, mask=None, split: bool = False):
     """fp8 rows in SBUF → bf16 values (exact for pow2 scales; other fp32 scales round once to bf16).
 
     Args:
@@ -510,7 +746,8 @@ def fp8_rows_to_bf16(raw, s_raw, mask=None):
             ``[rt, 1]`` or None (masked rows: scale 0, and the decoded bytes are always finite, so exact zeros).
 
     Returns:
-        SBUF bf16 ``[rt, K]``.
+        SBUF bf16 ``[rt, K]``; with ``split``, ``(hi, lo)``: ``hi = bf16(q·s)``, ``lo = bf16(q·s − hi)`` from the
+        fp32 product the reference forms (for non-pow2 scales; see :class:`ActOperand`).
     """
     rt, k = raw.shape
     g = k // s_raw.shape[1]
@@ -525,16 +762,24 @@ def fp8_rows_to_bf16(raw, s_raw, mask=None):
     even = nl.ndarray((rt, k // 4), dtype=nl.uint32, buffer=nl.sbuf, name="a_even")
     odd = nl.ndarray((rt, k // 4), dtype=nl.uint32, buffer=nl.sbuf, name="a_odd")
     decode_e4m3fn_pairs(even, odd, raw.view(nl.uint32))
-    fold_scales(a_nat, even.view(nl.float16), odd.view(nl.float16), scale, g)
-    return a_nat
+    if not split:
+        fold_scales(a_nat, even.view(nl.float16), odd.view(nl.float16), scale, g)
+        return a_nat
+    a32 = nl.ndarray((rt, k), dtype=nl.float32, buffer=nl.sbuf, name="a_f32")
+    fold_scales(a32, even.view(nl.float16), odd.view(nl.float16), scale, g)  # q·s rounded once to fp32
+    nisa.tensor_copy(dst=a_nat, src=a32)
+    lo = nl.ndarray((rt, k), dtype=nl.bfloat16, buffer=nl.sbuf, name="a_lo")
+    nisa.tensor_tensor(dst=lo, data1=a32, data2=a_nat, op=nl.subtract)
+    return a_nat, lo
 
 
-def fp8_rows_to_mx(raw, s_raw, mask=None):
+def fp8_rows_to_mx(raw, s_raw, mask=None, bytes_masked: bool = False):
     """fp8 rows in SBUF → the MX row form: ``(bytes uint8 [rt, K], E8M0 uint8 [rt, K/32])``.
 
     The E8M0 byte of a power-of-two float32 scale is its exponent field ``(bits >> 23) & 0xFF`` (exact; the MX
     path needs pow2 activation scales); a 1×128 scale serves its four 32-groups. Masked rows get zero bytes and
-    scale byte 127 (2^0), so padding (NaN bytes / NaN scales) never reaches the TensorE.
+    scale byte 127 (2^0), so padding (NaN bytes / NaN scales) never reaches the TensorE (``bytes_masked``: the
+    bytes are zero already, e.g. from :func:`gather_rows`).
     """
     rt, k = raw.shape
     g = k // s_raw.shape[1]
@@ -548,9 +793,11 @@ def fp8_rows_to_mx(raw, s_raw, mask=None):
         nisa.tensor_copy(dst=e8b.reshape((rt, k // g, g // 32)), src=e8.reshape((rt, k // g, 1)).broadcast(2, g // 32))
     if mask is None:
         return raw, e8b
-    zb = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes_masked")
-    nisa.memset(dst=zb, value=0)
-    nisa.tensor_copy_predicated(dst=zb, src=raw, predicate=mask.broadcast(1, k))
+    zb = raw
+    if not bytes_masked:
+        zb = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes_masked")
+        nisa.memset(dst=zb, value=0)
+        nisa.tensor_copy_predicated(dst=zb, src=raw, predicate=mask.broadcast(1, k))
     zs = nl.ndarray((rt, k // 32), dtype=nl.uint8, buffer=nl.sbuf, name="a_e8_masked")
     nisa.memset(dst=zs, value=127)
     nisa.tensor_copy_predicated(dst=zs, src=e8b, predicate=mask.broadcast(1, k // 32))
@@ -582,23 +829,25 @@ def act_rows_into_operand(op: ActOperand, rows, r0: int):
             nisa.nc_transpose(dst=pt, data=slots[:, mb, :])
             nisa.tensor_copy(dst=op.sc[:, mb, r0:r0 + rt], src=pt)
         return
-    a_nat = rows
-    rt, k = a_nat.shape
-    nkb = k // P
-    if op.korder == "natural":
-        blk = [a_nat[:, c * P:(c + 1) * P] for c in range(nkb)]
-    else:
-        q = a_nat.reshape((rt, k // (4 * P), P, 4))
-        blk = [q[:, c // 4, :, c % 4] for c in range(nkb)]
-    for g0 in range(0, nkb, TRANSPOSES_PER_BANK):
-        g = min(TRANSPOSES_PER_BANK, nkb - g0)
-        pt = nl.ndarray((P, TRANSPOSES_PER_BANK, P), dtype=nl.bfloat16, buffer=nl.psum, name="aT_psum")
-        for i in range(g):
-            nisa.nc_transpose(dst=pt[:, i, :rt], data=blk[g0 + i])
-        nisa.tensor_copy(dst=op.aT[:, g0:g0 + g, r0:r0 + rt], src=pt[:, :g, :rt], engine=nisa.engine.vector)
+    parts = rows if isinstance(rows, tuple) else (rows,)
+    assert len(parts) == (2 if op.aT_lo is not None else 1), "split operands take (hi, lo) row pairs"
+    for a_nat, aT in zip(parts, (op.aT, op.aT_lo)):
+        rt, k = a_nat.shape
+        nkb = k // P
+        if op.korder == "natural":
+            blk = [a_nat[:, c * P:(c + 1) * P] for c in range(nkb)]
+        else:
+            q = a_nat.reshape((rt, k // (4 * P), P, 4))
+            blk = [q[:, c // 4, :, c % 4] for c in range(nkb)]
+        for g0 in range(0, nkb, TRANSPOSES_PER_BANK):
+            g = min(TRANSPOSES_PER_BANK, nkb - g0)
+            pt = nl.ndarray((P, TRANSPOSES_PER_BANK, P), dtype=nl.bfloat16, buffer=nl.psum, name="aT_psum")
+            for i in range(g):
+                nisa.nc_transpose(dst=pt[:, i, :rt], data=blk[g0 + i])
+            nisa.tensor_copy(dst=aT[:, g0:g0 + g, r0:r0 + rt], src=pt[:, :g, :rt], engine=nisa.engine.vector)
 
 
-def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act") -> ActOperand:
+def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act", split: bool = False) -> ActOperand:
     """All rows of an HBM activation ``a [R, K]`` as a moving operand (masked rows exact zeros).
 
     Args:
@@ -607,10 +856,13 @@ def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act"
         mask_tiles: None, or one SBUF uint8 ``[rt, 1]`` predicate per 128-row tile.
     """
     r, k = a.shape
-    op = alloc_act_operand(korder, k, r, name)
+    if korder == "quad_grp":
+        return group_operand(load_act_operand("quad", a, a_scale, mask_tiles, name, split))
+    split = split and act_format(a) == "fp8" and korder != "mx"
+    op = alloc_act_operand(korder, k, r, name, split)
     for t, r0 in enumerate(range(0, r, P)):
         rt = min(P, r - r0)
-        rows = load_act_rows(a, a_scale, r0, rt, None if mask_tiles is None else mask_tiles[t], korder)
+        rows = load_act_rows(a, a_scale, r0, rt, None if mask_tiles is None else mask_tiles[t], korder, split)
         act_rows_into_operand(op, rows, r0)
     return op
 
@@ -662,12 +914,14 @@ def fold_scales(dst, even_vals, odd_vals, scale, block: int, vector_blocks: int 
 # ----------------------------------------------------------------------------------------------------------------
 # Rows back from K-major blocks
 # ----------------------------------------------------------------------------------------------------------------
-def rows_from_kmajor(rows_tiles, src_T, col0: int, r: int):
+def rows_from_kmajor(rows_tiles, src_T, col0: int, r: int, engine=None):
     """Transpose ``src_T [P(n), R]`` (bf16) back into row tiles: ``rows_tiles[t][m, col0 + n] = src_T[n, t·128 + m]``
-    (bf16 TensorE transposes into bf16 PSUM, VectorE copy)."""
+    (bf16 TensorE transposes into bf16 PSUM; the copy out on ``engine``, default VectorE — ScalarE when VectorE
+    evacuates the GEMM)."""
+    eng = nisa.engine.vector if engine is None else engine
     for t, dst in enumerate(rows_tiles):
         r0 = t * P
         rt = min(P, r - r0)
         pt = nl.ndarray((rt, P), dtype=src_T.dtype, buffer=nl.psum, name="rows_psum")
         nisa.nc_transpose(dst=pt, data=src_T[:, r0:r0 + rt])
-        nisa.tensor_copy(dst=dst[:, col0:col0 + P], src=pt, engine=nisa.engine.vector)
+        nisa.tensor_copy(dst=dst[:, col0:col0 + P], src=pt, engine=eng)

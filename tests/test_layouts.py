@@ -44,12 +44,12 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(_bytes(a), _bytes(b))
 
 
-def _random_fp8(g: torch.Generator, L: int, n: int, k: int, *, pow2: bool, allow_nan: bool = True):
+def _random_fp8(g: torch.Generator, L: int, n: int, k: int, *, pow2: bool, allow_nan: bool = True, emax: int = 127):
     codes = torch.randint(0, 256, (L, n, k), generator=g, dtype=torch.uint8)
     if not allow_nan:
         codes = torch.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes)
     if pow2:
-        s = torch.ldexp(torch.ones(L, n, k // 128), torch.randint(-127, 128, (L, n, k // 128), generator=g))
+        s = torch.ldexp(torch.ones(L, n, k // 128), torch.randint(-127, emax + 1, (L, n, k // 128), generator=g))
     else:
         s = torch.rand(L, n, k // 128, generator=g) * 3 + 1e-3
     return codes.view(torch.float8_e4m3fn), s
@@ -372,7 +372,7 @@ def test_reencode_errors():
 # ---------------------------------------------------------------------------------------------------------------
 def test_prepare_weight_per_target():
     g = torch.Generator().manual_seed(5)
-    w, s = _random_fp8(g, 2, 8, 256, pow2=True, allow_nan=False)
+    w, s = _random_fp8(g, 2, 8, 256, pow2=True, allow_nan=False, emax=120)
     cw, cs, lay = prepare_weight(w, s, "cpu")
     assert lay == "eoi" and cw is w and cs is s
     tw, ts, lay = prepare_weight(w, s, "trn2")
@@ -402,3 +402,20 @@ def test_mx_dequantizes_like_fp8():
     w, s = _random_fp8(g, 1, 4, 256, pow2=True, allow_nan=False)
     _, s_mx = to_eio(w, s, mx=True)
     assert torch.equal(ue8m0_to_float(s_mx[:, ::4]), s.transpose(1, 2))
+
+
+def test_prepare_expert_weights_takes_mx_only_when_both_are_pow2():
+    g = torch.Generator().manual_seed(11)
+    w13, s13 = _random_fp8(g, 2, 256, 128, pow2=True, allow_nan=False, emax=120)
+    w2, s2 = _random_fp8(g, 2, 128, 128, pow2=True, allow_nan=False, emax=120)
+    out = layouts.prepare_expert_weights(w13, s13, w2, s2, "trn3")
+    assert out[0].dtype == torch.uint32 and out[2].dtype == torch.uint32 and out[4] == "eio"
+    s2[1, 3, 0] = 1.5
+    out = layouts.prepare_expert_weights(w13, s13, w2, s2, "trn3")
+    assert out[0].dtype == torch.float8_e4m3fn and out[2].dtype == torch.float8_e4m3fn
+    assert _same_bytes(out[0], to_eio(w13, s13)[0]) and _same_bytes(out[3], to_eio(w2, s2)[1])
+    out = layouts.prepare_expert_weights(w13, s13, w2, s2, "trn2")
+    want = to_eio(*reencode_fp8_for_trn2(w2, s2))
+    assert _same_bytes(out[2], want[0]) and _same_bytes(out[3], want[1])
+    out = layouts.prepare_expert_weights(w13, s13, w2, s2, "cuda")
+    assert out[0] is w13 and out[4] == "eoi"

@@ -26,6 +26,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace static_moe {
@@ -49,6 +50,8 @@ inline std::string dtype_name(c10::ScalarType t) {
     case c10::ScalarType::Float8_e8m0fnu: return "torch.float8_e8m0fnu";
     case c10::ScalarType::Float4_e2m1fn_x2: return "torch.float4_e2m1fn_x2";
     case c10::ScalarType::Byte: return "torch.uint8";
+    case c10::ScalarType::UInt16: return "torch.uint16";
+    case c10::ScalarType::UInt32: return "torch.uint32";
     case c10::ScalarType::Char: return "torch.int8";
     case c10::ScalarType::Short: return "torch.int16";
     case c10::ScalarType::Int: return "torch.int32";
@@ -332,6 +335,102 @@ inline Format check_weight(const at::Tensor& w, const std::optional<at::Tensor>&
 // Logical K of a weight tensor (undoes the two-per-byte packing of fp4).
 inline int64_t weight_k(const at::Tensor& w, Format f) {
   return f == Format::FP4 ? checked_mul(2, w.size(2), "weight_k", "K = 2 * w.size(2)") : w.size(2);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Weight layouts (SPEC §1.2, §4): the trailing `str weight_layout="eoi"` of expert_gemm, local_experts, forward.
+// "eoi" is nn.Linear's [L, N, K] (check_weight above); "eio" the prepared K-major form of
+// python/static_moe/layouts.py, whose format is read from the dtype:
+//   bf16           bfloat16       [L, K, N]                      no scale
+//   fp8            float8_e4m3fn  [L, K, N]     float32          [L, K/128, N]
+//   fp8 MX         uint32         [L, K/4, N]   UE8M0 (uint8)    [L, K/32, N]   (Format::FP8: same numbers as fp8)
+//   fp4            uint16         [L, K/4, N]   UE8M0 (uint8)    [L, K/32, N]
+// ---------------------------------------------------------------------------------------------------------------
+
+enum class WeightLayout { Eoi, Eio };
+
+inline const char* layout_name(WeightLayout l) { return l == WeightLayout::Eio ? "eio" : "eoi"; }
+
+inline WeightLayout parse_weight_layout(std::string_view s, const char* op) {
+  if (s == "eoi") return WeightLayout::Eoi;
+  if (s == "eio") return WeightLayout::Eio;
+  TORCH_CHECK_VALUE(false, op, ": weight_layout must be 'eoi' (nn.Linear [L, N, K]) or 'eio' (prepared, K-major; "
+                    "static_moe.layouts), got '", std::string(s), "'");
+  return WeightLayout::Eoi;  // unreachable
+}
+
+// The CPU and CUDA kernels read nn.Linear rows: they take "eoi" only and refuse the prepared layout.
+inline void refuse_prepared_layout(WeightLayout l, const char* op, const char* backend) {
+  TORCH_CHECK_VALUE(l == WeightLayout::Eoi, op, ": weight_layout='eio' (prepared, K-major weights) is not supported "
+                    "by the ", backend, " kernels, which read nn.Linear [L, N, K] weights; prepare the weights with "
+                    "weight_layout='eoi' on ", backend, " (StaticMoE does so for modules that live there; "
+                    "static_moe.layouts.to_eoi converts prepared tensors back exactly)");
+}
+
+// Weight format of an "eio" tensor from its dtype (fp8 MX counts as fp8: it holds the same e4m3fn codes).
+inline Format weight_format_eio(const at::Tensor& w, const char* op, const char* name) {
+  auto t = w.scalar_type();
+  if (t == c10::ScalarType::BFloat16) return Format::BF16;
+  if (t == c10::ScalarType::Float8_e4m3fn || t == c10::ScalarType::UInt32) return Format::FP8;
+  if (t == c10::ScalarType::UInt16) return Format::FP4;
+  TORCH_CHECK_TYPE(false, op, ": ", name,
+                   " must have a weight dtype of weight_layout='eio': torch.bfloat16 (bf16), torch.float8_e4m3fn "
+                   "(fp8, float32 scales), torch.uint32 (fp8 MX, UE8M0 scales) or torch.uint16 (fp4), got ",
+                   dtype_name(t));
+  return Format::BF16;  // unreachable
+}
+
+inline Format weight_format_in(const at::Tensor& w, WeightLayout l, const char* op, const char* name) {
+  return l == WeightLayout::Eio ? weight_format_eio(w, op, name) : weight_format(w, op, name);
+}
+
+// Output dim N of a 3-D weight tensor in a layout.
+inline int64_t weight_n(const at::Tensor& w, WeightLayout l) { return l == WeightLayout::Eio ? w.size(2) : w.size(1); }
+
+// An "eio" weight and its scale (table above). L, N, K are the logical sizes (-1: any, taken from w). Returns the
+// format. The UE8M0 NaN byte is a value check, separate as for "eoi".
+inline Format check_weight_eio(const at::Tensor& w, const std::optional<at::Tensor>& scale, const char* op,
+                               const char* w_name, const char* scale_name, int64_t L, int64_t N, int64_t K) {
+  check_defined(w, op, w_name);
+  const Format f = weight_format_eio(w, op, w_name);
+  const auto t = w.scalar_type();
+  const bool packed = t == c10::ScalarType::UInt32 || t == c10::ScalarType::UInt16;  // 4 K values per element
+  check_dim(w, op, w_name, 3, packed ? "[L, K/4, N] (weight_layout='eio')" : "[L, K, N] (weight_layout='eio')");
+  if (L < 0) L = w.size(0);
+  if (N < 0) N = w.size(2);
+  if (K < 0) K = packed ? checked_mul(4, w.size(1), op, "K = 4 * w.size(1)") : w.size(1);
+  const bool has_scale = scale.has_value() && scale->defined();
+  if (f == Format::BF16) {
+    check_shape(w, op, w_name, {L, K, N}, "[L, K, N] (weight_layout='eio')");
+    TORCH_CHECK_VALUE(!has_scale, op, ": ", scale_name, " must be None for bf16 ", w_name,
+                      ", got a tensor of shape ", shape_str(scale->sizes()));
+    return f;
+  }
+  const int64_t block = f == Format::FP8 ? 128 : 32;
+  check_divisible(K, op, (std::string("K of ") + format_name(f) + " " + w_name).c_str(), block);
+  if (t == c10::ScalarType::Float8_e4m3fn) {
+    check_shape(w, op, w_name, {L, K, N}, "[L, K, N] (weight_layout='eio')");
+    TORCH_CHECK_VALUE(has_scale, op, ": ", scale_name, " is required for fp8 ", w_name,
+                      " (float32 [L, K/128, N] under weight_layout='eio'), got None");
+    check_dtype(*scale, op, scale_name, c10::ScalarType::Float);
+    check_shape(*scale, op, scale_name, {L, K / 128, N}, "[L, K/128, N] (weight_layout='eio')");
+  } else {
+    const char* what = t == c10::ScalarType::UInt32 ? "fp8 MX " : "fp4 ";
+    check_shape(w, op, w_name, {L, K / 4, N}, "[L, K/4, N] (weight_layout='eio')");
+    TORCH_CHECK_VALUE(has_scale, op, ": ", scale_name, " is required for ", what, w_name,
+                      " (UE8M0 uint8 or float8_e8m0fnu [L, K/32, N] under weight_layout='eio'), got None");
+    check_dtype_in(*scale, op, scale_name, {c10::ScalarType::Byte, c10::ScalarType::Float8_e8m0fnu});
+    check_shape(*scale, op, scale_name, {L, K / 32, N}, "[L, K/32, N] (weight_layout='eio')");
+  }
+  check_same_device(*scale, op, scale_name, w, w_name);
+  return f;
+}
+
+inline Format check_weight_in(WeightLayout l, const at::Tensor& w, const std::optional<at::Tensor>& scale,
+                              const char* op, const char* w_name, const char* scale_name, int64_t L, int64_t N,
+                              int64_t K) {
+  return l == WeightLayout::Eio ? check_weight_eio(w, scale, op, w_name, scale_name, L, N, K)
+                                : check_weight(w, scale, op, w_name, scale_name, L, N, K);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -30,10 +30,13 @@ constexpr int64_t kColumnChunk = 512;
 constexpr int64_t kParallelMacs = 1 << 18; // below this many multiply-adds one thread beats waking a team
 
 at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>& a_scale, const at::Tensor& b,
-                           const std::optional<at::Tensor>& b_scale, const at::Tensor& row_mask, int64_t expert) {
+                           const std::optional<at::Tensor>& b_scale, const at::Tensor& row_mask, int64_t expert,
+                           c10::string_view weight_layout) {
   const char* op = "expert_gemm";
-  const checks::ExpertGemmShape sh = checks::check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert);
+  const checks::WeightLayout layout = checks::parse_weight_layout({weight_layout.data(), weight_layout.size()}, op);
+  const checks::ExpertGemmShape sh = checks::check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert, layout);
   checks::check_device_type(a, op, "a", c10::DeviceType::CPU);
+  checks::refuse_prepared_layout(layout, op, "CPU");
   const cpu::Isa isa = cpu::isa_for_call(op);
   const int64_t R = sh.rows, K = sh.k, N = sh.n;
 

@@ -402,3 +402,19 @@ def prepare_weight(w: torch.Tensor, s: torch.Tensor | None, target: str
             return *to_eio(w, s), "eio"
         return *to_eio(w, s, mx=scales_are_pow2(s)), "eio"
     return *to_eio(w, s), "eio"
+
+
+def prepare_expert_weights(w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
+                           w2_scale: torch.Tensor | None, target: str):
+    """A layer's EOI ``w13 [L, 2I, H]`` / ``w2 [L, H, I]`` (and scales) prepared together for a target.
+
+    Returns ``(w13, w13_scale, w2, w2_scale, weight_layout)``. As :func:`prepare_weight`, except that on trn3 the
+    fp8 MX form is taken only when the scales of *both* are powers of two (the ops want one form for both), else
+    both stay plain EIO fp8."""
+    check_target(target, "prepare_expert_weights")
+    if target == "trn3" and layout_format(w13, "eoi") == "fp8" and layout_format(w2, "eoi") == "fp8":
+        mx = scales_are_pow2(w13_scale) and scales_are_pow2(w2_scale)
+        a, b = to_eio(w13, w13_scale, mx=mx), to_eio(w2, w2_scale, mx=mx)
+        return a[0], a[1], b[0], b[1], "eio"
+    a, b = prepare_weight(w13, w13_scale, target), prepare_weight(w2, w2_scale, target)
+    return a[0], a[1], b[0], b[1], a[2]

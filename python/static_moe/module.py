@@ -4,7 +4,8 @@
 experts with routing from any router. Construction is collective over the EP group (it acquires the layer's
 workspace, shared with every layer of the same spec on the same group); ``close()`` gives it back.
 
-Weights (parameters, ``requires_grad=False``; layout "EOI" as nn.Linear stores them, SPEC §1.2):
+Weights (parameters, ``requires_grad=False``), given and saved in layout "EOI" as nn.Linear stores them
+(SPEC §1.2):
 
 =============  ==============================  =====================================================
 name           shape                           dtype
@@ -20,6 +21,15 @@ Ways to fill them: :meth:`StaticMoE.from_module` (transformers 5.x fused ``gate_
 :meth:`StaticMoE.from_deepseek_state_dict` (checkpoints: per-expert or fused keys; fp8 with 128×128 block scales,
 fp4 e2m1 + UE8M0, bf16), :meth:`set_expert_weights`, or ``load_state_dict`` (validated like set_expert_weights).
 The ``from_*`` constructors are collective over the EP group: an error on one rank raises on every rank.
+
+Prepared layout (SPEC §1.2): a layer holds its weights in the layout its device's kernels read — EOI (the table
+above) on CPU and CUDA; on a Neuron device (xla / neuron / privateuseone) the K-major EIO forms of
+``static_moe.layouts`` (w13 [L, H, 2I], w2 [L, I, H]; fp4 uint16 [L, K/4, N]), with fp8 re-encoded for trn2
+(``reencode_fp8_for_trn2``) and, on trn3, the MX form (uint32 + UE8M0) when every fp8 scale is a power of two.
+``prepare_for=`` ("cpu", "cuda", "trn2", "trn3") asks for a target explicitly, whatever the device (e.g. to
+run the Neuron path on CPU tensors through the reference or the NKI interpreter). Every loader prepares the same
+way; ``weight_layout`` says the result, ``expert_weights()`` gives the weights back in EOI, and ``state_dict()``
+always saves EOI, so a state dict loads into a layer prepared for any device.
 ``static_moe.integrations.transformers.replace_moe_blocks`` does the conversion for a whole transformers model.
 """
 
@@ -42,6 +52,7 @@ from .formats import (
     quantize_activation,
     quantize_weight,
 )
+from .layouts import check_target, prepare_expert_weights, target_layout, to_eoi
 from .ops.forward import forward as _forward_op
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -174,6 +185,37 @@ class _FixedFormats(nn.Module):
     forward, a move its workspace cannot follow).
     """
 
+    # The device the weights are prepared for (SPEC §1.2 "prepared layout"): "cpu" / "cuda" keep nn.Linear's EOI,
+    # "trn2" / "trn3" hold the K-major EIO forms of static_moe.layouts. Set before the weights are created.
+    prepare_for: str = "cpu"
+
+    @property
+    def weight_layout(self) -> str:
+        """The layout the weights are held in and handed to the op: "eoi" (CPU, CUDA) or "eio" (Neuron)."""
+        return target_layout(self.prepare_for)
+
+    def expert_weights(self) -> dict:
+        """The weights in EOI (nn.Linear) form, whatever layout they are held in: {"w13", "w13_scale", "w2",
+        "w2_scale"} → tensor or None (bf16 has no scales). EOI-held weights are returned as they are (no copy);
+        prepared ones are converted back exactly (new tensors). On trn2, fp8 blocks that were re-encoded at load
+        come back re-encoded (static_moe.layouts.reencode_fp8_for_trn2: the same values except the documented
+        smallest codes); on trn3, MX fp8 comes back as float8_e4m3fn with float32 power-of-two scales."""
+        held = {n: getattr(self, n) for n in _WEIGHT_NAMES}
+        if self.weight_layout == "eoi":
+            return held
+        w13, s13 = to_eoi(held["w13"].detach(), None if held["w13_scale"] is None else held["w13_scale"].detach())
+        w2, s2 = to_eoi(held["w2"].detach(), None if held["w2_scale"] is None else held["w2_scale"].detach())
+        return {"w13": w13, "w13_scale": s13, "w2": w2, "w2_scale": s2}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # The saved layout is always EOI (nn.Linear's, SPEC §1.2), so a state dict loads into a layer prepared for
+        # any device; prepared weights are converted back exactly (a copy per tensor while saving).
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight_layout != "eoi":
+            for name, t in self.expert_weights().items():
+                if t is not None:
+                    destination[prefix + name] = t
+
     def _apply(self, fn, recurse=True):
         def device_part_only(t):
             out = fn(t)
@@ -191,7 +233,9 @@ class _FixedFormats(nn.Module):
         if all(given[n] is not None or getattr(self, n) is None for n in _WEIGHT_NAMES):
             checked = _checked_weights(f"{type(self).__name__} state dict {prefix or '(root)'}", self._weight_shapes(),
                                        self.weight_format, given)
-            state_dict = {**state_dict, **{prefix + n: t for n, t in checked.items() if t is not None}}
+            prepared = _prepared(self, checked)  # EOI in the state dict, the held layout in the module
+            _match_parameters(self, prepared)
+            state_dict = {**state_dict, **{prefix + n: t for n, t in prepared.items() if t is not None}}
         gate = state_dict.get(prefix + "gate_weight")
         if gate is not None and getattr(self, "gate_weight", None) is not None:
             state_dict = {**state_dict, prefix + "gate_weight": _checked_gate(f"{prefix}gate_weight", gate,
@@ -218,8 +262,9 @@ class SharedExpert(_FixedFormats):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, weight_format: str = "bf16",
                  swiglu_limit: float | None = None, fp8_max: float = FP8_E4M3FN_MAX, gated: bool = False,
-                 device=None):
+                 device=None, prepare_for: str | None = None):
         super().__init__()
+        self.prepare_for = _resolve_target(prepare_for, torch.device("cpu") if device is None else torch.device(device))
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.intermediate_size = _positive_int("shared intermediate_size", intermediate_size)
         if hidden_size % 128 or intermediate_size % 128:
@@ -257,7 +302,8 @@ class SharedExpert(_FixedFormats):
         idx = torch.zeros((t, 1), dtype=torch.int32, device=x.device)
         weights = torch.ones((t, 1), dtype=torch.float32, device=x.device)
         out = torch.ops.static_moe.local_experts(x, x_scale, idx, weights, self.w13, self.w13_scale, self.w2,
-                                                 self.w2_scale, 0, self.swiglu_limit, self.fp8_max)
+                                                 self.w2_scale, 0, self.swiglu_limit, self.fp8_max,
+                                                 self.weight_layout)
         if self.gate_weight is not None:
             if gate_input is None:
                 raise ValueError("this shared expert is gated: pass gate_input, the float hidden states [T, H]")
@@ -267,23 +313,61 @@ class SharedExpert(_FixedFormats):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"weight_format={self.weight_format!r}, swiglu_limit={self.swiglu_limit}"
-                + (", gated" if self.gate_weight is not None else ""))
+                + (", gated" if self.gate_weight is not None else "")
+                + (f", prepare_for={self.prepare_for!r}" if self.weight_layout != "eoi" else ""))
 
 
 _WEIGHT_NAMES = ("w13", "w13_scale", "w2", "w2_scale")
 
 
+_NEURON_DEVICE_TYPES = ("xla", "neuron", "privateuseone")
+
+
+def _resolve_target(prepare_for, device: torch.device) -> str:
+    """The device kind weights are prepared for: ``prepare_for`` when given ("cpu", "cuda", "trn2", "trn3"),
+    else from the device — a Neuron device (xla / neuron / privateuseone) is trn3 when the NKI target has OCP
+    e4m3fn on chip (static_moe.nki.dispatch), trn2 otherwise; CUDA is "cuda"; anything else "cpu"."""
+    if prepare_for is not None:
+        return check_target(prepare_for, "prepare_for")
+    if device.type in _NEURON_DEVICE_TYPES:
+        from .nki.dispatch import _e4m3fn_native
+
+        return "trn3" if _e4m3fn_native() else "trn2"
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+def _prepared(module: nn.Module, checked: dict) -> dict:
+    """Checked EOI weights → the form ``module`` holds (static_moe.layouts.prepare_expert_weights)."""
+    w13, s13, w2, s2, _ = prepare_expert_weights(checked["w13"], checked["w13_scale"], checked["w2"],
+                                                 checked["w2_scale"], module.prepare_for)
+    return {"w13": w13, "w13_scale": s13, "w2": w2, "w2_scale": s2}
+
+
+def _match_parameters(module: nn.Module, prepared: dict) -> None:
+    """Re-create the parameters whose dtype or shape the prepared form changes (on trn3 fp8 weights switch between
+    the MX form and plain EIO fp8 with their scales), so that a copy of ``prepared`` into them is exact."""
+    for name, t in prepared.items():
+        p = getattr(module, name)
+        if t is not None and p is not None and (p.dtype != t.dtype or p.shape != t.shape):
+            module._parameters[name] = nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device=p.device),
+                                                    requires_grad=False)
+
+
 def _init_weights(module: nn.Module, num_local, hidden, inter, fmt, device) -> None:
-    """Zero parameters in ``fmt`` (a layer computes zeros until weights are loaded)."""
+    """Zero parameters in ``fmt`` (a layer computes zeros until weights are loaded), in the layout the module
+    holds (``module.prepare_for`` must be set)."""
+    eoi = {}
     for name, shape in _weight_shapes(num_local, hidden, inter, fmt).items():
         if shape is None:
-            module.register_parameter(name, None)
+            eoi[name] = None
             continue
         dtype = _SCALE_DTYPE[fmt] if name.endswith("_scale") else _WEIGHT_DTYPE[fmt]
         t = torch.zeros(shape, dtype=dtype, device=device)
         if name.endswith("_scale") and fmt == "fp8":
             t.fill_(1.0)
-        module.register_parameter(name, nn.Parameter(t, requires_grad=False))
+        eoi[name] = t
+    for name, t in _prepared(module, eoi).items():
+        module.register_parameter(name, None if t is None else nn.Parameter(t.contiguous(), requires_grad=False))
 
 
 def _checked_weights(what: str, shapes: dict, fmt: str, given: dict) -> dict:
@@ -304,8 +388,11 @@ def _checked_weights(what: str, shapes: dict, fmt: str, given: dict) -> dict:
 
 
 def _copy_checked(module: nn.Module, checked: dict) -> None:
+    """Store checked EOI weights in the module, prepared for its device (the one path of every loader)."""
+    prepared = _prepared(module, checked)
+    _match_parameters(module, prepared)
     with torch.no_grad():
-        for name, t in checked.items():
+        for name, t in prepared.items():
             if t is not None:
                 getattr(module, name).copy_(t)
 
@@ -346,6 +433,9 @@ class StaticMoE(_FixedFormats):
         ep_group: the EP process group (None: a single rank; with several ranks initialised it must be given).
         ep_size: optional check against the group's size.
         device: where weights and workspace live. Construction is collective over ep_group.
+        prepare_for: the target the weights are prepared for (module doc, SPEC §1.2): None (default) follows
+            ``device`` ("cpu"; "cuda"; a Neuron device → "trn3" if its NKI target has OCP e4m3fn, else "trn2"),
+            or one of "cpu", "cuda" (EOI) and "trn2", "trn3" (EIO). The shared expert is prepared alike.
 
     ``forward(hidden, topk_idx, topk_weights)``: hidden bf16 [..., H] (fp16 / fp32 are cast to bf16 first: the
     experts' activation format is bf16 or fp8), or, with act_format "fp8", a tuple ``(x_q float8_e4m3fn [..., H],
@@ -364,7 +454,7 @@ class StaticMoE(_FixedFormats):
                  swiglu_limit: float | None = None, shared_intermediate_size: int | None = None,
                  shared_weight_format: str | None = None, shared_swiglu_limit: float | None | str = "same",
                  ep_group=None, ep_size: int | None = None, device=None, fp8_max: float = FP8_E4M3FN_MAX,
-                 shared_gate: bool = False):
+                 shared_gate: bool = False, prepare_for: str | None = None):
         super().__init__()
         self.ep_size, self.ep_rank, self.group_name = _group_info(ep_group)
         self._closed = True  # until the workspace lease is held
@@ -373,7 +463,7 @@ class StaticMoE(_FixedFormats):
             _check_ep_size(ep_size, self.ep_size)
             self._configure(hidden_size, intermediate_size, num_experts, top_k, capacity, weight_format,
                             act_format, act_group, swiglu_limit, shared_intermediate_size, shared_weight_format,
-                            shared_swiglu_limit, device, fp8_max, shared_gate)
+                            shared_swiglu_limit, device, fp8_max, shared_gate, prepare_for)
         except (ValueError, TypeError) as e:
             error = e
         if self.ep_size > 1:
@@ -386,12 +476,13 @@ class StaticMoE(_FixedFormats):
 
     def _configure(self, hidden_size, intermediate_size, num_experts, top_k, capacity, weight_format, act_format,
                    act_group, swiglu_limit, shared_intermediate_size, shared_weight_format, shared_swiglu_limit,
-                   device, fp8_max, shared_gate):
+                   device, fp8_max, shared_gate, prepare_for=None):
         device = torch.device("cpu") if device is None else torch.device(device)
         if device.type == "meta":
             raise ValueError("StaticMoE cannot live on the meta device: it owns a workspace of real buffers; "
                              "build it on the target device and load weights")
         self._device = device
+        self.prepare_for = _resolve_target(prepare_for, device)
         self.swiglu_limit = _check_swiglu_limit("swiglu_limit", swiglu_limit)
         self.fp8_max = _check_fp8_max(fp8_max)
         # WorkspaceSpec checks sizes, divisibility, formats and the format pair.
@@ -410,7 +501,8 @@ class StaticMoE(_FixedFormats):
             limit = self.swiglu_limit if shared_swiglu_limit == "same" else shared_swiglu_limit
             self.shared = SharedExpert(hidden_size, shared_intermediate_size,
                                        weight_format=shared_weight_format or weight_format, swiglu_limit=limit,
-                                       fp8_max=self.fp8_max, gated=bool(shared_gate), device=device)
+                                       fp8_max=self.fp8_max, gated=bool(shared_gate), device=device,
+                                       prepare_for=self.prepare_for)
         else:
             if shared_weight_format is not None or shared_gate:
                 raise ValueError("shared_weight_format / shared_gate were given without shared_intermediate_size")
@@ -653,7 +745,7 @@ class StaticMoE(_FixedFormats):
             return _forward_op(hidden, None, topk_idx, topk_weights, self.w13, self.w13_scale, self.w2,
                                self.w2_scale, None, num_experts=self.num_experts, capacity=self.capacity,
                                swiglu_limit=self.swiglu_limit, group_name=self.group_name, ep_rank=self.ep_rank,
-                               ep_size=self.ep_size, fp8_max=self.fp8_max)
+                               ep_size=self.ep_size, fp8_max=self.fp8_max, weight_layout=self.weight_layout)
         out_dtype = hidden.dtype if isinstance(hidden, torch.Tensor) else torch.bfloat16
         if self.w13.device != self._device:
             raise RuntimeError(f"this layer was built for {self._device} (its workspace lives there) but its weights "
@@ -677,7 +769,7 @@ class StaticMoE(_FixedFormats):
         out = _forward_op(x, x_scale, topk_idx, topk_weights, self.w13, self.w13_scale, self.w2, self.w2_scale,
                           shared_out, num_experts=self.num_experts, capacity=self.capacity,
                           swiglu_limit=self.swiglu_limit, group_name=self.group_name, ep_rank=self.ep_rank,
-                          ep_size=self.ep_size, fp8_max=self.fp8_max)
+                          ep_size=self.ep_size, fp8_max=self.fp8_max, weight_layout=self.weight_layout)
         return out.reshape(*lead, self.hidden_size).to(out_dtype)
 
     def extra_repr(self) -> str:
@@ -686,7 +778,8 @@ class StaticMoE(_FixedFormats):
                 f"top_k={self.top_k}, capacity={self.capacity}, weight_format={self.weight_format!r}, "
                 f"act_format={self.act_format!r}" + (f", act_group={self.act_group}" if self.act_group else "")
                 + (f", fp8_max={self.fp8_max}" if self.act_group else "")
-                + f", swiglu_limit={self.swiglu_limit}, ep={self.ep_rank}/{self.ep_size}")
+                + f", swiglu_limit={self.swiglu_limit}, ep={self.ep_rank}/{self.ep_size}"
+                + (f", prepare_for={self.prepare_for!r}" if self.weight_layout != "eoi" else ""))
 
 
 # ----------------------------------------------------------------------------------------------------------------

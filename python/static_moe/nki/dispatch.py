@@ -17,6 +17,11 @@ Argument normalisation, shared by the three paths (the kernels take only NKI dty
 int32 (ids are < 2^31 by construction), ``topk_weights`` widened to float32. trn2 quantizes z with
 ``fp8_max <= 240`` (its on-chip fp8 is ``float8_e4m3``); asking for 448 there is an error, not a silent change
 of numerics (trn3, with native e4m3fn, accepts it).
+
+Weight layout: the ops' trailing ``weight_layout`` ("eoi", or the prepared K-major "eio" of
+``static_moe.layouts``) reaches the kernels as the keyword argument ``weight_layout=``. It is passed only when
+it is not "eoi", so kernels written before the prepared layout keep working on "eoi" calls (and an "eio" call
+to such a kernel fails loudly with a TypeError about the unknown keyword, instead of misreading the bytes).
 """
 
 from __future__ import annotations
@@ -39,13 +44,20 @@ def _u8(t):
     return t
 
 
-def _check(name: str, *args) -> None:
+def _check(name: str, *args, **kwargs) -> None:
     """Run the op's shared argument checks (csrc/checks, exposed as ``static_moe._C.check_<op>``) when built."""
     from .. import _C
 
     fn = getattr(_C, f"check_{name}", None)
     if fn is not None:
-        fn(*args)
+        fn(*args, **kwargs)
+
+
+def _layout_flags(weight_layout: str) -> dict:
+    """The kernels' ``weight_layout=`` keyword: given only when it is not the default "eoi" (module doc)."""
+    from ..layouts import check_weight_layout
+
+    return {} if check_weight_layout(weight_layout) == "eoi" else {"weight_layout": weight_layout}
 
 
 def expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert):
@@ -97,23 +109,25 @@ def _e4m3fn_native() -> bool:
     return get_target().name == "trn3"
 
 
-def expert_gemm(a, a_scale, b, b_scale, row_mask, expert, *, skip_unrouted: bool = True):
+def expert_gemm(a, a_scale, b, b_scale, row_mask, expert, weight_layout="eoi", *, skip_unrouted: bool = True):
     """``torch.ops.static_moe.expert_gemm`` through the NKI kernel: on the Neuron device when the tensors live
-    there, else through the simulator / interpreter. Returns bf16 [R, N] on the inputs' device."""
-    _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert)
+    there, else through the simulator / interpreter. Returns bf16 [R, N] on the inputs' device.
+    ``weight_layout``: "eoi" or "eio" (static_moe.layouts), handed to the kernel as a keyword (module doc)."""
+    _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert, weight_layout=weight_layout)
     args = expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert)
-    return _launch("expert_gemm", args, _on_neuron(a), skip_unrouted=skip_unrouted)
+    return _launch("expert_gemm", args, _on_neuron(a), skip_unrouted=skip_unrouted, **_layout_flags(weight_layout))
 
 
 def local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                  swiglu_limit=None, fp8_max=448.0, *, skip_unrouted: bool = True):
+                  swiglu_limit=None, fp8_max=448.0, weight_layout="eoi", *, skip_unrouted: bool = True):
     """``torch.ops.static_moe.local_experts`` through the fused NKI kernel (device, or simulator / interpreter).
-    Returns float32 [R, H]."""
+    Returns float32 [R, H]. ``weight_layout``: "eoi" or "eio", handed to the kernel as a keyword (module doc)."""
     _check("local_experts", x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-           swiglu_limit, fp8_max)
+           swiglu_limit, fp8_max, weight_layout=weight_layout)
     args = local_experts_args(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
                               swiglu_limit, fp8_max, _e4m3fn_native())
-    return _launch("local_experts", args, _on_neuron(x), skip_unrouted=skip_unrouted)
+    return _launch("local_experts", args, _on_neuron(x), skip_unrouted=skip_unrouted,
+                   **_layout_flags(weight_layout))
 
 
 # ------------------------------------------------------------------------------------------- registration

@@ -38,7 +38,7 @@ from torch.profiler import record_function
 from .. import _C
 from .. import workspace as _workspace
 from ..formats import FP8_E4M3FN_MAX, as_uint8
-from ..formats import weight_format as _weight_format
+from ..layouts import layout_format as _layout_format
 from ..reference.pack_rows import pack_layout, part_nbytes
 from . import step_status as _status
 
@@ -64,6 +64,12 @@ def _shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 
 
+def _weight_format(w: torch.Tensor, weight_layout: str = "eoi") -> str:
+    """The weight format ("bf16", "fp8", "fp4") of w13 in a layout; fp8 MX is fp8 (the same e4m3fn codes)."""
+    fmt = _layout_format(w, weight_layout)
+    return "fp8" if fmt == "fp8_mx" else fmt
+
+
 def _symbolic(*tensors: torch.Tensor | None) -> bool:
     """Whether any size is symbolic (torch.compile with dynamic shapes): the C++ checks cannot read those."""
     return any(isinstance(s, torch.SymInt) for t in tensors if t is not None for s in t.shape)
@@ -71,7 +77,7 @@ def _symbolic(*tensors: torch.Tensor | None) -> bool:
 
 def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                   num_experts: int, capacity: int, swiglu_limit, ep_rank: int, ep_size: int,
-                  fp8_max: float = FP8_E4M3FN_MAX) -> ForwardDims:
+                  fp8_max: float = FP8_E4M3FN_MAX, weight_layout: str = "eoi") -> ForwardDims:
     """Metadata-only checks of forward's arguments (SPEC §5), shared by the kernel and the fake.
 
     What forward hands on to local_experts — activation dtype, x_scale and the activation group, routing dtypes and
@@ -81,7 +87,8 @@ def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
     those checks exists once, and it runs here, before the pack and the all-gather touch any buffer. Checked here:
     what is forward's own — positive H, I and k (the workspace is sized by them), T ≤ C, the EP topology and
     shared_output. Under symbolic sizes (torch.compile with dynamic shapes) the C++ check cannot read sizes and
-    is left to the kernel, as in local_experts' fake.
+    is left to the kernel, as in local_experts' fake. ``weight_layout`` ("eoi" or the prepared "eio") says how
+    w13 / w2 are laid out; local_experts' check validates it and the shapes it implies.
 
     Raises ValueError / TypeError naming the argument, what was expected and what came. Reads no tensor values.
     """
@@ -96,17 +103,19 @@ def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
     # --- everything local_experts will be given (its offset ep_rank·L >= 0 is checked above, so 0 stands in) ----
     if not _symbolic(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale):
         _C.check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, 0, swiglu_limit,
-                               fp8_max, "forward")
+                               fp8_max, "forward", weight_layout)
     t, h = x.shape
     act = "fp8" if x.dtype == torch.float8_e4m3fn else "bf16"
     group = h // x_scale.shape[1] if act == "fp8" else 0
-    num_local, inter, k = w13.shape[0], w13.shape[1] // 2, topk_idx.shape[1]
+    n13 = w13.shape[2] if weight_layout == "eio" else w13.shape[1]
+    num_local, inter, k = w13.shape[0], n13 // 2, topk_idx.shape[1]
 
     # --- forward's own -----------------------------------------------------------------------------------------
     if h == 0:
         raise ValueError(f"forward: H (x.size(1)) must be a positive multiple of 128, got {h}")
     if inter == 0:
-        raise ValueError(f"forward: I (w13.size(1) / 2) must be a positive multiple of 128, got {inter}")
+        raise ValueError(f"forward: I (2I = w13.size({2 if weight_layout == 'eio' else 1}) / 2) must be a positive "
+                         f"multiple of 128, got {inter}")
     if k == 0:
         raise ValueError(f"forward: topk_idx must be [T={t}, k ≥ 1], got shape {_shape(topk_idx)}")
     if t > capacity:
@@ -125,7 +134,7 @@ def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
         if shared_output.device != x.device:
             raise ValueError(f"forward: shared_output must be on the same device as x ({x.device}), got "
                              f"{shared_output.device}")
-    return ForwardDims(t, h, inter, num_local, k, act, group, _weight_format(w13))
+    return ForwardDims(t, h, inter, num_local, k, act, group, _weight_format(w13, weight_layout))
 
 
 def workspace_spec(dims: ForwardDims, num_experts: int, capacity: int, ep_size: int,
@@ -208,7 +217,7 @@ def check_weight_scale_values(w13_scale, w2_scale, weight_format: str) -> None:
             continue
         if s.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             continue
-        if weight_format == "fp4":
+        if weight_format == "fp4" or s.dtype in (torch.uint8, torch.float8_e8m0fnu):  # UE8M0 (fp4, fp8 MX)
             bad = as_uint8(s).reshape(-1) == 255
             what = "the UE8M0 NaN byte 255"
         else:
@@ -230,24 +239,27 @@ def _packed_parts(x, x_scale, topk_idx, topk_weights) -> list[torch.Tensor]:
 
 @torch.library.impl("static_moe::forward", "CompositeExplicitAutograd")
 def _forward_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                    num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX):
+                    num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX,
+                    weight_layout="eoi"):
     if isinstance(ep_size, int) and ep_size > 1:
         return _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                                   num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max)
+                                   num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max,
+                                   weight_layout)
     dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                         num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max)
+                         num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max, weight_layout)
     if x.device.type == "cpu":
         check_topk_range(topk_idx, num_experts)  # free on the host; device inputs: see forward()
         check_scale_range(x_scale)
     with record_function(PHASE_PREFIX + "pack"):
         parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
         packed = torch.ops.static_moe.pack_rows(parts, capacity)
-    acc = _local_step(packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, swiglu_limit, fp8_max)
+    acc = _local_step(packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, swiglu_limit, fp8_max,
+                      weight_layout)
     return _combine(acc, dims.tokens, shared_output)
 
 
 def _local_step(gathered, parts, has_scale, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit,
-                fp8_max) -> torch.Tensor:
+                fp8_max, weight_layout="eoi") -> torch.Tensor:
     """unpack every part of the gathered rows, then local_experts: fp32 [rows, H]."""
     with record_function(PHASE_PREFIX + "unpack"):
         spans, _ = pack_layout([part_nbytes(p) for p in parts])
@@ -257,7 +269,7 @@ def _local_step(gathered, parts, has_scale, w13, w13_scale, w2, w2_scale, expert
         g_idx, g_w = g[-2], g[-1]
     with record_function(PHASE_PREFIX + "local_experts"):
         return torch.ops.static_moe.local_experts(g_x, g_xs, g_idx, g_w, w13, w13_scale, w2, w2_scale,
-                                                  expert_offset, swiglu_limit, fp8_max)
+                                                  expert_offset, swiglu_limit, fp8_max, weight_layout)
 
 
 def _combine(scattered, tokens, shared_output):
@@ -269,7 +281,8 @@ def _combine(scattered, tokens, shared_output):
 
 
 # --- the collective step (S > 1) -----------------------------------------------------------------------------
-def _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, ep_size) -> dict:
+def _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, ep_size,
+                 weight_layout="eoi") -> dict:
     """What this rank's call says about the configuration every rank must share, read leniently from metadata (a
     field its arguments are too malformed to give is None); values as WorkspaceSpec spells them."""
     def dim(t, n, d):
@@ -281,10 +294,10 @@ def _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit,
     groups = dim(x_scale, 2, 1) if act == "fp8" else None
     if hidden and groups and hidden % groups == 0:
         group = hidden // groups
-    two_i = dim(w13, 3, 1)
+    two_i = dim(w13, 3, 2 if weight_layout == "eio" else 1)
     try:
-        wfmt = _weight_format(w13)
-    except (TypeError, AttributeError):
+        wfmt = _weight_format(w13, weight_layout)
+    except (TypeError, AttributeError, ValueError):
         wfmt = None
     limit_ok = swiglu_limit is None or _finite_f32(swiglu_limit)
     return dict(capacity=capacity if isinstance(capacity, int) else None, hidden=hidden,
@@ -396,19 +409,19 @@ def _capturing(t: torch.Tensor) -> bool:
 
 def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                         num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max,
-                        retry: bool = True):
+                        weight_layout="eoi", retry: bool = True):
     pg, size, rank = _resolve_group(group_name, ep_size)
     error, dims = None, None
     try:
         _check_topology(group_name, size, rank, ep_rank, ep_size)
         dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                             num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max)
+                             num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max, weight_layout)
         check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)
     except (ValueError, TypeError, RuntimeError, IndexError, AttributeError) as e:
         if _capturing(x):
             raise  # a graph being captured runs nothing now: there is no step to keep in step
         error = e
-    cfg = _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, size)
+    cfg = _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, size, weight_layout)
     spec = _spec_of(cfg, x.device)
     ws = _workspace.current_frame(group_name)
     if ws is None:  # the group's first step (every rank alike): agree on a workspace first
@@ -456,12 +469,12 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
                 raise RuntimeError("forward: internal error: no workspace fits the step after acquiring one")
             return _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
                                        shared_output, num_experts, capacity, swiglu_limit, group_name, ep_rank,
-                                       ep_size, fp8_max, retry=False)
+                                       ep_size, fp8_max, weight_layout, retry=False)
 
     kernel_error = None
     try:
         acc = _local_step(gathered[:, :pw], parts, x_scale is not None, w13, w13_scale, w2, w2_scale,
-                          ep_rank * dims.num_local, swiglu_limit, fp8_max)
+                          ep_rank * dims.num_local, swiglu_limit, fp8_max, weight_layout)
     except (ValueError, TypeError, RuntimeError) as e:
         # Not expected (everything a kernel checks was checked before the all-gather), but the other ranks are
         # already on their way to the reduce-scatter: take part with NaN, so their outputs show it, then raise.
@@ -484,10 +497,11 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
 
 @torch.library.register_fake("static_moe::forward")
 def _forward_fake(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                  num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX):
+                  num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX,
+                  weight_layout="eoi"):
     try:
         dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                             num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max)
+                             num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max, weight_layout)
     except (ValueError, TypeError):
         # S > 1: the kernel reports this error on every rank at run time. Raising here, at trace time on this
         # rank only, would leave the others' compiled steps waiting in the all-gather.
@@ -505,7 +519,7 @@ def _tracing() -> bool:
 
 def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output=None, *,
             num_experts: int, capacity: int, swiglu_limit=None, group_name: str = "", ep_rank: int = 0,
-            ep_size: int = 1, fp8_max: float = FP8_E4M3FN_MAX) -> torch.Tensor:
+            ep_size: int = 1, fp8_max: float = FP8_E4M3FN_MAX, weight_layout: str = "eoi") -> torch.Tensor:
     """bf16 [T, H]: the routed experts of one MoE layer over this rank's T ≤ capacity tokens (SPEC §0).
 
     Args:
@@ -520,6 +534,9 @@ def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, sh
             §1.7), in [2, 448]: 448 for OCP float8_e4m3fn; use 240 on Trainium2, whose on-chip float8_e4m3 tops
             out there (its NKI kernel refuses 448 rather than change the numerics). x itself may hold e4m3fn
             values up to 448 either way. Ignored with bf16 x.
+        weight_layout: "eoi" (nn.Linear [L, N, K], above) or "eio", the prepared K-major forms of
+            ``static_moe.layouts`` (SPEC §1.2: w13 [L, H, 2I], w2 [L, I, H]; fp8 MX uint32 / fp4 uint16
+            [L, K/4, N]). The reference and the NKI kernels take both; the CPU and CUDA kernels only "eoi".
 
     All tensors live on one device. Collective over the EP group when ep_size > 1: every rank must call it, and
     an error on any rank raises on every rank (docs/errors.md). With ep_size = 1 and device inputs in eager mode
@@ -531,4 +548,4 @@ def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, sh
         check_scale_range(x_scale)
     return torch.ops.static_moe.forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
                                         shared_output, num_experts, capacity, swiglu_limit, group_name, ep_rank,
-                                        ep_size, fp8_max)
+                                        ep_size, fp8_max, weight_layout)

@@ -13,24 +13,29 @@ from .. import _C
 
 
 def local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset: int,
-                  swiglu_limit=None, fp8_max: float = 448.0) -> torch.Tensor:
+                  swiglu_limit=None, fp8_max: float = 448.0, weight_layout: str = "eoi") -> torch.Tensor:
     """The fused step 2 of the forward: the weighted sum of this rank's experts' SwiGLU MLPs over the rows routed
     to them, ``acc[rows_e] += bf16(GEMM2(swiglu_and_cast(bf16(GEMM1(x, W13_e)), w_e), W2_e))`` in increasing e.
 
     x bf16 / float8_e4m3fn [R, H] (+ x_scale float32 [R, H/g]); topk_idx int32 / int64 [R, k] global ids or −1;
     topk_weights float32 / bf16 [R, k]; w13 [L, 2I, H], w2 [L, H, I] in one weight format (+ scales); local
     expert e has global id expert_offset + e. Returns float32 [R, H] (zero on rows routed to no local expert).
+
+    ``weight_layout="eio"``: w13 / w2 (and scales) are the prepared K-major forms of ``static_moe.layouts``
+    (w13 [L, H, 2I], w2 [L, I, H]; fp8 MX uint32 / fp4 uint16 [L, H/4, 2I], [L, I/4, H]), both of one dtype;
+    the reference and the NKI kernels take them, the CPU and CUDA kernels refuse them (ValueError).
     """
     return torch.ops.static_moe.local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
-                                              expert_offset, swiglu_limit, fp8_max)
+                                              expert_offset, swiglu_limit, fp8_max, weight_layout)
 
 
 @torch.library.register_fake("static_moe::local_experts")
 def _local_experts_fake(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                        swiglu_limit, fp8_max=448.0):
+                        swiglu_limit, fp8_max=448.0, weight_layout="eoi"):
     tensors = [x, topk_idx, topk_weights, w13, w2] + [t for t in (x_scale, w13_scale, w2_scale) if t is not None]
     if not any(isinstance(s, torch.SymInt) for t in tensors for s in t.shape) and not isinstance(expert_offset,
                                                                                                  torch.SymInt):
         _C.check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                               swiglu_limit, fp8_max)
-    return x.new_empty((x.shape[0], w2.shape[1]), dtype=torch.float32)
+                               swiglu_limit, fp8_max, weight_layout=weight_layout)
+    h = w2.shape[2] if weight_layout == "eio" else w2.shape[1]
+    return x.new_empty((x.shape[0], h), dtype=torch.float32)

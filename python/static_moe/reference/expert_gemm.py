@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import dequantize_activation, dequantize_weight
+from ..layouts import as_eoi, check_weight_layout
 
 
 def dequantize_a(a: torch.Tensor, a_scale: torch.Tensor | None) -> torch.Tensor:
@@ -21,13 +22,23 @@ def expert_gemm(
     b_scale: torch.Tensor | None,
     row_mask: torch.Tensor,
     expert: int,
+    weight_layout: str = "eoi",
 ) -> torch.Tensor:
     """``D[m, n] = bf16(Σ_k A[m, k]·B_e[n, k])`` on dequantized values, fp32 accumulation.
 
     a [R, K] bf16 / float8_e4m3fn (+ a_scale float32 [R, K/g]); b [L, N, K] bf16 / float8_e4m3fn (+ float32
     [L, N, K/128]) or uint8 [L, N, K/2] fp4 (+ UE8M0 uint8 [L, N, K/32]); row_mask bool [R].
     Returns bf16 [R, N], exact zeros on masked rows; masked rows are never read.
+
+    ``weight_layout="eio"``: b / b_scale are the prepared K-major forms of ``static_moe.layouts``; expert
+    ``expert``'s slice is brought back to EOI exactly (a byte permutation) and the maths is the same.
     """
+    if check_weight_layout(weight_layout, "expert_gemm") == "eio":
+        if not 0 <= expert < b.shape[0]:
+            raise ValueError(f"expert_gemm: expert={expert} is outside [0, {b.shape[0]})")
+        sl = slice(expert, expert + 1)
+        b, b_scale = as_eoi(b[sl], None if b_scale is None else b_scale[sl], "eio")
+        expert = 0
     rows = row_mask.nonzero().squeeze(1)
     out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
     if rows.numel() == 0:

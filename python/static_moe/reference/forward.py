@@ -34,11 +34,13 @@ def forward_simulated(
     capacity: int,
     swiglu_limit: float | None,
     fp8_max: float = FP8_E4M3FN_MAX,
+    weight_layout: str = "eoi",
 ) -> list[torch.Tensor]:
     """Per-rank lists (index = EP rank) → per-rank bf16 outputs [T_r, H].
 
     Rank r holds x [T_r, H] (bf16 or fp8 + x_scale [T_r, H/g]), routing [T_r, k], and its local weights
-    w13 [L, 2I, H], w2 [L, H, I] for global experts r·L … r·L+L−1 (L = num_experts / S).
+    w13 [L, 2I, H], w2 [L, H, I] for global experts r·L … r·L+L−1 (L = num_experts / S); with
+    ``weight_layout="eio"`` every rank's weights are in the prepared form of ``static_moe.layouts``.
     """
     check_swiglu_limit(swiglu_limit, "forward")
     if xs[0].dtype == torch.float8_e4m3fn:
@@ -55,7 +57,8 @@ def forward_simulated(
     acc = None
     for r in range(s):
         a = local_experts(
-            g_x, g_xs, g_idx, g_w, w13s[r], w13_scales[r], w2s[r], w2_scales[r], r * num_local, swiglu_limit, fp8_max
+            g_x, g_xs, g_idx, g_w, w13s[r], w13_scales[r], w2s[r], w2_scales[r], r * num_local, swiglu_limit, fp8_max,
+            weight_layout,
         )
         acc = a if acc is None else acc + a
     outs = []
@@ -85,12 +88,14 @@ def forward(
     ep_rank: int,
     ep_size: int,
     fp8_max: float = FP8_E4M3FN_MAX,
+    weight_layout: str = "eoi",
 ) -> torch.Tensor:
     """The op's signature at S = 1 (no collective): bf16 [T, H]. fp8_max: range of the fp8 re-quantization of the
-    SwiGLU output with fp8 x (448 OCP e4m3fn; 240 on trn2), as in local_experts."""
+    SwiGLU output with fp8 x (448 OCP e4m3fn; 240 on trn2), as in local_experts; weight_layout: "eoi" or the
+    prepared "eio" (static_moe.layouts), as in local_experts."""
     if ep_size != 1:
         raise ValueError(f"reference forward runs S = 1 only (got ep_size={ep_size}); use forward_simulated")
     return forward_simulated(
         [x], [x_scale], [topk_idx], [topk_weights], [w13], [w13_scale], [w2], [w2_scale],
-        [shared_output], num_experts, capacity, swiglu_limit, fp8_max,
+        [shared_output], num_experts, capacity, swiglu_limit, fp8_max, weight_layout,
     )[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import FP8_E4M3FN_MAX, check_fp8_max, check_swiglu_limit
+from ..layouts import as_eoi, check_weight_layout
 from .expert_gemm import expert_gemm
 from .swiglu_and_cast import swiglu_and_cast
 
@@ -33,13 +34,21 @@ def local_experts(
     expert_offset: int,
     swiglu_limit: float | None,
     fp8_max: float = FP8_E4M3FN_MAX,
+    weight_layout: str = "eoi",
 ) -> torch.Tensor:
     """Run the L local experts (global ids expert_offset … expert_offset+L−1) over the rows routed to them.
 
     x [R, H] bf16 or float8_e4m3fn (+ x_scale float32 [R, H/g]); topk_idx int32/int64 [R, k] (−1 = empty);
     topk_weights float32/bf16 [R, k]; w13 [L, 2I, H], w2 [L, H, I] in one weight format. Returns float32 [R, H]:
     ``acc[rows_e] += bf16(GEMM2(swiglu_and_cast(bf16(GEMM1(x, W13_e)), w_e), W2_e))``, experts in increasing id.
+
+    ``weight_layout="eio"``: the weights are the prepared K-major forms of ``static_moe.layouts`` (w13
+    [L, H, 2I], w2 [L, I, H], packed forms [L, K/4, N]); they are brought back to EOI exactly (a byte
+    permutation) and the maths is the same, so prepared and unprepared weights give the same bits.
     """
+    check_weight_layout(weight_layout, "local_experts")
+    w13, w13_scale = as_eoi(w13, w13_scale, weight_layout)
+    w2, w2_scale = as_eoi(w2, w2_scale, weight_layout)
     check_swiglu_limit(swiglu_limit, "local_experts")
     fp8_act = x.dtype == torch.float8_e4m3fn
     if fp8_act:

@@ -156,6 +156,11 @@ def _t(x, what: str, instr: str) -> NkiTensor:
 def _onchip(x, what: str, instr: str, allow_psum: bool = True) -> NkiTensor:
     x = _t(x, what, instr)
     check(x.gather is None, "indirect-view", f"{instr}: {what} is an indirect view (DMA only)")
+    check(not (x.dynamic and x._on_chip), "sbuf-indirect-operand",
+          f"{instr}: {what} is an on-chip view with a runtime offset (.ap(scalar_offset=...)); compute engines "
+          f"take static SBUF/PSUM access patterns only — the trn3 architecture guide lists engine-side SBUF "
+          f"indirection as a NeuronCore-v4 hardware feature with no NKI API, and the access-pattern page "
+          f"(deep-dives/nki-aps.rst) documents scalar_offset for DMA. Move runtime-indexed data with a DMA")
     check(x._on_chip, "compute-operand-in-hbm",
           f"{instr}: {what} is in {x.buffer.name}; compute engines read and write SBUF/PSUM only (DMA it in)")
     if not allow_psum:
@@ -255,10 +260,29 @@ def _operand(x, instr: str, what: str, dst: NkiTensor, fp32_tile: bool, int_ok: 
         return _f32(x)
     check(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) or isinstance(x, bool),
           "operand", f"{instr}: {what} must be a compile-time number or a (P, 1) tile, got {x!r}")
+    _check_immediate(x, instr, what)
     if int_ok:
         check(float(x) == int(x), "bitvec-dtype", f"{instr}: bitvec {what} must be an integer, got {x!r}")
         return np.int64(int(x))
     return np.float32(x)
+
+
+IMMEDIATE_BITS = 24  # significant bits of a float32: what a scalar operand field carries exactly
+
+
+def _check_immediate(x, instr: str, what: str) -> None:
+    """Integer immediates of ALU instructions must be exact in float32 (at most 24 significant bits, within the
+    32-bit range): the isa pages give scalar operands as float32 ("operand0 and operand1 (if used) must be
+    float32", tensor_scalar) and no wider encoding for bitvec immediates, so a wider constant (e.g. 0x07070707,
+    27 bits) has no documented representation. Pass it as a (P, 1) integer tile instead. Float immediates are
+    rounded to float32 as documented."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        return
+    v = int(x)
+    ok = -(1 << 31) <= v < (1 << 32) and int(np.float32(v)) == v
+    check(ok, "immediate-range", f"{instr}: integer immediate {what}={v:#x} needs more than {IMMEDIATE_BITS} "
+          f"significant bits (or lies outside 32 bits): scalar operands are float32 (isa tensor_scalar page), so it "
+          f"has no exact encoding; pass it as a (P, 1) integer tile operand (memset a uint32 tile)")
 
 
 def _cast(values: np.ndarray, dtype: np.dtype, instr: str) -> np.ndarray:
@@ -593,7 +617,8 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
 
 # ----------------------------------------------------------------------------------------------- elementwise
 def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
-    """Elementwise ``data1 op data2`` (Vector, or GpSimd); bitvec ops on raw integer bits."""
+    """Elementwise ``data1 op data2`` (Vector, or GpSimd for arithmetic); bitvec ops on raw integer bits, VectorE
+    only (``gpsimd-bitvec``)."""
     instr = "tensor_tensor"
     dst, a, b = _onchip(dst, "dst", instr), _onchip(data1, "data1", instr), _onchip(data2, "data2", instr)
     op = _check_op(op, instr, "op", ("arith", "bitvec"))
@@ -603,10 +628,15 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     _same_free(instr, dst, data1=a, data2=b)
     any_psum = any(t.buffer.name == "psum" for t in (dst, a, b))
     if op.is_bitvec:
+        check(_enum(engine, globals()["engine"], "engine") != globals()["engine"].gpsimd, "gpsimd-bitvec",
+              f"{instr}: bitvec nl.{op.name} on GpSimd is not documented (the isa pages give bitvec semantics for "
+              f"the Vector Engine: tensor_scalar 'must run on Vector Engine', and no public kernel runs bitwise "
+              f"tensor_tensor on GpSimd); run it on VectorE, or use an exact integer nl.add on GpSimd when the bit "
+              f"fields are disjoint")
         check(all(dt.is_int(t.dtype) for t in (dst, a, b)), "bitvec-dtype",
               f"{instr}: bitvec nl.{op.name} needs integer dtypes, got {dt.name(a.dtype)}, {dt.name(b.dtype)} -> "
               f"{dt.name(dst.dtype)}")
-        eng = _engine(engine, "vector", ("vector", "gpsimd"), instr, (dst, a, b))
+        eng = _engine(engine, "vector", ("vector",), instr, (dst, a, b))
         _store_bitvec(dst, _apply_bitvec(op, _raw(a).astype(np.int64), _raw(b).astype(np.int64), a.dtype, False), instr)
     else:
         int32s = (dt.int32, dt.uint32)
@@ -1053,6 +1083,10 @@ def _matmul_transpose(dst, st, mv, perf_mode, accumulate, spec):
               f"elements (upper byte zero); dst must be a 2-byte dtype, got {dt.name(dst.dtype)}")
         _store_raw(dst, raw.view(np.uint8).astype(np.uint16), psum_state=PSUM_OTHER)
     else:
+        check(st._itemsize != 1, "fp8-transpose",
+              f"{instr}: a TensorE transpose of 1-byte data ({dt.name(st.dtype)}) into 1-byte PSUM is documented "
+              f"for no NeuronCore version (only NeuronCore-v3's 16-bit PSUM form, trn2 architecture guide); "
+              f"transpose it as bf16 or as 2-/4-byte words (dma_transpose)")
         check(dst.dtype == st.dtype, "dtype-mismatch", f"{instr}: dst dtype {dt.name(dst.dtype)} must equal the "
               f"stationary dtype {dt.name(st.dtype)}")
         _store_raw(dst, raw, psum_state=PSUM_OTHER)
@@ -1070,6 +1104,11 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     check(dst.dtype == x.dtype, "dtype-mismatch", f"{instr}: dst dtype {dt.name(dst.dtype)} must equal data dtype "
           f"{dt.name(x.dtype)}")
     p, f = x.shape[0], x._free_size
+    check(not (eng == "tensor" and x._itemsize == 1), "fp8-transpose",
+          f"{instr}: a TensorE transpose of 1-byte data ({dt.name(x.dtype)}) into 1-byte PSUM is not documented: on "
+          f"NeuronCore-v3 an fp8 transpose writes 16-bit PSUM elements (trn2 architecture guide, 'Built-in "
+          f"Transpose Support'), and no public kernel transposes fp8 into fp8 PSUM. Load the data K-major (DMA) "
+          f"or transpose it as bf16 / as 2- or 4-byte words (dma_transpose)")
     lim = 128 if eng == "tensor" else 32
     check(p <= lim and f <= lim, "transpose-limits", f"{instr} on {eng}: data is {p}x{f}, at most {lim}x{lim}")
     if eng == "tensor":

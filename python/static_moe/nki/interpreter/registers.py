@@ -90,6 +90,10 @@ def register_load(dst: VirtualRegister, src, name=None) -> None:
     check(isinstance(dst, VirtualRegister), "register", "register_load dst must be a register")
     check(isinstance(src, NkiTensor) and src.size == 1 and src.buffer.name != "psum", "register",
           "register_load src must be a one-element SBUF or HBM tensor ([1] or [1, 1])")
+    check(not (src.dynamic and src._on_chip), "sbuf-indirect-operand",
+          "register_load src is an SBUF view with a runtime offset (.ap(scalar_offset=...)); the isa page takes a "
+          "one-element tensor and documents no indirection for it (engine-side SBUF indirection is a "
+          "NeuronCore-v4 feature without an NKI API, trn3 architecture guide). Load from a static tile")
     dst.set(scalar_value(src))
     current().cost.instr("sync", "register_load", 1, 1)
 
