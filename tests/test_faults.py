@@ -225,14 +225,16 @@ def _fault_worker(rank: int, size: int) -> list[dict]:
     # A kernel that fails after the all-gather anyway (not expected: every check runs before it): the failing rank
     # still joins the reduce-scatter, with NaN, then raises; the others' outputs are NaN, not silently wrong.
     import importlib
+    import inspect
 
     fwd = importlib.import_module("static_moe.ops.forward")
     real_step = fwd._local_step
 
-    def failing_step(*args):
-        if args[-3] > 0:  # the expert offset: rank > 0 only
+    def failing_step(*args, **kwargs):
+        offset = inspect.signature(real_step).bind(*args, **kwargs).arguments["expert_offset"]
+        if offset > 0:  # rank > 0 only
             raise RuntimeError("injected kernel failure")
-        return real_step(*args)
+        return real_step(*args, **kwargs)
 
     fwd._local_step = failing_step
     try:

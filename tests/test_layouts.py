@@ -419,3 +419,273 @@ def test_prepare_expert_weights_takes_mx_only_when_both_are_pow2():
     assert _same_bytes(out[2], want[0]) and _same_bytes(out[3], want[1])
     out = layouts.prepare_expert_weights(w13, s13, w2, s2, "cuda")
     assert out[0] is w13 and out[4] == "eoi"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ops' weight_layout argument (SPEC §4): reference, checks, CPU refusal, fakes / graphs, NKI dispatch
+# ---------------------------------------------------------------------------------------------------------------
+import static_moe  # noqa: E402  (registers the ops)
+from static_moe import _C, reference  # noqa: E402
+from static_moe.nki import dispatch  # noqa: E402
+from static_moe.testing.backends import cpu_kernels  # noqa: E402
+from static_moe.testing.generators import make_activations, make_routing, make_weights  # noqa: E402
+from static_moe.testing.numeric import assert_equal  # noqa: E402
+
+LH, LI, LL = 256, 128, 3   # H, I, L of the op tests
+# (activation format, weight format, prepared form): "mx" is fp8 weights in the MX form.
+OP_CASES = [("bf16", "bf16", "eio"), ("bf16", "fp8", "eio"), ("fp8", "fp8", "eio"), ("fp8", "fp8", "mx"),
+            ("bf16", "fp4", "eio"), ("fp8", "fp4", "eio")]
+
+
+def _eio_weights(w: dict, form: str) -> dict:
+    a = to_eio(w["w13"], w["w13_scale"], mx=form == "mx")
+    b = to_eio(w["w2"], w["w2_scale"], mx=form == "mx")
+    return {"w13": a[0], "w13_scale": a[1], "w2": b[0], "w2_scale": b[1]}
+
+
+def _le_args(x, xs, idx, tw, w, offset=0, limit=None, fp8_max=448.0):
+    return (x, xs, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], offset, limit, fp8_max)
+
+
+@pytest.mark.parametrize("act,wfmt,form", OP_CASES, ids=[f"{a}x{w}-{f}" for a, w, f in OP_CASES])
+def test_reference_ops_give_the_same_bits_in_either_layout(act, wfmt, form):
+    w = make_weights(LL, LH, LI, wfmt, seed=3)
+    we = _eio_weights(w, form)
+    x, xs = make_activations(9, LH, act, 128, seed=4)
+    idx, tw = make_routing(9, 2, 2 * LL, seed=5, empty_frac=0.2)
+    eoi = reference.local_experts(*_le_args(x, xs, idx, tw, w, LL, 6.0))
+    eio = reference.local_experts(*_le_args(x, xs, idx, tw, we, LL, 6.0), weight_layout="eio")
+    assert eoi.abs().sum() > 0
+    assert_equal(eio, eoi, f"local_experts {act}x{wfmt} {form}")
+    mask = torch.rand(9, generator=torch.Generator().manual_seed(6)) < 0.7
+    for e in range(LL):
+        g_eoi = reference.expert_gemm(x, xs, w["w13"], w["w13_scale"], mask, e)
+        g_eio = reference.expert_gemm(x, xs, we["w13"], we["w13_scale"], mask, e, "eio")
+        assert_equal(g_eio, g_eoi, f"expert_gemm {act}x{wfmt} {form} expert {e}")
+    idx, tw = make_routing(9, 2, LL, seed=6, empty_frac=0.2)
+    f_eoi = reference.forward(x, xs, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], None, LL, 16,
+                              None, "", 0, 1)
+    f_eio = reference.forward(x, xs, idx, tw, we["w13"], we["w13_scale"], we["w2"], we["w2_scale"], None, LL, 16,
+                              None, "", 0, 1, weight_layout="eio")
+    assert f_eoi.abs().sum() > 0
+    assert_equal(f_eio, f_eoi, f"forward {act}x{wfmt} {form}")
+
+
+def test_cpu_kernels_refuse_eio_and_check_its_shapes_first():
+    w = make_weights(LL, LH, LI, "fp8", seed=7)
+    we = _eio_weights(w, "eio")
+    x, xs = make_activations(4, LH, "fp8", 128, seed=8)
+    idx, tw = make_routing(4, 2, LL, seed=9)
+    refuse = r"weight_layout='eio' \(prepared, K-major weights\) is not supported by the CPU kernels"
+    with pytest.raises(ValueError, match="local_experts: " + refuse):
+        torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, we), "eio")
+    with pytest.raises(ValueError, match="expert_gemm: " + refuse):
+        torch.ops.static_moe.expert_gemm(x, xs, we["w13"], we["w13_scale"], torch.ones(4, dtype=torch.bool), 0, "eio")
+    with pytest.raises(ValueError, match="forward: rank 0|local_experts: " + refuse):
+        static_moe.forward(x, xs, idx, tw, we["w13"], we["w13_scale"], we["w2"], we["w2_scale"], num_experts=LL,
+                           capacity=4, weight_layout="eio")
+    # An EOI tensor passed as "eio" fails the EIO shape check, naming the expected prepared shape.
+    with pytest.raises(ValueError, match=r"local_experts: w13_scale must have shape \[L, K/128, N\] \(weight_layout="
+                                         r"'eio'\) = \[3, 2, 256\], got \[3, 256, 2\]"):
+        torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "eio")
+    with pytest.raises(ValueError, match="weight_layout must be 'eoi' .* or 'eio' .*, got 'kio'"):
+        torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "kio")
+    with pytest.raises(ValueError, match="weight_layout must be 'eoi'"):
+        reference.local_experts(*_le_args(x, xs, idx, tw, w), weight_layout="EOI")
+    # "eoi" passed explicitly is today's op.
+    assert_equal(torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "eoi"),
+                 torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w)), "explicit eoi")
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("mixed", TypeError, r"under weight_layout='eio' w2 must have the dtype of w13 \(torch.uint32\), got "
+                         r"torch.float8_e4m3fn"),
+    ("mx_scale_dtype", TypeError, r"w13_scale must have dtype torch.uint8 or torch.float8_e8m0fnu"),
+    ("fp4_shape", ValueError, r"w2 must have shape \[L, K/4, N\] \(weight_layout='eio'\) = \[3, 32, 256\]"),
+    ("uint8", TypeError, r"must have a weight dtype of weight_layout='eio': .* got torch.uint8"),
+])
+def test_eio_checks(case, exc, match):
+    x, xs = make_activations(4, LH, "fp8", 128, seed=8)
+    idx, tw = make_routing(4, 2, LL, seed=9)
+    w8 = make_weights(LL, LH, LI, "fp8", seed=7)
+    mx, plain = _eio_weights(w8, "mx"), _eio_weights(w8, "eio")
+    f4 = _eio_weights(make_weights(LL, LH, LI, "fp4", seed=7), "eio")
+    w = {"mixed": {**mx, "w2": plain["w2"], "w2_scale": plain["w2_scale"]},
+         "mx_scale_dtype": {**mx, "w13_scale": mx["w13_scale"].float()},
+         "fp4_shape": {**f4, "w2": f4["w2"][:, :16]},
+         "uint8": {**f4, "w13": f4["w13"].view(torch.uint8)}}[case]
+    with pytest.raises(exc, match=match):
+        _C.check_local_experts(*_le_args(x, xs, idx, tw, w), weight_layout="eio")
+    with pytest.raises(exc, match=match):
+        torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "eio")
+
+
+@pytest.mark.parametrize("act,wfmt,form", OP_CASES[2:4] + OP_CASES[5:], ids=["fp8xfp8", "fp8xmx", "fp8xfp4"])
+def test_eio_opcheck_and_graphs(act, wfmt, form):
+    """The new argument is graph-safe like the others: opcheck of the "eio" schema (with the reference as the CPU
+    kernel, since the C++ one refuses it), the fake kernel's shapes, and a torch.compile(fullgraph) graph."""
+    w = _eio_weights(make_weights(2, LH, LI, wfmt, seed=13), form)
+    x, xs = make_activations(5, LH, act, 128, seed=14)
+    idx, tw = make_routing(5, 2, 2, seed=15, empty_frac=0.2)
+    args = (*_le_args(x, xs, idx, tw, w, 0, 7.0), "eio")
+    mask = torch.tensor([True, False, True, True, False])
+    g_args = (x, xs, w["w13"], w["w13_scale"], mask, 1, "eio")
+    # float8 inputs: torch's schema check compares inputs with allclose, which float8 lacks on the CPU.
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    with cpu_kernels("reference"):
+        torch.library.opcheck(torch.ops.static_moe.local_experts.default, args, test_utils=utils)
+        torch.library.opcheck(torch.ops.static_moe.expert_gemm.default, g_args, test_utils=utils)
+        eager = torch.ops.static_moe.local_experts(*args)
+
+        def f(*a):
+            return static_moe.local_experts(*a[:-1], weight_layout="eio").to(torch.bfloat16)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True, backend="eager")(*args)
+        assert_equal(compiled, eager.to(torch.bfloat16), "compiled eio local_experts")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = torch.ops.static_moe.local_experts(*args)
+        g = torch.ops.static_moe.expert_gemm(*g_args)
+    assert tuple(out.shape) == (5, LH) and tuple(g.shape) == (5, 2 * LI)
+    # The C++ kernel is back once the block is left.
+    with pytest.raises(ValueError, match="not supported by the CPU kernels"):
+        torch.ops.static_moe.local_experts(*args)
+
+
+def test_nki_dispatch_passes_the_layout_as_a_keyword_only_when_not_eoi(monkeypatch):
+    seen = []
+
+    def fake_kernel(name):
+        def k(*args, **kwargs):
+            seen.append((name, sorted(kwargs)))
+            return torch.zeros(args[0].shape[0], 1)
+        return k
+
+    monkeypatch.setattr(dispatch, "_kernels", lambda: {n: fake_kernel(n) for n in ("expert_gemm", "local_experts")})
+    monkeypatch.setattr(dispatch.shim, "simulate", lambda kernel: kernel)  # call the recording kernel directly
+    w = make_weights(2, LH, LI, "fp8", seed=1)
+    we = _eio_weights(w, "eio")
+    x, xs = make_activations(3, LH, "fp8", 128, seed=2)
+    idx, tw = make_routing(3, 2, 2, seed=3)
+    dispatch.local_experts(*_le_args(x, xs, idx, tw, w, 0, None, 240.0))
+    dispatch.local_experts(*_le_args(x, xs, idx, tw, we, 0, None, 240.0), weight_layout="eio")
+    dispatch.expert_gemm(x, xs, we["w13"], we["w13_scale"], torch.ones(3, dtype=torch.bool), 1, "eio")
+    assert seen == [("local_experts", ["skip_unrouted"]), ("local_experts", ["skip_unrouted", "weight_layout"]),
+                    ("expert_gemm", ["skip_unrouted", "weight_layout"])]
+    with pytest.raises(ValueError, match=r"w2 must have shape \[L, K, N\] \(weight_layout='eio'\) = \[2, 128, 256\]"):
+        dispatch.local_experts(*_le_args(x, xs, idx, tw, {**we, "w2": w["w2"]}, 0, None, 240.0),
+                               weight_layout="eio")
+
+
+def test_outputs_have_row_major_strides():
+    """Single-block scales ([L, N, 1]) and one-column weights keep no permuted stride (byte views need none)."""
+    g = torch.Generator().manual_seed(21)
+    w, s = _random_fp8(g, 2, 1, 128, pow2=True, emax=100, allow_nan=False)
+    outs = [*to_eio(w, s), *to_eoi(*to_eio(w, s)), *to_eio(w, s, mx=True), *to_eoi(*to_eio(w, s, mx=True)),
+            *reencode_fp8_for_trn2(*to_eio(w, s), "eio"), *to_eoi(*to_eio(*_random_fp4(g, 2, 1, 32)))]
+    for t in outs:
+        want = torch.empty(t.shape, dtype=t.dtype).stride()
+        assert t.stride() == want, (t.shape, t.stride())
+
+
+def _forward_inputs(act, wfmt, form, seed, num_local=LL, ranks=1):
+    w = make_weights(num_local, LH, LI, wfmt, seed=seed)
+    x, xs = make_activations(5, LH, act, 128, seed=seed + 1)
+    idx, tw = make_routing(5, 2, num_local * ranks, seed=seed + 2, empty_frac=0.2)
+    return x, xs, idx, tw, w, _eio_weights(w, form)
+
+
+@pytest.mark.parametrize("act,wfmt,form", [("fp8", "fp8", "mx"), ("bf16", "fp4", "eio")], ids=["fp8xmx", "bf16xfp4"])
+def test_forward_op_takes_the_layout_at_s1(act, wfmt, form):
+    x, xs, idx, tw, w, we = _forward_inputs(act, wfmt, form, seed=31)
+
+    def call(ws, layout):
+        return static_moe.forward(x, xs, idx, tw, ws["w13"], ws["w13_scale"], ws["w2"], ws["w2_scale"],
+                                  num_experts=LL, capacity=8, swiglu_limit=7.0, weight_layout=layout)
+
+    with cpu_kernels("reference"):
+        eoi, eio = call(w, "eoi"), call(we, "eio")
+        args = (x, xs, idx, tw, we["w13"], we["w13_scale"], we["w2"], we["w2_scale"], None, LL, 8, 7.0, "", 0, 1,
+                448.0, "eio")
+        torch.library.opcheck(torch.ops.static_moe.forward.default, args, test_utils=("test_faketensor",))
+
+        class Step(torch.nn.Module):
+            def forward(self, *a):
+                return torch.ops.static_moe.forward(*a)
+
+        ep = torch.export.export(Step(), args)
+        node = next(n for n in ep.graph.nodes if n.target is torch.ops.static_moe.forward.default)
+        assert node.args[-1] == "eio", node.args  # the layout is a constant of the graph, like fp8_max
+        assert_equal(ep.module()(*args), eio, "exported eio forward")
+    assert eoi.abs().sum() > 0
+    assert_equal(eio, eoi, f"forward {act}x{wfmt} {form} vs eoi")
+
+
+def _eio_forward_worker(rank: int, size: int) -> dict:
+    """Two gloo ranks, each with its own experts in the MX form, under the reference kernels: the collective
+    forward (its checks, step header and config) takes the prepared layout like the unprepared one."""
+    x, xs, idx, tw, w, we = _forward_inputs("fp8", "fp8", "mx", seed=41 + rank, num_local=2, ranks=size)
+    import torch.distributed as dist
+
+    group = dist.group.WORLD.group_name
+    out = {}
+    with cpu_kernels("reference"):
+        for layout, ws in (("eoi", w), ("eio", we)):
+            out[layout] = static_moe.forward(x, xs, idx, tw, ws["w13"], ws["w13_scale"], ws["w2"], ws["w2_scale"],
+                                             num_experts=2 * size, capacity=8, group_name=group, ep_rank=rank,
+                                             ep_size=size, weight_layout=layout)
+        try:  # a wrong EIO shape on rank 1 only fails the step on both ranks
+            bad = we["w2"][:, :-1] if rank == 1 else we["w2"]
+            static_moe.forward(x, xs, idx, tw, we["w13"], we["w13_scale"], bad, we["w2_scale"], num_experts=2 * size,
+                               capacity=8, group_name=group, ep_rank=rank, ep_size=size, weight_layout="eio")
+            out["error"] = None
+        except (ValueError, RuntimeError) as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+    return {"same": bool(torch.equal(out["eoi"].view(torch.int16), out["eio"].view(torch.int16))),
+            "nonzero": bool(out["eoi"].abs().sum() > 0), "error": out["error"]}
+
+
+def test_collective_forward_takes_the_layout_on_two_ranks():
+    from static_moe.testing.distributed import run_ranks
+
+    results = run_ranks(_eio_forward_worker, 2, timeout=150)
+    assert all(r["same"] and r["nonzero"] for r in results), results
+    assert "w2 must have shape [L, K/4, N] (weight_layout='eio')" in results[1]["error"], results
+    assert results[0]["error"].startswith("RuntimeError: forward: rank 1 failed"), results
+
+
+def _nki_kernels_take_the_layout() -> bool:
+    import inspect
+
+    from nki_kernels.expert_gemm import expert_gemm_kernel
+    from nki_kernels.local_experts import local_experts_kernel
+
+    return all("weight_layout" in inspect.signature(inspect.unwrap(k)).parameters
+               for k in (expert_gemm_kernel, local_experts_kernel))
+
+
+@pytest.mark.skipif(not _nki_kernels_take_the_layout(), reason="the NKI kernels do not take weight_layout= yet "
+                    "(branches nkigemm / nkilocal add it); dispatch passes it only for 'eio'")
+@pytest.mark.parametrize("target,wfmt", [("trn2", "fp8"), ("trn2", "fp4"), ("trn3", "fp8"), ("trn3", "bf16")])
+def test_nki_takes_the_prepared_bytes_like_the_reference(target, wfmt):
+    """Parity of the prepared bytes (static_moe.layouts.prepare_expert_weights) through the NKI kernels (our
+    interpreter, on the target) and the reference, within SPEC §2, and NKI prepared vs NKI unprepared."""
+    from static_moe.layouts import prepare_expert_weights
+    from static_moe.nki import interpreter
+    from static_moe.testing.numeric import assert_gemm_close
+
+    act = "bf16" if wfmt == "bf16" else "fp8"
+    w = make_weights(2, LH, LI, wfmt, seed=51)
+    p13, p13s, p2, p2s, layout = prepare_expert_weights(w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], target)
+    wp = {"w13": p13, "w13_scale": p13s, "w2": p2, "w2_scale": p2s}
+    x, xs = make_activations(6, LH, act, 128, seed=52)
+    idx, tw = make_routing(6, 2, 2, seed=53, empty_frac=0.2)
+    args = _le_args(x, xs, idx, tw, wp, 0, 7.0, 240.0)
+    with interpreter.target(target):
+        nki_prep = dispatch.local_experts(*args, weight_layout=layout)
+        nki_plain = dispatch.local_experts(*_le_args(x, xs, idx, tw, w, 0, 7.0, 240.0))
+    ref = reference.local_experts(*args, weight_layout=layout)
+    assert_gemm_close(nki_prep, ref, f"NKI {target} {wfmt} prepared vs reference")
+    assert_gemm_close(nki_prep, nki_plain, f"NKI {target} {wfmt} prepared vs unprepared")

@@ -635,6 +635,114 @@ def test_state_dict_round_trip_and_export_s1():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Prepared layouts (SPEC §1.2): prepare_for="trn2" / "trn3" on CPU tensors, run through the reference
+# ----------------------------------------------------------------------------------------------------------------
+from static_moe.layouts import reencode_fp8_for_trn2, to_eoi  # noqa: E402
+from static_moe.testing.backends import cpu_kernels  # noqa: E402
+
+_HELD_DTYPE = {("trn2", "fp8"): torch.float8_e4m3fn, ("trn3", "fp8"): torch.uint32, ("trn2", "fp4"): torch.uint16,
+               ("trn3", "fp4"): torch.uint16, ("trn2", "bf16"): torch.bfloat16, ("trn3", "bf16"): torch.bfloat16}
+
+
+def _layer_pair(target, act, wfmt, seed):
+    """(CPU layer, layer prepared for target) from the same float experts and shared expert."""
+    w1, w3, w2 = float_experts(E, seed=seed)
+    shared_src = hf_experts(*(t[:1] for t in float_experts(1, seed + 1, IS)))[0]
+    kw = dict(top_k=K, capacity=C, weight_format=wfmt, act_format=act, swiglu_limit=7.0, shared_expert=shared_src)
+    return (StaticMoE.from_module(Grouped(w1, w3, w2), **kw),
+            StaticMoE.from_module(Grouped(w1, w3, w2), prepare_for=target, **kw))
+
+
+def _held_eoi(layer):
+    w = layer.expert_weights()
+    return tuple(w[n] for n in ("w13", "w13_scale", "w2", "w2_scale"))
+
+
+@pytest.mark.parametrize("target", ["trn2", "trn3"])
+@pytest.mark.parametrize("act,wfmt", FORMAT_PAIRS, ids=[f"{a}x{w}" for a, w in FORMAT_PAIRS])
+def test_prepared_layer_holds_eio_and_matches_the_reference(target, act, wfmt):
+    cpu, prep = _layer_pair(target, act, wfmt, seed=61)
+    assert (cpu.weight_layout, cpu.prepare_for) == ("eoi", "cpu")
+    assert (prep.weight_layout, prep.prepare_for) == ("eio", target)
+    want_dtype = _HELD_DTYPE[(target, wfmt)]
+    assert prep.w13.dtype == want_dtype and prep.w2.dtype == want_dtype and prep.shared.w13.dtype == want_dtype
+    assert prep.shared.weight_layout == "eio" and f"prepare_for='{target}'" in repr(prep)
+    cpu_w = _held_eoi(cpu)
+    if (target, wfmt) == ("trn2", "fp8"):
+        # The held weights are the re-encoded bytes, and no code of exponent field 15 is left.
+        want = (*reencode_fp8_for_trn2(cpu_w[0], cpu_w[1]), *reencode_fp8_for_trn2(cpu_w[2], cpu_w[3]))
+        assert int((prep.w13.view(torch.uint8) & 0x7F).max()) < 0x78
+    else:
+        want = cpu_w
+    for got, w, name in zip(_held_eoi(prep), want, ("w13", "w13_scale", "w2", "w2_scale")):
+        assert (got is None) == (w is None)
+        if w is not None:
+            assert_equal(got, w, f"{target} {wfmt} {name} back in EOI")
+    x = hidden_states(C, 62)
+    idx, tw = make_routing(C, K, E, seed=63, empty_frac=0.2)
+    with pytest.raises(ValueError, match="not supported by the CPU kernels"):
+        prep(x, idx, tw)  # the C++ CPU kernels take "eoi" only
+    with cpu_kernels("reference"):
+        out = prep(x, idx, tw)
+        base = cpu(x, idx, tw)
+    shared = tuple(prep.shared.expert_weights()[n] for n in ("w13", "w13_scale", "w2", "w2_scale"))
+    ref = reference_layer(x, idx, tw, want, act, 128, 7.0, shared, 7.0)
+    assert_equal(out, ref, f"{target} {act}x{wfmt}: the reference of the held weights")
+    if want is cpu_w:
+        assert_equal(out, base, f"{target} {act}x{wfmt}: a pure permutation changes no bit")
+    else:
+        assert_gemm_close(out, base, f"{target} {act}x{wfmt}: re-encoded vs original weights")
+    cpu.close()
+    prep.close()
+
+
+def test_prepared_state_dict_is_eoi_and_round_trips():
+    cpu, prep = _layer_pair("trn2", "fp8", "fp8", seed=71)
+    sd = prep.state_dict()
+    assert sd["w13"].dtype == torch.float8_e4m3fn and tuple(sd["w13"].shape) == (E, 2 * I, H)
+    assert tuple(sd["w2_scale"].shape) == (E, H, I // 128) and tuple(sd["shared.w13"].shape) == (1, 2 * IS, H)
+    again = StaticMoE(H, I, E, K, C, weight_format="fp8", act_format="fp8", swiglu_limit=7.0,
+                      shared_intermediate_size=IS, prepare_for="trn2")
+    again.load_state_dict(sd)
+    for name in ("w13", "w13_scale", "w2", "w2_scale", "shared.w13", "shared.w2_scale"):
+        assert_equal(again.get_parameter(name).data, prep.get_parameter(name).data, f"trn2 round trip {name}")
+    plain = StaticMoE(H, I, E, K, C, weight_format="fp8", act_format="fp8", swiglu_limit=7.0,
+                      shared_intermediate_size=IS)
+    plain.load_state_dict(sd)  # an EOI state dict loads into a layer on any device
+    for got, want in zip(_held_eoi(plain), _held_eoi(prep)):
+        assert_equal(got, want, "trn2 state dict into a CPU layer")
+    # trn3: the held form follows the scales (MX for powers of two, plain EIO fp8 otherwise), both ways.
+    mx = StaticMoE(H, I, E, K, C, weight_format="fp8", act_format="fp8", prepare_for="trn3")
+    assert mx.w13.dtype == torch.uint32 and mx.w13_scale.dtype == torch.uint8
+    w13, s13, w2, s2 = _held_eoi(cpu)
+    odd = {"w13": w13, "w13_scale": s13 * 1.5, "w2": w2, "w2_scale": s2}
+    mx.load_state_dict(odd, strict=False)
+    assert mx.w13.dtype == torch.float8_e4m3fn and mx.w13_scale.dtype == torch.float32
+    assert_equal(to_eoi(mx.w13.data, mx.w13_scale.data)[1], s13 * 1.5, "trn3 plain fp8 scales")
+    mx.set_expert_weights(w13, s13, w2, s2)
+    assert mx.w13.dtype == torch.uint32 and mx.w2_scale.dtype == torch.uint8
+    assert_equal(_held_eoi(mx)[0], w13, "trn3 MX back in EOI")
+    for layer in (cpu, prep, again, plain, mx):
+        layer.close()
+
+
+def test_prepared_loaders_and_prepare_for_validation():
+    sd = _deepseek_checkpoint("fp8", "", "v3", shared=False)  # random (not power-of-two) block scales
+    layer = StaticMoE.from_deepseek_state_dict(sd, num_experts=E, top_k=K, capacity=C, act_format="fp8",
+                                               prepare_for="trn3")
+    assert layer.weight_layout == "eio" and layer.w13.dtype == torch.float8_e4m3fn  # not MX: scales not pow2
+    for got, want in zip(_held_eoi(layer), _expected_from_checkpoint(sd, "", "v3", "fp8", "fp8", range(E))):
+        assert_equal(got, want, "trn3 checkpoint back in EOI")
+    layer.close()
+    with pytest.raises(ValueError, match=r"prepare_for: target must be one of \['cpu', 'cuda', 'trn2', 'trn3'\], "
+                                         "got 'trn1'"):
+        StaticMoE(H, I, E, K, C, prepare_for="trn1")
+    auto = StaticMoE(H, I, E, K, C, weight_format="fp4")
+    assert (auto.prepare_for, auto.weight_layout) == ("cpu", "eoi") and auto.w13.dtype == torch.uint8
+    auto.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Two gloo ranks
 # ----------------------------------------------------------------------------------------------------------------
 

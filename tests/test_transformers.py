@@ -256,3 +256,22 @@ def test_expert_parallel_two_ranks():
                                            pg_timeout=30)):
         for family, d in diffs.items():
             assert d < 1e-4, f"rank {rank} {family}: calc_diff {d:.2e}"
+
+
+def test_replace_moe_blocks_prepares_for_the_target():
+    """prepare_for= reaches every new layer (routed and shared experts held K-major); through the reference
+    kernels the prepared model's logits are the unprepared model's, bit for bit (a pure permutation on trn3)."""
+    from static_moe.testing.backends import cpu_kernels
+
+    model = tiny_model("qwen2_moe")
+    prepared = copy.deepcopy(model)
+    replace_moe_blocks(model, capacity=CAPACITY, weight_format="fp8", act_format="fp8")
+    replace_moe_blocks(prepared, capacity=CAPACITY, weight_format="fp8", act_format="fp8", prepare_for="trn3")
+    for block in moe_blocks(prepared).values():
+        assert block.moe.weight_layout == "eio" and block.moe.w13.dtype == torch.uint32
+        assert block.moe.shared.weight_layout == "eio"
+    ids = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), cpu_kernels("reference"):
+        assert_equal(prepared(ids).logits, model(ids).logits, "trn3-prepared vs CPU model logits")
+    close_moe_blocks(model)
+    close_moe_blocks(prepared)

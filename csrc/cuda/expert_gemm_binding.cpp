@@ -23,10 +23,10 @@ at::Tensor expert_gemm_cuda(const at::Tensor& a, const std::optional<at::Tensor>
                             const std::optional<at::Tensor>& b_scale, const at::Tensor& row_mask, int64_t expert,
                             c10::string_view weight_layout) {
   const char* op = "expert_gemm";
-  const checks::WeightLayout layout = checks::parse_weight_layout({weight_layout.data(), weight_layout.size()}, op);
-  const checks::ExpertGemmShape sh = checks::check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert, layout);
+  const checks::WeightLayout wlayout = checks::parse_weight_layout({weight_layout.data(), weight_layout.size()}, op);
+  const checks::ExpertGemmShape sh = checks::check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert, wlayout);
   checks::check_device_type(a, op, "a", c10::DeviceType::CUDA);
-  checks::refuse_prepared_layout(layout, op, "CUDA");
+  checks::refuse_prepared_layout(wlayout, op, "CUDA");
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor out = at::empty({sh.rows, sh.n}, a.options().dtype(at::kBFloat16));
   if (sh.rows == 0 || sh.n == 0) return out;

@@ -30,12 +30,12 @@ at::Tensor local_experts_cuda(const at::Tensor& x, const std::optional<at::Tenso
                               const std::optional<at::Tensor>& w2_scale, int64_t expert_offset,
                               std::optional<double> swiglu_limit, double fp8_max, c10::string_view weight_layout) {
   const char* op = "local_experts";
-  const checks::WeightLayout layout = checks::parse_weight_layout({weight_layout.data(), weight_layout.size()}, op);
+  const checks::WeightLayout wlayout = checks::parse_weight_layout({weight_layout.data(), weight_layout.size()}, op);
   const checks::LocalExpertsShape sh = checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale,
                                                                    w2, w2_scale, expert_offset, swiglu_limit, fp8_max,
-                                                                   op, layout);
+                                                                   op, wlayout);
   checks::check_device_type(x, op, "x", c10::DeviceType::CUDA);
-  checks::refuse_prepared_layout(layout, op, "CUDA");
+  checks::refuse_prepared_layout(wlayout, op, "CUDA");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({sh.rows, sh.hidden}, x.options().dtype(at::kFloat));
   if (sh.rows == 0 || sh.hidden == 0) return out;

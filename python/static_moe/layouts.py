@@ -73,6 +73,17 @@ def _view(t: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     return flat.view(dtype).reshape(shape)
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in row-major order with row-major strides. ``contiguous()`` alone may keep a permuted stride on a
+    size-1 dim (e.g. scales [L, N, 1] of a transpose), which byte views and kernels that read strides trip on."""
+    t = t.contiguous()
+    want, acc = [], 1
+    for size in reversed(t.shape):
+        want.append(acc)
+        acc *= max(size, 1)
+    return t if tuple(reversed(want)) == t.stride() else t.clone(memory_format=torch.contiguous_format)
+
+
 def _prefix(op: str | None) -> str:
     return f"{op}: " if op else ""
 
@@ -212,15 +223,15 @@ def to_eio(w: torch.Tensor, s: torch.Tensor | None = None, *, mx: bool = False
     if mx and fmt != "fp8":
         raise ValueError(f"{what}: mx=True is the fp8 MX form and needs a float8_e4m3fn weight, got {fmt} ({w.dtype})")
     if fmt == "bf16":
-        return w.transpose(1, 2).contiguous(), None
+        return _dense(w.transpose(1, 2)), None
     if fmt == "fp8":
-        w_eio, s_eio = w.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()
+        w_eio, s_eio = _dense(w.transpose(1, 2)), _dense(s.transpose(1, 2))
         return to_mx_fp8(w_eio, s_eio) if mx else (w_eio, s_eio)
     # fp4: bytes 2m, 2m+1 of a row hold k = 4m..4m+3 in nibble order, so a little-endian uint16 of that byte pair is
     # the packed element; moving byte pairs is all it takes.
     L, n, half_k = w.shape
-    pairs = as_uint8(w).reshape(L, n, half_k // 2, 2).transpose(1, 2).contiguous()   # [L, K/4, N, 2]
-    return _view(pairs, torch.uint16, (L, half_k // 2, n)), as_uint8(s).transpose(1, 2).contiguous()
+    pairs = _dense(as_uint8(w).reshape(L, n, half_k // 2, 2).transpose(1, 2))   # [L, K/4, N, 2]
+    return _view(pairs, torch.uint16, (L, half_k // 2, n)), _dense(as_uint8(s).transpose(1, 2))
 
 
 def to_mx_fp8(w_eio: torch.Tensor, s_eio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +241,7 @@ def to_mx_fp8(w_eio: torch.Tensor, s_eio: torch.Tensor) -> tuple[torch.Tensor, t
     if layout_format(w_eio, "eio") != "fp8":
         raise TypeError(f"{what}: expected an 'eio' float8_e4m3fn weight, got {w_eio.dtype}")
     L, n, k = _check_pair(w_eio, s_eio, "fp8", "eio", what, "w")
-    b = w_eio.view(torch.uint8).reshape(L, k // PACK, PACK, n).transpose(2, 3).contiguous()   # [L, K/4, N, 4]
+    b = _dense(w_eio.view(torch.uint8).reshape(L, k // PACK, PACK, n).transpose(2, 3))   # [L, K/4, N, 4]
     w_mx = _view(b, torch.uint32, (L, k // PACK, n))
     s_mx = _pow2_to_ue8m0(s_eio, what).repeat_interleave(WEIGHT_FP8_BLOCK // MX_BLOCK, dim=1)
     return w_mx, s_mx
@@ -253,9 +264,9 @@ def from_mx_fp8(w_mx: torch.Tensor, s_mx: torch.Tensor) -> tuple[torch.Tensor, t
         bad = (sb != sb[:, :, :1]).nonzero()[0].tolist()
         raise ValueError(f"{what}: the four UE8M0 scales of each 128-block must be equal (one fp8 scale per 128 K); "
                          f"block [l, k/128, n] = {[bad[0], bad[1], bad[3]]} differs")
-    s = ue8m0_to_float(sb[:, :, 0].contiguous())
+    s = _dense(ue8m0_to_float(sb[:, :, 0]))
     b = _view(w_mx, torch.uint8, (L, k // PACK, n, PACK)).transpose(2, 3)   # [L, K/4, 4, N]
-    return b.reshape(L, k, n).contiguous().view(torch.float8_e4m3fn), s
+    return _dense(b.reshape(L, k, n)).view(torch.float8_e4m3fn), s
 
 
 def to_eoi(w: torch.Tensor, s: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -269,15 +280,15 @@ def to_eoi(w: torch.Tensor, s: torch.Tensor | None = None) -> tuple[torch.Tensor
     fmt = layout_format(w, "eio")
     _check_pair(w, s, fmt, "eio", what, "w")
     if fmt == "bf16":
-        return w.transpose(1, 2).contiguous(), None
+        return _dense(w.transpose(1, 2)), None
     if fmt == "fp8_mx":
         w, s = from_mx_fp8(w, s)
         fmt = "fp8"
     if fmt == "fp8":
-        return w.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()
+        return _dense(w.transpose(1, 2)), _dense(s.transpose(1, 2))
     L, quarter_k, n = w.shape
     pairs = _view(w, torch.uint8, (L, quarter_k, n, 2)).transpose(1, 2)   # [L, N, K/4, 2]
-    return pairs.reshape(L, n, 2 * quarter_k).contiguous(), as_uint8(s).transpose(1, 2).contiguous()
+    return _dense(pairs.reshape(L, n, 2 * quarter_k)), _dense(as_uint8(s).transpose(1, 2))
 
 
 def as_eoi(w: torch.Tensor, s: torch.Tensor | None, weight_layout: str = "eoi"
@@ -353,7 +364,7 @@ def reencode_fp8_for_trn2(w: torch.Tensor, s: torch.Tensor, weight_layout: str =
     new_codes = torch.where(moves, halved, codes)
     new_s = torch.where(moves, doubled, s_b)
     new_s = new_s.squeeze(-1) if weight_layout == "eoi" else new_s.squeeze(2)
-    return new_codes.reshape(w.shape).view(torch.float8_e4m3fn).contiguous(), new_s.contiguous()
+    return _dense(new_codes.reshape(w.shape)).view(torch.float8_e4m3fn), _dense(new_s)
 
 
 def trn2_blocks_to_reencode(w: torch.Tensor, weight_layout: str = "eoi") -> torch.Tensor:

@@ -349,8 +349,8 @@ def _match_parameters(module: nn.Module, prepared: dict) -> None:
     for name, t in prepared.items():
         p = getattr(module, name)
         if t is not None and p is not None and (p.dtype != t.dtype or p.shape != t.shape):
-            module._parameters[name] = nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device=p.device),
-                                                    requires_grad=False)
+            # Filled with the new weights at once, so the module never holds a half-switched form.
+            module._parameters[name] = nn.Parameter(t.detach().to(p.device, copy=True), requires_grad=False)
 
 
 def _init_weights(module: nn.Module, num_local, hidden, inter, fmt, device) -> None:

@@ -133,7 +133,8 @@ def replace_moe_blocks(model: nn.Module, *, capacity: int, weight_format: str = 
             (collective: every rank must call this, with the same model).
         families: the :class:`MoEFamily` entries to recognise (default :data:`FAMILIES`).
         options: passed to :meth:`StaticMoE.from_module` (act_group, swiglu_limit, fp8_max, shared_weight_format,
-            device, ...).
+            device, prepare_for, ...). Each new layer prepares its weights for its device like any StaticMoE (the
+            K-major layout of SPEC §1.2 on a Neuron device; ``prepare_for=`` to choose explicitly).
 
     Raises TypeError when the model has an MoE-looking block of an unknown family (nothing is replaced then),
     ValueError when it has no MoE block at all, and whatever :meth:`StaticMoE.from_module` raises for experts it
