@@ -85,6 +85,7 @@ from .gemm_tiles import (
     fp8_rows_to_bf16,
     fp8_rows_to_mx,
     gemm_block,
+    group_operand,
     load_weight_slab,
     rows_from_kmajor,
     weight_plan,
@@ -210,6 +211,8 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
         m = chunk_rows_for(r, k, num_experts or n_local, chunk_cap(g1.path))
     else:
         m = int(chunk_rows)
+    if weight_layout == "eio":  # the plans again, now that the rows per GEMM call are known (group path ≤ 4 rows)
+        g1, g2 = _EioGemm(w13, w13_scale, fmt_x, "w13", m), _EioGemm(w2, w2_scale, fmt_x, "w2", m)
     assert 1 <= m <= MAX_CHUNK and m & (m - 1) == 0, f"chunk_rows={m} must be a power of two in [1, {MAX_CHUNK}]"
     q_static = -(-r // m)  # items per expert in the static variant
     k_eff = min(k, n_local)
@@ -433,9 +436,9 @@ class _EioGemm:
     stationary operand into a ring of ``WEIGHT_BUFS`` buffers (allocated once, outside the runtime loop: the
     DMA of slab i+1 overlaps the matmuls of slab i, also across items)."""
 
-    def __init__(self, w, w_scale, act_fmt: str, name: str):
+    def __init__(self, w, w_scale, act_fmt: str, name: str, rows: int | None = None):
         self.w, self.w_scale = w, w_scale
-        self.plan = weight_plan(w, act_fmt)
+        self.plan = weight_plan(w, act_fmt, rows)
         self.k, self.n, self.korder, self.path = self.plan.k, self.plan.n, self.plan.korder, self.plan.path
         self.ring = None
         self.name = name
@@ -532,8 +535,9 @@ class _ItemBuffers:
         else:
             self.xg = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_x")
             nisa.memset(dst=self.xg, value=0.0)
-        self.op1 = alloc_act_operand(g1.korder, h, m, "item_x_op")
-        self.op2 = alloc_act_operand(g2.korder, inter, m, "item_z_op")
+        # the group path's operand is built per item from a quad one (gemm_tiles.group_operand)
+        self.op1 = alloc_act_operand(_fill_korder(g1.korder), h, m, "item_x_op")
+        self.op2 = alloc_act_operand(_fill_korder(g2.korder), inter, m, "item_z_op")
         self.h_rows = nl.ndarray((m, 2 * inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_h")
         if g2.korder == "mx":
             self.zq = nl.ndarray((m, inter), dtype=nl.uint8, buffer=nl.sbuf, name="item_z_bytes")
@@ -543,6 +547,15 @@ class _ItemBuffers:
         self.d_rows = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_d")
         g1.alloc()
         g2.alloc()
+
+
+def _fill_korder(korder: str) -> str:
+    return "quad" if korder == "quad_grp" else korder
+
+
+def _operand(op, korder: str):
+    """The operand a GEMM takes: the filled one, or its group-masked form on the quad_grp path."""
+    return group_operand(op) if korder == "quad_grp" else op
 
 
 def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group):
@@ -559,7 +572,7 @@ def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8
         _gather(bufs.xg, x_src, bufs.rid, m)
         act_rows_into_operand(bufs.op1, bufs.xg, 0)
     # ---- GEMM1: h^T blocks → rows h [M, 2I] bf16 (h = bf16(GEMM1))
-    for n0, hT in g1.blocks(e, bufs.op1, m):
+    for n0, hT in g1.blocks(e, _operand(bufs.op1, g1.korder), m):
         rows_from_kmajor([bufs.h_rows], hT, n0, m)
     # ---- swiglu-and-cast (rows on partitions: groups along the free dim) → the moving operand of GEMM2
     fp8 = group is not None
@@ -586,7 +599,7 @@ def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8
     else:
         act_rows_into_operand(bufs.op2, bufs.z, 0)
     # ---- GEMM2: d^T blocks → rows d [M, H] bf16 (d = bf16(GEMM2))
-    for n0, dT in g2.blocks(e, bufs.op2, m):
+    for n0, dT in g2.blocks(e, _operand(bufs.op2, g2.korder), m):
         rows_from_kmajor([bufs.d_rows], dT, n0, m)
     # ---- acc[rows] += d: one DMA read-modify-write (fp32 add, unique rows within an item; pad rows skipped)
     acc_rows = out.ap(pattern=[[h, m], [1, h]], offset=0, vector_offset=bufs.rid, indirect_dim=0)
