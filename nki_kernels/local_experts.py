@@ -455,6 +455,9 @@ class _EioGemm:
                 dT = nl.ndarray((P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name=f"{self.name}_dT")
                 gemm_block(dT, slab, j, op, m, out_engine=nisa.engine.scalar)
                 yield n0 + j * P, dT
+            # drop this slab's decoded planes before the next one is decoded (the raw ring buffers stay): two
+            # decoded packed slabs do not fit next to V3's rows (H = 7168)
+            del slab
 
 
 class _EoiGemm:
@@ -522,19 +525,21 @@ def _gather(dst, src, rid, m: int):
 class _ItemBuffers:
     """Per-item SBUF tiles, allocated once: a runtime loop body reuses the same addresses every iteration. Tiles
     that a gather fills are zeroed first, so pad rows (skipped by the gather) only ever hold zeros or finite
-    values of earlier rows — their columns are computed, never stored."""
+    values of earlier rows (x or d) — their columns are computed, never stored."""
 
     def __init__(self, m: int, h: int, inter: int, g1, g2, fmt_x: str, group):
         self.meta = nl.ndarray((m, 2), dtype=nl.float32, buffer=nl.sbuf, name="item_meta")
         self.rid = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_rows")
+        # the gathered x rows and the d rows share one [M, H] tile: x is dead once GEMM1's operand is built, d is
+        # born after GEMM2 (saves 2H bytes per partition, which V3's packed-weight slabs need)
+        self.d_rows = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_x_d")
+        nisa.memset(dst=self.d_rows, value=0.0)
         if g1.korder == "mx":
-            self.x_raw = nl.ndarray((m, h), dtype=nl.uint8, buffer=nl.sbuf, name="item_x_bytes")
+            self.x_raw = self.d_rows.view(nl.uint8)[:, :h]
             self.x_s = nl.ndarray((m, h // group), dtype=nl.float32, buffer=nl.sbuf, name="item_x_scale")
-            nisa.memset(dst=self.x_raw, value=0)
             nisa.memset(dst=self.x_s, value=0.0)
         else:
-            self.xg = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_x")
-            nisa.memset(dst=self.xg, value=0.0)
+            self.xg = self.d_rows
         # the group path's operand is built per item from a quad one (gemm_tiles.group_operand)
         self.op1 = alloc_act_operand(_fill_korder(g1.korder), h, m, "item_x_op")
         self.op2 = alloc_act_operand(_fill_korder(g2.korder), inter, m, "item_z_op")
@@ -544,7 +549,6 @@ class _ItemBuffers:
             self.zs = nl.ndarray((m, inter // group), dtype=nl.float32, buffer=nl.sbuf, name="item_z_scale")
         else:
             self.z = nl.ndarray((m, inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_z")
-        self.d_rows = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_d")
         g1.alloc()
         g2.alloc()
 
