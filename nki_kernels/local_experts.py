@@ -119,12 +119,12 @@ def chunk_cap(weight_path: str) -> int:
     """The :func:`chunk_rows_for` cap for a GEMM path (``gemm_tiles.WeightPlan.path``; ``"eoi"`` for the
     unprepared decode path): 32 on the per-K-block fp8 path, 128 elsewhere.
 
-    The per-K-block fp8 evacuation costs VectorE time per evacuated column times K/128 (cost model, V4-Flash:
-    ≈ 6.6 µs per column per expert against ≈ 70 µs for the expert's fp8 weights), so beyond ~10 rows per
-    expert it binds either way; a 64-row item for a 24-row expert then evacuates 40 pad columns for nothing,
-    while two 32-row items cost one more weight stream, which the evacuation hides. Measured with
-    ``bench/bench_nki_gemm.py`` (V4-Flash, EP 8, T = 128, fp8 × fp8): M = 64 → 18 %, M = 32 → 35 % of the
-    roofline; at small means the cap does not bind (M = 2 … 8 keeps one item per expert)."""
+    The per-K-block fp8 evacuation costs VectorE / GpSimd (ScalarE from 64 rows) time per evacuated column
+    times K/128, so beyond a few tens of rows per expert it binds either way; a 64-row item for a 24-row expert
+    then evacuates 40 pad columns for nothing, while two 32-row items cost one more weight stream, which the
+    evacuation hides. Cost model (``bench/bench_nki_gemm.py``, V4-Flash, EP 8, T = 128, fp8 × fp8, 32 items):
+    M = 128 → 30 %, M = 64 → 45 %, M = 32 → 50 % of the roofline; at small means the cap does not bind
+    (M = 2 … 8 keeps one item per expert)."""
     return 32 if weight_path == "fp8_block" else MAX_CHUNK
 
 
