@@ -360,14 +360,18 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         out (nl.ndarray): [R, N] bf16 in shared HBM; ``bf16(Σ_k A·B_e)`` on masked-in rows, ±0 elsewhere.
 
     Notes:
-        - K and N multiples of 128 (fp4 / fp8 MX under "eio": K a multiple of 512); R any (row tiles of 128,
-          moving chunks of 512).
+        - K and N multiples of 128 (the packed "eio" forms pad K to whole 512 blocks with zeros on chip); R any
+          (row tiles of 128, moving chunks of 512).
         - "eio" fp8 × fp8 MX and fp8 × fp4 on trn3 run ``nc_matmul_mx`` when every selected row's activation
           scales are powers of two (SPEC §1.1 produces only those; the E8M0 byte is the exponent field); if any
           is not, a second runtime loop runs the same weights through the exact bf16 decode instead, with the
           activations as a bf16 pair (hi + lo, two matmuls per block: ~16 significant bits) — decided on chip.
         - Elsewhere fp8 activations enter as bf16 ``q·s``: exact for power-of-two scales; other fp32 scales round
           to bf16 (≤ 2^-9 relative per element).
+        - Constructs: every instruction form used is listed with its doc page / public kernel in this module's
+          docstring and in ``nki_kernels/gemm_tiles.py``'s; the interpreter refuses the undocumented ones
+          (docs/backends/nki_interpreter.md, rules sbuf-indirect-operand, gpsimd-bitvec, immediate-range,
+          fp8-transpose).
 
     Pseudocode:
         aT = Kmajor(mask ? dequant(A) : 0)                           # once (x4 + E8M0 for the MX path)
@@ -394,7 +398,8 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
 
     out = nl.ndarray((r, n), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="out")
     masks = load_row_mask_tiles(row_mask, r)
-    act = load_act_operand(plan.korder if plan is not None else "natural", a, a_scale, masks)
+    act = load_act_operand(plan.korder if plan is not None else "natural", a, a_scale, masks,
+                           kp=None if plan is None else plan.kp)
 
     out_rows = []
     for r0 in range(0, r, P):
@@ -414,6 +419,7 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
                 vec_evac = plan.path in ("fp8_block", "quad_grp")
                 gemm_block(o_bf, slab, j, act, r, out_engine=nisa.engine.scalar)
                 rows_from_kmajor(out_rows, o_bf, n0 + j * P, r, nisa.engine.scalar if vec_evac else None)
+            slab = None  # the decoded planes of a slab die here, before the next slab is decoded
 
     def body_eoi():
         nnb = n // P
@@ -435,7 +441,8 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         plan_q = replace(plan, path="quad_grp" if grp else "quad_bf16", korder="quad_grp" if grp else "quad")
 
         def body_quad(_i):
-            body_eio(plan_q, load_act_operand(plan_q.korder, a, a_scale, masks, name="act_q", split=True))
+            body_eio(plan_q, load_act_operand(plan_q.korder, a, a_scale, masks, name="act_q", split=True,
+                                              kp=plan_q.kp))
 
         nl.fori_loop(0, trips[1], body_quad)
     elif skip_unrouted:

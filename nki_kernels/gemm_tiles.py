@@ -104,6 +104,8 @@ EVAC_TILE_BYTES = 32 * 1024  # fp8_block, many rows: per-partition bytes of the 
 # beats the fold only while 16·R ≤ 64 (the matmul minimum); fp8 MX has no decode and wins up to 8 rows
 # (cost model, V4-Flash GEMM1 on trn3: 77.5 µs vs 86.7 µs at 8 rows)
 GROUP_PATH_MAX_ROWS = {"fp4": 4, "fp8_mx": 8}
+DECODE_SLAB_ELEMS = 4096  # packed elements per partition in one decoded slab (SBUF bound of the decode paths)
+SLAB_BYTES = 16 * 1024  # per partition and ring buffer: how wide a slab may grow when K is small
 FOLD_EXTRA_LOG2 = 6  # the packed decode folds 2^(b − 127 + 6): b = 0 stays a normal bf16 (fp8 MX evacuates × 2^-6)
 
 # bit masks as exact-in-fp32 immediates (≤ 24 significant bits) or int32 spellings of the same 32 bits
@@ -143,19 +145,29 @@ class WeightPlan:
     ncols: int
 
     @property
+    def kp(self) -> int:
+        """K padded to whole 512-row blocks for the packed forms (the missing rows are zeros on chip)."""
+        return self.k if self.fmt in ("bf16", "fp8") else -(-self.k // (4 * P)) * 4 * P
+
+    @property
+    def last_rows(self) -> int:
+        """HBM rows in the last 128-row block (128 unless K is not a multiple of 512 for a packed form)."""
+        return self.rows - P * (self.nrb - 1)
+
+    @property
     def ngroups(self) -> int:
         """1×32 scale groups along K."""
-        return self.k // 32
+        return self.kp // 32
 
     @property
     def nkc(self) -> int:
         """128-row contraction blocks per n block (matmuls per PSUM group for bf16 / quad; K/512 for mx)."""
-        return self.k // (4 * P) if self.path == "mx" else self.k // P
+        return self.kp // (4 * P) if self.path == "mx" else self.kp // P
 
     @property
     def nrb(self) -> int:
-        """128-row blocks of the HBM weight rows (K/128, or K/512 for the packed forms)."""
-        return self.rows // P
+        """128-row blocks of the HBM weight rows (K/128, or ⌈K/512⌉ for the packed forms)."""
+        return -(-self.rows // P)
 
 
 def act_format(a) -> str:
@@ -177,7 +189,8 @@ def eio_format(w) -> str:
 
 
 def is_trn3() -> bool:
-    return nisa.get_nc_version() >= nisa.nc_version.gen4
+    """NeuronCore-v4 (``nisa.get_nc_version()``, isa page): e4m3fn matmul inputs and ``nc_matmul_mx``."""
+    return nisa.get_nc_version() == nisa.nc_version.gen4
 
 
 def _slab_cols(n: int, elem_bytes: int) -> int:
@@ -213,10 +226,26 @@ def weight_plan(w, act_fmt: str, rows: int | None = None) -> WeightPlan:
             path, korder = "quad_grp", "quad_grp"
         else:
             path, korder = "quad_bf16", "quad"
-    assert k % (4 * P if fmt in ("fp8_mx", "fp4") else P) == 0 and n % P == 0, (
-        f"K={k} must be a multiple of {4 * P if fmt in ('fp8_mx', 'fp4') else P} and N={n} of {P}")
-    # packed forms: 512 columns per slab so the scale rows (1 byte per column) also move in ≥ 512 B runs
-    return WeightPlan(fmt, path, korder, k, n, rows, _slab_cols(n, eb if fmt in ("bf16", "fp8") else 1))
+    assert k % P == 0 and n % P == 0, f"K={k} and N={n} must be multiples of {P}"
+    # packed forms: 512 columns per slab so the scale rows (1 byte per column) also move in ≥ 512 B runs — but
+    # the decoding paths keep ≤ DECODE_SLAB_ELEMS packed elements per partition (their planes and bit-decode
+    # temporaries take ~20 B per element: V3's K = 7168 gets 256 columns)
+    ncols = _slab_cols(n, eb if fmt in ("bf16", "fp8") else 1)
+    nrb = -(-rows // P)
+    if path in ("quad_bf16", "quad_grp"):
+        while ncols > P and nrb * ncols > DECODE_SLAB_ELEMS:
+            ncols = _slab_cols_at_most(n, ncols - P)
+    else:  # small K: widen the slab up to SLAB_BYTES per partition (fewer, larger DMAs; each has a fixed cost)
+        ncols = max(ncols, _slab_cols_at_most(n, SLAB_BYTES // (nrb * eb)))
+    return WeightPlan(fmt, path, korder, k, n, rows, ncols)
+
+
+def _slab_cols_at_most(n: int, c: int) -> int:
+    """The largest multiple of 128 that divides N and is ≤ c (at least 128)."""
+    c = max(P, c // P * P)
+    while n % c:
+        c -= P
+    return c
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -312,7 +341,15 @@ def load_weight_slab(ring: WeightRing, w, w_scale, e, n0: int) -> WeightSlab:
     i = ring.turn
     ring.turn = (i + 1) % WEIGHT_BUFS
     raw = ring.raw[i]
-    nisa.dma_copy(dst=raw, src=_hbm_rows(w, e, 0, plan.nrb, n0, plan.ncols, dtype=raw.dtype))
+    nrb, last = plan.nrb, plan.last_rows
+    if last == P:
+        nisa.dma_copy(dst=raw, src=_hbm_rows(w, e, 0, nrb, n0, plan.ncols, dtype=raw.dtype))
+    else:  # packed K not a multiple of 512: the last block's missing rows are zeros (weight 0: adds nothing)
+        nisa.memset(dst=raw[:, nrb - 1, :], value=0, engine=nisa.engine.gpsimd)
+        if nrb > 1:
+            nisa.dma_copy(dst=raw[:, :nrb - 1, :], src=_hbm_rows(w, e, 0, nrb - 1, n0, plan.ncols, dtype=raw.dtype))
+        nisa.dma_copy(dst=raw[:last, nrb - 1, :], src=_hbm_ap(w, e, [[plan.n, last], [1, plan.ncols]],
+                                                             P * (nrb - 1) * plan.n + n0, dtype=raw.dtype))
     if plan.path == "bf16":
         return WeightSlab(plan, n0, raw, None)
     if plan.path == "fp8_block":
@@ -324,18 +361,30 @@ def load_weight_slab(ring: WeightRing, w, w_scale, e, n0: int) -> WeightSlab:
         return WeightSlab(plan, n0, raw.view(fp8), sc)
     sc = ring.scale[i]
     nmb, n = plan.nrb, plan.n
+    full = nmb if last == P else nmb - 1  # blocks with all 16 scale rows
+    if last != P:
+        nisa.memset(dst=sc[:, nmb - 1, :], value=0, engine=nisa.engine.gpsimd)
     if plan.path == "mx":
         # partition 32c + i of the scale tile holds UE8M0 row 16·mb + 4c + i (the group of data partitions
         # 32c + 8i … 32c + 8i + 7), columns n0 …; rows 4 … 31 of each quadrant are not read
         for c in range(4):
-            nisa.dma_copy(dst=sc[32 * c:32 * c + 4, :, :],
-                          src=_hbm_ap(w_scale, e, [[n, 4], [16 * n, nmb], [1, plan.ncols]], 4 * c * n + n0))
+            if full:
+                nisa.dma_copy(dst=sc[32 * c:32 * c + 4, :full, :],
+                              src=_hbm_ap(w_scale, e, [[n, 4], [16 * n, full], [1, plan.ncols]], 4 * c * n + n0))
+            if full < nmb and 32 * c < last:
+                nisa.dma_copy(dst=sc[32 * c:32 * c + 4, nmb - 1, :],
+                              src=_hbm_ap(w_scale, e, [[n, 4], [1, plan.ncols]], (16 * full + 4 * c) * n + n0))
         x4 = nl.float4_e2m1fn_x4 if plan.fmt == "fp4" else nl.float8_e4m3fn_x4
         return WeightSlab(plan, n0, raw.view(x4), sc)
     if plan.path == "quad_grp":
         return WeightSlab(plan, n0, _byte_planes(raw, plan), _grp_scales(ring.scale[i], w_scale, e, n0, plan))
     # quad_bf16: data partition p of block mb uses UE8M0 row 16·mb + p // 8: replicate each row over 8 partitions
-    nisa.dma_copy(dst=sc, src=_hbm_ap(w_scale, e, [[n, 16], [0, 8], [16 * n, nmb], [1, plan.ncols]], n0))
+    if full:
+        nisa.dma_copy(dst=sc[:, :full, :], src=_hbm_ap(w_scale, e, [[n, 16], [0, 8], [16 * n, full], [1, plan.ncols]],
+                                                      n0))
+    if full < nmb:
+        nisa.dma_copy(dst=sc[:last, nmb - 1, :], src=_hbm_ap(w_scale, e, [[n, last // 8], [0, 8], [1, plan.ncols]],
+                                                            16 * full * n + n0))
     return WeightSlab(plan, n0, _decode_quad(raw, sc, plan), None)
 
 
@@ -402,10 +451,15 @@ def _grp_scales(dst, w_scale, e, n0: int, plan: WeightPlan):
     ng, nc = plan.ngroups, plan.ncols
     x = FOLD_EXTRA_LOG2  # fp4: the planes carry 2^-6; fp8 MX: undone on evacuation (keeps b = 0 a normal bf16)
     bits = dst.view(nl.uint16)
+    real = plan.k // 32  # groups that exist in HBM; the padded ones get byte 0 (their PSUM columns are 0)
     for g0 in range(0, ng, P):
         gk = min(P, ng - g0)
         rows = nl.ndarray((gk, nc), dtype=nl.bfloat16, buffer=nl.sbuf, name="grp_rows")
-        nisa.dma_copy(dst=rows, src=_hbm_ap(w_scale, e, [[plan.n, gk], [1, nc]], g0 * plan.n + n0))
+        have = max(0, min(gk, real - g0))
+        if have < gk:
+            nisa.memset(dst=rows, value=0.0, engine=nisa.engine.gpsimd)
+        if have:
+            nisa.dma_copy(dst=rows[:have, :], src=_hbm_ap(w_scale, e, [[plan.n, have], [1, nc]], g0 * plan.n + n0))
         for jj in range(nc // P):
             pt = nl.ndarray((P, gk), dtype=nl.bfloat16, buffer=nl.psum, name="grp_psum")
             nisa.nc_transpose(dst=pt, data=rows[:, jj * P:(jj + 1) * P])
@@ -804,6 +858,17 @@ def fp8_rows_to_mx(raw, s_raw, mask=None, bytes_masked: bool = False):
     return zb, zs
 
 
+def _pad_cols(t, k: int, fill, name: str):
+    """``t [rt, K']`` → ``[rt, k]`` with columns ``K' …`` = ``fill`` (K padded to whole 512 blocks)."""
+    rt, k0 = t.shape
+    if k0 == k:
+        return t
+    out = nl.ndarray((rt, k), dtype=t.dtype, buffer=nl.sbuf, name=name)
+    nisa.memset(dst=out[:, k0:], value=fill, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=out[:, :k0], src=t, engine=nisa.engine.gpsimd)
+    return out
+
+
 def act_rows_into_operand(op: ActOperand, rows, r0: int):
     """Write row tile ``rows`` (what :func:`load_act_rows` returned, ``rt ≤ 128`` rows) into columns
     ``[r0, r0 + rt)`` of the operand.
@@ -813,7 +878,8 @@ def act_rows_into_operand(op: ActOperand, rows, r0: int):
     ``32c + i`` by four free-dim copies and a bf16 TensorE transpose (values 0 … 255 exact in bf16).
     """
     if op.korder == "mx":
-        raw, e8 = rows
+        kp = op.x4.shape[1] * 4 * P
+        raw, e8 = _pad_cols(rows[0], kp, 0, "a_bytes_pad"), _pad_cols(rows[1], kp // 32, 127, "a_e8_pad")
         rt, k = raw.shape
         nmb = k // (4 * P)
         words = raw.view(nl.uint32).reshape((rt, nmb, P))
@@ -831,6 +897,8 @@ def act_rows_into_operand(op: ActOperand, rows, r0: int):
         return
     parts = rows if isinstance(rows, tuple) else (rows,)
     assert len(parts) == (2 if op.aT_lo is not None else 1), "split operands take (hi, lo) row pairs"
+    kp = op.aT.shape[1] * P
+    parts = tuple(_pad_cols(t, kp, 0.0, "a_pad") for t in parts)
     for a_nat, aT in zip(parts, (op.aT, op.aT_lo)):
         rt, k = a_nat.shape
         nkb = k // P
@@ -847,19 +915,21 @@ def act_rows_into_operand(op: ActOperand, rows, r0: int):
             nisa.tensor_copy(dst=aT[:, g0:g0 + g, r0:r0 + rt], src=pt[:, :g, :rt], engine=nisa.engine.vector)
 
 
-def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act", split: bool = False) -> ActOperand:
+def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act", split: bool = False,
+                     kp: int | None = None) -> ActOperand:
     """All rows of an HBM activation ``a [R, K]`` as a moving operand (masked rows exact zeros).
 
     Args:
         korder: the plan's ``korder``.
         a: HBM bf16 / float8_e4m3fn ``[R, K]``; a_scale: HBM float32 ``[R, K/g]`` (fp8) or None.
         mask_tiles: None, or one SBUF uint8 ``[rt, 1]`` predicate per 128-row tile.
+        kp: the plan's ``kp`` (K padded to whole 512 blocks for the packed forms; the padding is zeros).
     """
     r, k = a.shape
     if korder == "quad_grp":
-        return group_operand(load_act_operand("quad", a, a_scale, mask_tiles, name, split))
+        return group_operand(load_act_operand("quad", a, a_scale, mask_tiles, name, split, kp))
     split = split and act_format(a) == "fp8" and korder != "mx"
-    op = alloc_act_operand(korder, k, r, name, split)
+    op = alloc_act_operand(korder, k if kp is None else kp, r, name, split)
     for t, r0 in enumerate(range(0, r, P)):
         rt = min(P, r - r0)
         rows = load_act_rows(a, a_scale, r0, rt, None if mask_tiles is None else mask_tiles[t], korder, split)

@@ -249,15 +249,15 @@ def _run_eio(target, act, wfmt, group, rows, k, n, mask, skip, seed, scale=1.0, 
 @pytest.mark.parametrize("target,act,wfmt,group", EIO_CASES, ids=[f"{t}-{a}x{w}-g{g}" for t, a, w, g in EIO_CASES])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                HealthCheck.function_scoped_fixture])
-@given(rows=st.integers(1, 200), kb=st.integers(1, 2), nb=st.integers(1, 5),
+@given(rows=st.integers(1, 200), kb=st.integers(1, 9), nb=st.integers(1, 5),
        density=st.sampled_from([0.0, 0.3, 1.0]), skip=st.booleans(), seed=st.integers(0, 2**16),
        scale=st.sampled_from([1.0, 1e-3, 50.0]))
 def test_eio_matches_reference(target, act, wfmt, group, rows, kb, nb, density, skip, seed, scale):
-    """Every format pair on both targets, prepared bytes through the kernel and the reference (K multiple of
-    512: the packed forms hold four k per element and contract 512 per MX matmul)."""
+    """Every format pair on both targets, prepared bytes through the kernel and the reference; K any multiple
+    of 128 (the packed forms, four k per element, pad K to whole 512 blocks on chip)."""
     mask = torch.rand(rows, generator=torch.Generator().manual_seed(seed)) < density
-    _run_eio(target, act, wfmt, group, rows, 512 * kb, 128 * nb, mask, skip, seed, scale,
-             f"{target} eio {act}x{wfmt} g={group} R={rows} K={512 * kb} N={128 * nb} density={density}")
+    _run_eio(target, act, wfmt, group, rows, 128 * kb, 128 * nb, mask, skip, seed, scale,
+             f"{target} eio {act}x{wfmt} g={group} R={rows} K={128 * kb} N={128 * nb} density={density}")
 
 
 @interpreter_only
@@ -356,10 +356,11 @@ EXACT_CASES = [("trn2", "bf16", "fp8"), ("trn2", "bf16", "fp4"), ("trn3", "bf16"
 
 @interpreter_only
 @pytest.mark.parametrize("target,act,wfmt", EXACT_CASES, ids=[f"{t}-{a}x{w}" for t, a, w in EXACT_CASES])
-def test_eio_every_weight_code_is_exact(target, act, wfmt):
+@pytest.mark.parametrize("k", [512, 640])  # 640: the packed forms' last 512-block is partial (zero-padded)
+def test_eio_every_weight_code_is_exact(target, act, wfmt, k):
     """A = identity makes D = Wᵀ: every prepared code (trn2 fp8: the re-encoded bytes, read as float8_e4m3;
     trn3: e4m3fn, the MX form, e2m1 through nc_matmul_mx or the bf16 decode) comes out bit-exact."""
-    k, n = 512, 256
+    n = 256
     g = torch.Generator().manual_seed(7)
     b, b_s = _code_weights(wfmt, n, k, g)
     be, bse = _prepared(b, b_s, target)
@@ -376,21 +377,24 @@ def test_eio_every_weight_code_is_exact(target, act, wfmt):
     assert bool((want.to(torch.bfloat16).float() == want).all())
     _assert_same_values(out, want, f"{target} {act}x{wfmt} eio decode")
     if target == "trn3" and act == "fp8":
-        assert path.get("tensor.nc_matmul_mx", 0) == (n // 128) * (k // 512)
+        # per 128 columns: ⌈K/512⌉ MX matmuls for each ≤ 512-row moving chunk of the R = K identity rows
+        assert path.get("tensor.nc_matmul_mx", 0) == (n // 128) * -(-k // 512) * -(-k // 512)
 
 
 @interpreter_only
 @pytest.mark.parametrize("target,wfmt", [("trn2", "fp4"), ("trn3", "fp4"), ("trn3", "fp8")])
-def test_eio_group_path_is_exact(target, wfmt):
+@pytest.mark.parametrize("k", [512, 896])
+def test_eio_group_path_is_exact(target, wfmt, k):
     """The group path (≤ 4 rows) on one-hot rows returns weight rows bit-exactly: every e2m1 byte / MX e4m3fn
-    code under its own 1×32 scale, including 2^-127 … 2^-98 and large scales."""
-    k, n = 512, 256
+    code under its own 1×32 scale, including 2^-127 … 2^-98 and large scales (K = 896: a partial last block)."""
+    n = 256
     g = torch.Generator().manual_seed(13)
     b, b_s = _code_weights(wfmt, n, k, g)
     if wfmt == "fp4":
-        b_s[0, :2] = torch.tensor([0, 1, 2, 3, 200, 248, 127, 100] * (k // 32 // 8), dtype=torch.uint8)
+        pattern = torch.tensor([0, 1, 2, 3, 200, 248, 127, 100], dtype=torch.uint8)
+        b_s[0, :2] = pattern.repeat(k // 32 // 8 + 1)[:k // 32]
     be, bse = _prepared(b, b_s, target)
-    picks = [0, 37, 300, 511]
+    picks = [0, 37, 300, k - 1]
     a = torch.zeros(4, k, dtype=torch.bfloat16)
     a[range(4), picks] = 1.0
     with interpreter.target(target):
@@ -486,3 +490,44 @@ def test_eio_weights_reach_the_tensor_engine_as_loaded(target, act, wfmt):
     # and the output copies
     touched = cost.instr_elems.get("vector", 0) + cost.instr_elems.get("gpsimd", 0)
     assert touched < k * n // P, f"{touched} elements per partition on Vector/GpSimd"
+
+
+# ------------------------------------------------------------------------------------------ tiles, runtime expert
+def _tiles_all_experts_kernel(a, a_s, b, bs, rows):
+    """Every expert of an EIO weight through the gemm_tiles API inside a runtime loop: the expert id is a
+    register, reaching only the HBM side of the DMAs (as the fused kernel uses the tiles)."""
+    from nki_kernels import gemm_tiles as G
+    from static_moe.nki.shim import nisa, nl
+
+    r, _ = a.shape
+    plan = G.weight_plan(b, G.act_format(a), rows=rows)
+    act = G.load_act_operand(plan.korder, a, a_s, kp=plan.kp)
+    out = nl.ndarray((b.shape[0], plan.n, r), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="o")
+
+    def body(e):
+        ring = G.WeightRing(plan)
+        for n0 in range(0, plan.n, plan.ncols):
+            slab = G.load_weight_slab(ring, b, bs, e, n0)
+            for j in range(plan.ncols // P):
+                d = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="d")
+                G.gemm_block(d, slab, j, act, r)
+                nisa.dma_copy(dst=out.ap(pattern=[[r, P], [1, r]], offset=(n0 + j * P) * r, scalar_offset=e,
+                                         indirect_dim=0), src=d)
+
+    nl.fori_loop(0, b.shape[0], body)
+    return out
+
+
+@interpreter_only
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("act,wfmt", [("bf16", "bf16"), ("fp8", "fp8"), ("bf16", "fp4"), ("fp8", "fp4")])
+@pytest.mark.parametrize("rows", [3, 20])
+def test_tiles_take_a_runtime_expert_id(target, act, wfmt, rows):
+    b, b_s = _weights(3, 256, 640, wfmt, 14)
+    be, bse = _prepared(b, b_s, target)
+    a, a_s = make_activations(rows, 640, act, group=128, seed=15)
+    with interpreter.target(target):
+        out = torch.as_tensor(shim.simulate(_tiles_all_experts_kernel)(a, a_s, be, bse, rows))
+    for e in range(3):
+        ref = ref_expert_gemm(a, a_s, be, bse, torch.ones(rows, dtype=torch.bool), e, weight_layout="eio")
+        assert_gemm_close(out[e].T.contiguous(), ref, f"{target} {act}x{wfmt} expert {e}")
