@@ -190,8 +190,12 @@ def test_mx_refuses_non_pow2_scales():
     g = torch.Generator().manual_seed(2)
     w, s = _random_fp8(g, 1, 4, 256, pow2=True)
     s[0, 2, 1] = 0.75
-    with pytest.raises(ValueError, match=r"power-of-two scales.*scale\[0, 1, 2\] = 0.75"):
+    # Reported by to_eio at its index in the EOI scale the caller passed, not at the permuted EIO index.
+    with pytest.raises(ValueError, match=r"^to_eio: the MX fp8 form needs power-of-two scales.*"
+                                         r"scale\[0, 2, 1\] = 0.75"):
         to_eio(w, s, mx=True)
+    with pytest.raises(ValueError, match=r"^to_mx_fp8: .*scale\[0, 1, 2\] = 0.75"):
+        to_mx_fp8(*to_eio(w, s))  # given EIO scales, the EIO index
     s[0, 2, 1] = float("inf")
     with pytest.raises(ValueError, match="power-of-two"):
         to_mx_fp8(*to_eio(w, s))
@@ -309,6 +313,8 @@ def test_reencode_moves_exactly_the_documented_codes(d):
     cb = codes.numpy().reshape(L, n, kb, 128)
     moves = ((cb & 0x7F) >= 0x78).any(axis=-1)
     assert np.array_equal(trn2_blocks_to_reencode(w).numpy(), moves)
+    with pytest.raises(TypeError, match=r"trn2_blocks_to_reencode: w must be float8_e4m3fn, got torch.uint32"):
+        trn2_blocks_to_reencode(w.view(torch.uint8).view(torch.uint32), "eio")  # the MX form has no such blocks
     halve = np.array([_halve_ml_dtypes(c) if (c & 0x7F) != 0x7F else c for c in range(256)], dtype=np.uint8)
     want_codes = np.where(moves[..., None], halve[cb], cb).reshape(L, n, k)
     assert np.array_equal(w2.view(torch.uint8).numpy(), want_codes)
@@ -393,6 +399,12 @@ def test_prepare_weight_per_target():
     assert qs is None and lay == "eio" and torch.equal(q, b.transpose(1, 2))
     with pytest.raises(ValueError, match="target must be one of"):
         prepare_weight(b, None, "trn1")
+    # trn3 with bf16 activations keeps plain K-major fp8 even for pow2 scales (the MX form is decode-bound there).
+    pw, ps, lay = prepare_weight(w, s, "trn3", "bf16")
+    assert lay == "eio" and pw.dtype == torch.float8_e4m3fn and _same_bytes(pw, to_eio(w, s)[0])
+    assert prepare_weight(w, s, "trn3", "fp8")[0].dtype == torch.uint32
+    with pytest.raises(ValueError, match=r"prepare_weight: act_format must be one of \['bf16', 'fp8'\] or None"):
+        prepare_weight(w, s, "trn3", "fp4")
     assert layouts.target_layout("cuda") == "eoi" and layouts.target_layout("trn3") == "eio"
 
 
@@ -410,6 +422,9 @@ def test_prepare_expert_weights_takes_mx_only_when_both_are_pow2():
     w2, s2 = _random_fp8(g, 2, 128, 128, pow2=True, allow_nan=False, emax=120)
     out = layouts.prepare_expert_weights(w13, s13, w2, s2, "trn3")
     assert out[0].dtype == torch.uint32 and out[2].dtype == torch.uint32 and out[4] == "eio"
+    out = layouts.prepare_expert_weights(w13, s13, w2, s2, "trn3", act_format="bf16")
+    assert out[0].dtype == torch.float8_e4m3fn and out[2].dtype == torch.float8_e4m3fn
+    assert _same_bytes(out[0], to_eio(w13, s13)[0]) and _same_bytes(out[3], to_eio(w2, s2)[1])
     s2[1, 3, 0] = 1.5
     out = layouts.prepare_expert_weights(w13, s13, w2, s2, "trn3")
     assert out[0].dtype == torch.float8_e4m3fn and out[2].dtype == torch.float8_e4m3fn
@@ -477,11 +492,18 @@ def test_cpu_kernels_refuse_eio_and_check_its_shapes_first():
     x, xs = make_activations(4, LH, "fp8", 128, seed=8)
     idx, tw = make_routing(4, 2, LL, seed=9)
     refuse = r"weight_layout='eio' \(prepared, K-major weights\) is not supported by the CPU kernels"
+    # The message names the three ways out, each of which exists.
+    ways = (r"build the layer with StaticMoE\(prepare_for=\"cpu\"\), convert prepared tensors back exactly with "
+            r"static_moe.layouts.to_eoi, or \(tests, CPU\) run the prepared bytes through the reference with "
+            r"static_moe.testing.backends.cpu_kernels\(\"reference\"\)")
+    with pytest.raises(ValueError, match=refuse + r".*; " + ways):
+        torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, we), "eio")
+    assert callable(layouts.to_eoi) and callable(cpu_kernels)
     with pytest.raises(ValueError, match="local_experts: " + refuse):
         torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, we), "eio")
     with pytest.raises(ValueError, match="expert_gemm: " + refuse):
         torch.ops.static_moe.expert_gemm(x, xs, we["w13"], we["w13_scale"], torch.ones(4, dtype=torch.bool), 0, "eio")
-    with pytest.raises(ValueError, match="forward: rank 0|local_experts: " + refuse):
+    with pytest.raises(ValueError, match=r"local_experts: " + refuse):
         static_moe.forward(x, xs, idx, tw, we["w13"], we["w13_scale"], we["w2"], we["w2_scale"], num_experts=LL,
                            capacity=4, weight_layout="eio")
     # An EOI tensor passed as "eio" fails the EIO shape check, naming the expected prepared shape.
@@ -495,6 +517,11 @@ def test_cpu_kernels_refuse_eio_and_check_its_shapes_first():
     # "eoi" passed explicitly is today's op.
     assert_equal(torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "eoi"),
                  torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w)), "explicit eoi")
+    # A prepared dtype passed without weight_layout='eio' says so.
+    for packed in (we["w13"].view(torch.uint8).view(torch.uint32), we["w13"].view(torch.uint8).view(torch.uint16)):
+        with pytest.raises(TypeError, match=r"expert_gemm: b must have a weight dtype: .* got torch.uint(32|16) "
+                                            r"\(a prepared dtype: pass weight_layout='eio'\)"):
+            torch.ops.static_moe.expert_gemm(x, xs, packed, we["w13_scale"], torch.ones(4, dtype=torch.bool), 0)
 
 
 @pytest.mark.parametrize("case, exc, match", [
@@ -518,6 +545,9 @@ def test_eio_checks(case, exc, match):
         _C.check_local_experts(*_le_args(x, xs, idx, tw, w), weight_layout="eio")
     with pytest.raises(exc, match=match):
         torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "eio")
+    if case == "mixed":  # the reference keeps the kernels' rule (it could convert each back, but must not)
+        with pytest.raises(exc, match=r"^local_experts: " + match):
+            reference.local_experts(*_le_args(x, xs, idx, tw, w), weight_layout="eio")
 
 
 @pytest.mark.parametrize("act,wfmt,form", OP_CASES[2:4] + OP_CASES[5:], ids=["fp8xfp8", "fp8xmx", "fp8xfp4"])
@@ -689,3 +719,17 @@ def test_nki_takes_the_prepared_bytes_like_the_reference(target, wfmt):
     ref = reference.local_experts(*args, weight_layout=layout)
     assert_gemm_close(nki_prep, ref, f"NKI {target} {wfmt} prepared vs reference")
     assert_gemm_close(nki_prep, nki_plain, f"NKI {target} {wfmt} prepared vs unprepared")
+
+
+@pytest.mark.parametrize("weight_layout, dim", [("eoi", 1), ("eio", 2)])
+def test_forward_names_the_w13_dim_that_gives_i(weight_layout, dim):
+    """forward's own check of I names the w13 dimension I is read from in each layout."""
+    x, _ = make_activations(4, LH, "bf16", 128, seed=1)
+    idx, tw = make_routing(4, 2, 2, seed=2)
+    w13, w2 = torch.zeros(2, 0, LH, dtype=torch.bfloat16), torch.zeros(2, LH, 0, dtype=torch.bfloat16)
+    if weight_layout == "eio":
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    with pytest.raises(ValueError, match=rf"^forward: I \(w13.size\({dim}\) / 2\) must be a positive multiple of "
+                                         r"128, got 0$"):
+        static_moe.forward(x, None, idx, tw, w13, None, w2, None, num_experts=2, capacity=4,
+                           weight_layout=weight_layout)

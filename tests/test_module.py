@@ -14,7 +14,7 @@ from torch import nn
 
 from static_moe import reference
 from static_moe.formats import dequantize_activation, expand_block_scales, quantize_activation, quantize_weight
-from static_moe.module import StaticMoE
+from static_moe.module import SharedExpert, StaticMoE
 from static_moe.testing.distributed import expect_raises, gather_objects, run_ranks
 from static_moe.testing.generators import FORMAT_PAIRS, gen, make_fp8_max_sensitive, make_routing
 from static_moe.testing.numeric import assert_equal, assert_gemm_close
@@ -85,8 +85,9 @@ def activations(hidden, act, group):
     return (x, None) if act == "bf16" else quantize_activation(x, group)
 
 
-def reference_layer(hidden, idx, tw, experts, act, group, limit, shared=None, shared_limit=None):
-    """Single-rank reference of a StaticMoE: experts = (w13, w13_s, w2, w2_s) of all E; shared likewise [1, ...]."""
+def reference_layer(hidden, idx, tw, experts, act, group, limit, shared=None, shared_limit=None, fp8_max=448.0):
+    """Single-rank reference of a StaticMoE: experts = (w13, w13_s, w2, w2_s) of all E; shared likewise [1, ...];
+    fp8_max: the layer's (240 for trn2 with fp8 activations)."""
     x, xs = activations(hidden, act, group)
     shared_out = None
     if shared is not None:
@@ -94,8 +95,8 @@ def reference_layer(hidden, idx, tw, experts, act, group, limit, shared=None, sh
         sx, sxs = (x, xs) if sw13.dtype != torch.bfloat16 else (hidden.reshape(-1, H), None)
         t = x.shape[0]
         shared_out = reference.local_experts(sx, sxs, torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, 1), sw13,
-                                             sw13_s, sw2, sw2_s, 0, shared_limit)
-    return reference.forward(x, xs, idx, tw, *experts[:2], *experts[2:], shared_out, E, C, limit, "", 0, 1)
+                                             sw13_s, sw2, sw2_s, 0, shared_limit, fp8_max)
+    return reference.forward(x, xs, idx, tw, *experts[:2], *experts[2:], shared_out, E, C, limit, "", 0, 1, fp8_max)
 
 
 def hidden_states(t, seed):
@@ -645,17 +646,26 @@ _HELD_DTYPE = {("trn2", "fp8"): torch.float8_e4m3fn, ("trn3", "fp8"): torch.uint
 
 
 def _layer_pair(target, act, wfmt, seed):
-    """(CPU layer, layer prepared for target) from the same float experts and shared expert."""
+    """(CPU layer, layer prepared for target) from the same float experts and shared expert; both with fp8_max
+    240 for trn2 (SPEC §6.1), 448 otherwise."""
     w1, w3, w2 = float_experts(E, seed=seed)
     shared_src = hf_experts(*(t[:1] for t in float_experts(1, seed + 1, IS)))[0]
-    kw = dict(top_k=K, capacity=C, weight_format=wfmt, act_format=act, swiglu_limit=7.0, shared_expert=shared_src)
+    kw = dict(top_k=K, capacity=C, weight_format=wfmt, act_format=act, swiglu_limit=7.0, shared_expert=shared_src,
+              fp8_max=_FP8_MAX[target])
     return (StaticMoE.from_module(Grouped(w1, w3, w2), **kw),
             StaticMoE.from_module(Grouped(w1, w3, w2), prepare_for=target, **kw))
+
+
+_FP8_MAX = {"trn2": 240.0, "trn3": 448.0}
 
 
 def _held_eoi(layer):
     w = layer.expert_weights()
     return tuple(w[n] for n in ("w13", "w13_scale", "w2", "w2_scale"))
+
+
+def _trn2_reencoded(w13, s13, w2, s2):
+    return (*reencode_fp8_for_trn2(w13, s13), *reencode_fp8_for_trn2(w2, s2))
 
 
 @pytest.mark.parametrize("target", ["trn2", "trn3"])
@@ -664,17 +674,21 @@ def test_prepared_layer_holds_eio_and_matches_the_reference(target, act, wfmt):
     cpu, prep = _layer_pair(target, act, wfmt, seed=61)
     assert (cpu.weight_layout, cpu.prepare_for) == ("eoi", "cpu")
     assert (prep.weight_layout, prep.prepare_for) == ("eio", target)
-    want_dtype = _HELD_DTYPE[(target, wfmt)]
+    # trn3 takes the MX form for fp8 activations only; bf16 activations keep plain K-major fp8 (layouts._mx_for).
+    want_dtype = torch.float8_e4m3fn if (target, act, wfmt) == ("trn3", "bf16", "fp8") else _HELD_DTYPE[(target, wfmt)]
     assert prep.w13.dtype == want_dtype and prep.w2.dtype == want_dtype and prep.shared.w13.dtype == want_dtype
     assert prep.shared.weight_layout == "eio" and f"prepare_for='{target}'" in repr(prep)
-    cpu_w = _held_eoi(cpu)
+    cpu_w, cpu_shared = _held_eoi(cpu), _held_eoi(cpu.shared)
     if (target, wfmt) == ("trn2", "fp8"):
         # The held weights are the re-encoded bytes, and no code of exponent field 15 is left.
-        want = (*reencode_fp8_for_trn2(cpu_w[0], cpu_w[1]), *reencode_fp8_for_trn2(cpu_w[2], cpu_w[3]))
+        want, want_shared = _trn2_reencoded(*cpu_w), _trn2_reencoded(*cpu_shared)
         assert int((prep.w13.view(torch.uint8) & 0x7F).max()) < 0x78
     else:
-        want = cpu_w
-    for got, w, name in zip(_held_eoi(prep), want, ("w13", "w13_scale", "w2", "w2_scale")):
+        want, want_shared = cpu_w, cpu_shared
+    # The shared expert's held weights are checked against the CPU layer's, like the routed experts' (not
+    # against themselves), so the reference below computes from weights known independently of prep.
+    for got, w, name in zip(_held_eoi(prep) + _held_eoi(prep.shared), want + want_shared,
+                            ("w13", "w13_scale", "w2", "w2_scale") * 2):
         assert (got is None) == (w is None)
         if w is not None:
             assert_equal(got, w, f"{target} {wfmt} {name} back in EOI")
@@ -685,8 +699,7 @@ def test_prepared_layer_holds_eio_and_matches_the_reference(target, act, wfmt):
     with cpu_kernels("reference"):
         out = prep(x, idx, tw)
         base = cpu(x, idx, tw)
-    shared = tuple(prep.shared.expert_weights()[n] for n in ("w13", "w13_scale", "w2", "w2_scale"))
-    ref = reference_layer(x, idx, tw, want, act, 128, 7.0, shared, 7.0)
+    ref = reference_layer(x, idx, tw, want, act, 128, 7.0, want_shared, 7.0, _FP8_MAX[target])
     assert_equal(out, ref, f"{target} {act}x{wfmt}: the reference of the held weights")
     if want is cpu_w:
         assert_equal(out, base, f"{target} {act}x{wfmt}: a pure permutation changes no bit")
@@ -700,9 +713,16 @@ def test_prepared_state_dict_is_eoi_and_round_trips():
     cpu, prep = _layer_pair("trn2", "fp8", "fp8", seed=71)
     sd = prep.state_dict()
     assert sd["w13"].dtype == torch.float8_e4m3fn and tuple(sd["w13"].shape) == (E, 2 * I, H)
+    # trn2 saves the re-encoded weights (module doc, SPEC §1.2), not the bytes it was given: equal to
+    # reencode_fp8_for_trn2 of the CPU layer's, which differ from them (every block holding |q| >= 256 moved).
+    saved = tuple(sd[p + n] for p in ("", "shared.") for n in ("w13", "w13_scale", "w2", "w2_scale"))
+    for got, want, name in zip(saved, _trn2_reencoded(*_held_eoi(cpu)) + _trn2_reencoded(*_held_eoi(cpu.shared)),
+                               ("w13", "w13_scale", "w2", "w2_scale") * 2):
+        assert_equal(got, want, f"trn2 saved {name} is the re-encoded one")
+    assert not torch.equal(sd["w13"].view(torch.uint8), cpu.w13.data.view(torch.uint8))
     assert tuple(sd["w2_scale"].shape) == (E, H, I // 128) and tuple(sd["shared.w13"].shape) == (1, 2 * IS, H)
     again = StaticMoE(H, I, E, K, C, weight_format="fp8", act_format="fp8", swiglu_limit=7.0,
-                      shared_intermediate_size=IS, prepare_for="trn2")
+                      shared_intermediate_size=IS, prepare_for="trn2", fp8_max=240.0)
     again.load_state_dict(sd)
     for name in ("w13", "w13_scale", "w2", "w2_scale", "shared.w13", "shared.w2_scale"):
         assert_equal(again.get_parameter(name).data, prep.get_parameter(name).data, f"trn2 round trip {name}")
@@ -740,6 +760,36 @@ def test_prepared_loaders_and_prepare_for_validation():
     auto = StaticMoE(H, I, E, K, C, weight_format="fp4")
     assert (auto.prepare_for, auto.weight_layout) == ("cpu", "eoi") and auto.w13.dtype == torch.uint8
     auto.close()
+    # A Neuron device does not say whether it is trn2 or trn3 (their prepared bytes differ): prepare_for is needed.
+    for cls_args in ((StaticMoE, (H, I, E, K, C)), (SharedExpert, (H, IS))):
+        with pytest.raises(ValueError, match=r"Neuron device \(xla\) must say which chip .* prepare_for='trn2' "
+                                             r"\(Trainium2\) or prepare_for='trn3'"):
+            cls_args[0](*cls_args[1], device="xla")
+    # trn2 with fp8 activations needs fp8_max <= 240 (SPEC §6.1), refused at construction, not at the first forward.
+    with pytest.raises(ValueError, match=r"fp8_max=448.0 needs OCP float8_e4m3fn on chip \(trn3\); .* pass "
+                                         r"fp8_max=240 with prepare_for='trn2'"):
+        StaticMoE(H, I, E, K, C, weight_format="fp8", act_format="fp8", prepare_for="trn2")
+    for ok in (dict(act_format="bf16", prepare_for="trn2"), dict(act_format="fp8", prepare_for="trn3")):
+        StaticMoE(H, I, E, K, C, weight_format="fp8", **ok).close()  # 448 is fine with bf16 x, or on trn3
+
+
+def test_prepared_layer_refuses_a_partial_state_dict():
+    # The saved tensors are prepared together (trn3's MX choice reads both scales), so a prepared layer refuses
+    # one alone with a message saying so, not torch's size mismatch against the held EIO shapes.
+    cpu = StaticMoE(H, I, E, K, C, weight_format="fp8")
+    w = _held_eoi(cpu)
+    for target in ("trn2", "trn3"):
+        layer = StaticMoE(H, I, E, K, C, weight_format="fp8", prepare_for=target)
+        before = [t.clone() for t in _held_eoi(layer)]
+        with pytest.raises(ValueError, match=r"a prepared layer \(prepare_for='" + target + r"'\) loads "
+                                             r"w13/w13_scale/w2/w2_scale together; missing \['w2', 'w2_scale'\]"):
+            layer.load_state_dict({"w13": w[0], "w13_scale": w[1]}, strict=False)
+        for got, old in zip(_held_eoi(layer), before):
+            assert_equal(got, old, f"{target}: a refused load leaves the weights")
+        layer.load_state_dict({}, strict=False)  # nothing of the weights given: nothing to prepare, no error
+        layer.close()
+    cpu.load_state_dict({"w13": w[0], "w13_scale": w[1]}, strict=False)  # EOI held: a partial copy is fine
+    cpu.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -232,10 +232,13 @@ inline Format weight_format(const at::Tensor& w, const char* op, const char* nam
   if (t == c10::ScalarType::BFloat16) return Format::BF16;
   if (t == c10::ScalarType::Float8_e4m3fn) return Format::FP8;
   if (is_fp4_dtype(t)) return Format::FP4;
+  // uint16 / uint32 are the packed fp4 / fp8 MX dtypes of the prepared layout: say so, since passing a prepared
+  // weight without weight_layout='eio' is the likely mistake.
+  const bool prepared = t == c10::ScalarType::UInt16 || t == c10::ScalarType::UInt32;
   TORCH_CHECK_TYPE(false, op, ": ", name,
                    " must have a weight dtype: torch.bfloat16 (bf16), torch.float8_e4m3fn (fp8), or torch.uint8 / "
                    "torch.float4_e2m1fn_x2 (fp4), got ",
-                   dtype_name(t));
+                   dtype_name(t), prepared ? " (a prepared dtype: pass weight_layout='eio')" : "");
   return Format::BF16;  // unreachable
 }
 
@@ -360,11 +363,15 @@ inline WeightLayout parse_weight_layout(std::string_view s, const char* op) {
 }
 
 // The CPU and CUDA kernels read nn.Linear rows: they take "eoi" only and refuse the prepared layout.
+// `backend` is "CPU" or "CUDA"; the message names the three ways out (StaticMoE's prepare_for, converting the
+// tensors back, or running the prepared bytes through the reference on CPU for tests).
 inline void refuse_prepared_layout(WeightLayout l, const char* op, const char* backend) {
+  const bool cuda = std::string(backend) == "CUDA";
   TORCH_CHECK_VALUE(l == WeightLayout::Eoi, op, ": weight_layout='eio' (prepared, K-major weights) is not supported "
-                    "by the ", backend, " kernels, which read nn.Linear [L, N, K] weights; prepare the weights with "
-                    "weight_layout='eoi' on ", backend, " (StaticMoE does so for modules that live there; "
-                    "static_moe.layouts.to_eoi converts prepared tensors back exactly)");
+                    "by the ", backend, " kernels, which read nn.Linear [L, N, K] weights (weight_layout='eoi'); "
+                    "build the layer with StaticMoE(prepare_for=\"", cuda ? "cuda" : "cpu", "\"), convert "
+                    "prepared tensors back exactly with static_moe.layouts.to_eoi, or (tests, CPU) run the prepared "
+                    "bytes through the reference with static_moe.testing.backends.cpu_kernels(\"reference\")");
 }
 
 // Weight format of an "eio" tensor from its dtype (fp8 MX counts as fp8: it holds the same e4m3fn codes).

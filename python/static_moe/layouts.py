@@ -182,21 +182,26 @@ def _check_pair(w: torch.Tensor, s: torch.Tensor | None, fmt: LayoutFormat, weig
     return L, n, k
 
 
+def _pow2_exponents(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 scales → (ok, e): ``ok`` where the scale is 2^e with e in [−127, 127] (a UE8M0 byte e + 127 holds it
+    exactly), ``e`` the exponent (meaningful where ok). The one rule of :func:`scales_are_pow2` and the MX form."""
+    mant, exp = torch.frexp(s)
+    e = exp - 1
+    return (mant == 0.5) & (e >= -127) & (e <= 127), e
+
+
 def scales_are_pow2(s: torch.Tensor) -> bool:
     """Whether every float32 scale is a power of two 2^e with e in [−127, 127] (so a UE8M0 byte e + 127 holds it
     exactly). Reads the values (a host sync on a device)."""
     if s.dtype != torch.float32:
         raise TypeError(f"scales_are_pow2: expected float32 scales, got {s.dtype}")
-    mant, exp = torch.frexp(s)
-    e = exp - 1
-    return bool(((mant == 0.5) & (e >= -127) & (e <= 127)).all())
+    return bool(_pow2_exponents(s)[0].all())
 
 
 def _pow2_to_ue8m0(s: torch.Tensor, what: str) -> torch.Tensor:
-    """float32 powers of two → UE8M0 bytes; anything else raises ValueError with the first offending index."""
-    mant, exp = torch.frexp(s)
-    e = exp - 1
-    ok = (mant == 0.5) & (e >= -127) & (e <= 127)
+    """float32 powers of two → UE8M0 bytes; anything else raises ValueError with the first offending index of
+    ``s`` as given (so a caller checks the tensor the user passed, in its layout)."""
+    ok, e = _pow2_exponents(s)
     if not bool(ok.all()):
         bad = (~ok).nonzero()[0].tolist()
         raise ValueError(f"{what}: the MX fp8 form needs power-of-two scales 2^e, e in [-127, 127] (a UE8M0 byte); "
@@ -225,6 +230,8 @@ def to_eio(w: torch.Tensor, s: torch.Tensor | None = None, *, mx: bool = False
     if fmt == "bf16":
         return _dense(w.transpose(1, 2)), None
     if fmt == "fp8":
+        if mx:
+            _pow2_to_ue8m0(s, what)  # a non-pow2 scale is reported at its index in the EOI s the caller passed
         w_eio, s_eio = _dense(w.transpose(1, 2)), _dense(s.transpose(1, 2))
         return to_mx_fp8(w_eio, s_eio) if mx else (w_eio, s_eio)
     # fp4: bytes 2m, 2m+1 of a row hold k = 4m..4m+3 in nibble order, so a little-endian uint16 of that byte pair is
@@ -340,15 +347,9 @@ def reencode_fp8_for_trn2(w: torch.Tensor, s: torch.Tensor, weight_layout: str =
     check_weight_layout(weight_layout, what)
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"{what}: w must be float8_e4m3fn, got {w.dtype}")
-    L, n, k = _check_pair(w, s, "fp8", weight_layout, what, "w")
-    nb = k // WEIGHT_FP8_BLOCK
-    # Blocked views with the 128 codes of one block on one axis, and the scale broadcast against them.
-    if weight_layout == "eoi":
-        codes = w.view(torch.uint8).reshape(L, n, nb, WEIGHT_FP8_BLOCK)
-        blk_dim, s_b = 3, s.unsqueeze(-1)
-    else:
-        codes = w.view(torch.uint8).reshape(L, nb, WEIGHT_FP8_BLOCK, n)
-        blk_dim, s_b = 2, s.unsqueeze(2)
+    _check_pair(w, s, "fp8", weight_layout, what, "w")
+    codes, blk_dim = _fp8_blocks(w, weight_layout)
+    s_b = s.unsqueeze(blk_dim)   # the scale broadcast against the block's 128 codes
     mag = codes & 0x7F
     if bool((mag == _E4M3_NAN).any()):
         bad = (mag == _E4M3_NAN).nonzero()[0].tolist()
@@ -362,20 +363,31 @@ def reencode_fp8_for_trn2(w: torch.Tensor, s: torch.Tensor, weight_layout: str =
     # q / 2 is exact in float32 and the e4m3fn cast rounds to nearest-even, which is the documented rounding.
     halved = (codes.view(torch.float8_e4m3fn).float() * 0.5).to(torch.float8_e4m3fn).view(torch.uint8)
     new_codes = torch.where(moves, halved, codes)
-    new_s = torch.where(moves, doubled, s_b)
-    new_s = new_s.squeeze(-1) if weight_layout == "eoi" else new_s.squeeze(2)
+    new_s = torch.where(moves, doubled, s_b).squeeze(blk_dim)
     return _dense(new_codes.reshape(w.shape)).view(torch.float8_e4m3fn), _dense(new_s)
+
+
+def _fp8_blocks(w: torch.Tensor, weight_layout: str) -> tuple[torch.Tensor, int]:
+    """A float8_e4m3fn weight's codes (uint8 view) with the 128 codes of each 1×128 K block on one axis, and that
+    axis: "eoi" ``[L, N, K/128, 128]`` (axis 3), "eio" ``[L, K/128, 128, N]`` (axis 2). Removing the axis gives
+    the scale tensor's shape in that layout."""
+    L, n, k = logical_shape(w, weight_layout)
+    nb = k // WEIGHT_FP8_BLOCK
+    if weight_layout == "eoi":
+        return w.view(torch.uint8).reshape(L, n, nb, WEIGHT_FP8_BLOCK), 3
+    return w.view(torch.uint8).reshape(L, nb, WEIGHT_FP8_BLOCK, n), 2
 
 
 def trn2_blocks_to_reencode(w: torch.Tensor, weight_layout: str = "eoi") -> torch.Tensor:
     """bool per 1×128 block (shape of the scale tensor in that layout): whether :func:`reencode_fp8_for_trn2`
-    moves it, i.e. whether it holds a code of exponent field 15."""
-    check_weight_layout(weight_layout, "trn2_blocks_to_reencode")
-    L, n, k = logical_shape(w, weight_layout)
-    nb = k // WEIGHT_FP8_BLOCK
-    if weight_layout == "eoi":
-        return ((w.view(torch.uint8).reshape(L, n, nb, WEIGHT_FP8_BLOCK) & 0x7F) >= _E4M3_EXP15_LO).any(dim=3)
-    return ((w.view(torch.uint8).reshape(L, nb, WEIGHT_FP8_BLOCK, n) & 0x7F) >= _E4M3_EXP15_LO).any(dim=2)
+    moves it, i.e. whether it holds a code of exponent field 15. ``w``: float8_e4m3fn (TypeError otherwise: the
+    packed MX form and the other formats have no such blocks)."""
+    what = "trn2_blocks_to_reencode"
+    check_weight_layout(weight_layout, what)
+    if w.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{what}: w must be float8_e4m3fn, got {w.dtype}")
+    codes, blk_dim = _fp8_blocks(w, weight_layout)
+    return ((codes & 0x7F) >= _E4M3_EXP15_LO).any(dim=blk_dim)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -394,16 +406,36 @@ def target_layout(target: str) -> str:
     return "eoi" if check_target(target) in ("cpu", "cuda") else "eio"
 
 
-def prepare_weight(w: torch.Tensor, s: torch.Tensor | None, target: str
+ACT_FORMATS = ("bf16", "fp8")
+
+
+def _mx_for(act_format: str | None, op: str) -> bool:
+    """Whether trn3 may take the fp8 MX form for activations in ``act_format`` (scales permitting).
+
+    bf16 activations against fp8 weights: no. nc_matmul_mx wants both operands MX, so bf16 × MX-fp8 decodes the
+    weight on chip, and above 8 rows that decode bounds the GEMM (about 56 % of the roofline in the NKI GEMM
+    author's cost model, against about 94 % for the plain K-major fp8 form the PE reads as it is). fp8
+    activations, or None (not known), keep the MX form."""
+    if act_format is not None and act_format not in ACT_FORMATS:
+        raise ValueError(f"{op}: act_format must be one of {list(ACT_FORMATS)} or None, got {act_format!r}")
+    return act_format != "bf16"
+
+
+def prepare_weight(w: torch.Tensor, s: torch.Tensor | None, target: str, act_format: str | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """An EOI weight (and scale) prepared for a target; returns ``(w, s, weight_layout)``.
 
     - "cpu" / "cuda": unchanged, "eoi" (the tensors themselves, fp4 / UE8M0 viewed as uint8).
     - "trn2": "eio"; fp8 is first re-encoded (:func:`reencode_fp8_for_trn2`), bf16 / fp4 are only permuted.
-    - "trn3": "eio"; fp8 with every scale a power of two takes the MX form (uint32 + UE8M0), fp8 with arbitrary
-      scales the plain fp8 form (not re-encoded: trn3 reads e4m3fn), bf16 / fp4 are only permuted.
+    - "trn3": "eio"; fp8 with every scale a power of two takes the MX form (uint32 + UE8M0) unless
+      ``act_format`` is "bf16"; fp8 with arbitrary scales, or for bf16 activations, the plain fp8 form (not
+      re-encoded: trn3 reads e4m3fn); bf16 / fp4 are only permuted.
+
+    ``act_format``: the activation format the weight will be multiplied with ("bf16", "fp8", or None: not known,
+    as "fp8"); it only chooses trn3's fp8 form (see :func:`_mx_for`).
     """
     check_target(target, "prepare_weight")
+    mx_ok = _mx_for(act_format, "prepare_weight")
     fmt = layout_format(w, "eoi")
     if target in ("cpu", "cuda"):
         return (as_uint8(w) if fmt == "fp4" else w), (as_uint8(s) if fmt == "fp4" else s), "eoi"
@@ -411,21 +443,23 @@ def prepare_weight(w: torch.Tensor, s: torch.Tensor | None, target: str
         if target == "trn2":
             w, s = reencode_fp8_for_trn2(w, s, "eoi")
             return *to_eio(w, s), "eio"
-        return *to_eio(w, s, mx=scales_are_pow2(s)), "eio"
+        return *to_eio(w, s, mx=mx_ok and scales_are_pow2(s)), "eio"
     return *to_eio(w, s), "eio"
 
 
 def prepare_expert_weights(w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
-                           w2_scale: torch.Tensor | None, target: str):
+                           w2_scale: torch.Tensor | None, target: str, act_format: str | None = None):
     """A layer's EOI ``w13 [L, 2I, H]`` / ``w2 [L, H, I]`` (and scales) prepared together for a target.
 
-    Returns ``(w13, w13_scale, w2, w2_scale, weight_layout)``. As :func:`prepare_weight`, except that on trn3 the
-    fp8 MX form is taken only when the scales of *both* are powers of two (the ops want one form for both), else
-    both stay plain EIO fp8."""
+    Returns ``(w13, w13_scale, w2, w2_scale, weight_layout)``. As :func:`prepare_weight` (``act_format`` too:
+    the layer's activation format; GEMM2's input is then the SwiGLU output in that same format), except that on
+    trn3 the fp8 MX form is taken only when the scales of *both* are powers of two (the ops want one form for
+    both), else both stay plain EIO fp8."""
     check_target(target, "prepare_expert_weights")
+    mx_ok = _mx_for(act_format, "prepare_expert_weights")
     if target == "trn3" and layout_format(w13, "eoi") == "fp8" and layout_format(w2, "eoi") == "fp8":
-        mx = scales_are_pow2(w13_scale) and scales_are_pow2(w2_scale)
+        mx = mx_ok and scales_are_pow2(w13_scale) and scales_are_pow2(w2_scale)
         a, b = to_eio(w13, w13_scale, mx=mx), to_eio(w2, w2_scale, mx=mx)
         return a[0], a[1], b[0], b[1], "eio"
-    a, b = prepare_weight(w13, w13_scale, target), prepare_weight(w2, w2_scale, target)
+    a, b = prepare_weight(w13, w13_scale, target, act_format), prepare_weight(w2, w2_scale, target, act_format)
     return a[0], a[1], b[0], b[1], a[2]

@@ -23,13 +23,17 @@ fp4 e2m1 + UE8M0, bf16), :meth:`set_expert_weights`, or ``load_state_dict`` (val
 The ``from_*`` constructors are collective over the EP group: an error on one rank raises on every rank.
 
 Prepared layout (SPEC §1.2): a layer holds its weights in the layout its device's kernels read — EOI (the table
-above) on CPU and CUDA; on a Neuron device (xla / neuron / privateuseone) the K-major EIO forms of
+above) on CPU and CUDA; for trn2 / trn3 the K-major EIO forms of
 ``static_moe.layouts`` (w13 [L, H, 2I], w2 [L, I, H]; fp4 uint16 [L, K/4, N]), with fp8 re-encoded for trn2
-(``reencode_fp8_for_trn2``) and, on trn3, the MX form (uint32 + UE8M0) when every fp8 scale is a power of two.
+(``reencode_fp8_for_trn2``) and, on trn3, the MX form (uint32 + UE8M0) when every fp8 scale is a power of two
+and the activations are fp8 (plain K-major fp8 for bf16 activations: static_moe.layouts.prepare_weight).
 ``prepare_for=`` ("cpu", "cuda", "trn2", "trn3") asks for a target explicitly, whatever the device (e.g. to
-run the Neuron path on CPU tensors through the reference or the NKI interpreter). Every loader prepares the same
-way; ``weight_layout`` says the result, ``expert_weights()`` gives the weights back in EOI, and ``state_dict()``
-always saves EOI, so a state dict loads into a layer prepared for any device.
+run the Neuron path on CPU tensors through the reference or the NKI interpreter); on a Neuron device (xla /
+neuron / privateuseone) it is required ("trn2" or "trn3": the device does not tell them apart). Every loader
+prepares the same way; ``weight_layout`` says the result, ``expert_weights()`` gives the weights back in EOI, and
+``state_dict()`` always saves the EOI layout, so a state dict loads into a layer prepared for any device. On trn2
+the saved fp8 weights are the re-encoded ones: the same values except at ``layouts.TRN2_INEXACT_CODES`` (those
+blocks' codes halved and scales doubled; loading them again changes nothing).
 ``static_moe.integrations.transformers.replace_moe_blocks`` does the conversion for a whole transformers model.
 """
 
@@ -43,6 +47,7 @@ from torch import nn
 
 from . import workspace as _workspace
 from .formats import (
+    FP8_E4M3_TRN2_MAX,
     FP8_E4M3FN_MAX,
     WEIGHT_FP4_BLOCK,
     WEIGHT_FP8_BLOCK,
@@ -188,6 +193,9 @@ class _FixedFormats(nn.Module):
     # The device the weights are prepared for (SPEC §1.2 "prepared layout"): "cpu" / "cuda" keep nn.Linear's EOI,
     # "trn2" / "trn3" hold the K-major EIO forms of static_moe.layouts. Set before the weights are created.
     prepare_for: str = "cpu"
+    # The activation format the weights are multiplied with ("bf16", "fp8", None: not known). It only chooses
+    # trn3's fp8 form (static_moe.layouts.prepare_weight: plain K-major fp8 for bf16, MX for fp8 when pow2).
+    prepare_act: str | None = None
 
     @property
     def weight_layout(self) -> str:
@@ -230,7 +238,15 @@ class _FixedFormats(nn.Module):
         # load_state_dict validates exactly like set_weights: the default copy_ would cast float32 into uint8
         # fp4 weights and accept byte 255 or NaN scales.
         given = {n: state_dict.get(prefix + n) for n in _WEIGHT_NAMES}
-        if all(given[n] is not None or getattr(self, n) is None for n in _WEIGHT_NAMES):
+        complete = all(given[n] is not None or getattr(self, n) is None for n in _WEIGHT_NAMES)
+        if not complete and self.weight_layout == "eio" and any(given[n] is not None for n in _WEIGHT_NAMES):
+            # The saved (EOI) tensors are prepared together (trn3's MX choice and trn2's re-encoding depend on
+            # both weights and their scales), so one alone has no held form to copy into.
+            missing = [prefix + n for n in _WEIGHT_NAMES if given[n] is None and getattr(self, n) is not None]
+            raise ValueError(f"{type(self).__name__} state dict {prefix or '(root)'}: a prepared layer "
+                             f"(prepare_for={self.prepare_for!r}) loads w13/w13_scale/w2/w2_scale together; "
+                             f"missing {missing}")
+        if complete:
             checked = _checked_weights(f"{type(self).__name__} state dict {prefix or '(root)'}", self._weight_shapes(),
                                        self.weight_format, given)
             prepared = _prepared(self, checked)  # EOI in the state dict, the held layout in the module
@@ -253,7 +269,9 @@ class SharedExpert(_FixedFormats):
     Stored as one expert in the routed layout (``w13 [1, 2I, H]``, ``w2 [1, H, I]`` + scales) and computed by
     ``torch.ops.static_moe.local_experts`` with every row routed to it at weight 1, so it has exactly the routed
     experts' numerics (SPEC §1.7) and every backend's kernels. Returns float32 [T, H]. ``fp8_max``: as
-    :class:`StaticMoE`'s (240 on trn2), used with fp8 activations.
+    :class:`StaticMoE`'s (240 on trn2), used with fp8 activations. ``prepare_for``: as StaticMoE's (required on a
+    Neuron device); ``act_format``: the activation format it will be called with ("bf16", "fp8", None: not
+    known), which only chooses trn3's fp8 form (plain K-major fp8 for bf16; static_moe.layouts.prepare_weight).
 
     ``gated=True`` adds Qwen2-MoE's per-token gate: the output is multiplied by ``sigmoid(x · gate_weightᵀ)``
     (``gate_weight`` float32 [1, H], computed in float32 from the float hidden states), still in float32, so the
@@ -262,9 +280,12 @@ class SharedExpert(_FixedFormats):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, weight_format: str = "bf16",
                  swiglu_limit: float | None = None, fp8_max: float = FP8_E4M3FN_MAX, gated: bool = False,
-                 device=None, prepare_for: str | None = None):
+                 device=None, prepare_for: str | None = None, act_format: str | None = None):
         super().__init__()
         self.prepare_for = _resolve_target(prepare_for, torch.device("cpu") if device is None else torch.device(device))
+        if act_format not in (None, "bf16", "fp8"):
+            raise ValueError(f"shared act_format must be 'bf16', 'fp8' or None, got {act_format!r}")
+        self.prepare_act = act_format
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.intermediate_size = _positive_int("shared intermediate_size", intermediate_size)
         if hidden_size % 128 or intermediate_size % 128:
@@ -325,21 +346,23 @@ _NEURON_DEVICE_TYPES = ("xla", "neuron", "privateuseone")
 
 def _resolve_target(prepare_for, device: torch.device) -> str:
     """The device kind weights are prepared for: ``prepare_for`` when given ("cpu", "cuda", "trn2", "trn3"),
-    else from the device — a Neuron device (xla / neuron / privateuseone) is trn3 when the NKI target has OCP
-    e4m3fn on chip (static_moe.nki.dispatch), trn2 otherwise; CUDA is "cuda"; anything else "cpu"."""
+    else from the device — CUDA is "cuda", CPU (and anything not Neuron) "cpu". A Neuron device (xla / neuron /
+    privateuseone) needs ``prepare_for``: trn2 and trn3 hold different bytes (trn2 re-encodes fp8) and nothing
+    here tells the two apart reliably on hardware (NEURON_PLATFORM_TARGET_OVERRIDE is a simulator setting, unset
+    on a real device), so a wrong guess would silently hold the other generation's weights. Raises ValueError."""
     if prepare_for is not None:
         return check_target(prepare_for, "prepare_for")
     if device.type in _NEURON_DEVICE_TYPES:
-        from .nki.dispatch import _e4m3fn_native
-
-        return "trn3" if _e4m3fn_native() else "trn2"
+        raise ValueError(f"prepare_for: weights on a Neuron device ({device}) must say which chip they are prepared "
+                         "for: pass prepare_for='trn2' (Trainium2) or prepare_for='trn3' (Trainium3); the two hold "
+                         "different bytes and the device does not tell them apart")
     return "cuda" if device.type == "cuda" else "cpu"
 
 
 def _prepared(module: nn.Module, checked: dict) -> dict:
     """Checked EOI weights → the form ``module`` holds (static_moe.layouts.prepare_expert_weights)."""
     w13, s13, w2, s2, _ = prepare_expert_weights(checked["w13"], checked["w13_scale"], checked["w2"],
-                                                 checked["w2_scale"], module.prepare_for)
+                                                 checked["w2_scale"], module.prepare_for, module.prepare_act)
     return {"w13": w13, "w13_scale": s13, "w2": w2, "w2_scale": s2}
 
 
@@ -434,8 +457,9 @@ class StaticMoE(_FixedFormats):
         ep_size: optional check against the group's size.
         device: where weights and workspace live. Construction is collective over ep_group.
         prepare_for: the target the weights are prepared for (module doc, SPEC §1.2): None (default) follows
-            ``device`` ("cpu"; "cuda"; a Neuron device → "trn3" if its NKI target has OCP e4m3fn, else "trn2"),
-            or one of "cpu", "cuda" (EOI) and "trn2", "trn3" (EIO). The shared expert is prepared alike.
+            ``device`` ("cpu"; "cuda"; a Neuron device needs it given: ValueError otherwise), or one of "cpu",
+            "cuda" (EOI) and "trn2", "trn3" (EIO). The shared expert is prepared alike. "trn2" with act_format
+            "fp8" needs fp8_max ≤ 240 (SPEC §6.1; ValueError at construction).
 
     ``forward(hidden, topk_idx, topk_weights)``: hidden bf16 [..., H] (fp16 / fp32 are cast to bf16 first: the
     experts' activation format is bf16 or fp8), or, with act_format "fp8", a tuple ``(x_q float8_e4m3fn [..., H],
@@ -485,6 +509,11 @@ class StaticMoE(_FixedFormats):
         self.prepare_for = _resolve_target(prepare_for, device)
         self.swiglu_limit = _check_swiglu_limit("swiglu_limit", swiglu_limit)
         self.fp8_max = _check_fp8_max(fp8_max)
+        if self.prepare_for == "trn2" and act_format == "fp8" and self.fp8_max > FP8_E4M3_TRN2_MAX:
+            # SPEC §6.1: refused here rather than at the first forward's NKI dispatch (same rule, same words).
+            raise ValueError(f"fp8_max={self.fp8_max} needs OCP float8_e4m3fn on chip (trn3); trn2's on-chip fp8 "
+                             "(float8_e4m3) tops out at 240 — pass fp8_max=240 with prepare_for='trn2' "
+                             "(SPEC §6.1)")
         # WorkspaceSpec checks sizes, divisibility, formats and the format pair.
         self.workspace_spec = _workspace.WorkspaceSpec(
             capacity=capacity, hidden=hidden_size, intermediate=intermediate_size, num_experts=num_experts,
@@ -496,13 +525,14 @@ class StaticMoE(_FixedFormats):
         self.num_local_experts = num_experts // self.ep_size
         self.weight_format, self.act_format = weight_format, act_format
         self.act_group = act_group if act_format == "fp8" else None
+        self.prepare_act = act_format
         _init_weights(self, self.num_local_experts, hidden_size, intermediate_size, weight_format, device)
         if shared_intermediate_size is not None:
             limit = self.swiglu_limit if shared_swiglu_limit == "same" else shared_swiglu_limit
             self.shared = SharedExpert(hidden_size, shared_intermediate_size,
                                        weight_format=shared_weight_format or weight_format, swiglu_limit=limit,
                                        fp8_max=self.fp8_max, gated=bool(shared_gate), device=device,
-                                       prepare_for=self.prepare_for)
+                                       prepare_for=self.prepare_for, act_format=act_format)
         else:
             if shared_weight_format is not None or shared_gate:
                 raise ValueError("shared_weight_format / shared_gate were given without shared_intermediate_size")

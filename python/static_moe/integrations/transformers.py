@@ -134,7 +134,8 @@ def replace_moe_blocks(model: nn.Module, *, capacity: int, weight_format: str = 
         families: the :class:`MoEFamily` entries to recognise (default :data:`FAMILIES`).
         options: passed to :meth:`StaticMoE.from_module` (act_group, swiglu_limit, fp8_max, shared_weight_format,
             device, prepare_for, ...). Each new layer prepares its weights for its device like any StaticMoE (the
-            K-major layout of SPEC §1.2 on a Neuron device; ``prepare_for=`` to choose explicitly).
+            K-major layout of SPEC §1.2 for trn2 / trn3; ``prepare_for=`` chooses explicitly and is required on
+            a Neuron device).
 
     Raises TypeError when the model has an MoE-looking block of an unknown family (nothing is replaced then),
     ValueError when it has no MoE block at all, and whatever :meth:`StaticMoE.from_module` raises for experts it

@@ -114,7 +114,7 @@ def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
     if h == 0:
         raise ValueError(f"forward: H (x.size(1)) must be a positive multiple of 128, got {h}")
     if inter == 0:
-        raise ValueError(f"forward: I (2I = w13.size({2 if weight_layout == 'eio' else 1}) / 2) must be a positive "
+        raise ValueError(f"forward: I (w13.size({2 if weight_layout == 'eio' else 1}) / 2) must be a positive "
                          f"multiple of 128, got {inter}")
     if k == 0:
         raise ValueError(f"forward: topk_idx must be [T={t}, k ≥ 1], got shape {_shape(topk_idx)}")
@@ -476,8 +476,10 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
         acc = _local_step(gathered[:, :pw], parts, x_scale is not None, w13, w13_scale, w2, w2_scale,
                           ep_rank * dims.num_local, swiglu_limit, fp8_max, weight_layout)
     except (ValueError, TypeError, RuntimeError) as e:
-        # Not expected (everything a kernel checks was checked before the all-gather), but the other ranks are
-        # already on their way to the reduce-scatter: take part with NaN, so their outputs show it, then raise.
+        # Expected only for what is checked inside local_experts rather than before the all-gather: on CPU / CUDA
+        # weight_layout="eio" is refused here (after pack and all-gather, the error prefixed "local_experts: ").
+        # The other ranks are already on their way to the reduce-scatter: take part with NaN, so their outputs
+        # show it, then raise.
         kernel_error = e
         acc = torch.full((size * c, dims.hidden), float("nan"), dtype=torch.float32, device=x.device)
 

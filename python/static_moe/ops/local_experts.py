@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C
+from ..layouts import logical_shape
 
 
 def local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset: int,
@@ -37,5 +38,5 @@ def _local_experts_fake(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
                                                                                                  torch.SymInt):
         _C.check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
                                swiglu_limit, fp8_max, weight_layout=weight_layout)
-    h = w2.shape[2] if weight_layout == "eio" else w2.shape[1]
+    h = logical_shape(w2, weight_layout)[1]   # H = N of w2 in either layout
     return x.new_empty((x.shape[0], h), dtype=torch.float32)

@@ -22,6 +22,10 @@ def routed_weight(topk_idx: torch.Tensor, topk_weights: torch.Tensor, expert_id:
     return acc
 
 
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype)  # "torch.uint32", as the C++ checks print it
+
+
 def local_experts(
     x: torch.Tensor,
     x_scale: torch.Tensor | None,
@@ -47,6 +51,11 @@ def local_experts(
     permutation) and the maths is the same, so prepared and unprepared weights give the same bits.
     """
     check_weight_layout(weight_layout, "local_experts")
+    if weight_layout == "eio" and w2.dtype != w13.dtype:
+        # The kernels' rule (csrc/checks/local_experts.h): one prepared form for both weights — MX (uint32) and
+        # plain fp8 are one format but different kernel inputs, so a mix is refused, not converted.
+        raise TypeError(f"local_experts: under weight_layout='eio' w2 must have the dtype of w13 ({_dtype(w13)}), "
+                        f"got {_dtype(w2)}")
     w13, w13_scale = as_eoi(w13, w13_scale, weight_layout)
     w2, w2_scale = as_eoi(w2, w2_scale, weight_layout)
     check_swiglu_limit(swiglu_limit, "local_experts")
