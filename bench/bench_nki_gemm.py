@@ -286,7 +286,8 @@ def targets_summary(rows: list[dict]) -> str:
             continue
         worst = min(sel, key=lambda r: r["fraction"])
         ok = "met" if worst["fraction"] >= floor else "NOT met"
-        lines.append(f"  {tgt} {a}×{w} ≥ {floor:.0%}: worst {worst['fraction']:.1%} ({worst['model']} T={worst['tokens']} "
+        lines.append(f"  {tgt} {a}×{w} ≥ {floor:.0%}: worst {worst['fraction']:.1%} ({worst['model']} "
+                     f"T={worst['tokens']} "
                      f"EP={worst['ep']}, bound {worst['bound']}, {worst['time_s'] * 1e6:.1f} µs vs ideal "
                      f"{worst['ideal_s'] * 1e6:.1f} µs) — {ok}")
     return "\n".join(lines)

@@ -52,8 +52,9 @@ Documented constructs used, and where they are documented or used publicly
 - Running sum along the free dim: ISA ``tensor_scalar_cumulative`` (pseudocode in the stub).
 - int32 add and ``right_shift`` on VectorE (``tensor_scalar``): ISA bitvec ops (VectorE, immediate < 2^24).
 - Scatter of the table entries: ``dma_copy`` to an HBM ``.ap(vector_offset=<SBUF (P, 1) int32>)`` view with
-  ``oob_mode.skip``: APS deep-dive (indirect DMA) and ISA ``dma_copy``; nki-library
-  ``core/moe/moe_tkg/all_expert_mx_impl.py`` gathers token rows the same way (``oob_mode.skip`` for −1 ids).
+  ``oob_mode.skip``: APS deep-dive (indirect DMA) and ISA ``dma_copy``; nki-library's blockwise MoE spills its
+  block rows so (``core/moe/moe_tkg/down_projection_mx_shard_I.py``, dst-side ``vector_offset``) and gathers
+  token rows from HBM the same way, ``oob_mode.skip`` for −1 ids (``all_expert_mx_impl.py``).
 - Runtime loop with a register trip count: LANG ``nl.fori_loop`` (NKI 0.6); the loop counter lives in a (1, 1)
   SBUF tile incremented by ``tensor_scalar``, as ``all_expert_mx_impl.py``'s dynamic-block loop does;
   ``register_load`` reads a plain (1, 1) SBUF tile (ISA ``register_load``), never an ``.ap`` view.
@@ -84,6 +85,7 @@ from .gemm_tiles import (
     fp8_rows_to_bf16,
     fp8_rows_to_mx,
     gemm_block,
+    group_operand,
     load_weight_slab,
     rows_from_kmajor,
     weight_plan,
@@ -95,8 +97,8 @@ MAX_CHUNK = P  # rows per work item: gathered rows land on partitions
 
 
 def chunk_rows_for(rows: int, topk: int, num_experts: int, cap: int = MAX_CHUNK) -> int:
-    """M, the rows per work item: the power of two ≥ twice ``⌈R·min(k, E)/E⌉`` — the mean rows per expert when the
-    R gathered rows route top-k over E experts (E = the layer's global experts; with expert parallelism over S
+    """M, the rows per work item: the power of two ≥ twice ``⌈R·min(k, E)/E⌉`` — the mean rows per expert when
+    the R gathered rows route top-k over E experts (E = the layer's global experts; with expert parallelism over S
     ranks of capacity C, R = S·C tokens do) — capped at ``cap`` (≤ 128) and at R rounded up to a power of two.
 
     Small M keeps the evacuations, transposes and swiglu of an item proportional to the routed rows; the TensorE
@@ -117,12 +119,12 @@ def chunk_cap(weight_path: str) -> int:
     """The :func:`chunk_rows_for` cap for a GEMM path (``gemm_tiles.WeightPlan.path``; ``"eoi"`` for the
     unprepared decode path): 32 on the per-K-block fp8 path, 128 elsewhere.
 
-    The per-K-block fp8 evacuation costs VectorE time per evacuated column times K/128 (cost model, V4-Flash:
-    ≈ 6.6 µs per column per expert against ≈ 70 µs for the expert's fp8 weights), so beyond ~10 rows per
-    expert it binds either way; a 64-row item for a 24-row expert then evacuates 40 pad columns for nothing,
-    while two 32-row items cost one more weight stream, which the evacuation hides. Measured with
-    ``bench/bench_nki_gemm.py`` (V4-Flash, EP 8, T = 128, fp8 × fp8): M = 64 → 18 %, M = 32 → 35 % of the
-    roofline; at small means the cap does not bind (M = 2 … 8 keeps one item per expert)."""
+    The per-K-block fp8 evacuation costs VectorE / GpSimd (ScalarE from 64 rows) time per evacuated column
+    times K/128, so beyond a few tens of rows per expert it binds either way; a 64-row item for a 24-row expert
+    then evacuates 40 pad columns for nothing, while two 32-row items cost one more weight stream, which the
+    evacuation hides. Cost model (``bench/bench_nki_gemm.py``, V4-Flash, EP 8, T = 128, fp8 × fp8, 32 items):
+    M = 128 → 30 %, M = 64 → 45 %, M = 32 → 50 % of the roofline; at small means the cap does not bind
+    (M = 2 … 8 keeps one item per expert)."""
     return 32 if weight_path == "fp8_block" else MAX_CHUNK
 
 
@@ -209,6 +211,8 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
         m = chunk_rows_for(r, k, num_experts or n_local, chunk_cap(g1.path))
     else:
         m = int(chunk_rows)
+    if weight_layout == "eio":  # the plans again, now that the rows per GEMM call are known (group path ≤ 4 rows)
+        g1, g2 = _EioGemm(w13, w13_scale, fmt_x, "w13", m), _EioGemm(w2, w2_scale, fmt_x, "w2", m)
     assert 1 <= m <= MAX_CHUNK and m & (m - 1) == 0, f"chunk_rows={m} must be a power of two in [1, {MAX_CHUNK}]"
     q_static = -(-r // m)  # items per expert in the static variant
     k_eff = min(k, n_local)
@@ -218,8 +222,8 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
         n_max = n_local * q_static
 
     out = nl.ndarray((r, h), dtype=nl.float32, buffer=nl.shared_hbm, name="acc_out")
-    tiles = _routing_tiles(topk_idx, topk_weights, expert_offset, n_local, r)
-    table, item_expert, n_reg = _work_list(tiles, r, n_local, m, n_max, skip_unrouted, q_static)
+    tiles, ids = _routing_tiles(topk_idx, topk_weights, expert_offset, n_local, r)
+    table, item_expert, n_reg = _work_list(tiles, ids, r, n_local, m, n_max, skip_unrouted, q_static)
     x_rows = _x_rows_source(x, x_scale, tiles, r, h, g1.korder)
     _zero_rows(out, r, h)
 
@@ -257,9 +261,10 @@ class _RowTile:
         self.routed = routed  # SBUF uint8 [rt, 1]: 1 where the row names any local expert
 
 
-def _routing_tiles(topk_idx, topk_weights, expert_offset: int, n_local: int, r: int) -> list:
-    """:class:`_RowTile` per 128 rows. Padding rows (id −1, NaN weight) select, never multiply: the weights of
-    invalid slots are replaced by 0 with a predicated copy before any arithmetic."""
+def _routing_tiles(topk_idx, topk_weights, expert_offset: int, n_local: int, r: int):
+    """(:class:`_RowTile` per 128 rows, the SBUF float32 ``[min(R, 128), L]`` tile of the local experts' global
+    ids). Padding rows (id −1, NaN weight) select, never multiply: the weights of invalid slots are replaced by 0
+    with a predicated copy before any arithmetic."""
     k = topk_idx.shape[1]
     tiles = []
     ids = nl.ndarray((min(P, r), n_local), dtype=nl.float32, buffer=nl.sbuf, name="local_ids")
@@ -296,8 +301,7 @@ def _routing_tiles(topk_idx, topk_weights, expert_offset: int, n_local: int, r: 
         routed = nl.ndarray((rt, 1), dtype=nl.uint8, buffer=nl.sbuf, name="routed")
         nisa.tensor_copy(dst=routed, src=any_hit)
         tiles.append(_RowTile(r0, rt, idx_f, w_all, hit, routed))
-    tiles[0].ids = ids
-    return tiles
+    return tiles, ids
 
 
 def _col_chunks(n: int):
@@ -305,7 +309,7 @@ def _col_chunks(n: int):
     return [(c0, min(MOVING_MAX, n - c0)) for c0 in range(0, n, MOVING_MAX)]
 
 
-def _work_list(tiles, r: int, n_local: int, m: int, n_max: int, skip_unrouted: bool, q_static: int):
+def _work_list(tiles, ids, r: int, n_local: int, m: int, n_max: int, skip_unrouted: bool, q_static: int):
     """The item table, each item's expert and the item count (see the module docstring, steps 2–4).
 
     Returns:
@@ -359,7 +363,6 @@ def _work_list(tiles, r: int, n_local: int, m: int, n_max: int, skip_unrouted: b
     nisa.iota(dst=tri, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # tri[r', r] = r − r'
     nisa.tensor_scalar(dst=tri, data=tri, op0=nl.greater, operand0=0.0)  # 1 where r' < r
     k = tiles[0].idx_f.shape[1]
-    ids = tiles[0].ids
     for t, tl in enumerate(tiles):
         rt = tl.rt
         # addr[r, e] = M·base_e + Σ_{earlier tiles} hit + Σ_{r' < r in this tile} hit   (PSUM fp32, exact)
@@ -433,9 +436,9 @@ class _EioGemm:
     stationary operand into a ring of ``WEIGHT_BUFS`` buffers (allocated once, outside the runtime loop: the
     DMA of slab i+1 overlaps the matmuls of slab i, also across items)."""
 
-    def __init__(self, w, w_scale, act_fmt: str, name: str):
+    def __init__(self, w, w_scale, act_fmt: str, name: str, rows: int | None = None):
         self.w, self.w_scale = w, w_scale
-        self.plan = weight_plan(w, act_fmt)
+        self.plan = weight_plan(w, act_fmt, rows)
         self.k, self.n, self.korder, self.path = self.plan.k, self.plan.n, self.plan.korder, self.plan.path
         self.ring = None
         self.name = name
@@ -452,6 +455,9 @@ class _EioGemm:
                 dT = nl.ndarray((P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name=f"{self.name}_dT")
                 gemm_block(dT, slab, j, op, m, out_engine=nisa.engine.scalar)
                 yield n0 + j * P, dT
+            # drop this slab's decoded planes before the next one is decoded (the raw ring buffers stay): two
+            # decoded packed slabs do not fit next to V3's rows (H = 7168)
+            del slab
 
 
 class _EoiGemm:
@@ -519,30 +525,41 @@ def _gather(dst, src, rid, m: int):
 class _ItemBuffers:
     """Per-item SBUF tiles, allocated once: a runtime loop body reuses the same addresses every iteration. Tiles
     that a gather fills are zeroed first, so pad rows (skipped by the gather) only ever hold zeros or finite
-    values of earlier rows — their columns are computed, never stored."""
+    values of earlier rows (x or d) — their columns are computed, never stored."""
 
     def __init__(self, m: int, h: int, inter: int, g1, g2, fmt_x: str, group):
         self.meta = nl.ndarray((m, 2), dtype=nl.float32, buffer=nl.sbuf, name="item_meta")
         self.rid = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_rows")
+        # the gathered x rows and the d rows share one [M, H] tile: x is dead once GEMM1's operand is built, d is
+        # born after GEMM2 (saves 2H bytes per partition, which V3's packed-weight slabs need)
+        self.d_rows = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_x_d")
+        nisa.memset(dst=self.d_rows, value=0.0)
         if g1.korder == "mx":
-            self.x_raw = nl.ndarray((m, h), dtype=nl.uint8, buffer=nl.sbuf, name="item_x_bytes")
+            self.x_raw = self.d_rows.view(nl.uint8)[:, :h]
             self.x_s = nl.ndarray((m, h // group), dtype=nl.float32, buffer=nl.sbuf, name="item_x_scale")
-            nisa.memset(dst=self.x_raw, value=0)
             nisa.memset(dst=self.x_s, value=0.0)
         else:
-            self.xg = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_x")
-            nisa.memset(dst=self.xg, value=0.0)
-        self.op1 = alloc_act_operand(g1.korder, h, m, "item_x_op")
-        self.op2 = alloc_act_operand(g2.korder, inter, m, "item_z_op")
+            self.xg = self.d_rows
+        # the group path's operand is built per item from a quad one (gemm_tiles.group_operand)
+        self.op1 = alloc_act_operand(_fill_korder(g1.korder), h, m, "item_x_op")
+        self.op2 = alloc_act_operand(_fill_korder(g2.korder), inter, m, "item_z_op")
         self.h_rows = nl.ndarray((m, 2 * inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_h")
         if g2.korder == "mx":
             self.zq = nl.ndarray((m, inter), dtype=nl.uint8, buffer=nl.sbuf, name="item_z_bytes")
             self.zs = nl.ndarray((m, inter // group), dtype=nl.float32, buffer=nl.sbuf, name="item_z_scale")
         else:
             self.z = nl.ndarray((m, inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_z")
-        self.d_rows = nl.ndarray((m, h), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_d")
         g1.alloc()
         g2.alloc()
+
+
+def _fill_korder(korder: str) -> str:
+    return "quad" if korder == "quad_grp" else korder
+
+
+def _operand(op, korder: str):
+    """The operand a GEMM takes: the filled one, or its group-masked form on the quad_grp path."""
+    return group_operand(op) if korder == "quad_grp" else op
 
 
 def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group):
@@ -559,7 +576,7 @@ def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8
         _gather(bufs.xg, x_src, bufs.rid, m)
         act_rows_into_operand(bufs.op1, bufs.xg, 0)
     # ---- GEMM1: h^T blocks → rows h [M, 2I] bf16 (h = bf16(GEMM1))
-    for n0, hT in g1.blocks(e, bufs.op1, m):
+    for n0, hT in g1.blocks(e, _operand(bufs.op1, g1.korder), m):
         rows_from_kmajor([bufs.h_rows], hT, n0, m)
     # ---- swiglu-and-cast (rows on partitions: groups along the free dim) → the moving operand of GEMM2
     fp8 = group is not None
@@ -586,7 +603,7 @@ def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8
     else:
         act_rows_into_operand(bufs.op2, bufs.z, 0)
     # ---- GEMM2: d^T blocks → rows d [M, H] bf16 (d = bf16(GEMM2))
-    for n0, dT in g2.blocks(e, bufs.op2, m):
+    for n0, dT in g2.blocks(e, _operand(bufs.op2, g2.korder), m):
         rows_from_kmajor([bufs.d_rows], dT, n0, m)
     # ---- acc[rows] += d: one DMA read-modify-write (fp32 add, unique rows within an item; pad rows skipped)
     acc_rows = out.ap(pattern=[[h, m], [1, h]], offset=0, vector_offset=bufs.rid, indirect_dim=0)

@@ -199,18 +199,21 @@ def test_fp8_max_reaches_the_requantization_on_trn3(wfmt, group):
 
 
 @interpreter_only
-@pytest.mark.parametrize("act,wfmt,layout,target", LAYOUT_CASES, ids=[f"{a}x{w}-{l}-{t}" for a, w, l, t in LAYOUT_CASES])
+@pytest.mark.parametrize("act,wfmt,layout,target", LAYOUT_CASES,
+                         ids=[f"{a}x{w}-{lay}-{t}" for a, w, lay, t in LAYOUT_CASES])
 def test_layouts_and_targets_match_reference(act, wfmt, layout, target):
     """Every format pair, unprepared and prepared weights, on trn2 and trn3: ragged rows, 0xFF padding, empty
-    and duplicate slots, a hot expert, ids of other ranks; the runtime work list and the static variant."""
+    and duplicate slots, a hot expert, ids of other ranks; the runtime work list with one and with several items
+    per expert, and the static variant."""
     group = 32 if act == "fp8" else 128
     args = _case(act, wfmt, group, 45, 512, 512, 3, 11, 3, 3, 17, pad=6, empty_frac=0.2, duplicate_frac=0.3,
                  skew=0.4)
     kargs, rargs = _prepared(args, target) if layout == "eio" else (args, args)
     ref = ref_local_experts(*rargs, 7.0, TRN2_FP8_MAX)
-    for skip in (True, False):
-        out = _kernel(kargs, 7.0, target=target, skip_unrouted=skip, weight_layout=layout)
-        assert_kernel_close(out, ref, f"{act}x{wfmt} {layout} {target} skip={skip}")
+    # M = 128 (one item per expert), M = 4 (several items; packed weights take the group path), static variant
+    for skip, m in ((True, None), (True, 4), (False, None)):
+        out = _kernel(kargs, 7.0, target=target, skip_unrouted=skip, weight_layout=layout, chunk_rows=m)
+        assert_kernel_close(out, ref, f"{act}x{wfmt} {layout} {target} skip={skip} chunk_rows={m}")
         assert bool((out[-6:] == 0).all()), "padding rows must be exact zeros"
 
 
