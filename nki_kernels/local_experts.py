@@ -440,6 +440,7 @@ class _EioGemm:
         self.w, self.w_scale = w, w_scale
         self.plan = weight_plan(w, act_fmt, rows)
         self.k, self.n, self.korder, self.path = self.plan.k, self.plan.n, self.plan.korder, self.plan.path
+        self.kp = self.plan.kp  # the operand's K: padded to whole 512 blocks for the packed forms (zeros)
         self.ring = None
         self.name = name
 
@@ -469,6 +470,7 @@ class _EoiGemm:
 
     def __init__(self, w, w_scale, fmt: str, k: int, n: int):
         self.w, self.w_scale, self.fmt, self.k, self.n = w, w_scale, fmt, k, n
+        self.kp = k
 
     def alloc(self):
         pass
@@ -541,8 +543,10 @@ class _ItemBuffers:
         else:
             self.xg = self.d_rows
         # the group path's operand is built per item from a quad one (gemm_tiles.group_operand)
-        self.op1 = alloc_act_operand(_fill_korder(g1.korder), h, m, "item_x_op")
-        self.op2 = alloc_act_operand(_fill_korder(g2.korder), inter, m, "item_z_op")
+        # K of each operand is the plan's kp: act_rows_into_operand zero-pads the rows up to it (I = 768 with
+        # packed weights: 1024)
+        self.op1 = alloc_act_operand(_fill_korder(g1.korder), g1.kp, m, "item_x_op")
+        self.op2 = alloc_act_operand(_fill_korder(g2.korder), g2.kp, m, "item_z_op")
         self.h_rows = nl.ndarray((m, 2 * inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_h")
         if g2.korder == "mx":
             self.zq = nl.ndarray((m, inter), dtype=nl.uint8, buffer=nl.sbuf, name="item_z_bytes")

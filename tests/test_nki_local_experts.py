@@ -218,6 +218,22 @@ def test_layouts_and_targets_match_reference(act, wfmt, layout, target):
 
 
 @interpreter_only
+@pytest.mark.parametrize("act,wfmt,target", [("fp8", "fp4", "trn2"), ("fp8", "fp4", "trn3"), ("fp8", "fp8", "trn3"),
+                                             ("bf16", "fp4", "trn2")])
+def test_prepared_packed_weights_with_k_not_a_multiple_of_512(act, wfmt, target):
+    """The packed forms (fp4, fp8 MX) work on whole 512-row K blocks; H = 384 and I = 640 (as Qwen3's I = 768)
+    leave a partial block, which the item operands must zero-pad to the plan's K (H = 256 once allocated a
+    0-wide operand)."""
+    group = 32 if act == "fp8" else 128
+    args = _case(act, wfmt, group, 20, 384, 640, 2, 4, 2, 0, 23, empty_frac=0.2)
+    kargs, rargs = _prepared(args, target)
+    ref = ref_local_experts(*rargs, 7.0, TRN2_FP8_MAX)
+    for m in (None, 4):
+        out = _kernel(kargs, 7.0, target=target, weight_layout="eio", chunk_rows=m)
+        assert_kernel_close(out, ref, f"{act}x{wfmt} eio {target} chunk_rows={m}")
+
+
+@interpreter_only
 @pytest.mark.parametrize("layout", ["eoi", "eio"])
 def test_hot_expert_spans_several_items(layout):
     """One local expert takes every row (R = 70 rows, M = 8: nine items), another takes a few, the third none;
