@@ -184,10 +184,9 @@ def _le_args(shape, act, wfmt, rows, num_local, routed_local: list[int], seed=0,
 
 
 def layout_for(shape, wfmt, target) -> str:
-    """The weight layout the new design runs at: prepared ("eio") unless the packed fp4 form cannot hold K
-    (``gemm_tiles`` needs K a multiple of 512 for the x4-packed forms: Qwen3-30B-A3B's I = 768 is not)."""
-    packed_ok = shape.hidden % 512 == 0 and shape.intermediate % 512 == 0
-    return "eio" if (wfmt != "fp4" or packed_ok) else "eoi"
+    """The weight layout the new design runs at: always prepared ("eio"; the packed forms zero-pad K to whole
+    512 blocks on chip, so Qwen3-30B-A3B's I = 768 prepares too)."""
+    return "eio"
 
 
 def weight_path(shape, act, wfmt, target) -> str:
@@ -195,8 +194,7 @@ def weight_path(shape, act, wfmt, target) -> str:
     policy (``chunk_cap``)."""
     if layout_for(shape, wfmt, target) == "eoi":
         return "eoi"
-    mx_form = target == "trn3" and shape.hidden % 512 == 0 and shape.intermediate % 512 == 0
-    if wfmt == "fp8" and not mx_form:
+    if wfmt == "fp8" and target != "trn3":
         return "fp8_block"
     if wfmt == "bf16":
         return "bf16"
@@ -209,10 +207,7 @@ def chunk_for(shape, act, wfmt, target, rows) -> int:
 
 
 def _prepare(w, s, shape, wfmt, target):
-    """``layouts.prepare_weight`` for the target, but fp8 on trn3 keeps the plain (per-block) fp8 form when the MX
-    form cannot hold K (K not a multiple of 512)."""
-    if wfmt == "fp8" and target == "trn3" and (shape.hidden % 512 or shape.intermediate % 512):
-        return to_eio(w, s)
+    """``layouts.prepare_weight`` for the target (fp8 activations: MX on trn3 for power-of-two scales)."""
     w, s, _ = prepare_weight(w, s, target)
     return w, s
 

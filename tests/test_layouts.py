@@ -584,12 +584,12 @@ def test_eio_opcheck_and_graphs(act, wfmt, form):
         torch.ops.static_moe.local_experts(*args)
 
 
-def test_nki_dispatch_passes_the_layout_as_a_keyword_only_when_not_eoi(monkeypatch):
+def test_nki_dispatch_passes_the_layout_as_a_keyword(monkeypatch):
     seen = []
 
     def fake_kernel(name):
         def k(*args, **kwargs):
-            seen.append((name, sorted(kwargs)))
+            seen.append((name, kwargs.get("weight_layout")))
             return torch.zeros(args[0].shape[0], 1)
         return k
 
@@ -602,8 +602,7 @@ def test_nki_dispatch_passes_the_layout_as_a_keyword_only_when_not_eoi(monkeypat
     dispatch.local_experts(*_le_args(x, xs, idx, tw, w, 0, None, 240.0))
     dispatch.local_experts(*_le_args(x, xs, idx, tw, we, 0, None, 240.0), weight_layout="eio")
     dispatch.expert_gemm(x, xs, we["w13"], we["w13_scale"], torch.ones(3, dtype=torch.bool), 1, "eio")
-    assert seen == [("local_experts", ["skip_unrouted"]), ("local_experts", ["skip_unrouted", "weight_layout"]),
-                    ("expert_gemm", ["skip_unrouted", "weight_layout"])]
+    assert seen == [("local_experts", "eoi"), ("local_experts", "eio"), ("expert_gemm", "eio")]
     with pytest.raises(ValueError, match=r"w2 must have shape \[L, K, N\] \(weight_layout='eio'\) = \[2, 128, 256\]"):
         dispatch.local_experts(*_le_args(x, xs, idx, tw, {**we, "w2": w["w2"]}, 0, None, 240.0),
                                weight_layout="eio")
@@ -686,18 +685,6 @@ def test_collective_forward_takes_the_layout_on_two_ranks():
     assert results[0]["error"].startswith("RuntimeError: forward: rank 1 failed"), results
 
 
-def _nki_kernels_take_the_layout() -> bool:
-    import inspect
-
-    from nki_kernels.expert_gemm import expert_gemm_kernel
-    from nki_kernels.local_experts import local_experts_kernel
-
-    return all("weight_layout" in inspect.signature(inspect.unwrap(k)).parameters
-               for k in (expert_gemm_kernel, local_experts_kernel))
-
-
-@pytest.mark.skipif(not _nki_kernels_take_the_layout(), reason="the NKI kernels do not take weight_layout= yet "
-                    "(branches nkigemm / nkilocal add it); dispatch passes it only for 'eio'")
 @pytest.mark.parametrize("target,wfmt", [("trn2", "fp8"), ("trn2", "fp4"), ("trn3", "fp8"), ("trn3", "bf16")])
 def test_nki_takes_the_prepared_bytes_like_the_reference(target, wfmt):
     """Parity of the prepared bytes (static_moe.layouts.prepare_expert_weights) through the NKI kernels (our

@@ -19,9 +19,7 @@ int32 (ids are < 2^31 by construction), ``topk_weights`` widened to float32. trn
 of numerics (trn3, with native e4m3fn, accepts it).
 
 Weight layout: the ops' trailing ``weight_layout`` ("eoi", or the prepared K-major "eio" of
-``static_moe.layouts``) reaches the kernels as the keyword argument ``weight_layout=``. It is passed only when
-it is not "eoi", so kernels written before the prepared layout keep working on "eoi" calls (and an "eio" call
-to such a kernel fails loudly with a TypeError about the unknown keyword, instead of misreading the bytes).
+``static_moe.layouts``) reaches both kernels as the keyword argument ``weight_layout=``.
 """
 
 from __future__ import annotations
@@ -54,10 +52,10 @@ def _check(name: str, *args, **kwargs) -> None:
 
 
 def _layout_flags(weight_layout: str) -> dict:
-    """The kernels' ``weight_layout=`` keyword: given only when it is not the default "eoi" (module doc)."""
+    """The kernels' ``weight_layout=`` keyword (checked: "eoi" or "eio")."""
     from ..layouts import check_weight_layout
 
-    return {} if check_weight_layout(weight_layout) == "eoi" else {"weight_layout": weight_layout}
+    return {"weight_layout": check_weight_layout(weight_layout)}
 
 
 def expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert):
