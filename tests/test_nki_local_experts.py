@@ -234,6 +234,27 @@ def test_prepared_packed_weights_with_k_not_a_multiple_of_512(act, wfmt, target)
 
 
 @interpreter_only
+@pytest.mark.parametrize("wfmt", ["fp4", "fp8"])
+def test_trn3_mx_path_refuses_a_routed_non_pow2_activation_scale(wfmt):
+    """nc_matmul_mx takes E8M0 (power-of-two) scales: a routed row with another x scale is refused, not truncated;
+    the same scale on a row routed to no local expert (or on trn2, or with the weights unprepared) is fine."""
+    from static_moe.nki import interpreter
+
+    args = _case("fp8", wfmt, 32, 6, 512, 512, 2, 2, 2, 0, 31)
+    kargs, _ = _prepared(args, "trn3")
+    x, xs, idx, tw, *w, off = kargs
+    xs = xs.clone()
+    xs[3, 1] *= 1.5
+    unrouted = idx.clone()
+    unrouted[3] = -1
+    with interpreter.target("trn3"):
+        with pytest.raises(ValueError, match=r"local_experts: x_scale\[3\] holds a scale that is not a power of two"):
+            dispatch.local_experts(x, xs, idx, tw, *w, off, None, 240.0, "eio")
+        dispatch.local_experts(x, xs, unrouted, tw, *w, off, None, 240.0, "eio")
+        dispatch.local_experts(*args[:1], xs, *args[2:], None, 240.0)  # unprepared weights: the exact bf16 decode
+
+
+@interpreter_only
 @pytest.mark.parametrize("layout", ["eoi", "eio"])
 def test_hot_expert_spans_several_items(layout):
     """One local expert takes every row (R = 70 rows, M = 8: nine items), another takes a few, the third none;

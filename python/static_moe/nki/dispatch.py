@@ -77,6 +77,29 @@ def local_experts_args(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w
             float(fp8_max))
 
 
+def check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_layout, e4m3fn_native: bool):
+    """The trn3 MX path of the fused kernel (prepared fp4 / MX fp8 weights, fp8 x) feeds x's scales to
+    ``nc_matmul_mx`` as E8M0 bytes, which hold powers of two only: refuse, rather than truncate, a routed row whose
+    scale is not one (rows routed to no local expert, e.g. 0xFF padding, are not read). ``expert_gemm``'s kernel
+    checks this on chip and falls back to an exact path; the fused kernel does not, so the check is here. It reads
+    the values, so it runs only for host tensors (interpreter / simulator); on a Neuron device the scales must
+    be powers of two, as ``quantize_activation`` and ``StaticMoE`` make them (SPEC §1.1)."""
+    if not (weight_layout == "eio" and e4m3fn_native and x.dtype == torch.float8_e4m3fn
+            and w13.dtype in (torch.uint16, torch.uint32) and x_scale is not None) or _on_neuron(x):
+        return
+    local = (topk_idx >= expert_offset) & (topk_idx < expert_offset + w13.shape[0])
+    rows = local.any(dim=1)
+    m, _ = torch.frexp(x_scale[rows])
+    bad = ~((m == 0.5) | (m == -0.5))
+    if bool(bad.any()):
+        r = int(rows.nonzero()[bad.any(dim=1).nonzero()[0, 0], 0])
+        raise ValueError(
+            f"local_experts: x_scale[{r}] holds a scale that is not a power of two, and the trn3 MX path "
+            "(prepared fp4 / MX fp8 weights with fp8 x) takes E8M0 scales only; quantize x with power-of-two "
+            "scales (static_moe.formats.quantize_activation's default) or prepare the weights without MX "
+            "(layouts.prepare_weight(..., act_format='bf16') keeps plain fp8) (SPEC §1.1)")
+
+
 # ----------------------------------------------------------------------------------------------- launching
 def _kernels():
     from nki_kernels.expert_gemm import expert_gemm_kernel
@@ -122,8 +145,10 @@ def local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
     Returns float32 [R, H]. ``weight_layout``: "eoi" or "eio", handed to the kernel as a keyword (module doc)."""
     _check("local_experts", x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
            swiglu_limit, fp8_max, weight_layout=weight_layout)
+    native = _e4m3fn_native()
+    check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_layout, native)
     args = local_experts_args(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                              swiglu_limit, fp8_max, _e4m3fn_native())
+                              swiglu_limit, fp8_max, native)
     return _launch("local_experts", args, _on_neuron(x), skip_unrouted=skip_unrouted,
                    **_layout_flags(weight_layout))
 
