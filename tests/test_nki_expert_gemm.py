@@ -531,3 +531,13 @@ def test_tiles_take_a_runtime_expert_id(target, act, wfmt, rows):
     for e in range(3):
         ref = ref_expert_gemm(a, a_s, be, bse, torch.ones(rows, dtype=torch.bool), e, weight_layout="eio")
         assert_gemm_close(out[e].T.contiguous(), ref, f"{target} {act}x{wfmt} expert {e}")
+
+
+@interpreter_only
+@pytest.mark.parametrize("target,act,wfmt,group", EIO_CASES, ids=[f"{t}-{a}x{w}-g{g}" for t, a, w, g in EIO_CASES])
+def test_eio_kernel_runs_no_nested_runtime_loops(target, act, wfmt, group):
+    """Issue 11 part 5: at most one runtime loop open at a time (the skip loop, or the MX path's two loops one
+    after the other); the interpreter records the deepest nesting."""
+    mask = torch.tensor([True, False, True, True, False, True])
+    _run_eio(target, act, wfmt, group, 6, 512, 256, mask, True, 5, what=f"{target} {act}x{wfmt}")
+    assert interpreter.last_run().runtime_loop_depth == 1

@@ -198,3 +198,26 @@ def test_trn3_matmul_transpose_mode_of_fp8_is_refused():
 
     with interpreter.target("trn3"):
         rejects("fp8-transpose", bad, x)
+
+
+def test_runtime_loop_nesting_is_recorded():
+    """Nested runtime loops are not refused (no doc page forbids them), but public kernels never nest them and
+    issue 11 removes them from ours: the run records the deepest nesting, which the kernel tests hold to 1."""
+
+    def kernel(x, nest):
+        t = load(x)
+
+        def inner(_i):
+            nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=1.0)
+
+        if nest:
+            nl.fori_loop(0, 2, lambda _j: nl.fori_loop(0, 3, inner))
+        else:
+            nl.fori_loop(0, 6, inner)
+        return out_of(t)
+
+    x = np.zeros((4, 8), np.float32)
+    for nest, depth in ((False, 1), (True, 2)):
+        out = simulate(kernel)(x, nest)
+        assert np.asarray(out).max() == 6.0
+        assert interpreter.last_run().runtime_loop_depth == depth

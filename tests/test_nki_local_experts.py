@@ -363,3 +363,16 @@ def test_neuron_device_dispatch():  # pragma: no cover - needs a Neuron device
     dargs = [a.to(dev) if torch.is_tensor(a) else a for a in args]
     out = torch.ops.static_moe.local_experts(*dargs, 7.0, TRN2_FP8_MAX)
     assert_gemm_close(out.cpu(), ref)
+
+
+@interpreter_only
+@pytest.mark.parametrize("layout", ["eoi", "eio"])
+def test_kernel_runs_no_nested_runtime_loops(layout):
+    """Issue 11 part 5: one runtime loop over the work items, none inside it (the interpreter records the depth)."""
+    from static_moe.nki import interpreter
+
+    args = _case("fp8", "fp4", 32, 24, 512, 512, 3, 3, 2, 0, 41, empty_frac=0.2)
+    kargs = _prepared(args, "trn3")[0] if layout == "eio" else args
+    for m in (None, 4):
+        _kernel(kargs, None, target="trn3", weight_layout=layout, chunk_rows=m)
+        assert interpreter.last_run().runtime_loop_depth == 1

@@ -117,6 +117,7 @@ def fori_loop(lower, upper, body_fun, step: int = 1) -> None:
     lo, hi = _bound(lower), _bound(upper)
     ctx = current()
     ctx.loop_depth += 1
+    _enter_runtime_loop(ctx)
     try:
         for i in range(lo, hi, step):
             ctx.cost.loop_iteration()
@@ -124,6 +125,12 @@ def fori_loop(lower, upper, body_fun, step: int = 1) -> None:
             check(r is None, "loop", "a fori_loop body returns nothing (carry state in SBUF/HBM)")
     finally:
         ctx.loop_depth -= 1
+        ctx.runtime_loops -= 1
+
+
+def _enter_runtime_loop(ctx) -> None:
+    ctx.runtime_loops += 1
+    ctx.runtime_loop_depth_max = max(ctx.runtime_loop_depth_max, ctx.runtime_loops)
 
 
 def dynamic_range(start, stop=None, step: int = 1):
@@ -142,9 +149,13 @@ def while_loop(init: VirtualRegister, body_fun) -> None:
     r = init
     ctx = current()
     n = 0
-    while r.value != 0:
-        ctx.cost.loop_iteration()
-        r = body_fun(r)
-        check(isinstance(r, VirtualRegister), "loop", "a while_loop body must return the condition register")
-        n += 1
-        check(n < 10_000_000, "loop", "while_loop did not terminate after 10^7 iterations")
+    _enter_runtime_loop(ctx)
+    try:
+        while r.value != 0:
+            ctx.cost.loop_iteration()
+            r = body_fun(r)
+            check(isinstance(r, VirtualRegister), "loop", "a while_loop body must return the condition register")
+            n += 1
+            check(n < 10_000_000, "loop", "while_loop did not terminate after 10^7 iterations")
+    finally:
+        ctx.runtime_loops -= 1

@@ -31,6 +31,7 @@ class RunInfo:
     psum_peak_banks: int
     target: str
     programs: list = field(default_factory=list)  # LNC = 2: the CostRecord of each logical core
+    runtime_loop_depth: int = 0  # deepest nesting of runtime loops (fori_loop / while_loop) in the run
 
 
 _last: list[RunInfo] = []
@@ -180,7 +181,8 @@ def simulate(kernel):
             result = back(out)
             c0 = ctxs[0]
             _last.append(RunInfo(c0.cost, c0.memory.sbuf_peak, c0.memory.psum_banks_peak, c0.spec.name,
-                                 programs=[c.cost for c in ctxs]))
+                                 programs=[c.cost for c in ctxs],
+                                 runtime_loop_depth=max(c.runtime_loop_depth_max for c in ctxs)))
             del _last[:-1]
         return result
 

@@ -168,6 +168,10 @@ class RunContext:
     # Per-lane reduction accumulators of VectorE (tensor_scalar_reduce) and ScalarE (activation reduce).
     accumulators: dict = field(default_factory=dict)
     loop_depth: int = 0
+    # runtime loops (fori_loop / while_loop) open now, and the deepest nesting seen in this run (RunInfo reports
+    # it: public kernels never nest runtime loops, and our kernels' tests hold them to depth 1)
+    runtime_loops: int = 0
+    runtime_loop_depth_max: int = 0
     # LNC: this logical core's rank, the number of cores, and what the cores share (None with LNC = 1)
     program: int = 0
     programs: int = 1
