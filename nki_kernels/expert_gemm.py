@@ -231,23 +231,6 @@ def block_times_rows(dst, group, j: int, aT, fmt: str, k: int, r: int):
     nisa.tensor_copy(dst=dst, src=o_ps, engine=nisa.engine.vector)  # the one bf16 rounding
 
 
-def load_a_kmajor(aT, a, a_scale, mask_tiles):
-    """``aT[k, kb, m] = A[m, kb·128 + k]`` in bf16 (exact), rows whose mask is 0 exact zeros (natural k order).
-
-    Args:
-        aT: SBUF bf16 ``[P, K/128, R]``; a: HBM ``[R, K]`` bf16 / float8_e4m3fn; a_scale: HBM float32
-        ``[R, K/g]`` or None; mask_tiles: SBUF uint8 ``[rt, 1]`` per 128-row tile (or None).
-    """
-    from .gemm_tiles import ActOperand, act_rows_into_operand, load_act_rows
-
-    r = a.shape[0]
-    op = ActOperand("natural", aT, None, None, r)
-    for t, r0 in enumerate(range(0, r, P)):
-        rt = min(P, r - r0)
-        act_rows_into_operand(op, load_act_rows(a, a_scale, r0, rt, None if mask_tiles is None else mask_tiles[t]),
-                              r0)
-
-
 def load_row_mask_tiles(row_mask, r: int):
     """``row_mask`` HBM ``[R]`` (bool stored as uint8) → SBUF uint8 ``[rt, 1]`` tiles of 128 rows."""
     tiles = []

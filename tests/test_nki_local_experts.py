@@ -245,11 +245,15 @@ def test_trn3_mx_path_refuses_a_routed_non_pow2_activation_scale(wfmt):
     x, xs, idx, tw, *w, off = kargs
     xs = xs.clone()
     xs[3, 1] *= 1.5
+    neg = xs.clone()
+    neg[3, 1] = -neg[3, 1].abs().div(1.5)  # a negative power of two: E8M0 has no sign
     unrouted = idx.clone()
     unrouted[3] = -1
     with interpreter.target("trn3"):
         with pytest.raises(ValueError, match=r"local_experts: x_scale\[3\] holds a scale that is not a power of two"):
             dispatch.local_experts(x, xs, idx, tw, *w, off, None, 240.0, "eio")
+        with pytest.raises(ValueError, match=r"x_scale\[3\] holds a scale that is not a power of two"):
+            dispatch.local_experts(x, neg, idx, tw, *w, off, None, 240.0, "eio")
         dispatch.local_experts(x, xs, unrouted, tw, *w, off, None, 240.0, "eio")
         dispatch.local_experts(*args[:1], xs, *args[2:], None, 240.0)  # unprepared weights: the exact bf16 decode
 
@@ -376,3 +380,24 @@ def test_kernel_runs_no_nested_runtime_loops(layout):
     for m in (None, 4):
         _kernel(kargs, None, target="trn3", weight_layout=layout, chunk_rows=m)
         assert interpreter.last_run().runtime_loop_depth == 1
+
+
+@interpreter_only
+def test_trn2_refuses_prepared_fp8_bytes_that_were_not_reencoded():
+    """trn2 reads EIO fp8 bytes as float8_e4m3 (exponent 15 = inf/NaN): bytes straight from layouts.to_eio that
+    still hold |q| >= 256 are refused by both kernels' dispatch instead of returning NaN; re-encoded ones run."""
+    from static_moe.layouts import to_eio
+    from static_moe.nki import interpreter
+
+    args = _case("fp8", "fp8", 128, 4, 512, 512, 2, 2, 2, 0, 37)
+    x, xs, idx, tw, w13, s13, w2, s2, off = args
+    w13 = w13.clone()
+    w13.view(torch.uint8)[1, 5, 7] = 0x7E  # 448
+    raw13, raw2 = to_eio(w13, s13), to_eio(w2, s2)
+    with interpreter.target("trn2"):
+        with pytest.raises(ValueError, match=r"local_experts: w13 holds float8_e4m3fn codes with \|q\| >= 256"):
+            dispatch.local_experts(x, xs, idx, tw, *raw13, *raw2, off, None, 240.0, "eio")
+        with pytest.raises(ValueError, match=r"expert_gemm: b holds float8_e4m3fn codes with \|q\| >= 256"):
+            dispatch.expert_gemm(x, xs, *raw13, torch.ones(4, dtype=torch.bool), 1, "eio")
+        kargs, _ = _prepared((x, xs, idx, tw, w13, s13, w2, s2, off), "trn2")
+        dispatch.local_experts(*kargs, None, 240.0, "eio")

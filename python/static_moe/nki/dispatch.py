@@ -90,7 +90,7 @@ def check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_
     local = (topk_idx >= expert_offset) & (topk_idx < expert_offset + w13.shape[0])
     rows = local.any(dim=1)
     m, _ = torch.frexp(x_scale[rows])
-    bad = ~((m == 0.5) | (m == -0.5))
+    bad = m != 0.5  # E8M0 holds 2^e only: negative, zero and non-finite scales are refused too
     if bool(bad.any()):
         r = int(rows.nonzero()[bad.any(dim=1).nonzero()[0, 0], 0])
         raise ValueError(
@@ -98,6 +98,22 @@ def check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_
             "(prepared fp4 / MX fp8 weights with fp8 x) takes E8M0 scales only; quantize x with power-of-two "
             "scales (static_moe.formats.quantize_activation's default) or prepare the weights without MX "
             "(layouts.prepare_weight(..., act_format='bf16') keeps plain fp8) (SPEC §1.1)")
+
+
+def check_trn2_fp8_bytes(op: str, weights, weight_layout, e4m3fn_native: bool):
+    """On trn2 the prepared ("eio") fp8 bytes are read as IEEE ``float8_e4m3``, whose exponent field 15 is inf /
+    NaN: they must be the output of ``layouts.reencode_fp8_for_trn2`` (``prepare_weight(..., "trn2")`` does it).
+    Refuse bytes that still hold |q| >= 256 instead of returning NaN. Reads the values, so host tensors only."""
+    if weight_layout != "eio" or e4m3fn_native:
+        return
+    from ..layouts import trn2_blocks_to_reencode
+
+    for name, w in weights:
+        if w.dtype == torch.float8_e4m3fn and not _on_neuron(w) and bool(trn2_blocks_to_reencode(w, "eio").any()):
+            raise ValueError(
+                f"{op}: {name} holds float8_e4m3fn codes with |q| >= 256, which trn2's float8_e4m3 reads as inf/NaN; "
+                "prepare the weights for trn2 with static_moe.layouts.prepare_weight(w, s, 'trn2') (or "
+                "reencode_fp8_for_trn2), as StaticMoE(prepare_for='trn2') does")
 
 
 # ----------------------------------------------------------------------------------------------- launching
@@ -136,6 +152,7 @@ def expert_gemm(a, a_scale, b, b_scale, row_mask, expert, weight_layout="eoi", *
     ``weight_layout``: "eoi" or "eio" (static_moe.layouts), handed to the kernel as a keyword (module doc)."""
     _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert, weight_layout=weight_layout)
     args = expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert)
+    check_trn2_fp8_bytes("expert_gemm", (("b", b[int(expert):int(expert) + 1]),), weight_layout, _e4m3fn_native())
     return _launch("expert_gemm", args, _on_neuron(a), skip_unrouted=skip_unrouted, **_layout_flags(weight_layout))
 
 
@@ -147,6 +164,7 @@ def local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
            swiglu_limit, fp8_max, weight_layout=weight_layout)
     native = _e4m3fn_native()
     check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_layout, native)
+    check_trn2_fp8_bytes("local_experts", (("w13", w13), ("w2", w2)), weight_layout, native)
     args = local_experts_args(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
                               swiglu_limit, fp8_max, native)
     return _launch("local_experts", args, _on_neuron(x), skip_unrouted=skip_unrouted,
