@@ -256,13 +256,9 @@ def gemm_ws(out_psum, wT, aT, nkb: int, r: int):
                            accumulate=kb != 0)
 
 
-def any_row_register(mask_tiles):
-    """A register holding ``min(Σ_m mask[m], 1)``: the trip count of a skip-if-unrouted runtime loop.
-
-    The row count is a cross-partition sum on the TensorE (``mask^T · 1``), clamped, stored to a (1, 1) SBUF tile
-    and loaded with ``register_load`` (a plain tile: no indirection).
-    """
-    cnt = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.psum, name="row_count")
+def _row_count(mask_tiles, name: str):
+    """PSUM float32 ``(1, 1)``: ``Σ_m mask[m]``, a cross-partition sum on the TensorE (``mask^T · 1``), exact."""
+    cnt = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.psum, name=name)
     for t, mask in enumerate(mask_tiles):
         rt = mask.shape[0]
         mf = nl.ndarray((rt, 1), dtype=nl.bfloat16, buffer=nl.sbuf, name="mask_bf16")
@@ -270,6 +266,16 @@ def any_row_register(mask_tiles):
         ones = nl.ndarray((rt, 1), dtype=nl.bfloat16, buffer=nl.sbuf, name="ones")
         nisa.memset(dst=ones, value=1.0)
         nisa.nc_matmul(dst=cnt, stationary=mf, moving=ones, accumulate=t != 0)
+    return cnt
+
+
+def any_row_register(mask_tiles):
+    """A register holding ``min(Σ_m mask[m], 1)``: the trip count of a skip-if-unrouted runtime loop.
+
+    The row count is a cross-partition sum on the TensorE (``mask^T · 1``), clamped, stored to a (1, 1) SBUF tile
+    and loaded with ``register_load`` (a plain tile: no indirection).
+    """
+    cnt = _row_count(mask_tiles, "row_count")
     flag = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="any_row")
     nisa.tensor_scalar(dst=flag, data=cnt, op0=nl.minimum, operand0=1.0)
     reg = nisa.register_alloc(0)
@@ -288,14 +294,7 @@ def _mx_trips(a_scale, masks, skip_unrouted: bool):
     mx = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf, name="mx_f")
     nisa.tensor_scalar(dst=mx, data=fb, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
     if skip_unrouted:
-        cnt = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.psum, name="row_count_mx")
-        for t, mask in enumerate(masks):
-            rt = mask.shape[0]
-            mf = nl.ndarray((rt, 1), dtype=nl.bfloat16, buffer=nl.sbuf, name="mask_bf16")
-            nisa.tensor_copy(dst=mf, src=mask)
-            ones = nl.ndarray((rt, 1), dtype=nl.bfloat16, buffer=nl.sbuf, name="ones")
-            nisa.memset(dst=ones, value=1.0)
-            nisa.nc_matmul(dst=cnt, stationary=mf, moving=ones, accumulate=t != 0)
+        cnt = _row_count(masks, "row_count_mx")
         anyr = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf, name="any_row_f")
         nisa.tensor_scalar(dst=anyr, data=cnt, op0=nl.minimum, operand0=1.0)
         for f in (fb, mx):

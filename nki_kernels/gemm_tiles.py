@@ -406,19 +406,7 @@ def _decode_quad(raw, sc, plan: WeightPlan):
     p, nmb, nc = raw.shape
     scale = _fold_scale_bf16(sc, plan)
     planes = [nl.ndarray((p, nmb, nc), dtype=nl.bfloat16, buffer=nl.sbuf, name=f"w_plane{j}") for j in range(4)]
-    if plan.fmt == "fp8_mx":  # bytes are e4m3fn codes already (trn3 reads e4m3fn)
-        byt = raw.view(nl.float8_e4m3fn).reshape((p, nmb, nc, 4))
-        srcs = [byt[:, :, :, j] for j in range(4)]
-    else:  # fp4: 8 nibbles per uint32 word = elements (n, n+1) x nibbles j = 0..3
-        nw = nmb * nc // 2
-        words = raw.reshape((p, nmb * nc)).view(nl.uint32)
-        lo = nl.ndarray((p, nw), dtype=nl.uint32, buffer=nl.sbuf, name="w_lo")
-        hi = nl.ndarray((p, nw), dtype=nl.uint32, buffer=nl.sbuf, name="w_hi")
-        decode_e2m1_nibbles(lo, hi, words, _mask_tile(_M_1C1C1C1C, "m_1c"))
-        # lo bytes: (j0, j2) of n, (j0, j2) of n+1; hi: (j1, j3) likewise
-        lo8 = lo.view(nl.float8_e4m3).reshape((p, nmb, nc, 2))
-        hi8 = hi.view(nl.float8_e4m3).reshape((p, nmb, nc, 2))
-        srcs = [lo8[:, :, :, 0], hi8[:, :, :, 0], lo8[:, :, :, 1], hi8[:, :, :, 1]]
+    srcs = _byte_planes(raw, plan)  # fp4: e4m3 bytes holding v·2^-6 (the fold scale carries the 2^6)
     for j in range(4):
         eng = nisa.engine.vector if j < FOLD_VECTOR_PLANES else nisa.engine.gpsimd
         nisa.tensor_tensor(dst=planes[j], data1=srcs[j], data2=scale, op=nl.multiply, engine=eng)
