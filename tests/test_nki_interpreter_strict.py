@@ -16,29 +16,11 @@ import numpy as np
 import pytest
 
 from static_moe.nki import interpreter
-from static_moe.nki.interpreter import NkiRuleError, simulate
+from static_moe.nki.interpreter import simulate
 from static_moe.nki.interpreter import isa as nisa
 from static_moe.nki.interpreter import language as nl
 
-
-def rejects(rule: str, kernel, *args) -> NkiRuleError:
-    with pytest.raises(NkiRuleError) as e:
-        simulate(kernel)(*args)
-    assert e.value.rule == rule, f"expected rule {rule}, got {e.value}"
-    assert f"[{rule}]" in str(e.value)
-    return e.value
-
-
-def load(src, dtype=None):
-    t = nl.ndarray(src.shape, dtype or src.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=src)
-    return t
-
-
-def out_of(t):
-    o = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=o, src=t)
-    return o
+from test_nki_interpreter import load, out_of, rejects  # the shared kernel-test helpers
 
 
 # ----------------------------------------------------------------------------------- sbuf-indirect-operand
