@@ -162,7 +162,6 @@ __attribute__((noinline)) uint32_t decode_only(const Expert& e, int64_t rows) {
   const __m512i ctl = _mm512_load_si512(kCtl);
   __m512i f0 = _mm512_setzero_si512(), f1 = f0, f2 = f0, f3 = f0;
   const int64_t rb = e.k / 2, sb = e.k / 32;
-  std::vector<int16_t> delta(e.k / 32);
   for (int64_t n = 0; n < rows; n += 4) {
     for (int64_t u = 0; u < e.k / 32; ++u) {
       auto one = [&](int j, __m512i& f) {
@@ -183,6 +182,17 @@ __attribute__((noinline)) uint32_t decode_only(const Expert& e, int64_t rows) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_castsi512_si128(f)));
 }
 
+// The 16 UE8M0 bytes of 512-k chunk c of weight rows n … n+3 as bf16 exponent deltas ((b − 127) << 7), one word
+// each in the low half of dl[j]: what the two candidate decodes add to the table's exponents.
+inline void chunk_scale_deltas(const Expert& e, int64_t n, int64_t c, __m512i dl[4]) {
+  const int64_t sb = e.k / 32;
+  for (int j = 0; j < 4; ++j) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e.s.data() + (n + j) * sb + c * 16));
+    dl[j] = _mm512_castsi256_si512(
+        _mm256_slli_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(b), _mm256_set1_epi16(127)), 7));
+  }
+}
+
 // A candidate decode, two units (64 weights) per step: the 32 bytes zero-extended to words (vpmovzxbw), low and high
 // nibbles as word indices, unit A's words 0-15 and unit B's words 16-31 told apart by index bit 4, so one 32-entry
 // table holds both units' scaled e2m1 values; two vpermw give the even and the odd columns.
@@ -192,15 +202,11 @@ __attribute__((noinline)) uint32_t decode_only_v2(const Expert& e, int64_t rows)
   const __m512i hib = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x0010), 1);
   const __m512i idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);  // [0]*16 + [1]*16
   __m512i f0 = _mm512_setzero_si512(), f1 = f0, f2 = f0, f3 = f0;
-  const int64_t rb = e.k / 2, sb = e.k / 32;
+  const int64_t rb = e.k / 2;
   for (int64_t n = 0; n < rows; n += 4) {
     for (int64_t c = 0; c < e.k / 512; ++c) {
       __m512i dl[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e.s.data() + (n + j) * sb + c * 16));
-        dl[j] = _mm512_castsi256_si512(
-            _mm256_slli_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(b), _mm256_set1_epi16(127)), 7));
-      }
+      chunk_scale_deltas(e, n, c, dl);
       __m512i idx = idx0;
       for (int p = 0; p < 8; ++p) {
         auto one = [&](int j, __m512i& f) {
@@ -237,15 +243,11 @@ __attribute__((noinline)) uint32_t decode_only_v3(const Expert& e, int64_t rows)
   const __m512i sh2 = _mm512_inserti64x4(_mm512_set1_epi16(8), _mm256_set1_epi16(12), 1);
   const __m512i idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);
   __m512i f0 = _mm512_setzero_si512(), f1 = f0, f2 = f0, f3 = f0;
-  const int64_t rb = e.k / 2, sb = e.k / 32;
+  const int64_t rb = e.k / 2;
   for (int64_t n = 0; n < rows; n += 4) {
     for (int64_t c = 0; c < e.k / 512; ++c) {
       __m512i dl[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e.s.data() + (n + j) * sb + c * 16));
-        dl[j] = _mm512_castsi256_si512(
-            _mm256_slli_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(b), _mm256_set1_epi16(127)), 7));
-      }
+      chunk_scale_deltas(e, n, c, dl);
       __m512i idx = idx0;
       for (int p = 0; p < 8; ++p) {
         auto one = [&](int j, __m512i& f) {
