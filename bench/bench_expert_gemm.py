@@ -20,7 +20,7 @@ from harness.checks import check_baseline, check_op, check_point
 from harness.cli import add_common_args, finish, parse_pairs, resolve_args, start
 from harness.costs import cost_expert_gemm, roofline
 from harness.report import Report, progress
-from harness.timing import measure, time_fastest_variant, time_fn, timing_dict
+from harness.timing import measure, time_baseline, time_fastest_variant, time_fn, timing_dict
 from static_moe import reference
 from static_moe.formats import quantize_weight
 from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, gen, make_activations
@@ -81,17 +81,9 @@ def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cac
     base["torch_cached"], outs["torch_cached"] = time_fastest_variant(
         cached, lambda c: c.expert_gemm(a, a_s, mask, 0), cold=True)
     if w_fmt == "fp8":
-        if smm is None:
-            base["torch_scaled_mm"] = {"available": False, "reason": smm_reason}
-        else:
-            timing, outs["torch_scaled_mm"] = time_fn(lambda: smm.expert_gemm(a, a_s, mask, 0), cold=True)
-            base["torch_scaled_mm"] = timing_dict(timing)
+        time_baseline(base, outs, "torch_scaled_mm", smm, smm_reason, lambda m: m.expert_gemm(a, a_s, mask, 0), cold=True)
     if w_fmt == "fp4":
-        if int4 is None:
-            base["torch_int4pack"] = {"available": False, "reason": int4_reason}
-        else:
-            timing, outs["torch_int4pack"] = time_fn(lambda: int4.expert_gemm(a, a_s, mask, 0), cold=True)
-            base["torch_int4pack"] = timing_dict(timing)
+        time_baseline(base, outs, "torch_int4pack", int4, int4_reason, lambda m: m.expert_gemm(a, a_s, mask, 0), cold=True)
     what = f"{BENCH} {shape_key} {gemm} {act_fmt}x{w_fmt} T={t}"
     if check:
         ref = reference.expert_gemm(*op_args)

@@ -21,7 +21,7 @@ from harness.cli import add_common_args, finish, parse_pairs, resolve_args, star
 from harness.costs import cost_local_experts, roofline
 from harness.report import Report, progress
 from harness.routing import routing_stats
-from harness.timing import measure, time_fastest_variant, time_fn, timing_dict
+from harness.timing import measure, time_baseline, time_fastest_variant, time_fn, timing_dict
 from harness.workload import bench_weights, local_experts_for
 from static_moe import reference
 from static_moe.testing.generators import MODEL_SHAPES, make_activations, sliced_routing
@@ -86,17 +86,9 @@ def _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached,
     base["torch_cached"], outs["torch_cached"] = time_fastest_variant(
         cached, lambda c: c.local_experts(x, xs, idx, tw, 0, limit), cold=True)
     if w_fmt == "fp8":
-        if smm is None:
-            base["torch_scaled_mm"] = {"available": False, "reason": smm_reason}
-        else:
-            timing, outs["torch_scaled_mm"] = time_fn(lambda: smm.local_experts(x, xs, idx, tw, 0, limit), cold=True)
-            base["torch_scaled_mm"] = timing_dict(timing)
+        time_baseline(base, outs, "torch_scaled_mm", smm, smm_reason, lambda m: m.local_experts(x, xs, idx, tw, 0, limit), cold=True)
     if w_fmt == "fp4":
-        if int4 is None:
-            base["torch_int4pack"] = {"available": False, "reason": int4_reason}
-        else:
-            timing, outs["torch_int4pack"] = time_fn(lambda: int4.local_experts(x, xs, idx, tw, 0, limit), cold=True)
-            base["torch_int4pack"] = timing_dict(timing)
+        time_baseline(base, outs, "torch_int4pack", int4, int4_reason, lambda m: m.local_experts(x, xs, idx, tw, 0, limit), cold=True)
     what = f"{BENCH} {shape_key} {act_fmt}x{w_fmt} T={t}"
     if check:  # once per configuration: every baseline (and the op) against the reference
         ref = reference.local_experts(*op_args)

@@ -106,6 +106,18 @@ def timing_dict(t: Timing) -> dict:
     return {"median_s": t.median_s, "samples_s": t.samples_s, "inner": t.inner}
 
 
+def time_baseline(base: dict, outs: dict, name: str, impl, reason: str | None, call: Callable[[Any], Any],
+                  **timer) -> None:
+    """Time an optional baseline: ``call(impl)`` with :func:`time_fn` into ``base[name]`` (timing dict) and
+    ``outs[name]`` (its output, for the parity check), or, where ``impl`` is None (the baseline cannot run here),
+    ``base[name] = {"available": False, "reason": reason}`` and no output."""
+    if impl is None:
+        base[name] = {"available": False, "reason": reason}
+        return
+    timing, outs[name] = time_fn(lambda: call(impl), **timer)
+    base[name] = timing_dict(timing)
+
+
 def time_fastest_variant(variants: dict, call: Callable[[Any], Any], **timer) -> tuple[dict, Any]:
     """Time ``call(v)`` for every value of ``variants`` (keyed by dtype, e.g. torch_cached's fp32 and bf16
     weight caches) with :func:`time_fn` and keep the fastest, as docs/benchmarks.md asks of torch_cached.
