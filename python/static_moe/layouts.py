@@ -182,9 +182,10 @@ def _check_pair(w: torch.Tensor, s: torch.Tensor | None, fmt: LayoutFormat, weig
     return L, n, k
 
 
-def _pow2_exponents(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pow2_exponents(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 scales → (ok, e): ``ok`` where the scale is 2^e with e in [−127, 127] (a UE8M0 byte e + 127 holds it
-    exactly), ``e`` the exponent (meaningful where ok). The one rule of :func:`scales_are_pow2` and the MX form."""
+    exactly), ``e`` the exponent (meaningful where ok). The one rule of :func:`scales_are_pow2`, the MX form and
+    the NKI dispatch's check of MX activation scales."""
     mant, exp = torch.frexp(s)
     e = exp - 1
     return (mant == 0.5) & (e >= -127) & (e <= 127), e
@@ -195,13 +196,13 @@ def scales_are_pow2(s: torch.Tensor) -> bool:
     exactly). Reads the values (a host sync on a device)."""
     if s.dtype != torch.float32:
         raise TypeError(f"scales_are_pow2: expected float32 scales, got {s.dtype}")
-    return bool(_pow2_exponents(s)[0].all())
+    return bool(pow2_exponents(s)[0].all())
 
 
 def _pow2_to_ue8m0(s: torch.Tensor, what: str) -> torch.Tensor:
     """float32 powers of two → UE8M0 bytes; anything else raises ValueError with the first offending index of
     ``s`` as given (so a caller checks the tensor the user passed, in its layout)."""
-    ok, e = _pow2_exponents(s)
+    ok, e = pow2_exponents(s)
     if not bool(ok.all()):
         bad = (~ok).nonzero()[0].tolist()
         raise ValueError(f"{what}: the MX fp8 form needs power-of-two scales 2^e, e in [-127, 127] (a UE8M0 byte); "

@@ -87,10 +87,11 @@ def check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_
     if not (weight_layout == "eio" and e4m3fn_native and x.dtype == torch.float8_e4m3fn
             and w13.dtype in (torch.uint16, torch.uint32) and x_scale is not None) or _on_neuron(x):
         return
+    from ..layouts import pow2_exponents
+
     local = (topk_idx >= expert_offset) & (topk_idx < expert_offset + w13.shape[0])
     rows = local.any(dim=1)
-    m, _ = torch.frexp(x_scale[rows])
-    bad = m != 0.5  # E8M0 holds 2^e only: negative, zero and non-finite scales are refused too
+    bad = ~pow2_exponents(x_scale[rows])[0]  # E8M0 holds 2^e only: negative, zero, non-finite scales refused too
     if bool(bad.any()):
         r = int(rows.nonzero()[bad.any(dim=1).nonzero()[0, 0], 0])
         raise ValueError(
