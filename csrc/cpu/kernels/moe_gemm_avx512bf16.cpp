@@ -195,6 +195,25 @@ __attribute__((noinline)) void slow_fp4_chunk(const uint16_t* const* ap, const u
   }
 }
 
+// The NR weight rows n … n + NR − 1 of w (bytes q, scales s of type S) and the start of the NR rows after them
+// (next, next_s: prefetch hints only, never dereferenced). s is null where w has no scales (bf16).
+template <typename S, int NR>
+struct WeightRows {
+  const uint8_t* q[NR];
+  const S* s[NR];
+  const uint8_t* next;
+  const S* next_s;
+  WeightRows(const ExpertWeight& w, int64_t n) {
+    const S* scale = static_cast<const S*>(w.scale);
+    for (int j = 0; j < NR; ++j) {
+      q[j] = w.data + (n + j) * w.row_stride;
+      s[j] = scale ? scale + (n + j) * w.scale_row_stride : nullptr;
+    }
+    next = w.data + (n + NR) * w.row_stride;
+    next_s = scale ? scale + (n + NR) * w.scale_row_stride : nullptr;
+  }
+};
+
 // MR bf16 activation rows × NR weight rows, all of K: one 16-lane fp32 accumulator each, walked through K in order.
 template <WeightFormat F, int MR, int NR>
 void dot_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int64_t n, const OutRows& out,
@@ -202,13 +221,10 @@ void dot_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int6
   constexpr int64_t KL = F == WeightFormat::Fp4 ? 128 : kUnit;  // k per 64-byte line of a weight row
   const uint16_t* ap[MR];
   for (int i = 0; i < MR; ++i) ap[i] = a[i0 + i];
-  const uint8_t* rq[NR];
-  const uint8_t* rs[NR];
-  for (int j = 0; j < NR; ++j) {
-    rq[j] = w.data + (n + j) * w.row_stride;
-    rs[j] = F == WeightFormat::Fp4 ? static_cast<const uint8_t*>(w.scale) + (n + j) * w.scale_row_stride : nullptr;
-  }
-  const uint8_t* next = w.data + (n + NR) * w.row_stride;  // a hint only: never dereferenced
+  const WeightRows<uint8_t, NR> rows(w, n);  // fp4: UE8M0 scale bytes; bf16: no scales
+  const auto& rq = rows.q;
+  const auto& rs = rows.s;
+  const uint8_t* const next = rows.next;
   Fp4Chunk ch[NR];
   uint32_t bad = 0;
   __m512 acc[MR][NR];
@@ -309,14 +325,11 @@ void dot_block_fp8(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, 
   const Fp8Decoder decode8;
   const uint16_t* ap[MR];
   for (int i = 0; i < MR; ++i) ap[i] = a[i0 + i];
-  const uint8_t* rq[NR];
-  const float* rs[NR];
-  for (int j = 0; j < NR; ++j) {
-    rq[j] = w.data + (n + j) * w.row_stride;
-    rs[j] = static_cast<const float*>(w.scale) + (n + j) * w.scale_row_stride;
-  }
-  const uint8_t* next = w.data + (n + NR) * w.row_stride;  // hints only: never dereferenced
-  const float* next_s = static_cast<const float*>(w.scale) + (n + NR) * w.scale_row_stride;
+  const WeightRows<float, NR> rows(w, n);
+  const auto& rq = rows.q;
+  const auto& rs = rows.s;
+  const uint8_t* const next = rows.next;
+  const float* const next_s = rows.next_s;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -447,14 +460,11 @@ inline void panel_block(int r, bool fast, const uint16_t* const* ap, const Weigh
 template <int NR>
 void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                    bool prefetch, uint32_t& bad_out, Acc* accm) {
-  const uint8_t* rq[NR];
-  const uint8_t* rs[NR];
-  for (int j = 0; j < NR; ++j) {
-    rq[j] = w.data + (n + j) * w.row_stride;
-    rs[j] = static_cast<const uint8_t*>(w.scale) + (n + j) * w.scale_row_stride;
-  }
-  const uint8_t* next = w.data + (n + NR) * w.row_stride;  // hints only: never dereferenced
-  const uint8_t* next_s = static_cast<const uint8_t*>(w.scale) + (n + NR) * w.scale_row_stride;
+  const WeightRows<uint8_t, NR> rows(w, n);
+  const auto& rq = rows.q;
+  const auto& rs = rows.s;
+  const uint8_t* const next = rows.next;
+  const uint8_t* const next_s = rows.next_s;
   for (int64_t i = 0; i < m * NR; ++i) accm[i].v = _mm512_setzero_ps();
   Fp4Chunk ch[NR];
   WeightPanel<NR> panel;
@@ -533,14 +543,11 @@ void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
                    bool prefetch, Acc* accm) {
   static_assert(kChunk % kFp8WeightBlock == 0, "a chunk holds whole fp8 blocks");
   const Fp8Decoder decode8;
-  const uint8_t* rq[NR];
-  const float* rs[NR];
-  for (int j = 0; j < NR; ++j) {
-    rq[j] = w.data + (n + j) * w.row_stride;
-    rs[j] = static_cast<const float*>(w.scale) + (n + j) * w.scale_row_stride;
-  }
-  const uint8_t* next = w.data + (n + NR) * w.row_stride;  // hints only: never dereferenced
-  const float* next_s = static_cast<const float*>(w.scale) + (n + NR) * w.scale_row_stride;
+  const WeightRows<float, NR> rows(w, n);
+  const auto& rq = rows.q;
+  const auto& rs = rows.s;
+  const uint8_t* const next = rows.next;
+  const float* const next_s = rows.next_s;
   for (int64_t i = 0; i < m * NR; ++i) accm[i].v = _mm512_setzero_ps();
   WeightPanel<NR> panel;
   const int64_t K = w.k;
