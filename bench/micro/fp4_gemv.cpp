@@ -4,8 +4,8 @@
 //   read      a read-only stream of the expert's weight bytes (vector loads, one sum per 64-byte line), cold:
 //             the bandwidth roof for weights on t threads
 //   kernel    static_moe's expert_gemm_rows (the real kernel, Isa::Avx512Bf16 and Isa::Avx512), cold and hot
-//   decode    the kernel's fp4 decode sequence alone (load + vpmultishiftqb + table exponent add + vpermw per 32
-//             weights, results xor-folded so nothing is optimised away), hot (weights in L2); decode_v2 / v3: two
+//   decode    the kernel's fp4 decode sequence alone (load + vpmultishiftqb + vpermw from the scale byte's table per
+//             32 weights, results xor-folded so nothing is optimised away), hot (weights in L2); decode_v2 / v3: two
 //             candidate decodes of 64 weights per step (see decode_only_v2 / v3), kept because v2 is faster alone
 //             but was slower inside the kernel (see docs/backends/cpu.md)
 //   dot       vdpbf16ps over already-decoded bf16 weights alone (the kernel with bf16 weights), hot
@@ -156,9 +156,15 @@ alignas(64) const uint16_t kTable[32] = {
     0xC000, 0xC040, 0xC080, 0xC0C0};
 alignas(64) uint8_t kCtl[64];
 
+// The kernel's fast-path tables: kTable with (b - 127) << 7 added to the exponent of its non-zero entries, per byte.
+alignas(64) uint16_t kTables[256][32];
+void init_tables() {
+  for (int b = 0; b < 256; ++b)
+    for (int w = 0; w < 32; ++w) kTables[b][w] = w % 8 == 0 ? kTable[w] : static_cast<uint16_t>(kTable[w] + (b - 127) * 128);
+}
+
 // The fast fp4 decode of the kernel on 4 weight rows at a time, results xor-folded: decode throughput alone.
 __attribute__((noinline)) uint32_t decode_only(const Expert& e, int64_t rows) {
-  const __m512i table = _mm512_load_si512(kTable);
   const __m512i ctl = _mm512_load_si512(kCtl);
   __m512i f0 = _mm512_setzero_si512(), f1 = f0, f2 = f0, f3 = f0;
   const int64_t rb = e.k / 2, sb = e.k / 32;
@@ -168,8 +174,7 @@ __attribute__((noinline)) uint32_t decode_only(const Expert& e, int64_t rows) {
         const uint8_t* q = e.q.data() + (n + j) * rb + u * 16;
         const __m512i d = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
         const __m512i idx = _mm512_multishift_epi64_epi8(ctl, d);
-        const int16_t dl = static_cast<int16_t>((e.s[(n + j) * sb + u] - 127) << 7);
-        const __m512i lut = _mm512_mask_add_epi16(table, 0xFEFEFEFEu, table, _mm512_set1_epi16(dl));
+        const __m512i lut = _mm512_load_si512(kTables[e.s[(n + j) * sb + u]]);
         f = _mm512_xor_si512(f, _mm512_permutexvar_epi16(idx, lut));
       };
       one(0, f0);
@@ -301,6 +306,7 @@ int main(int argc, char** argv) {
     const int col = 16 * ((w / 4) % 2) + 4 * (w / 8) + w % 4;
     kCtl[2 * w] = kCtl[2 * w + 1] = static_cast<uint8_t>(4 * (col % 16));
   }
+  init_tables();
   std::mt19937 g(1);
   const Expert big = make_fp4(N, K, g);
   const Expert big16 = make_bf16(N, K, g);

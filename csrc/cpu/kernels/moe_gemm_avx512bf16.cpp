@@ -2,8 +2,9 @@
 // lanes, twice the multiply-adds of an fp32 FMA), used only where every operand is a bf16 number anyway, so each
 // product is exact in fp32 as on the float32 path:
 //   weights  bf16: loaded as they are. fp4: e2m1 times the block's power-of-two scale is a bf16 number; a 32-entry
-//            bf16 table (the 16 e2m1 values, twice, so vpermw may ignore index bit 4) gets the scale added to its
-//            exponent field (non-zero entries; scale bytes 2..252: the fast path, a template of its own), or, in
+//            bf16 table (the 16 e2m1 values, twice, so vpermw may ignore index bit 4) with the scale added to its
+//            exponent field (non-zero entries; scale bytes 2..252: the fast path, all 251 tables precomputed in
+//            kFp4Tables, which vpermw reads from memory), or, in
 //            a chunk where some weight row has another byte, is built in fp32 and rounded (exact). Bytes 0 and 1
 //            make every non-zero weight a bf16 subnormal (e2m1 · 2^(b-127) < 2^-126), which vdpbf16ps would read
 //            as zero (DAZ, whatever MXCSR says): their units decode with the table of b + 64 instead (normal,
@@ -65,6 +66,10 @@ constexpr int kNRFp8 = 3;
 // fp4 with more than kMR rows (the decoded-panel path, dot_panel_fp4): blocks of 4 rows × kNR weight rows read the
 // panel; 4 beat 6 at 16 rows (4 + 4 + 4 + 4 against 6 + 6 + 4: +4 %) and tied at 64 (one thread, weights in L2).
 constexpr int kMRPanel = 4;
+// Software prefetches of the next weight rows go to L2 (prefetcht1), not L1: one row streams DRAM bytes at ~20 GB/s
+// per core and L2 keeps more misses in flight; measured (bench/micro, one row, cold, N = K = 4096): 10-15 % more
+// GB/s than prefetcht0 on one and on two threads (fp8 weights: 5-10 %); the same at 4 and 16 rows.
+constexpr int kStreamHint = 2;
 
 // Power-of-two scale whose products with any e4m3fn value are normal bf16 numbers (or inf, as in fp32).
 inline bool exact_bf16_scale(float s) {
@@ -79,7 +84,6 @@ constexpr uint8_t kFp4Lift = 64;
 
 // The fp4 scales of one chunk of a weight row.
 struct Fp4Chunk {
-  alignas(32) int16_t delta[16];  // (b - 127) << 7: added to a bf16 exponent field
   alignas(16) uint8_t byte[16];
   bool fast;                      // every b in [2, 252]: the exponent add is exact for all non-zero e2m1 values
 };
@@ -92,8 +96,6 @@ inline void fp4_chunk(const uint8_t* s, int nb, Fp4Chunk& c, uint32_t& bad) {
   const __mmask16 high = _mm_mask_cmpgt_epu8_mask(live, b, _mm_set1_epi8(static_cast<char>(252)));
   c.fast = (low | high) == 0;
   _mm_store_si128(reinterpret_cast<__m128i*>(c.byte), b);
-  const __m256i d = _mm256_slli_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(b), _mm256_set1_epi16(127)), 7);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(c.delta), d);
 }
 
 alignas(64) constexpr uint16_t kE2m1Bf16[32] = {
@@ -132,14 +134,28 @@ inline __m512i fp4_unit(const uint8_t* row, int64_t k0, __m512i lut) {
   return _mm512_permutexvar_epi16(idx, lut);
 }
 
+// The fast path's 32-entry tables for every scale byte b in [2, 252]: kE2m1Bf16 with (b - 127) << 7 added to the
+// exponent field of its non-zero entries (16 KiB; the few bytes a checkpoint uses stay in L1). vpermw reads the
+// block's table straight from memory, so a unit's decode is one load, one vpmultishiftqb and one vpermw, with no
+// per-unit scale broadcast and add (one row, hot, one core: 1.06 -> 0.98 ns per 32 weights; the same tables, so the
+// same bits).
+struct Fp4Tables {
+  alignas(64) uint16_t v[256][32];
+  constexpr Fp4Tables() : v() {
+    for (int b = 2; b <= 252; ++b)
+      for (int w = 0; w < 32; ++w)
+        v[b][w] = (w % 8 == 0) ? kE2m1Bf16[w] : static_cast<uint16_t>(kE2m1Bf16[w] + (b - 127) * 128);
+  }
+};
+constexpr Fp4Tables kFp4Tables;
+
 template <WeightFormat F, bool Fast>
-inline __m512i decode(const uint8_t* row, int64_t k0, const Fp4Chunk& c, int u) {
+inline __m512i decode(const uint8_t* row, int64_t k0, const uint8_t* scale_row) {
   if constexpr (F == WeightFormat::Bf16) {
     return _mm512_loadu_si512(row + 2 * k0);
   } else {
     static_assert(Fast, "chunks with scale bytes outside [2, 252] take slow_fp4_chunk");
-    const __m512i table = _mm512_load_si512(kE2m1Bf16);
-    return fp4_unit(row, k0, _mm512_mask_add_epi16(table, 0xFEFEFEFEu, table, _mm512_set1_epi16(c.delta[u])));
+    return fp4_unit(row, k0, _mm512_load_si512(kFp4Tables.v[scale_row[k0 / kFp4WeightBlock]]));
   }
 }
 
@@ -245,12 +261,11 @@ void dot_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int6
       for (int64_t kl = kc; kl < kend; kl += KL) {
         if (prefetch) {
           const int64_t byte = F == WeightFormat::Fp4 ? kl / 2 : kl * 2;
-          for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + byte, 0, 3);
+          for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + byte, 0, kStreamHint);
         }
         for (int64_t k0 = kl; k0 < kl + KL; k0 += kUnit) {
-          const int u = static_cast<int>((k0 - kc) / kUnit);
           for (int j = 0; j < NR; ++j) {
-            const __m512bh wv = (__m512bh)(decode<F, decltype(fast)::value>(rq[j], k0, ch[j], u));
+            const __m512bh wv = (__m512bh)(decode<F, decltype(fast)::value>(rq[j], k0, rs[j]));
             for (int i = 0; i < MR; ++i) {
               acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)(_mm512_loadu_si512(ap[i] + k0)), wv);
             }
@@ -343,7 +358,7 @@ void dot_block_fp8(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, 
       for (int j = 0; j < NR; ++j) blk[i][j] = _mm512_setzero_ps();
     for (int64_t kl = kb; kl < kb + kFp8WeightBlock; kl += KL) {
       if (prefetch) {
-        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl, 0, 3);
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl, 0, kStreamHint);
       }
       for (int64_t k0 = kl; k0 < kl + KL; k0 += kUnit) {
         for (int j = 0; j < NR; ++j) {
@@ -480,13 +495,13 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
     if (prefetch) {  // the next rows' scales and bytes of this chunk (the decode below is short: ask early)
       for (int j = 0; j < NR; ++j) __builtin_prefetch(next_s + j * w.scale_row_stride + kc / kFp4WeightBlock, 0, 3);
       for (int64_t kl = kc; kl < kend; kl += 128)
-        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl / 2, 0, 3);
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl / 2, 0, kStreamHint);
     }
     if (fast) {
       for (int64_t k0 = kc; k0 < kend; k0 += kUnit) {
         const int u = static_cast<int>((k0 - kc) / kUnit);
         for (int j = 0; j < NR; ++j)
-          _mm512_store_si512(panel.w[u][j], decode<WeightFormat::Fp4, true>(rq[j], k0, ch[j], u));
+          _mm512_store_si512(panel.w[u][j], decode<WeightFormat::Fp4, true>(rq[j], k0, rs[j]));
       }
     }
     for (int64_t i = 0; i < m; i += kMRPanel) {
@@ -556,7 +571,7 @@ void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
     if (prefetch) {
       for (int j = 0; j < NR; ++j) __builtin_prefetch(next_s + j * w.scale_row_stride + kc / kFp8WeightBlock, 0, 3);
       for (int64_t kl = kc; kl < kend; kl += 64)
-        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl, 0, 3);
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl, 0, kStreamHint);
     }
     for (int64_t k0 = kc; k0 < kend; k0 += kUnit) {
       const int u = static_cast<int>((k0 - kc) / kUnit);
