@@ -20,7 +20,8 @@ from harness.checks import check_baseline, check_op, check_point
 from harness.cli import add_common_args, finish, parse_pairs, resolve_args, start
 from harness.costs import cost_expert_gemm, roofline
 from harness.report import Report, progress
-from harness.timing import measure, time_baseline, time_fastest_variant, time_fn, timing_dict
+from harness.timing import (measure_with, stream_fraction, time_baseline, time_fastest_variant, time_fn, timing_dict,
+                            weight_stream)
 from static_moe import reference
 from static_moe.formats import quantize_weight
 from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, gen, make_activations
@@ -74,7 +75,13 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
 def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cached, smm, smm_reason, int4,
                    int4_reason, check):
     op_args = (a, a_s, b, b_s, mask, 0)
-    op, out = measure(lambda: torch.ops.static_moe.expert_gemm(*op_args), cold=True)
+    # The op, a read-only stream over its weight bytes and (fp4) torch_int4pack in the same rounds: the T = 1
+    # bandwidth target and the int4pack target are ratios between them (harness.timing.time_interleaved).
+    companions = {"weight_stream": weight_stream([b, b_s])}
+    if w_fmt == "fp4" and int4 is not None:
+        companions["torch_int4pack"] = lambda: int4.expert_gemm(a, a_s, mask, 0)
+    op, out, paired, paired_outs = measure_with(lambda: torch.ops.static_moe.expert_gemm(*op_args), companions)
+    stream = paired.pop("weight_stream")
     base, outs = {}, {}
     timing, outs["seed_dense"] = time_fn(lambda: B.seed_dense_expert_gemm(*op_args), cold=True)
     base["seed_dense"] = timing_dict(timing)
@@ -83,7 +90,10 @@ def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cac
     if w_fmt == "fp8":
         time_baseline(base, outs, "torch_scaled_mm", smm, smm_reason, lambda m: m.expert_gemm(a, a_s, mask, 0), cold=True)
     if w_fmt == "fp4":
-        time_baseline(base, outs, "torch_int4pack", int4, int4_reason, lambda m: m.expert_gemm(a, a_s, mask, 0), cold=True)
+        if int4 is None:
+            base["torch_int4pack"] = {"available": False, "reason": int4_reason}
+        else:
+            base["torch_int4pack"], outs["torch_int4pack"] = paired["torch_int4pack"], paired_outs["torch_int4pack"]
     what = f"{BENCH} {shape_key} {gemm} {act_fmt}x{w_fmt} T={t}"
     if check:
         ref = reference.expert_gemm(*op_args)
@@ -94,7 +104,8 @@ def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cac
         for name, o in outs.items():
             base[name]["calc_diff_vs_op"] = calc_diff(o, out)
     return {"bench": BENCH, "shape": shape_key, "gemm": gemm, "fmt": f"{act_fmt}×{w_fmt} {gemm}", "act": act_fmt,
-            "weight": w_fmt, "tokens": t, "op": op, "baselines": base}
+            "weight": w_fmt, "tokens": t, "op": op, "baselines": base, "weight_stream": stream,
+            "weight_stream_fraction": stream_fraction(stream, op)}
 
 
 def main(argv=None) -> None:

@@ -21,7 +21,8 @@ from harness.cli import add_common_args, finish, parse_pairs, resolve_args, star
 from harness.costs import cost_local_experts, roofline
 from harness.report import Report, progress
 from harness.routing import routing_stats
-from harness.timing import measure, time_baseline, time_fastest_variant, time_fn, timing_dict
+from harness.timing import (measure_with, stream_fraction, time_baseline, time_fastest_variant, time_fn, timing_dict,
+                            weight_stream)
 from harness.workload import bench_weights, local_experts_for
 from static_moe import reference
 from static_moe.testing.generators import MODEL_SHAPES, make_activations, sliced_routing
@@ -78,7 +79,15 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
 def _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached, smm, smm_reason, int4, int4_reason,
                    limit, check):
     op_args = (x, xs, idx, tw, *args_w, 0, limit, 448.0)
-    op, out = measure(lambda: torch.ops.static_moe.local_experts(*op_args), cold=True)
+    # The op, a read-only stream over the weight bytes of the experts it runs and (fp4) torch_int4pack in the same
+    # rounds (harness.timing.time_interleaved): the targets compare them.
+    num_local = args_w[0].shape[0]
+    touched = sorted({int(e) for e in idx.flatten().tolist() if 0 <= int(e) < num_local})
+    companions = {"weight_stream": weight_stream([wt[e] for wt in args_w if wt is not None for e in touched])}
+    if w_fmt == "fp4" and int4 is not None:
+        companions["torch_int4pack"] = lambda: int4.local_experts(x, xs, idx, tw, 0, limit)
+    op, out, paired, paired_outs = measure_with(lambda: torch.ops.static_moe.local_experts(*op_args), companions)
+    stream = paired.pop("weight_stream")
     base = {}
     timing, seed_out = time_fn(lambda: B.seed_dense_local_experts(*op_args), cold=True)
     base["seed_dense"] = timing_dict(timing)
@@ -88,7 +97,10 @@ def _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached,
     if w_fmt == "fp8":
         time_baseline(base, outs, "torch_scaled_mm", smm, smm_reason, lambda m: m.local_experts(x, xs, idx, tw, 0, limit), cold=True)
     if w_fmt == "fp4":
-        time_baseline(base, outs, "torch_int4pack", int4, int4_reason, lambda m: m.local_experts(x, xs, idx, tw, 0, limit), cold=True)
+        if int4 is None:
+            base["torch_int4pack"] = {"available": False, "reason": int4_reason}
+        else:
+            base["torch_int4pack"], outs["torch_int4pack"] = paired["torch_int4pack"], paired_outs["torch_int4pack"]
     what = f"{BENCH} {shape_key} {act_fmt}x{w_fmt} T={t}"
     if check:  # once per configuration: every baseline (and the op) against the reference
         ref = reference.local_experts(*op_args)
@@ -99,7 +111,8 @@ def _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached,
         for name, o in outs.items():
             base[name]["calc_diff_vs_op"] = calc_diff(o, out)
     return {"bench": BENCH, "shape": shape_key, "fmt": f"{act_fmt}×{w_fmt}", "act": act_fmt, "weight": w_fmt,
-            "tokens": t, "op": op, "baselines": base}
+            "tokens": t, "op": op, "baselines": base, "weight_stream": stream,
+            "weight_stream_fraction": stream_fraction(stream, op)}
 
 
 def main(argv=None) -> None:

@@ -249,6 +249,8 @@ def progress(rec: dict) -> None:
     sp = " ".join(f"×{k}={v:.2f}" for k, v in rec["speedup"].items() if v)
     frac = rec.get("roofline_fraction")
     extra = ""
+    if rec.get("weight_stream_fraction"):
+        extra += f" ×stream {rec['weight_stream_fraction']:.2f}"
     if rec.get("collective_share") is not None:
         extra += f" collectives {100 * rec['collective_share']:.0f}% of the step"
     if rec.get("local_experts_in_step_vs_alone"):

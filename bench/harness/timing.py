@@ -92,6 +92,48 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = MIN_REPEAT,
     return Timing(statistics.median(samples), samples, inner, warmup), result
 
 
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = MIN_REPEAT) -> tuple[dict[str, Timing], dict]:
+    """Time several cold calls in the same rounds: one warm-up each (its output returned, for the checks), then
+    ``max(repeat, 5)`` rounds, each flushing the caches before every call and timing each of ``fns`` once, in
+    order. On a shared host the load comes and goes; timed in blocks, two calls can see different machines, and
+    their ratio drifts with the load between the blocks (±30 % between runs here). Timed in the same rounds,
+    they see the same moments. Returns each name's Timing (median over the rounds) and first output."""
+    repeat = max(MIN_REPEAT, repeat)
+    outs = {name: fn() for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeat):
+            for name, fn in fns.items():
+                flush_caches()
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return {name: Timing(statistics.median(s), s, 1, 1) for name, s in samples.items()}, outs
+
+
+def weight_stream(tensors: list[torch.Tensor | None]) -> Callable[[], Any]:
+    """A read-only stream over exactly the bytes of ``tensors`` (an expert's weights and scales, in place): the
+    roof for a call that only reads them, measured on the same pages. A wrapping int64 sum (~30 GB/s on two
+    threads here, the rate of a float32 sum; torch's int32 and uint8 sums run at 1.6 and 0.4 GB/s); a tail of
+    under 8 bytes is summed as uint8."""
+    flat = [t.contiguous().view(-1).view(torch.uint8) for t in tensors if t is not None]
+
+    def stream():
+        total = 0
+        for f in flat:
+            body = f.numel() // 8 * 8
+            total += int(f[:body].view(torch.int64).sum()) + (int(f[body:].sum()) if body < f.numel() else 0)
+        return total
+
+    return stream
+
+
 def measure(fn: Callable[[], Any], **timer_kw) -> tuple[dict, Any]:
     """``time_fn`` for the op under test: a failure (op not implemented yet, an error) is recorded as
     ``{"available": False, "reason": ...}`` instead of stopping the run."""
@@ -100,6 +142,31 @@ def measure(fn: Callable[[], Any], **timer_kw) -> tuple[dict, Any]:
     except Exception as e:  # noqa: BLE001  the table says why the op has no number
         return {"available": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, None
     return {"available": True, **timing_dict(timing)}, out
+
+
+def measure_with(fn: Callable[[], Any], companions: dict[str, Callable[[], Any]]) -> tuple[dict, Any, dict, dict]:
+    """``measure`` for a cold op timed in the same rounds as ``companions`` (a weight stream, the baseline a target
+    compares it with: :func:`time_interleaved`). Returns (the op's record, its output, each companion's timing
+    dict, each companion's output); an op that fails is recorded as unavailable and the companions are timed
+    without it."""
+    try:
+        fn()
+        calls = {"op": fn, **companions}
+    except Exception as e:  # noqa: BLE001  the table says why the op has no number
+        op = {"available": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        calls, fn = dict(companions), None
+    timed, outs = time_interleaved(calls)
+    if fn is not None:
+        op = {"available": True, **timing_dict(timed.pop("op"))}
+    return op, outs.pop("op", None), {k: timing_dict(t) for k, t in timed.items()}, outs
+
+
+def stream_fraction(stream: dict, op: dict) -> float | None:
+    """The weight stream's median over the op's (same rounds): the fraction of the read-only stream over its own
+    weight bytes that the op reaches (its other bytes, activations and output, are left out: a lower bound)."""
+    if not op.get("available", True) or not op.get("median_s") or not stream.get("median_s"):
+        return None
+    return stream["median_s"] / op["median_s"]
 
 
 def timing_dict(t: Timing) -> dict:
