@@ -98,6 +98,22 @@ inline void fp4_chunk(const uint8_t* s, int nb, Fp4Chunk& c, uint32_t& bad) {
   _mm_store_si128(reinterpret_cast<__m128i*>(c.byte), b);
 }
 
+// Whether every scale byte of NR weight rows (nb bytes each) is in [2, 252], the fast path's range (byte 255, the
+// NaN byte, is not: its chunk takes the per-chunk path, which reports it).
+template <int NR>
+inline bool rows_fast(const uint8_t* const* s, int64_t nb) {
+  __mmask64 off = 0;
+  for (int j = 0; j < NR; ++j) {
+    for (int64_t b = 0; b < nb; b += 64) {
+      const __mmask64 live = nb - b >= 64 ? ~0ull : (1ull << (nb - b)) - 1;
+      const __m512i v = _mm512_maskz_loadu_epi8(live, s[j] + b);
+      off |= _mm512_mask_cmplt_epu8_mask(live, v, _mm512_set1_epi8(2)) |
+             _mm512_mask_cmpgt_epu8_mask(live, v, _mm512_set1_epi8(static_cast<char>(252)));
+    }
+  }
+  return off == 0;
+}
+
 alignas(64) constexpr uint16_t kE2m1Bf16[32] = {
     0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
     0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
@@ -241,54 +257,64 @@ void dot_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int6
   const auto& rq = rows.q;
   const auto& rs = rows.s;
   const uint8_t* const next = rows.next;
-  Fp4Chunk ch[NR];
-  uint32_t bad = 0;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t K = w.k;
-  for (int64_t kc = 0; kc < K; kc += kChunk) {
-    const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
-    if constexpr (F == WeightFormat::Fp4) {
-      for (int j = 0; j < NR; ++j) fp4_chunk(rs[j] + kc / kFp4WeightBlock, static_cast<int>((kend - kc) / 32), ch[j], bad);
-      if (prefetch) {  // the next rows' scales of this chunk: a stream of its own
-        const uint8_t* ns = static_cast<const uint8_t*>(w.scale) + (n + NR) * w.scale_row_stride + kc / kFp4WeightBlock;
-        for (int j = 0; j < NR; ++j) __builtin_prefetch(ns + j * w.scale_row_stride, 0, 3);
+  // The units [kc, kend), with the fp4 table read for the block's byte (Fast) or built in fp32 (rare bytes).
+  auto units = [&](int64_t kc, int64_t kend, auto fast) {
+    for (int64_t kl = kc; kl < kend; kl += KL) {
+      if (prefetch) {
+        const int64_t byte = F == WeightFormat::Fp4 ? kl / 2 : kl * 2;
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + byte, 0, kStreamHint);
       }
-    }
-    // The chunk's units, with the fp4 table built by exponent add (Fast) or in fp32 (rare scale bytes).
-    auto units = [&](auto fast) {
-      for (int64_t kl = kc; kl < kend; kl += KL) {
-        if (prefetch) {
-          const int64_t byte = F == WeightFormat::Fp4 ? kl / 2 : kl * 2;
-          for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + byte, 0, kStreamHint);
-        }
-        for (int64_t k0 = kl; k0 < kl + KL; k0 += kUnit) {
-          for (int j = 0; j < NR; ++j) {
-            const __m512bh wv = (__m512bh)(decode<F, decltype(fast)::value>(rq[j], k0, rs[j]));
-            for (int i = 0; i < MR; ++i) {
-              acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)(_mm512_loadu_si512(ap[i] + k0)), wv);
-            }
+      for (int64_t k0 = kl; k0 < kl + KL; k0 += kUnit) {
+        for (int j = 0; j < NR; ++j) {
+          const __m512bh wv = (__m512bh)(decode<F, decltype(fast)::value>(rq[j], k0, rs[j]));
+          for (int i = 0; i < MR; ++i) {
+            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)(_mm512_loadu_si512(ap[i] + k0)), wv);
           }
         }
       }
-    };
-    bool fast = true;
-    if constexpr (F == WeightFormat::Fp4) {
-      for (int j = 0; j < NR; ++j) fast = fast && ch[j].fast;
     }
-    if (fast) {
-      units(std::true_type());
-    } else if constexpr (F == WeightFormat::Fp4) {
-      Accumulators<MR, NR> t;
-      for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j) t.v[i][j] = acc[i][j];
-      slow_fp4_chunk<MR, NR>(ap, rq, ch, kc, kend, t);
-      for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j) acc[i][j] = t.v[i][j];
+  };
+  auto prefetch_scales = [&](int64_t kc) {  // the next rows' scales of this chunk: a stream of its own
+    if (F == WeightFormat::Fp4 && prefetch) {
+      const uint8_t* ns = static_cast<const uint8_t*>(w.scale) + (n + NR) * w.scale_row_stride + kc / kFp4WeightBlock;
+      for (int j = 0; j < NR; ++j) __builtin_prefetch(ns + j * w.scale_row_stride, 0, 3);
     }
+  };
+  if (F != WeightFormat::Fp4 || rows_fast<NR>(rs, K / kFp4WeightBlock)) {
+    // Every scale byte fast (bf16 weights: no scales): one loop over K with no slow-path branch, so the
+    // accumulators stay in registers from the first unit to the last (the same operations in the same order).
+    for (int64_t kc = 0; kc < K; kc += kChunk) {
+      prefetch_scales(kc);
+      units(kc, K - kc < kChunk ? K : kc + kChunk, std::true_type());
+    }
+  } else if constexpr (F == WeightFormat::Fp4) {
+    Fp4Chunk ch[NR];
+    uint32_t bad = 0;
+    for (int64_t kc = 0; kc < K; kc += kChunk) {
+      const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
+      bool fast = true;
+      for (int j = 0; j < NR; ++j) {
+        fp4_chunk(rs[j] + kc / kFp4WeightBlock, static_cast<int>((kend - kc) / 32), ch[j], bad);
+        fast = fast && ch[j].fast;
+      }
+      prefetch_scales(kc);
+      if (fast) {
+        units(kc, kend, std::true_type());
+      } else {
+        Accumulators<MR, NR> t;
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; ++j) t.v[i][j] = acc[i][j];
+        slow_fp4_chunk<MR, NR>(ap, rq, ch, kc, kend, t);
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; ++j) acc[i][j] = t.v[i][j];
+      }
+    }
+    bad_out |= bad;
   }
-  bad_out |= bad;
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) emit_output(out, i0 + i, n + j, _mm512_reduce_add_ps(acc[i][j]));
 }

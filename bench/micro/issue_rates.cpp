@@ -1,0 +1,154 @@
+// Issue rates and latencies of the AVX-512 instructions the avx512bf16 expert GEMM is made of, on this CPU, and of
+// its inner blocks run from L1: what bounds the one-row and few-row fp4 GEMMs once DRAM is out of the way
+// (docs/backends/cpu.md, "What binds the avx512bf16 fp4 GEMM"). Torch-free; needs AVX512 F/BW/VBMI/BF16.
+//
+//   g++ -O3 -march=native -o build/micro/issue_rates bench/micro/issue_rates.cpp && build/micro/issue_rates
+// (-O3: the blocks' accumulator arrays must be unrolled into registers, as in the kernel)
+//
+// Cycles are core cycles: the time-stamp counter's ticks times the core clock over the TSC rate, which the first
+// line measures with a chain of dependent scalar adds (one cycle each). Every figure is the best of 7 runs (other
+// processes only slow a run down). "rate" rows: 8 or 12 independent instructions per iteration, cycles per
+// instruction; "latency" rows: one dependent chain; "block" rows: cycles per 32-k unit of the kernel's blocks.
+#include <immintrin.h>
+#include <x86intrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+
+namespace {
+
+constexpr long kIters = 2000000;
+alignas(64) uint8_t g_buf[16384];
+double g_tsc_per_cycle = 1.0;
+
+template <class F>
+double best_ticks(F&& f) {
+  double best = 1e300;
+  for (int r = 0; r < 7; ++r) {
+    const uint64_t t0 = __rdtsc();
+    f();
+    best = std::min(best, static_cast<double>(__rdtsc() - t0));
+  }
+  return best;
+}
+
+// Cycles per instruction of an asm body holding `per` instructions, run kIters times.
+#define RATE(name, per, body, ...)                                                                         \
+  {                                                                                                        \
+    const double t = best_ticks([&] {                                                                      \
+      for (long n = 0; n < kIters; ++n) __asm__ volatile(body ::"r"(g_buf) : __VA_ARGS__);                \
+    });                                                                                                    \
+    std::printf("%-52s %6.2f cycles\n", name, t / kIters / (per) / g_tsc_per_cycle);                     \
+  }
+
+#define X8(op) op(2) op(3) op(4) op(5) op(6) op(7) op(8) op(9)
+#define CLOBBER8 "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9"
+
+alignas(64) uint16_t g_act[6][512];
+alignas(64) uint16_t g_wb[4][512];
+alignas(64) uint8_t g_wq[4][256];
+alignas(64) uint16_t g_tab[8][32];
+alignas(64) uint8_t g_ctl[64];
+volatile float g_sink;
+
+// The kernel's MR × NR block over 16 units (512 k) from L1, repeated: fp4 weights decoded per unit (broadcast,
+// vpmultishiftqb, vpermw from the scale byte's table), or bf16 weights loaded as they are.
+template <int MR, int NR, bool Fp4>
+double block_cycles_per_unit() {
+  const double t = best_ticks([&] {
+    __m512 acc[MR][NR];
+    for (auto& r : acc)
+      for (auto& v : r) v = _mm512_setzero_ps();
+    const __m512i ctl = _mm512_load_si512(g_ctl);
+    for (long n = 0; n < kIters / 16; ++n) {
+      for (int u = 0; u < 16; ++u) {
+        __m512bh wv[NR];
+        for (int j = 0; j < NR; ++j) {
+          if constexpr (Fp4) {
+            const __m512i d = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(g_wq[j] + u * 16)));
+            wv[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(ctl, d),
+                                                        _mm512_load_si512(g_tab[(u + j) & 7]));
+          } else {
+            wv[j] = (__m512bh)_mm512_load_si512(g_wb[j] + u * 32);
+          }
+        }
+        for (int i = 0; i < MR; ++i) {
+          const __m512bh a = (__m512bh)_mm512_load_si512(g_act[i] + u * 32);
+          for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, wv[j]);
+        }
+      }
+      __asm__ volatile("" ::: "memory");
+    }
+    float s = 0;
+    for (auto& r : acc)
+      for (auto& v : r) s += _mm512_reduce_add_ps(v);
+    g_sink = s;
+  });
+  return t / (kIters / 16 * 16) / g_tsc_per_cycle;
+}
+
+}  // namespace
+
+int main() {
+  {
+    uint64_t x = 1;
+    const double t = best_ticks([&] {
+      for (long n = 0; n < kIters; ++n)
+        __asm__ volatile("add $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\t"
+                         "add $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\tadd $1,%0"
+                         : "+r"(x));
+    });
+    g_tsc_per_cycle = t / kIters / 8;
+    std::printf("%-52s %6.3f (core clock = TSC rate / this)\n", "TSC ticks per core cycle", g_tsc_per_cycle);
+  }
+#define OP_PANDD(r) "vpandd %%zmm1,%%zmm0,%%zmm" #r "\n\t"
+  RATE("rate   vpandd zmm", 8, X8(OP_PANDD), CLOBBER8)
+#define OP_PERMW(r) "vpermw %%zmm1,%%zmm0,%%zmm" #r "\n\t"
+  RATE("rate   vpermw zmm", 8, X8(OP_PERMW), CLOBBER8)
+#define OP_MSHIFT(r) "vpmultishiftqb %%zmm1,%%zmm0,%%zmm" #r "\n\t"
+  RATE("rate   vpmultishiftqb zmm", 8, X8(OP_MSHIFT), CLOBBER8)
+#define OP_PSHUFB(r) "vpshufb %%zmm1,%%zmm0,%%zmm" #r "\n\t"
+  RATE("rate   vpshufb zmm", 8, X8(OP_PSHUFB), CLOBBER8)
+#define OP_DP(r) "vdpbf16ps %%zmm1,%%zmm0,%%zmm" #r "\n\t"
+  RATE("rate   vdpbf16ps zmm (8 chains)", 8, X8(OP_DP), CLOBBER8)
+#define OP_LDZ(r) "vmovdqu64 " #r "*64(%0),%%zmm" #r "\n\t"
+  RATE("rate   zmm load (vmovdqu64)", 8, X8(OP_LDZ), CLOBBER8)
+#define OP_LDX(r) "vmovdqu " #r "*16(%0),%%xmm" #r "\n\t"
+  RATE("rate   xmm load (vmovdqu)", 8, X8(OP_LDX), CLOBBER8)
+#define OP_BC(r) "vbroadcasti32x4 " #r "*16(%0),%%zmm" #r "\n\t"
+  RATE("rate   vbroadcasti32x4 zmm, m128", 8, X8(OP_BC), CLOBBER8)
+#define OP_PERMW_M(r) "vpermw " #r "*64(%0),%%zmm1,%%zmm" #r "\n\t"
+  RATE("rate   vpermw zmm, m512 table", 8, X8(OP_PERMW_M), CLOBBER8)
+#define OP_MIX(r) "vpermw %%zmm1,%%zmm0,%%zmm" #r "\n\tvpmultishiftqb %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
+  RATE("rate   vpermw + vpmultishiftqb, interleaved", 16, X8(OP_MIX), CLOBBER8, "xmm12", "xmm13", "xmm14",
+       "xmm15", "xmm16", "xmm17", "xmm18", "xmm19")
+#define OP_MIX2(r) "vpermw %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
+  RATE("rate   vpermw + vdpbf16ps, interleaved", 16, X8(OP_MIX2), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
+       "xmm16", "xmm17", "xmm18", "xmm19")
+  RATE("latency vdpbf16ps", 4,
+       "vdpbf16ps %%zmm1,%%zmm0,%%zmm2\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm2\n\t"
+       "vdpbf16ps %%zmm1,%%zmm0,%%zmm2\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm2",
+       "xmm2")
+  RATE("latency vpermw", 4,
+       "vpermw %%zmm1,%%zmm2,%%zmm2\n\tvpermw %%zmm1,%%zmm2,%%zmm2\n\t"
+       "vpermw %%zmm1,%%zmm2,%%zmm2\n\tvpermw %%zmm1,%%zmm2,%%zmm2",
+       "xmm2")
+  RATE("latency vpmultishiftqb", 4,
+       "vpmultishiftqb %%zmm2,%%zmm1,%%zmm2\n\tvpmultishiftqb %%zmm2,%%zmm1,%%zmm2\n\t"
+       "vpmultishiftqb %%zmm2,%%zmm1,%%zmm2\n\tvpmultishiftqb %%zmm2,%%zmm1,%%zmm2",
+       "xmm2")
+#define UNIT(acc, off) \
+  "vbroadcasti32x4 " #off "/4(%0),%%zmm3\n\tvpmultishiftqb %%zmm3,%%zmm1,%%zmm2\n\t" \
+  "vpermw " #off "(%0),%%zmm2,%%zmm2\n\tvdpbf16ps %%zmm30,%%zmm2,%%zmm" #acc "\n\t"
+  RATE("unit   one-row fp4 unit (load, shift, vpermw, dot), 8 rows", 8,
+       UNIT(8, 0) UNIT(9, 64) UNIT(10, 128) UNIT(11, 192) UNIT(12, 256) UNIT(13, 320) UNIT(14, 384) UNIT(15, 448),
+       "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
+  std::printf("%-52s %6.2f cycles / unit (%d vdpbf16ps)\n", "block  4 x 4, fp4 weights decoded, L1",
+              block_cycles_per_unit<4, 4, true>(), 16);
+  std::printf("%-52s %6.2f cycles / unit (%d vdpbf16ps)\n", "block  4 x 4, bf16 weights, L1",
+              block_cycles_per_unit<4, 4, false>(), 16);
+  std::printf("%-52s %6.2f cycles / unit (%d vdpbf16ps)\n", "block  6 x 4, bf16 weights, L1",
+              block_cycles_per_unit<6, 4, false>(), 24);
+  return 0;
+}
