@@ -20,8 +20,8 @@ from harness.checks import check_baseline, check_op, check_point
 from harness.cli import add_common_args, finish, parse_pairs, resolve_args, start
 from harness.costs import cost_expert_gemm, roofline
 from harness.report import Report, progress
-from harness.timing import (measure_with, stream_fraction, time_baseline, time_fastest_variant, time_fn, timing_dict,
-                            weight_stream)
+from harness.timing import (bf16_matmul, measure_with, stream_fraction, time_baseline, time_fastest_variant, time_fn,
+                            timing_dict, weight_stream)
 from static_moe import reference
 from static_moe.formats import quantize_weight
 from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, gen, make_activations
@@ -31,6 +31,12 @@ from static_moe.testing.numeric import assert_gemm_close, calc_diff
 BENCH = "expert_gemm"
 GROUP = 128  # fp8 activation group
 GEMMS = {"w13": lambda s: (2 * s.intermediate, s.hidden), "w2": lambda s: (s.hidden, s.intermediate)}
+PEAK_MIN_TOKENS = 16  # from here a point is compute-bound and is timed with the bf16 matmul (run_all's target)
+
+
+def k_of(b: torch.Tensor, w_fmt: str) -> int:
+    """K of an expert weight [1, N, K] (fp4: two values per byte)."""
+    return b.shape[-1] * (2 if w_fmt == "fp4" else 1)
 
 
 def expert_weight(n: int, k: int, fmt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,8 +86,13 @@ def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cac
     companions = {"weight_stream": weight_stream([b, b_s])}
     if w_fmt == "fp4" and int4 is not None:
         companions["torch_int4pack"] = lambda: int4.expert_gemm(a, a_s, mask, 0)
+    # Compute-bound points (the 16+ row target): torch's bf16 matmul, the peak the target names, in the same rounds.
+    peak_flops = 0.0
+    if t >= PEAK_MIN_TOKENS and w_fmt in ("fp4", "fp8") and bf16_dot_products(act_fmt):
+        companions["bf16_matmul"], peak_flops = bf16_matmul()
     op, out, paired, paired_outs = measure_with(lambda: torch.ops.static_moe.expert_gemm(*op_args), companions)
     stream = paired.pop("weight_stream")
+    peak = paired.pop("bf16_matmul", None)
     base, outs = {}, {}
     timing, outs["seed_dense"] = time_fn(lambda: B.seed_dense_expert_gemm(*op_args), cold=True)
     base["seed_dense"] = timing_dict(timing)
@@ -105,7 +116,9 @@ def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cac
             base[name]["calc_diff_vs_op"] = calc_diff(o, out)
     return {"bench": BENCH, "shape": shape_key, "gemm": gemm, "fmt": f"{act_fmt}×{w_fmt} {gemm}", "act": act_fmt,
             "weight": w_fmt, "tokens": t, "op": op, "baselines": base, "weight_stream": stream,
-            "weight_stream_fraction": stream_fraction(stream, op)}
+            "weight_stream_fraction": stream_fraction(stream, op),
+            **({"bf16_matmul": peak, "bf16_matmul_fraction": (2.0 * t * b.shape[-2] * k_of(b, w_fmt) / op["median_s"])
+                / (peak_flops / peak["median_s"])} if peak and op.get("median_s") else {})}
 
 
 def main(argv=None) -> None:

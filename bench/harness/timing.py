@@ -134,6 +134,14 @@ def weight_stream(tensors: list[torch.Tensor | None]) -> Callable[[], Any]:
     return stream
 
 
+def bf16_matmul(n: int = 2048) -> tuple[Callable[[], Any], float]:
+    """A bf16 n×n×n torch matmul (the machine limit's own measurement, static_moe.testing.machine) as a call to time
+    in the same rounds as a compute-bound op, and its FLOPs: the bf16 peak at the op's moments."""
+    x, y = torch.rand(n, n).to(torch.bfloat16), torch.rand(n, n).to(torch.bfloat16)
+    out = torch.empty(n, n, dtype=torch.bfloat16)
+    return (lambda: torch.mm(x, y, out=out)), 2.0 * n**3
+
+
 def measure(fn: Callable[[], Any], **timer_kw) -> tuple[dict, Any]:
     """``time_fn`` for the op under test: a failure (op not implemented yet, an error) is recorded as
     ``{"available": False, "reason": ...}`` instead of stopping the run."""
