@@ -6,14 +6,17 @@
 //   kernel    static_moe's expert_gemm_rows (the real kernel, Isa::Avx512Bf16 and Isa::Avx512), cold and hot
 //   decode    the kernel's fp4 decode sequence alone (load + vpmultishiftqb + vpermw from the scale byte's table per
 //             32 weights, results xor-folded so nothing is optimised away), hot (weights in L2); decode_v2 / v3: two
-//             candidate decodes of 64 weights per step (see decode_only_v2 / v3), kept because v2 is faster alone
-//             but was slower inside the kernel (see docs/backends/cpu.md)
+//             candidate decodes of 64 weights per step (see decode_only_v2 / v3), kept for comparison: v2 was 1.39×
+//             the kernel's earlier decode (which added the scale per unit) alone, slower inside the kernel, and the
+//             same speed as its decode since that decode reads precomputed tables (see docs/backends/cpu.md)
 //   dot       vdpbf16ps over already-decoded bf16 weights alone (the kernel with bf16 weights), hot
 // Every timing is the best of `reps` runs (3 × reps cold, 50 × reps short ones for the peak: other processes can only
 // slow a run down, and the best run is the one that had the core alone). "cold" rewrites a buffer of 4× the
 // last-level cache before each run; "hot" uses an N small enough that the weights stay in L2.
 // Output: one line per measurement, "name threads rows value unit", parsed by the driver.
-// Usage: fp4_gemv [N=4096] [K=4096] [reps=7] [decode]   ("decode": stop after the decode timings)
+// Usage: fp4_gemv [N=4096] [K=4096] [reps=7] [decode|thp]   ("decode": stop after the decode timings; "thp": only the
+// cold kernel at 1, 4 and 16 rows with the expert in 4 KiB pages and in 2 MiB pages (a 2 MiB-aligned buffer advised
+// MADV_HUGEPAGE before its first touch; "huge pages granted" says whether the kernel gave them), alternately)
 #include <immintrin.h>
 #include <omp.h>
 
@@ -25,6 +28,8 @@
 #include <cstring>
 #include <random>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "cpu/kernels/moe_gemm.h"
 
@@ -350,6 +355,44 @@ int main(int argc, char** argv) {
     line("decode_v3_hot_ns_per_unit", 1, 0, t3 / units * 1e9, "ns");
   }
   if (argc > 4 && std::strcmp(argv[4], "decode") == 0) return 0;
+  if (argc > 4 && std::strcmp(argv[4], "thp") == 0) {
+    const size_t qb = big.q.size(), sb = big.s.size(), page = 2u << 20;
+    const size_t total = (qb + sb + page - 1) / page * page;
+    uint8_t* buf[2];
+    for (int h = 0; h < 2; ++h) {
+      buf[h] = static_cast<uint8_t*>(std::aligned_alloc(page, total));
+      if (h == 1) madvise(buf[h], total, MADV_HUGEPAGE);
+      std::memcpy(buf[h], big.q.data(), qb);  // the first touch: after the advice
+      std::memcpy(buf[h] + qb, big.s.data(), sb);
+    }
+    std::FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
+    long anon_huge_kb = -1;
+    char text[256];
+    while (f && std::fgets(text, sizeof text, f)) std::sscanf(text, "AnonHugePages: %ld kB", &anon_huge_kb);
+    if (f) std::fclose(f);
+    std::printf("# huge pages granted: %ld kB of %zu\n", anon_huge_kb, total / 1024);
+    for (int64_t m : {1, 4, 16}) {
+      Rows r(Isa::Avx512Bf16, WeightFormat::Fp4, m, K, N, g);
+      OutRows o;
+      o.rows = r.optr.data();
+      for (int t = 1; t <= tmax; ++t) {
+        for (int h = 0; h < 2; ++h) {
+          ExpertWeight w = big.view(WeightFormat::Fp4);
+          w.data = buf[h];
+          w.scale = buf[h] + qb;
+          const double tc = best_of(3 * reps, true, [&] {
+#pragma omp parallel for num_threads(t) schedule(dynamic, 1)
+            for (int64_t c = 0; c < (N + 511) / 512; ++c)
+              expert_gemm_rows(Isa::Avx512Bf16, r.ptr.data(), r.is_bf16.data(), m, w, c * 512,
+                               std::min(N, (c + 1) * 512), o);
+          });
+          line(h ? "kernel_fp4_cold_2MiB_pages" : "kernel_fp4_cold_4KiB_pages", t, m, wbytes / tc / 1e9, "GB/s");
+        }
+      }
+    }
+    for (uint8_t* b : buf) std::free(b);
+    return 0;
+  }
   for (int64_t m : {1, 16, 64}) {
     Rows r4(Isa::Avx512Bf16, WeightFormat::Fp4, m, K, N, g);
     Rows r16(Isa::Avx512Bf16, WeightFormat::Bf16, m, K, N, g);
