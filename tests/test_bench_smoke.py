@@ -151,3 +151,25 @@ def test_timer_table_json(bench_modules, tmp_path):
     doc = json.loads(report.write_json(tmp_path / "r.json").read_text())
     assert doc["records"][0]["speedup"]["torch_cached"] == pytest.approx(4.0)
     assert doc["machine"]["bandwidth"] == 1e10
+
+
+def test_same_round_timing(bench_modules):
+    """time_interleaved: every call once per round, in order, its first output returned; weight_stream reads every
+    byte of its tensors (an int64 body and a uint8 tail); measure_with records a failing op and still times the
+    rest."""
+    H, _ = bench_modules
+    order = []
+    timed, outs = H.timing.time_interleaved({"a": lambda: order.append("a") or 1, "b": lambda: order.append("b") or 2})
+    assert outs == {"a": 1, "b": 2} and order == ["a", "b"] * 6
+    assert len(timed["a"].samples_s) == 5 and timed["b"].median_s > 0
+    x = torch.arange(21, dtype=torch.uint8)  # 16-byte int64 body + 5-byte tail
+    y = torch.tensor([[1.5, -2.0]])
+    body = int(x[:16].view(torch.int64).sum()) + int(x[16:].sum())
+    assert H.timing.weight_stream([x, None, y])() == body + int(y.view(torch.int64).sum())
+    x[20] += 1  # the tail counts
+    assert H.timing.weight_stream([x])() == body + 1
+    op, out, paired, _ = H.timing.measure_with(lambda: (_ for _ in ()).throw(RuntimeError("no kernel")),
+                                               {"s": lambda: 3})
+    assert op == {"available": False, "reason": "RuntimeError: no kernel"} and out is None and "median_s" in paired["s"]
+    assert H.timing.stream_fraction(paired["s"], op) is None
+    assert H.timing.stream_fraction({"median_s": 1.0}, {"available": True, "median_s": 2.0}) == 0.5
