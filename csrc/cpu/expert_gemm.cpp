@@ -24,9 +24,13 @@ namespace {
 
 using namespace static_moe;
 
-// Columns are handed out in chunks, first come first served, so a thread that streams faster does more of them;
-// a multiple of every NR; 8 chunks of the V4-Flash gate/up GEMM (fewer chunk starts, each a prefetch run-in).
+// Columns are handed out in chunks, first come first served, so a thread that streams faster does more of them:
+// 512 (8 chunks of the V4-Flash gate/up GEMM: fewer chunk starts, each a prefetch run-in), halved down to 128 until
+// every thread has at least kChunksPerThread of them, so that a narrow GEMM does not leave a thread idle (Qwen3's
+// gate/up, N = 1536: 3 chunks of 512 on 2 threads ran 2 against 1).
 constexpr int64_t kColumnChunk = 512;
+constexpr int64_t kMinColumnChunk = 128;
+constexpr int64_t kChunksPerThread = 4;
 constexpr int64_t kParallelMacs = 1 << 18; // below this many multiply-adds one thread beats waking a team
 
 at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>& a_scale, const at::Tensor& b,
@@ -79,13 +83,16 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   o.kind = cpu::OutKind::StoreBf16;
   o.rows = out_rows.data();
   o.col0 = 0;
-  const int64_t chunks = (N + kColumnChunk - 1) / kColumnChunk;
-  const int nt = static_cast<int>(std::min<int64_t>(parallel ? omp_get_max_threads() : 1, chunks));
+  const int threads = parallel ? omp_get_max_threads() : 1;
+  int64_t chunk = kColumnChunk;
+  while (chunk > kMinColumnChunk && (N + chunk - 1) / chunk < kChunksPerThread * threads) chunk /= 2;
+  const int64_t chunks = (N + chunk - 1) / chunk;
+  const int nt = static_cast<int>(std::min<int64_t>(threads, chunks));
   int bad_scale = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(| : bad_scale)
   for (int64_t c = 0; c < chunks; ++c) {
-    if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w, c * kColumnChunk,
-                               std::min(N, (c + 1) * kColumnChunk), o)) {
+    if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w, c * chunk, std::min(N, (c + 1) * chunk),
+                               o)) {
       bad_scale = 1;
     }
   }
