@@ -168,6 +168,12 @@ def test_same_round_timing(bench_modules):
     assert H.timing.weight_stream([x, None, y])() == body + int(y.view(torch.int64).sum())
     x[20] += 1  # the tail counts
     assert H.timing.weight_stream([x])() == body + 1
+    v = x[3:]  # a view at an odd offset: 5 head bytes, an aligned 8-byte body, a 5-byte tail
+    before = H.timing.weight_stream([v])()
+    for i in (0, 7, 17):  # one byte of each part changes the sum
+        v[i] += 1
+        assert H.timing.weight_stream([v])() != before
+        v[i] -= 1
     op, out, paired, _ = H.timing.measure_with(lambda: (_ for _ in ()).throw(RuntimeError("no kernel")),
                                                {"s": lambda: 3})
     assert op == {"available": False, "reason": "RuntimeError: no kernel"} and out is None and "median_s" in paired["s"]

@@ -98,9 +98,31 @@ def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p
 
 
 @pytest.mark.parametrize("pair", FORMAT_PAIRS, ids=PAIR_IDS)
+def test_invariance_across_column_chunkings(cpu_isa, pair, rng):
+    # N=1600 × K=128: 24 rows run threaded in 13 chunks of 128 columns, one row (below the parallel threshold) in 4
+    # chunks of 512, one thread in 4 chunks too; a column lands in a different block of weight rows in each. Bits
+    # must agree (csrc/cpu/expert_gemm.cpp: the chunk width follows the thread count).
+    act, wf = pair
+    a, a_s = _activations(24, 128, act, 32, rng)
+    b, b_s = _weights(1, 1600, 128, wf, rng)
+    full = static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(24, dtype=torch.bool), 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(24, dtype=torch.bool), 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert_equal(single, full, "1 thread vs the default")
+    for r in [0, 11, 23]:
+        one = static_moe.expert_gemm(a[r : r + 1], None if a_s is None else a_s[r : r + 1], b, b_s,
+                                     torch.ones(1, dtype=torch.bool), 0)
+        assert_equal(one[0], full[r], f"row {r} as a 1-row batch")
+
+
+@pytest.mark.parametrize("pair", FORMAT_PAIRS, ids=PAIR_IDS)
 def test_batch_invariance(cpu_isa, pair, rng):
-    # 24 rows × N=600 (3 column chunks for the threads; not a multiple of any column block) × K=384: the batch runs
-    # threaded in blocks of several rows, single rows on one thread with the one-row blocking. Bits must agree.
+    # 24 rows × N=600 (5 column chunks of 128 for the threads; not a multiple of any column block) × K=384: the batch
+    # runs threaded in blocks of several rows, single rows on one thread with the one-row blocking. Bits must agree.
     act, wf = pair
     a, a_s = _activations(24, 384, act, 32, rng)
     b, b_s = _weights(2, 600, 384, wf, rng)

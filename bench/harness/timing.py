@@ -120,25 +120,43 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = MIN_REP
 def weight_stream(tensors: list[torch.Tensor | None]) -> Callable[[], Any]:
     """A read-only stream over exactly the bytes of ``tensors`` (an expert's weights and scales, in place): the
     roof for a call that only reads them, measured on the same pages. A wrapping int64 sum (~30 GB/s on two
-    threads here, the rate of a float32 sum; torch's int32 and uint8 sums run at 1.6 and 0.4 GB/s); a tail of
-    under 8 bytes is summed as uint8."""
-    flat = [t.contiguous().view(-1).view(torch.uint8) for t in tensors if t is not None]
+    threads here, the rate of a float32 sum; torch's int32 and uint8 sums run at 1.6 and 0.4 GB/s) over the
+    8-byte-aligned body; the under 8 bytes before it (a view into a tensor at an odd offset) and after it are
+    summed as uint8."""
+    parts = []
+    for t in tensors:
+        if t is None:
+            continue
+        f = t.contiguous().view(-1).view(torch.uint8)
+        head = min((-f.data_ptr()) % 8, f.numel())
+        body = (f.numel() - head) // 8 * 8
+        parts.append((f[:head], f[head:head + body].view(torch.int64), f[head + body:]))
 
     def stream():
         total = 0
-        for f in flat:
-            body = f.numel() // 8 * 8
-            total += int(f[:body].view(torch.int64).sum()) + (int(f[body:].sum()) if body < f.numel() else 0)
+        for head, body, tail in parts:
+            total += int(body.sum())
+            for rest in (head, tail):
+                if rest.numel():
+                    total += int(rest.sum())
         return total
 
     return stream
 
 
+_MATMUL: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
 def bf16_matmul(n: int = 2048) -> tuple[Callable[[], Any], float]:
-    """A bf16 n×n×n torch matmul (the machine limit's own measurement, static_moe.testing.machine) as a call to time
-    in the same rounds as a compute-bound op, and its FLOPs: the bf16 peak at the op's moments."""
-    x, y = torch.rand(n, n).to(torch.bfloat16), torch.rand(n, n).to(torch.bfloat16)
-    out = torch.empty(n, n, dtype=torch.bfloat16)
+    """A bf16 n×n×n torch matmul (the shape of the machine limit's own measurement, static_moe.testing.machine) as
+    a call to time in the same rounds as a compute-bound op, and its FLOPs: the bf16 rate at the op's moments. Timed
+    so, each call follows a cache flush and the median is kept (the machine limit: the best of hot calls). Operands
+    made once per n."""
+    if n not in _MATMUL:
+        g = torch.Generator().manual_seed(n)
+        _MATMUL[n] = (torch.rand(n, n, generator=g).to(torch.bfloat16), torch.rand(n, n, generator=g).to(torch.bfloat16),
+                      torch.empty(n, n, dtype=torch.bfloat16))
+    x, y, out = _MATMUL[n]
     return (lambda: torch.mm(x, y, out=out)), 2.0 * n**3
 
 
