@@ -102,10 +102,7 @@ def test_invariance_across_column_chunkings(cpu_isa, pair, rng):
     # N=1600 × K=128: 24 rows run threaded in 13 chunks of 128 columns, one row (below the parallel threshold) in 4
     # chunks of 512, one thread in 4 chunks too; a column lands in a different block of weight rows in each. Bits
     # must agree (csrc/cpu/expert_gemm.cpp: the chunk width follows the thread count).
-    act, wf = pair
-    a, a_s = _activations(24, 128, act, 32, rng)
-    b, b_s = _weights(1, 1600, 128, wf, rng)
-    full = static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(24, dtype=torch.bool), 0)
+    a, a_s, b, b_s, full = _full_batch(pair, 24, 1600, 128, 1, 0, rng)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -114,27 +111,35 @@ def test_invariance_across_column_chunkings(cpu_isa, pair, rng):
         torch.set_num_threads(threads)
     assert_equal(single, full, "1 thread vs the default")
     for r in [0, 11, 23]:
-        one = static_moe.expert_gemm(a[r : r + 1], None if a_s is None else a_s[r : r + 1], b, b_s,
-                                     torch.ones(1, dtype=torch.bool), 0)
-        assert_equal(one[0], full[r], f"row {r} as a 1-row batch")
+        _assert_one_row_batch(a, a_s, b, b_s, 0, full, r)
+
+
+def _full_batch(pair, rows, n, k, experts, expert, rng):
+    """Random ``rows`` activations and ``experts`` weights [N, K] of the format pair, and expert_gemm over all rows."""
+    act, wf = pair
+    a, a_s = _activations(rows, k, act, 32, rng)
+    b, b_s = _weights(experts, n, k, wf, rng)
+    return a, a_s, b, b_s, static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(rows, dtype=torch.bool), expert)
+
+
+def _assert_one_row_batch(a, a_s, b, b_s, expert, full, r):
+    """Row r of ``a`` alone, as a 1-row batch, gives row r of ``full`` (the batch's result) bit for bit."""
+    one = static_moe.expert_gemm(a[r : r + 1], None if a_s is None else a_s[r : r + 1], b, b_s,
+                                 torch.ones(1, dtype=torch.bool), expert)
+    assert_equal(one[0], full[r], f"row {r} as a 1-row batch")
 
 
 @pytest.mark.parametrize("pair", FORMAT_PAIRS, ids=PAIR_IDS)
 def test_batch_invariance(cpu_isa, pair, rng):
     # 24 rows × N=600 (5 column chunks of 128 for the threads; not a multiple of any column block) × K=384: the batch
     # runs threaded in blocks of several rows, single rows on one thread with the one-row blocking. Bits must agree.
-    act, wf = pair
-    a, a_s = _activations(24, 384, act, 32, rng)
-    b, b_s = _weights(2, 600, 384, wf, rng)
-    full = static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(24, dtype=torch.bool), 1)
+    a, a_s, b, b_s, full = _full_batch(pair, 24, 600, 384, 2, 1, rng)
     for r in [0, 5, 23]:
         mask = torch.zeros(24, dtype=torch.bool)
         mask[r] = True
         alone = static_moe.expert_gemm(a, a_s, b, b_s, mask, 1)
         assert_equal(alone[r], full[r], f"row {r} alone")
-        one = static_moe.expert_gemm(a[r : r + 1], None if a_s is None else a_s[r : r + 1], b, b_s,
-                                     torch.ones(1, dtype=torch.bool), 1)
-        assert_equal(one[0], full[r], f"row {r} as a 1-row batch")
+        _assert_one_row_batch(a, a_s, b, b_s, 1, full, r)
     for subset in ([1, 2, 3], [0, 4, 8, 9, 10, 11, 20]):
         mask = torch.zeros(24, dtype=torch.bool)
         mask[subset] = True

@@ -98,6 +98,17 @@ inline void fp4_chunk(const uint8_t* s, int nb, Fp4Chunk& c, uint32_t& bad) {
   _mm_store_si128(reinterpret_cast<__m128i*>(c.byte), b);
 }
 
+// The scales of the chunk [kc, kend) of NR weight rows into ch (byte 255 sets bad); whether all are on the fast path.
+template <int NR>
+inline bool fp4_chunks(const uint8_t* const* rs, int64_t kc, int64_t kend, Fp4Chunk* ch, uint32_t& bad) {
+  bool fast = true;
+  for (int j = 0; j < NR; ++j) {
+    fp4_chunk(rs[j] + kc / kFp4WeightBlock, static_cast<int>((kend - kc) / kFp4WeightBlock), ch[j], bad);
+    fast = fast && ch[j].fast;
+  }
+  return fast;
+}
+
 // Whether every scale byte of NR weight rows (nb bytes each) is in [2, 252], the fast path's range (byte 255, the
 // NaN byte, is not: its chunk takes the per-chunk path, which reports it).
 template <int NR>
@@ -296,11 +307,7 @@ void dot_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int6
     uint32_t bad = 0;
     for (int64_t kc = 0; kc < K; kc += kChunk) {
       const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
-      bool fast = true;
-      for (int j = 0; j < NR; ++j) {
-        fp4_chunk(rs[j] + kc / kFp4WeightBlock, static_cast<int>((kend - kc) / 32), ch[j], bad);
-        fast = fast && ch[j].fast;
-      }
+      const bool fast = fp4_chunks<NR>(rs, kc, kend, ch, bad);
       prefetch_scales(kc);
       if (fast) {
         units(kc, kend, std::true_type());
@@ -513,11 +520,7 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
   const int64_t K = w.k;
   for (int64_t kc = 0; kc < K; kc += kChunk) {
     const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
-    bool fast = true;
-    for (int j = 0; j < NR; ++j) {
-      fp4_chunk(rs[j] + kc / kFp4WeightBlock, static_cast<int>((kend - kc) / 32), ch[j], bad);
-      fast = fast && ch[j].fast;
-    }
+    const bool fast = fp4_chunks<NR>(rs, kc, kend, ch, bad);
     if (prefetch) {  // the next rows' scales and bytes of this chunk (the decode below is short: ask early)
       for (int j = 0; j < NR; ++j) __builtin_prefetch(next_s + j * w.scale_row_stride + kc / kFp4WeightBlock, 0, 3);
       for (int64_t kl = kc; kl < kend; kl += 128)
