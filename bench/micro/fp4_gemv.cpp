@@ -203,15 +203,15 @@ inline void chunk_scale_deltas(const Expert& e, int64_t n, int64_t c, __m512i dl
   }
 }
 
-// A candidate decode, two units (64 weights) per step: the 32 bytes zero-extended to words (vpmovzxbw), low and high
-// nibbles as word indices, unit A's words 0-15 and unit B's words 16-31 told apart by index bit 4, so one 32-entry
-// table holds both units' scaled e2m1 values; two vpermw give the even and the odd columns.
-__attribute__((noinline)) uint32_t decode_only_v2(const Expert& e, int64_t rows) {
+// The loop both two-unit candidate decodes share: per 32 packed bytes (64 weights, units A and B) of each of 4 weight
+// rows, `indices(q)` gives the two vpermw index vectors (word indices with bit 4 telling unit A, words 0-15, from
+// unit B, words 16-31), and one 32-entry table holds both units' scaled e2m1 values (the two units' deltas, picked
+// from the chunk's by vpermw); the results are xor-folded.
+template <class Indices>
+__attribute__((always_inline)) inline uint32_t decode_two_units(const Expert& e, int64_t rows, Indices indices) {
   const __m512i table = _mm512_load_si512(kTable);
-  const __m512i c0f = _mm512_set1_epi16(0x000F);
-  const __m512i hib = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x0010), 1);
   const __m512i idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);  // [0]*16 + [1]*16
-  __m512i f0 = _mm512_setzero_si512(), f1 = f0, f2 = f0, f3 = f0;
+  __m512i f[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
   const int64_t rb = e.k / 2;
   for (int64_t n = 0; n < rows; n += 4) {
     for (int64_t c = 0; c < e.k / 512; ++c) {
@@ -219,67 +219,47 @@ __attribute__((noinline)) uint32_t decode_only_v2(const Expert& e, int64_t rows)
       chunk_scale_deltas(e, n, c, dl);
       __m512i idx = idx0;
       for (int p = 0; p < 8; ++p) {
-        auto one = [&](int j, __m512i& f) {
-          const uint8_t* q = e.q.data() + (n + j) * rb + c * 256 + p * 32;
-          const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-          const __m512i lo = _mm512_ternarylogic_epi32(x, c0f, hib, 0xEA);  // (x & 0xF) | hib
-          const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(x, 4), hib);
-          const __m512i d = _mm512_permutexvar_epi16(idx, dl[j]);
-          const __m512i lut = _mm512_mask_add_epi16(table, 0xFEFEFEFEu, table, d);
-          f = _mm512_xor_si512(f, _mm512_permutexvar_epi16(lo, lut));
-          f = _mm512_xor_si512(f, _mm512_permutexvar_epi16(hi, lut));
-        };
-        one(0, f0);
-        one(1, f1);
-        one(2, f2);
-        one(3, f3);
+        for (int j = 0; j < 4; ++j) {
+          __m512i i1, i2;
+          indices(e.q.data() + (n + j) * rb + c * 256 + p * 32, i1, i2);
+          const __m512i lut = _mm512_mask_add_epi16(table, 0xFEFEFEFEu, table, _mm512_permutexvar_epi16(idx, dl[j]));
+          f[j] = _mm512_xor_si512(f[j], _mm512_permutexvar_epi16(i1, lut));
+          f[j] = _mm512_xor_si512(f[j], _mm512_permutexvar_epi16(i2, lut));
+        }
         idx = _mm512_add_epi16(idx, _mm512_set1_epi16(2));
       }
     }
   }
-  const __m512i f = _mm512_xor_si512(_mm512_xor_si512(f0, f1), _mm512_xor_si512(f2, f3));
-  return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_castsi512_si128(f)));
+  const __m512i x = _mm512_xor_si512(_mm512_xor_si512(f[0], f[1]), _mm512_xor_si512(f[2], f[3]));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_castsi512_si128(x)));
+}
+
+// A candidate decode, two units (64 weights) per step: the 32 bytes zero-extended to words (vpmovzxbw), low and high
+// nibbles as word indices; two vpermw give the even and the odd columns.
+__attribute__((noinline)) uint32_t decode_only_v2(const Expert& e, int64_t rows) {
+  const __m512i c0f = _mm512_set1_epi16(0x000F);
+  const __m512i hib = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x0010), 1);
+  return decode_two_units(e, rows, [&](const uint8_t* q, __m512i& lo, __m512i& hi) {
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    lo = _mm512_ternarylogic_epi32(x, c0f, hib, 0xEA);  // (x & 0xF) | hib
+    hi = _mm512_or_si512(_mm512_srli_epi16(x, 4), hib);
+  });
 }
 
 // Candidate 3: the 32 bytes broadcast to both 256-bit halves (a plain load), each word's four nibbles picked by
 // per-half variable shifts (vpsrlvw), no cross-lane shuffle before the two table lookups.
 __attribute__((noinline)) uint32_t decode_only_v3(const Expert& e, int64_t rows) {
-  const __m512i table = _mm512_load_si512(kTable);
   // words 8-15 of each half come from bytes 16-31 (unit B): index bit 4 set there
   const __m512i sel = _mm512_set_epi16(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0,
                                        16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i c0f = _mm512_set1_epi16(0x000F);
   const __m512i sh1 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   const __m512i sh2 = _mm512_inserti64x4(_mm512_set1_epi16(8), _mm256_set1_epi16(12), 1);
-  const __m512i idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);
-  __m512i f0 = _mm512_setzero_si512(), f1 = f0, f2 = f0, f3 = f0;
-  const int64_t rb = e.k / 2;
-  for (int64_t n = 0; n < rows; n += 4) {
-    for (int64_t c = 0; c < e.k / 512; ++c) {
-      __m512i dl[4];
-      chunk_scale_deltas(e, n, c, dl);
-      __m512i idx = idx0;
-      for (int p = 0; p < 8; ++p) {
-        auto one = [&](int j, __m512i& f) {
-          const uint8_t* q = e.q.data() + (n + j) * rb + c * 256 + p * 32;
-          const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-          const __m512i i1 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(x, sh1), c0f, sel, 0xEA);
-          const __m512i i2 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(x, sh2), c0f, sel, 0xEA);
-          const __m512i d = _mm512_permutexvar_epi16(idx, dl[j]);
-          const __m512i lut = _mm512_mask_add_epi16(table, 0xFEFEFEFEu, table, d);
-          f = _mm512_xor_si512(f, _mm512_permutexvar_epi16(i1, lut));
-          f = _mm512_xor_si512(f, _mm512_permutexvar_epi16(i2, lut));
-        };
-        one(0, f0);
-        one(1, f1);
-        one(2, f2);
-        one(3, f3);
-        idx = _mm512_add_epi16(idx, _mm512_set1_epi16(2));
-      }
-    }
-  }
-  const __m512i f = _mm512_xor_si512(_mm512_xor_si512(f0, f1), _mm512_xor_si512(f2, f3));
-  return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_castsi512_si128(f)));
+  return decode_two_units(e, rows, [&](const uint8_t* q, __m512i& i1, __m512i& i2) {
+    const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    i1 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(x, sh1), c0f, sel, 0xEA);
+    i2 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(x, sh2), c0f, sel, 0xEA);
+  });
 }
 
 // Peak of vdpbf16ps from registers: 12 independent chains (what one core can issue at best).
