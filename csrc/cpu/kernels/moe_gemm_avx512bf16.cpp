@@ -504,6 +504,24 @@ inline void panel_block(int r, bool fast, const uint16_t* const* ap, const Weigh
   }
 }
 
+// A panel's prefetch of the next NR weight rows' scales and bytes of the chunk [kc, kend), all asked at the chunk's
+// start (the decode into the panel is short): one line of scales per row, then the chunk's lines row by row.
+template <WeightFormat F, typename S, int NR>
+inline void prefetch_next_chunk(const ExpertWeight& w, const WeightRows<S, NR>& rows, int64_t kc, int64_t kend) {
+  constexpr int64_t KL = F == WeightFormat::Fp4 ? 128 : 64;  // k per 64-byte line of a weight row
+  constexpr int64_t block = F == WeightFormat::Fp4 ? kFp4WeightBlock : kFp8WeightBlock;  // k per scale
+  for (int j = 0; j < NR; ++j) __builtin_prefetch(rows.next_s + j * w.scale_row_stride + kc / block, 0, 3);
+  for (int64_t kl = kc; kl < kend; kl += KL)
+    for (int j = 0; j < NR; ++j) __builtin_prefetch(rows.next + j * w.row_stride + kl * 64 / KL, 0, kStreamHint);
+}
+
+// The m × NR results of a panel's accumulators, parked in accm row by row.
+template <int NR>
+inline void emit_panel(const OutRows& out, int64_t m, int64_t n, const Acc* accm) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int j = 0; j < NR; ++j) emit_output(out, i, n + j, _mm512_reduce_add_ps(accm[i * NR + j].v));
+}
+
 // All m rows × the NR weight rows from n. accm: room for m · NR accumulators.
 template <int NR>
 void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
@@ -511,8 +529,6 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
   const WeightRows<uint8_t, NR> rows(w, n);
   const auto& rq = rows.q;
   const auto& rs = rows.s;
-  const uint8_t* const next = rows.next;
-  const uint8_t* const next_s = rows.next_s;
   for (int64_t i = 0; i < m * NR; ++i) accm[i].v = _mm512_setzero_ps();
   Fp4Chunk ch[NR];
   WeightPanel<NR> panel;
@@ -521,11 +537,7 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
   for (int64_t kc = 0; kc < K; kc += kChunk) {
     const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
     const bool fast = fp4_chunks<NR>(rs, kc, kend, ch, bad);
-    if (prefetch) {  // the next rows' scales and bytes of this chunk (the decode below is short: ask early)
-      for (int j = 0; j < NR; ++j) __builtin_prefetch(next_s + j * w.scale_row_stride + kc / kFp4WeightBlock, 0, 3);
-      for (int64_t kl = kc; kl < kend; kl += 128)
-        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl / 2, 0, kStreamHint);
-    }
+    if (prefetch) prefetch_next_chunk<WeightFormat::Fp4>(w, rows, kc, kend);
     if (fast) {
       for (int64_t k0 = kc; k0 < kend; k0 += kUnit) {
         const int u = static_cast<int>((k0 - kc) / kUnit);
@@ -539,8 +551,7 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
     }
   }
   bad_out |= bad;
-  for (int64_t i = 0; i < m; ++i)
-    for (int j = 0; j < NR; ++j) emit_output(out, i, n + j, _mm512_reduce_add_ps(accm[i * NR + j].v));
+  emit_panel<NR>(out, m, n, accm);
 }
 
 // fp8 weights, more rows than one block: as dot_panel_fp4, each 512-k chunk of the NR weight rows is decoded once
@@ -590,18 +601,12 @@ void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
   const WeightRows<float, NR> rows(w, n);
   const auto& rq = rows.q;
   const auto& rs = rows.s;
-  const uint8_t* const next = rows.next;
-  const float* const next_s = rows.next_s;
   for (int64_t i = 0; i < m * NR; ++i) accm[i].v = _mm512_setzero_ps();
   WeightPanel<NR> panel;
   const int64_t K = w.k;
   for (int64_t kc = 0; kc < K; kc += kChunk) {
     const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
-    if (prefetch) {
-      for (int j = 0; j < NR; ++j) __builtin_prefetch(next_s + j * w.scale_row_stride + kc / kFp8WeightBlock, 0, 3);
-      for (int64_t kl = kc; kl < kend; kl += 64)
-        for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl, 0, kStreamHint);
-    }
+    if (prefetch) prefetch_next_chunk<WeightFormat::Fp8>(w, rows, kc, kend);
     for (int64_t k0 = kc; k0 < kend; k0 += kUnit) {
       const int u = static_cast<int>((k0 - kc) / kUnit);
       for (int j = 0; j < NR; ++j) _mm512_store_si512(panel.w[u][j], decode8(rq[j] + k0));
@@ -611,8 +616,7 @@ void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
       panel_block_fp8<NR, kMRFp8>(r, a + i, panel, rs, kc, kend, accm + i * NR);
     }
   }
-  for (int64_t i = 0; i < m; ++i)
-    for (int j = 0; j < NR; ++j) emit_output(out, i, n + j, _mm512_reduce_add_ps(accm[i * NR + j].v));
+  emit_panel<NR>(out, m, n, accm);
 }
 
 template <WeightFormat F, int NR, int MR = 4>  // MR: rows per block (narrow tail blocks: 4)
