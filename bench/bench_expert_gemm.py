@@ -34,11 +34,6 @@ GEMMS = {"w13": lambda s: (2 * s.intermediate, s.hidden), "w2": lambda s: (s.hid
 PEAK_MIN_TOKENS = 16  # from here a point is compute-bound and is timed with the bf16 matmul (run_all's target)
 
 
-def k_of(b: torch.Tensor, w_fmt: str) -> int:
-    """K of an expert weight [1, N, K] (fp4: two values per byte)."""
-    return b.shape[-1] * (2 if w_fmt == "fp4" else 1)
-
-
 def expert_weight(n: int, k: int, fmt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One expert's weight [1, N, K] in ``fmt`` (+ scales), drawn N(0, 1/K)."""
     w = torch.randn(1, n, k, generator=gen(seed)) / k**0.5
@@ -71,6 +66,10 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
                                              smm_reason, int4, int4_reason, check=(t == t_check))
                         cost = cost_expert_gemm(act_fmt, w_fmt, t, t, n, k, GROUP)
                         rec.update(roofline(cost, report.limits, rec["op"].get("median_s"), bf16_dot_products(act_fmt)))
+                        mm = rec.get("bf16_matmul")
+                        if mm and rec["op"].get("median_s"):  # the op's FLOP/s over the matmul's, same rounds
+                            rec["bf16_matmul_fraction"] = ((cost.flops / rec["op"]["median_s"])
+                                                           / (mm["flops"] / mm["median_s"]))
                         rec.update(rows=t, rows_active=t, rows_per_expert=float(t), experts="1/1", n=n, k=k)
                         records.append(report.add(rec))
                         progress(rec)
@@ -117,8 +116,7 @@ def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cac
     return {"bench": BENCH, "shape": shape_key, "gemm": gemm, "fmt": f"{act_fmt}×{w_fmt} {gemm}", "act": act_fmt,
             "weight": w_fmt, "tokens": t, "op": op, "baselines": base, "weight_stream": stream,
             "weight_stream_fraction": stream_fraction(stream, op),
-            **({"bf16_matmul": peak, "bf16_matmul_fraction": (2.0 * t * b.shape[-2] * k_of(b, w_fmt) / op["median_s"])
-                / (peak_flops / peak["median_s"])} if peak and op.get("median_s") else {})}
+            **({"bf16_matmul": {**peak, "flops": peak_flops}} if peak else {})}
 
 
 def main(argv=None) -> None:

@@ -92,14 +92,17 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = MIN_REPEAT,
     return Timing(statistics.median(samples), samples, inner, warmup), result
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = MIN_REPEAT) -> tuple[dict[str, Timing], dict]:
-    """Time several cold calls in the same rounds: one warm-up each (its output returned, for the checks), then
-    ``max(repeat, 5)`` rounds, each flushing the caches before every call and timing each of ``fns`` once, in
-    order. On a shared host the load comes and goes; timed in blocks, two calls can see different machines, and
-    their ratio drifts with the load between the blocks (±30 % between runs here). Timed in the same rounds,
-    they see the same moments. Returns each name's Timing (median over the rounds) and first output."""
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = MIN_REPEAT,
+                     warm: dict[str, Any] | None = None) -> tuple[dict[str, Timing], dict]:
+    """Time several cold calls in the same rounds: one warm-up each (its output returned, for the checks; a name in
+    ``warm`` has had it, and that is its output), then ``max(repeat, 5)`` rounds, each flushing the caches before
+    every call and timing each of ``fns`` once, in order. On a shared host the load comes and goes; timed in
+    blocks, two calls can see different machines, and their ratio drifts with the load between the blocks (±30 %
+    between runs here). Timed in the same rounds, they see the same moments. Returns each name's Timing (median
+    over the rounds) and first output."""
     repeat = max(MIN_REPEAT, repeat)
-    outs = {name: fn() for name, fn in fns.items()}
+    warm = warm or {}
+    outs = {name: warm[name] if name in warm else fn() for name, fn in fns.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
     gc.collect()
     was_enabled = gc.isenabled()
@@ -154,8 +157,8 @@ def bf16_matmul(n: int = 2048) -> tuple[Callable[[], Any], float]:
     made once per n."""
     if n not in _MATMUL:
         g = torch.Generator().manual_seed(n)
-        _MATMUL[n] = (torch.rand(n, n, generator=g).to(torch.bfloat16), torch.rand(n, n, generator=g).to(torch.bfloat16),
-                      torch.empty(n, n, dtype=torch.bfloat16))
+        x, y = (torch.rand(n, n, generator=g).to(torch.bfloat16) for _ in range(2))
+        _MATMUL[n] = (x, y, torch.empty(n, n, dtype=torch.bfloat16))
     x, y, out = _MATMUL[n]
     return (lambda: torch.mm(x, y, out=out)), 2.0 * n**3
 
@@ -176,12 +179,12 @@ def measure_with(fn: Callable[[], Any], companions: dict[str, Callable[[], Any]]
     dict, each companion's output); an op that fails is recorded as unavailable and the companions are timed
     without it."""
     try:
-        fn()
+        warm = {"op": fn()}  # the op's warm-up call
         calls = {"op": fn, **companions}
     except Exception as e:  # noqa: BLE001  the table says why the op has no number
         op = {"available": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-        calls, fn = dict(companions), None
-    timed, outs = time_interleaved(calls)
+        calls, fn, warm = dict(companions), None, {}
+    timed, outs = time_interleaved(calls, warm=warm)
     if fn is not None:
         op = {"available": True, **timing_dict(timed.pop("op"))}
     return op, outs.pop("op", None), {k: timing_dict(t) for k, t in timed.items()}, outs
