@@ -66,12 +66,14 @@ struct OutRows {
 
 // Converts columns [c0, c0 + k) of one activation row into the form the GEMM of `isa` reads for weights of format
 // `wf`, in the prepared row `row` (room for K floats, K the row's full length).
-//   x: bf16 bits (af = Bf16) or e4m3fn codes (af = Fp8) of those columns; c0 and k multiples of 32 (and of `group`
-//   for fp8); x_scale: the float32 group scales from the one covering column c0 (fp8 only). Returns the form:
+//   x: bf16 bits (af = Bf16) or e4m3fn codes (af = Fp8) of those columns; c0 and k multiples of 32 (of 64 for fp8
+//   weights; and of `group` for fp8 x); x_scale: the float32 group scales from the one covering column c0 (fp8
+//   only). Returns the form:
 //   false  float32: ((float*)row)[c] for the k columns, in the ISA's lane layout (a fixed permutation within each
 //          32-column unit for fp4 weights, see moe_gemm_impl.h): x.float() (bf16) or e4m3fn(x)·scale rounded once
 //          in fp32 (fp8), exactly as the reference
-//   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 only, any weight format, when every value is
+//   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 only, any weight format, in the order its
+//          decode of fp4 and fp8 weights produces within each 32- or 64-column piece, when every value is
 //          exact in bf16: always for bf16 x; for fp8 x when the scales are powers of two >= 2^-117, so that every
 //          e4m3fn(x)·scale is a normal bf16 number — the float32 value itself)
 // The form depends only on the row's own values, so a row's arithmetic never depends on other rows; when a row is
