@@ -5,7 +5,7 @@ Builds the torch-free driver with the project's kernels (g++, -O3, the default b
 csrc/cpu/kernels/moe_gemm*.cpp, as setup.py compiles them) into build/micro/, runs it and prints what it measured
 and the ratios docs/backends/cpu.md quotes:
   - one row: the fp4 decode rate alone (hot, per core, times the thread count) against the cold read-only stream on
-    the same threads, and the kernel's cold weight GB/s against that stream;
+    the same threads, and the kernel's cold weight GB/s (fp4 and fp8 weights) against that stream;
   - 16 / 64 rows: the kernel's hot GFLOP/s (one core, weights in L2) against the vdpbf16ps issue peak of one core,
     for fp4, fp8 and bf16 weights (bf16 weights: the same kernel without any decode).
 
@@ -70,11 +70,11 @@ def ratios(rows: list[dict], threads: int) -> list[tuple[str, float]]:
     if read and dec:
         out.append((f"one row: fp4 decode alone ({dec:.1f} GB/s per core, hot) × {threads} threads / cold read stream "
                     f"({read:.1f} GB/s)", dec * threads / read))
-    for m in (1, 16):
-        fp4 = v.get(("kernel_fp4_cold", threads, m))
-        if read and fp4 and m == 1:
-            out.append((f"one row: fp4 kernel cold weight GB/s ({fp4:.1f}) / cold read stream, {threads} threads",
-                        fp4 / read))
+    for fmt in ("fp4", "fp8"):
+        got = v.get((f"kernel_{fmt}_cold", threads, 1))
+        if read and got:
+            out.append((f"one row: {fmt} kernel cold weight GB/s ({got:.1f}) / cold read stream, {threads} threads",
+                        got / read))
     peak = v.get(("dpbf16_peak", 1, 0))
     for m in (16, 64):
         for fmt in ("fp4", "fp8", "bf16w"):

@@ -3,7 +3,8 @@
 //
 //   read      a read-only stream of the expert's weight bytes (vector loads, one sum per 64-byte line), cold:
 //             the bandwidth roof for weights on t threads
-//   kernel    static_moe's expert_gemm_rows (the real kernel, Isa::Avx512Bf16 and Isa::Avx512), cold and hot
+//   kernel    static_moe's expert_gemm_rows (the real kernel, Isa::Avx512Bf16 and Isa::Avx512), cold and hot, for
+//             fp4, fp8 and bf16 weights
 //   decode    the kernel's fp4 decode sequence alone (load + vpmultishiftqb + vpermw from the scale byte's table per
 //             32 weights, results xor-folded so nothing is optimised away), hot (weights in L2); decode_v2 / v3: two
 //             candidate decodes of 64 weights per step (see decode_only_v2 / v3), kept for comparison: v2 was 1.39×
@@ -299,6 +300,7 @@ int main(int argc, char** argv) {
   const Expert hot = make_fp4(NH, K, g);
   const Expert hot16 = make_bf16(NH, K, g);
   const Expert hot8 = make_fp8(NH, K, g);
+  const Expert big8 = make_fp8(N, K, g);
   const double wbytes = static_cast<double>(big.q.size() + big.s.size());
   std::vector<uint8_t> stream(big.q.size() + 64);
   uint8_t* sp = stream.data() + (64 - reinterpret_cast<uintptr_t>(stream.data()) % 64) % 64;
@@ -410,6 +412,10 @@ int main(int argc, char** argv) {
       line("kernel_fp4_cold_flops", t, m, 2.0 * m * N * K / tc / 1e9, "GFLOP/s");
       const double tb = kernel(Isa::Avx512Bf16, big16, WeightFormat::Bf16, r16, m, t, reps, true);
       line("kernel_bf16w_cold", t, m, big16.q.size() / tb / 1e9, "GB/s");
+      if (m == 1) {
+        const double t8 = kernel(Isa::Avx512Bf16, big8, WeightFormat::Fp8, r8, m, t, 3 * reps, true);
+        line("kernel_fp8_cold", t, m, (big8.q.size() + big8.s.size()) / t8 / 1e9, "GB/s");
+      }
     }
   }
   return 0;

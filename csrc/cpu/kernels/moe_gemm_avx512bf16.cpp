@@ -22,11 +22,11 @@
 //            bits 0-6) give the low and the high byte of each magnitude's bf16 (NaN codes give NaN), one
 //            vpternlogd ORs the code's sign bit into the high byte, and two vpunpck{l,h}bw interleave the bytes
 //            into two units of 32 bf16 — in the lane order of fp8_column, which the activations take too;
-//            products with bf16 activations are exact in fp32. The float32 1×128 block scale is not a power of two, so it cannot be folded into bf16
-//            values: each 128-k block sums into accumulators of its own, then acc = fma(block, s, acc) (the
-//            scale applied once per block instead of per weight: the last bits differ from the float32 path's
-//            q·s rounding, within the reference tolerance; a product a·q below 2^-126, which vdpbf16ps flushes,
-//            needs an activation within 2^9 of the bf16 normal floor).
+//            products with bf16 activations are exact in fp32. The float32 1×128 block scale is not a power of
+//            two, so it cannot be folded into bf16 values: each 128-k block sums into accumulators of its own,
+//            then acc = fma(block, s, acc) (the scale applied once per block instead of per weight: the last bits
+//            differ from the float32 path's q·s rounding, within the reference tolerance; a product a·q below
+//            2^-126, which vdpbf16ps flushes, needs an activation within 2^9 of the bf16 normal floor).
 //   activations  rows prepared as bf16 when exact (see prepare_activation in moe_gemm.h), others float32 for the
 //            AVX-512 path; a GEMM splits its rows by form.
 // Lane layout of a 32-k unit: natural for bf16 weights; for fp4, position w holds column fp4_column(w) (the order
@@ -357,8 +357,10 @@ constexpr Fp8ByteTables kFp8Bytes;
 // 0-7 of every lane of 16 codes, the second bytes 8-15.
 constexpr int fp8_column(int v, int w) { return 16 * (w / 8) + 8 * v + w % 8; }
 
-// The four halves of the two byte tables, loaded once per block of weight rows (measured, one row, one core, hot:
-// 40 -> 60 GFLOP/s against the earlier decode of each 32 codes by two vpermt2w over 16-bit tables and a blend).
+// The four halves of the two byte tables, loaded once per block of weight rows. Measured (bench/micro, one row, one
+// core) against the earlier decode of each 32 codes by two vpermt2w over 16-bit tables and a blend: 40 -> 68
+// GFLOP/s hot, 17 -> 24 GB/s from DRAM; two cores read at the stream's rate with either; 16 and 64 rows (the panel
+// path, one decode per chunk for all rows) unchanged.
 struct Fp8Decoder {
   __m512i lo0, lo1, hi0, hi1;
   Fp8Decoder()
