@@ -294,7 +294,7 @@ void dot_block(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, int6
   };
   auto prefetch_scales = [&](int64_t kc) {  // the next rows' scales of this chunk: a stream of its own
     if (F == WeightFormat::Fp4 && prefetch) {
-      const uint8_t* ns = static_cast<const uint8_t*>(w.scale) + (n + NR) * w.scale_row_stride + kc / kFp4WeightBlock;
+      const uint8_t* ns = rows.next_s + kc / kFp4WeightBlock;
       for (int j = 0; j < NR; ++j) __builtin_prefetch(ns + j * w.scale_row_stride, 0, 3);
     }
   };
