@@ -370,7 +370,10 @@ struct Fp8Decoder {
   // The 64 e4m3fn codes of the line at p -> its two units of 32 bf16 numbers of the same values (fp8_column order).
   inline void operator()(const uint8_t* p, __m512i& u0, __m512i& u1) const {
     const __m512i c = _mm512_loadu_si512(p);
-    const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);  // index bits 0-6; bit 7 (the sign) ignored
+    // Intel SDM, VPERMI2B (zmm): in each index byte bit 6 picks the table and bits 5:0 the byte; bit 7, the sign,
+    // is ignored. The lane order (fp8_column) and every code's value are checked against torch's float8_e4m3fn
+    // cast by tests/test_expert_gemm_codes.py.
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
     // | c & 0x80: the sign bit (e4m3fn and bf16 are both sign-magnitude)
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c,
                                                  _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
