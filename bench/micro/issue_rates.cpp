@@ -144,6 +144,24 @@ int main() {
   RATE("unit   one-row fp4 unit (load, shift, vpermw, dot), 8 rows", 8,
        UNIT(8, 0) UNIT(9, 64) UNIT(10, 128) UNIT(11, 192) UNIT(12, 256) UNIT(13, 320) UNIT(14, 384) UNIT(15, 448),
        "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
+  // The fp8 panel's 4 × 3 unit (4 activation rows × 3 decoded weight rows, 12 vdpbf16ps) from L1, per unit: as GCC
+  // compiled it with 24 accumulators live (each product reloads its activation: 3 + 12 loads), and with the 4
+  // activation units loaded once into registers (3 + 4 loads).
+#define DPM(a, acc) "vdpbf16ps " #a "(%0),%%zmm24,%%zmm" #acc "\n\t"
+#define DPR(a, acc) "vdpbf16ps %%zmm" #a ",%%zmm24,%%zmm" #acc "\n\t"
+  RATE("unit   fp8 panel 4 x 3, activations reloaded (15 loads)", 1,
+       "vmovdqu64 0(%0),%%zmm24\n\t" DPM(1024, 0) DPM(2048, 1) DPM(3072, 2) DPM(4096, 3)
+       "vmovdqu64 64(%0),%%zmm24\n\t" DPM(1024, 4) DPM(2048, 5) DPM(3072, 6) DPM(4096, 7)
+       "vmovdqu64 128(%0),%%zmm24\n\t" DPM(1024, 8) DPM(2048, 9) DPM(3072, 10) DPM(4096, 11),
+       "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm24")
+  RATE("unit   fp8 panel 4 x 3, activations in registers (7 loads)", 1,
+       "vmovdqu64 1024(%0),%%zmm26\n\tvmovdqu64 2048(%0),%%zmm27\n\t"
+       "vmovdqu64 3072(%0),%%zmm28\n\tvmovdqu64 4096(%0),%%zmm29\n\t"
+       "vmovdqu64 0(%0),%%zmm24\n\t" DPR(26, 0) DPR(27, 1) DPR(28, 2) DPR(29, 3)
+       "vmovdqu64 64(%0),%%zmm24\n\t" DPR(26, 4) DPR(27, 5) DPR(28, 6) DPR(29, 7)
+       "vmovdqu64 128(%0),%%zmm24\n\t" DPR(26, 8) DPR(27, 9) DPR(28, 10) DPR(29, 11),
+       "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm24",
+       "xmm26", "xmm27", "xmm28", "xmm29")
   std::printf("%-52s %6.2f cycles / unit (%d vdpbf16ps)\n", "block  4 x 4, fp4 weights decoded, L1",
               block_cycles_per_unit<4, 4, true>(), 16);
   std::printf("%-52s %6.2f cycles / unit (%d vdpbf16ps)\n", "block  4 x 4, bf16 weights, L1",
