@@ -5,7 +5,7 @@
 //             the bandwidth roof for weights on t threads
 //   kernel    static_moe's expert_gemm_rows (the real kernel, Isa::Avx512Bf16 and Isa::Avx512), cold and hot, for
 //             fp4, fp8 and bf16 weights
-//   decode    the kernel's fp4 decode sequence alone (load + vpmultishiftqb + vpermw from the scale byte's table per
+//   decode    the kernel's fp4 decode sequence alone (load + vpsrlvw + vpermw from the scale byte's table per
 //             32 weights, results xor-folded so nothing is optimised away), hot (weights in L2); decode_v2 / v3: two
 //             candidate decodes of 64 weights per step (see decode_only_v2 / v3), kept for comparison: v2 was 1.39×
 //             the kernel's earlier decode (which added the scale per unit) alone, slower inside the kernel, and the
@@ -160,7 +160,7 @@ alignas(64) const uint16_t kTable[32] = {
     0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
     0xC080, 0xC0C0, 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0,
     0xC000, 0xC040, 0xC080, 0xC0C0};
-alignas(64) uint8_t kCtl[64];
+alignas(64) uint16_t kShifts[32];  // the kernel's vpsrlvw counts: 4L for the words of 128-bit lane L
 
 // The kernel's fast-path tables: kTable with (b - 127) << 7 added to the exponent of its non-zero entries, per byte.
 alignas(64) uint16_t kTables[256][32];
@@ -171,7 +171,7 @@ void init_tables() {
 
 // The fast fp4 decode of the kernel on 4 weight rows at a time, results xor-folded: decode throughput alone.
 __attribute__((noinline)) uint32_t decode_only(const Expert& e, int64_t rows) {
-  const __m512i ctl = _mm512_load_si512(kCtl);
+  const __m512i shifts = _mm512_load_si512(kShifts);
   __m512i f0 = _mm512_setzero_si512(), f1 = f0, f2 = f0, f3 = f0;
   const int64_t rb = e.k / 2, sb = e.k / 32;
   for (int64_t n = 0; n < rows; n += 4) {
@@ -179,7 +179,7 @@ __attribute__((noinline)) uint32_t decode_only(const Expert& e, int64_t rows) {
       auto one = [&](int j, __m512i& f) {
         const uint8_t* q = e.q.data() + (n + j) * rb + u * 16;
         const __m512i d = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-        const __m512i idx = _mm512_multishift_epi64_epi8(ctl, d);
+        const __m512i idx = _mm512_srlv_epi16(d, shifts);
         const __m512i lut = _mm512_load_si512(kTables[e.s[(n + j) * sb + u]]);
         f = _mm512_xor_si512(f, _mm512_permutexvar_epi16(idx, lut));
       };
@@ -288,10 +288,7 @@ int main(int argc, char** argv) {
   const int64_t N = argc > 1 ? std::atoll(argv[1]) : 4096, K = argc > 2 ? std::atoll(argv[2]) : 4096;
   const int reps = argc > 3 ? std::atoi(argv[3]) : 7;
   const int tmax = omp_get_max_threads();
-  for (int w = 0; w < 32; ++w) {
-    const int col = 16 * ((w / 4) % 2) + 4 * (w / 8) + w % 4;
-    kCtl[2 * w] = kCtl[2 * w + 1] = static_cast<uint8_t>(4 * (col % 16));
-  }
+  for (int w = 0; w < 32; ++w) kShifts[w] = static_cast<uint16_t>(4 * (w / 8));
   init_tables();
   std::mt19937 g(1);
   const Expert big = make_fp4(N, K, g);

@@ -50,25 +50,30 @@ alignas(64) uint16_t g_wb[4][512];
 alignas(64) uint8_t g_wq[4][256];
 alignas(64) uint16_t g_tab[8][32];
 alignas(64) uint8_t g_ctl[64];
+alignas(64) uint16_t g_shifts[32];
 volatile float g_sink;
 
-// The kernel's MR × NR block over 16 units (512 k) from L1, repeated: fp4 weights decoded per unit (broadcast,
-// vpmultishiftqb, vpermw from the scale byte's table), or bf16 weights loaded as they are.
-template <int MR, int NR, bool Fp4>
+// How a block's weight units are made: bf16 loaded as they are; fp4 decoded per unit by the kernel's broadcast,
+// vpsrlvw and vpermw from the scale byte's table, or by its earlier broadcast, vpmultishiftqb and vpermw.
+enum class Weights { Bf16, Fp4, Fp4Multishift };
+
+// The kernel's MR × NR block over 16 units (512 k) from L1, repeated.
+template <int MR, int NR, Weights W>
 double block_cycles_per_unit() {
   const double t = best_ticks([&] {
     __m512 acc[MR][NR];
     for (auto& r : acc)
       for (auto& v : r) v = _mm512_setzero_ps();
     const __m512i ctl = _mm512_load_si512(g_ctl);
+    const __m512i shifts = _mm512_load_si512(g_shifts);
     for (long n = 0; n < kIters / 16; ++n) {
       for (int u = 0; u < 16; ++u) {
         __m512bh wv[NR];
         for (int j = 0; j < NR; ++j) {
-          if constexpr (Fp4) {
+          if constexpr (W != Weights::Bf16) {
             const __m512i d = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(g_wq[j] + u * 16)));
-            wv[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(ctl, d),
-                                                        _mm512_load_si512(g_tab[(u + j) & 7]));
+            const __m512i idx = W == Weights::Fp4 ? _mm512_srlv_epi16(d, shifts) : _mm512_multishift_epi64_epi8(ctl, d);
+            wv[j] = (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_load_si512(g_tab[(u + j) & 7]));
           } else {
             wv[j] = (__m512bh)_mm512_load_si512(g_wb[j] + u * 32);
           }
@@ -126,6 +131,14 @@ int main() {
 #define OP_MIX2(r) "vpermw %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
   RATE("rate   vpermw + vdpbf16ps, interleaved", 16, X8(OP_MIX2), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
        "xmm16", "xmm17", "xmm18", "xmm19")
+#define OP_MIX3(r) "vpmultishiftqb %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
+  RATE("rate   vpmultishiftqb + vdpbf16ps, interleaved", 16, X8(OP_MIX3), CLOBBER8, "xmm12", "xmm13", "xmm14",
+       "xmm15", "xmm16", "xmm17", "xmm18", "xmm19")
+#define OP_SRLV(r) "vpsrlvw %%zmm1,%%zmm0,%%zmm" #r "\n\t"
+  RATE("rate   vpsrlvw zmm", 8, X8(OP_SRLV), CLOBBER8)
+#define OP_MIX4(r) "vpsrlvw %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
+  RATE("rate   vpsrlvw + vdpbf16ps, interleaved", 16, X8(OP_MIX4), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
+       "xmm16", "xmm17", "xmm18", "xmm19")
   RATE("latency vdpbf16ps", 4,
        "vdpbf16ps %%zmm1,%%zmm0,%%zmm2\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm2\n\t"
        "vdpbf16ps %%zmm1,%%zmm0,%%zmm2\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm2",
@@ -139,10 +152,17 @@ int main() {
        "vpmultishiftqb %%zmm2,%%zmm1,%%zmm2\n\tvpmultishiftqb %%zmm2,%%zmm1,%%zmm2",
        "xmm2")
 #define UNIT(acc, off) \
+  "vbroadcasti32x4 " #off "/4(%0),%%zmm3\n\tvpsrlvw %%zmm1,%%zmm3,%%zmm2\n\t" \
+  "vpermw " #off "(%0),%%zmm2,%%zmm2\n\tvdpbf16ps %%zmm30,%%zmm2,%%zmm" #acc "\n\t"
+  RATE("unit   one-row fp4 unit (load, vpsrlvw, vpermw, dot), 8 rows", 8,
+       UNIT(8, 0) UNIT(9, 64) UNIT(10, 128) UNIT(11, 192) UNIT(12, 256) UNIT(13, 320) UNIT(14, 384) UNIT(15, 448),
+       "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
+#define UNIT_MS(acc, off) \
   "vbroadcasti32x4 " #off "/4(%0),%%zmm3\n\tvpmultishiftqb %%zmm3,%%zmm1,%%zmm2\n\t" \
   "vpermw " #off "(%0),%%zmm2,%%zmm2\n\tvdpbf16ps %%zmm30,%%zmm2,%%zmm" #acc "\n\t"
-  RATE("unit   one-row fp4 unit (load, shift, vpermw, dot), 8 rows", 8,
-       UNIT(8, 0) UNIT(9, 64) UNIT(10, 128) UNIT(11, 192) UNIT(12, 256) UNIT(13, 320) UNIT(14, 384) UNIT(15, 448),
+  RATE("unit   the same with vpmultishiftqb, 8 rows", 8,
+       UNIT_MS(8, 0) UNIT_MS(9, 64) UNIT_MS(10, 128) UNIT_MS(11, 192) UNIT_MS(12, 256) UNIT_MS(13, 320)
+       UNIT_MS(14, 384) UNIT_MS(15, 448),
        "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
   // The fp8 panel's 4 × 3 unit (4 activation rows × 3 decoded weight rows, 12 vdpbf16ps) from L1, per unit: as GCC
   // compiled it with 24 accumulators live (each product reloads its activation: 3 + 12 loads), and with the 4
@@ -162,11 +182,14 @@ int main() {
        "vmovdqu64 128(%0),%%zmm24\n\t" DPR(26, 8) DPR(27, 9) DPR(28, 10) DPR(29, 11),
        "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm24",
        "xmm26", "xmm27", "xmm28", "xmm29")
-  std::printf("%-52s %6.2f cycles / unit (%d vdpbf16ps)\n", "block  4 x 4, fp4 weights decoded, L1",
-              block_cycles_per_unit<4, 4, true>(), 16);
+  for (int w = 0; w < 32; ++w) g_shifts[w] = static_cast<uint16_t>(4 * (w / 8));
+  std::printf("%-52s %6.2f cycles / unit (%d vdpbf16ps)\n", "block  4 x 4, fp4 decoded (vpsrlvw), L1",
+              block_cycles_per_unit<4, 4, Weights::Fp4>(), 16);
+  std::printf("%-52s %6.2f cycles / unit (%d vdpbf16ps)\n", "block  4 x 4, fp4 decoded (vpmultishiftqb), L1",
+              block_cycles_per_unit<4, 4, Weights::Fp4Multishift>(), 16);
   std::printf("%-52s %6.2f cycles / unit (%d vdpbf16ps)\n", "block  4 x 4, bf16 weights, L1",
-              block_cycles_per_unit<4, 4, false>(), 16);
+              block_cycles_per_unit<4, 4, Weights::Bf16>(), 16);
   std::printf("%-52s %6.2f cycles / unit (%d vdpbf16ps)\n", "block  6 x 4, bf16 weights, L1",
-              block_cycles_per_unit<6, 4, false>(), 24);
+              block_cycles_per_unit<6, 4, Weights::Bf16>(), 24);
   return 0;
 }

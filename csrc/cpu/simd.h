@@ -4,7 +4,7 @@
 // per instruction set, compiled under `#pragma GCC target(...)` (see csrc/cpu/kernels/moe_gemm_avx512.cpp), and
 // pick one per call with select_isa():
 //   Isa::Avx512Bf16  Avx512 plus AVX512_BF16 (vdpbf16ps: bf16 dot products with fp32 accumulation) and
-//                    AVX512_VBMI (vpmultishiftqb), as on Zen 4 / Zen 5 / Sapphire Rapids
+//                    AVX512_VBMI (vpermi2b, vpmultishiftqb), as on Zen 4 / Zen 5 / Sapphire Rapids
 //   Isa::Avx512  AVX-512 F+BW+DQ+VL (x86-64-v4)
 //   Isa::Avx2    AVX2 + FMA + F16C (x86-64-v3 without the rest)
 //   Isa::Scalar  portable C++

@@ -16,7 +16,8 @@
 //            at any sensible scale), and for bytes >= 2 a product a·w below 2^-126 is flushed (with a block scale
 //            of 2^-10, |a| < 2^-116; bf16 subnormal activations read as zero for every weight format). The 16
 //            packed bytes, broadcast to the four 128-bit lanes, give the 32 word indices of one vpermw through one
-//            vpmultishiftqb (AVX512_VBMI: each index byte picks a nibble at any bit offset of its qword).
+//            vpsrlvw (each lane's words shifted right by their own count, so each keeps a different nibble), or,
+//            decoding into the panel, one vpmultishiftqb (AVX512_VBMI): the same indices.
 //            fp8: every e4m3fn value is a bf16 number (3 mantissa bits, exponents 2^-9..2^8). The 64 codes of a
 //            cache line decode in six instructions: two vpermi2b (AVX512_VBMI: a 128-entry byte table, the code's
 //            bits 0-6) give the low and the high byte of each magnitude's bf16 (NaN codes give NaN), one
@@ -30,7 +31,7 @@
 //   activations  rows prepared as bf16 when exact (see prepare_activation in moe_gemm.h), others float32 for the
 //            AVX-512 path; a GEMM splits its rows by form.
 // Lane layout of a 32-k unit: natural for bf16 weights; for fp4, position w holds column fp4_column(w) (the order
-// the multishift produces); for fp8, position w of the line's unit v holds column fp8_column(v, w) of the line (the
+// the shifts produce); for fp8, position w of the line's unit v holds column fp8_column(v, w) of the line (the
 // order the byte unpacks produce); activations are permuted the same way.
 // GCC 12 flags the intrinsics headers' own `__m512i __Y = __Y;` placeholders wherever they are inlined.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -143,13 +144,27 @@ inline __m512i fp4_table_slow(uint8_t b) {
 }
 
 // Column (within its 32-k unit) that position w of a decoded fp4 unit holds. The 16 packed bytes are broadcast to
-// the four 128-bit lanes, so qword lane L = w / 4 holds bytes 0-7 (columns 0-15) for even L and bytes 8-15 (columns
-// 16-31) for odd L; its four words take four consecutive nibbles of that qword.
-constexpr int fp4_column(int w) { return 16 * ((w / 4) % 2) + 4 * (w / 8) + w % 4; }
+// the four 128-bit lanes; word v of a lane holds packed bytes 2v and 2v + 1, the nibbles of columns 4v … 4v + 3,
+// and lane L = w / 8 shifts its words right by 4L, so that position w = 8L + v keeps column 4v + L in its low bits.
+constexpr int fp4_column(int w) { return 4 * (w % 8) + w / 8; }
 
-// vpmultishiftqb control: word w's low byte starts at the bit of its column's nibble within its qword (the next bit
-// comes along as index bit 4, which the doubled table ignores); the high byte is don't-care.
-struct Fp4Control {
+// Two ways to the same 32 vpermw indices from the broadcast bytes (the low 5 bits of each word: the column's nibble
+// and, as bit 4, the next nibble's low bit, which the doubled table ignores), so both decodes give the same words:
+//   vpsrlvw by 4L for the words of lane L, where the weights go straight into vdpbf16ps: this core does not issue
+//     vpmultishiftqb alongside vdpbf16ps (bench/micro/issue_rates.cpp: interleaved, a pair takes 2 cycles, with
+//     vpsrlvw 1.2-1.4; a 4 × 4 fp4 block from L1 21.1 -> 17.3 cycles per unit, bf16 weights 16.5). Measured
+//     (bench/micro, one core, weights in L2): one row 67 -> 77 GFLOP/s, four rows 147 -> 166-169.
+//   vpmultishiftqb (AVX512_VBMI: each index byte takes the 8 bits at its own offset within its qword), where a
+//     chunk is decoded into the panel: 16 rows 164-171 with vpsrlvw there, 172-177 with this (same runs).
+struct Fp4Shifts {
+  alignas(64) uint16_t c[32];
+  constexpr Fp4Shifts() : c() {
+    for (int w = 0; w < 32; ++w) c[w] = static_cast<uint16_t>(4 * (w / 8));
+  }
+};
+constexpr Fp4Shifts kFp4Shifts;
+
+struct Fp4Control {  // vpmultishiftqb control: both bytes of word w start at its column's nibble within the qword
   alignas(64) uint8_t b[64];
   constexpr Fp4Control() : b() {
     for (int w = 0; w < 32; ++w) b[2 * w] = b[2 * w + 1] = static_cast<uint8_t>(4 * (fp4_column(w) % 16));
@@ -157,16 +172,24 @@ struct Fp4Control {
 };
 constexpr Fp4Control kFp4Control;
 
-// The 32 weights of the fp4 unit at k0 of a row (fp4_column order) from a 32-entry bf16 table.
+inline __m512i fp4_packed(const uint8_t* row, int64_t k0) {  // the unit's 16 bytes, in every 128-bit lane
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k0 >> 1))));
+}
+
+// The 32 weights of the fp4 unit at k0 of a row (fp4_column order) from a 32-entry bf16 table, for vdpbf16ps.
 inline __m512i fp4_unit(const uint8_t* row, int64_t k0, __m512i lut) {
-  const __m512i data = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k0 >> 1))));
-  const __m512i idx = _mm512_multishift_epi64_epi8(_mm512_load_si512(kFp4Control.b), data);
-  return _mm512_permutexvar_epi16(idx, lut);
+  return _mm512_permutexvar_epi16(_mm512_srlv_epi16(fp4_packed(row, k0), _mm512_load_si512(kFp4Shifts.c)), lut);
+}
+
+// The same words, for the panel.
+inline __m512i fp4_panel_unit(const uint8_t* row, int64_t k0, __m512i lut) {
+  return _mm512_permutexvar_epi16(
+      _mm512_multishift_epi64_epi8(_mm512_load_si512(kFp4Control.b), fp4_packed(row, k0)), lut);
 }
 
 // The fast path's 32-entry tables for every scale byte b in [2, 252]: kE2m1Bf16 with (b - 127) << 7 added to the
 // exponent field of its non-zero entries (16 KiB; the few bytes a checkpoint uses stay in L1). vpermw reads the
-// block's table straight from memory, so a unit's decode is one load, one vpmultishiftqb and one vpermw, with no
+// block's table straight from memory, so a unit's decode is one load, one index instruction and one vpermw, with no
 // per-unit scale broadcast and add (one row, hot, one core: 1.06 -> 0.98 ns per 32 weights; the same tables, so the
 // same bits).
 struct Fp4Tables {
@@ -579,7 +602,8 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
       for (int64_t k0 = kc; k0 < kend; k0 += kUnit) {
         const int u = static_cast<int>((k0 - kc) / kUnit);
         for (int j = 0; j < NR; ++j)
-          _mm512_store_si512(panel.w[u][j], decode<WeightFormat::Fp4, true>(rq[j], k0, rs[j]));
+          _mm512_store_si512(panel.w[u][j],
+                             fp4_panel_unit(rq[j], k0, _mm512_load_si512(kFp4Tables.v[rs[j][k0 / kFp4WeightBlock]])));
       }
     }
     for (int64_t i = 0; i < m; i += kMRPanel) {
