@@ -1,13 +1,13 @@
 """Micro-benchmark of the avx512bf16 expert GEMM's parts (bench/micro/fp4_gemv.cpp): which resource binds the
-one-row and the 16/64-row fp4 GEMMs, each figure a ratio of two measurements taken in the same process.
+one-row, the 4-row and the 16/64-row GEMMs, each figure a ratio of two measurements taken in the same process.
 
 Builds the torch-free driver with the project's kernels (g++, -O3, the default baseline-x86-64 build of
 csrc/cpu/kernels/moe_gemm*.cpp, as setup.py compiles them) into build/micro/, runs it and prints what it measured
 and the ratios docs/backends/cpu.md quotes:
   - one row: the fp4 decode rate alone (hot, per core, times the thread count) against the cold read-only stream on
     the same threads, and the kernel's cold weight GB/s (fp4 and fp8 weights) against that stream;
-  - 16 / 64 rows: the kernel's hot GFLOP/s (one core, weights in L2) against the vdpbf16ps issue peak of one core,
-    for fp4, fp8 and bf16 weights (bf16 weights: the same kernel without any decode).
+  - 4 / 16 / 64 rows: the kernel's hot GFLOP/s (one core, weights in L2) against the vdpbf16ps issue peak of one
+    core, for fp4, fp8 and bf16 weights (bf16 weights: the same kernel without any decode).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_cpu_micro.py [--reps 7] [--n 4096 --k 4096] [--json out.json]
 """
@@ -76,7 +76,7 @@ def ratios(rows: list[dict], threads: int) -> list[tuple[str, float]]:
             out.append((f"one row: {fmt} kernel cold weight GB/s ({got:.1f}) / cold read stream, {threads} threads",
                         got / read))
     peak = v.get(("dpbf16_peak", 1, 0))
-    for m in (16, 64):
+    for m in (4, 16, 64):
         for fmt in ("fp4", "fp8", "bf16w"):
             g = v.get((f"kernel_{fmt}_hot", 1, m))
             if peak and g:

@@ -1,5 +1,5 @@
 // Micro-benchmark of the fp4 expert GEMM's parts on this CPU (bench/bench_cpu_micro.py builds and runs it):
-// which resource binds the one-row (GEMV) and 16-row cases of csrc/cpu/kernels/moe_gemm_avx512bf16.cpp.
+// which resource binds the one-row (GEMV), 4-row and 16-row cases of csrc/cpu/kernels/moe_gemm_avx512bf16.cpp.
 //
 //   read      a read-only stream of the expert's weight bytes (vector loads, one sum per 64-byte line), cold:
 //             the bandwidth roof for weights on t threads
@@ -376,12 +376,12 @@ int main(int argc, char** argv) {
     for (uint8_t* b : buf) std::free(b);
     return 0;
   }
-  for (int64_t m : {1, 16, 64}) {
+  for (int64_t m : {1, 4, 16, 64}) {
     Rows r4(Isa::Avx512Bf16, WeightFormat::Fp4, m, K, N, g);
     Rows r16(Isa::Avx512Bf16, WeightFormat::Bf16, m, K, N, g);
     Rows r32(Isa::Avx512, WeightFormat::Fp4, m, K, N, g);
     Rows r8(Isa::Avx512Bf16, WeightFormat::Fp8, m, K, N, g);
-    const int hot_reps = m == 1 ? 200 : (m == 16 ? 20 : 5);
+    const int hot_reps = m == 1 ? 200 : (m == 4 ? 60 : (m == 16 ? 20 : 5));
     auto hot_rate = [&](const Expert& e, WeightFormat wf, Rows& r, Isa isa) {
       double best = 1e30;
       for (int rr = 0; rr < reps; ++rr) {
