@@ -33,17 +33,11 @@
 #include <sys/mman.h>
 
 #include "cpu/kernels/moe_gemm.h"
+#include "micro_inputs.h"
 
 using namespace static_moe::cpu;
 
 namespace {
-
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-std::vector<uint8_t> g_flush(128u << 20);
-void flush() {
-  for (size_t i = 0; i < g_flush.size(); i += 64) g_flush[i] += 1;
-}
 
 template <class F>
 double best_of(int reps, bool cold, F&& f) {
@@ -56,64 +50,6 @@ double best_of(int reps, bool cold, F&& f) {
   }
   return best;
 }
-
-struct Expert {
-  int64_t n, k;
-  std::vector<uint8_t> q;      // fp4 [n, k/2] or bf16 [n, k] bytes
-  std::vector<uint8_t> s;      // fp4 UE8M0 [n, k/32]
-  ExpertWeight view(WeightFormat f) const {
-    ExpertWeight w;
-    w.format = f;
-    w.n = n;
-    w.k = k;
-    w.data = q.data();
-    w.row_stride = f == WeightFormat::Fp4 ? k / 2 : (f == WeightFormat::Fp8 ? k : 2 * k);
-    w.scale = s.data();
-    w.scale_row_stride = f == WeightFormat::Fp8 ? k / 128 : k / 32;
-    return w;
-  }
-};
-
-Expert make_fp4(int64_t n, int64_t k, std::mt19937& g) {
-  Expert e{n, k, std::vector<uint8_t>(n * k / 2), std::vector<uint8_t>(n * k / 32)};
-  for (auto& b : e.q) b = static_cast<uint8_t>(g());
-  for (auto& b : e.s) b = static_cast<uint8_t>(118 + g() % 8);  // typical block scales 2^-9..2^-2
-  return e;
-}
-
-Expert make_fp8(int64_t n, int64_t k, std::mt19937& g) {
-  Expert e{n, k, std::vector<uint8_t>(n * k), std::vector<uint8_t>(n * k / 128 * 4)};
-  for (auto& b : e.q) b = static_cast<uint8_t>(g() % 0x7F) | (g() & 0x80);  // no NaN codes
-  float* s = reinterpret_cast<float*>(e.s.data());
-  for (int64_t i = 0; i < n * k / 128; ++i) s[i] = 0.001f * (1 + g() % 100);
-  return e;
-}
-
-Expert make_bf16(int64_t n, int64_t k, std::mt19937& g) {
-  Expert e{n, k, std::vector<uint8_t>(n * k * 2), std::vector<uint8_t>(1)};
-  uint16_t* p = reinterpret_cast<uint16_t*>(e.q.data());
-  for (int64_t i = 0; i < n * k; ++i) p[i] = static_cast<uint16_t>(0x3C00 + g() % 0x800) | (g() & 0x8000);
-  return e;
-}
-
-// m activation rows prepared for (isa, fp4 or bf16 weights) from random bf16 values.
-struct Rows {
-  PreparedRows buf;
-  std::vector<const float*> ptr;
-  std::vector<uint8_t> is_bf16;
-  std::vector<std::vector<uint16_t>> out;
-  std::vector<void*> optr;
-  Rows(Isa isa, WeightFormat wf, int64_t m, int64_t k, int64_t n, std::mt19937& g)
-      : buf(m, k), ptr(m), is_bf16(m), out(m, std::vector<uint16_t>(n)), optr(m) {
-    std::vector<uint16_t> x(k);
-    for (int64_t i = 0; i < m; ++i) {
-      for (auto& v : x) v = static_cast<uint16_t>(0x3E00 + g() % 0x300) | (g() & 0x8000);
-      is_bf16[i] = prepare_activation(isa, wf, ActFormat::Bf16, x.data(), nullptr, 32, 0, k, buf.row(i));
-      ptr[i] = buf.row(i);
-      optr[i] = out[i].data();
-    }
-  }
-};
 
 // The real kernel over all N weight rows, split in 512-column chunks over t threads (as csrc/cpu/expert_gemm.cpp).
 double kernel(Isa isa, const Expert& e, WeightFormat wf, Rows& r, int64_t m, int t, int reps, bool cold) {
