@@ -156,6 +156,9 @@ constexpr int fp4_column(int w) { return 4 * (w % 8) + w / 8; }
 //     (bench/micro, one core, weights in L2): one row 67 -> 77 GFLOP/s, four rows 147 -> 166-169.
 //   vpmultishiftqb (AVX512_VBMI: each index byte takes the 8 bits at its own offset within its qword), where a
 //     chunk is decoded into the panel: 16 rows 164-171 with vpsrlvw there, 172-177 with this (same runs).
+// Intel SDM, VPSRLVW (AVX512BW): each word of the first source shifted right, zeros in, by the count in the same
+// word of the second; VPMULTISHIFTQB: control byte j of a qword selects the 8 bits from bit offset (ctrl & 63) of
+// the same qword. The blocking tests (tests/test_expert_gemm_blocking.py) hold the two decodes to the same bits.
 struct Fp4Shifts {
   alignas(64) uint16_t c[32];
   constexpr Fp4Shifts() : c() {
