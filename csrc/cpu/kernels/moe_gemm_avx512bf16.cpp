@@ -205,13 +205,18 @@ struct Fp4Tables {
 };
 constexpr Fp4Tables kFp4Tables;
 
+// The fast-path table of the block holding column k0 of a weight row (scale_row: the row's UE8M0 bytes).
+inline __m512i fp4_table(const uint8_t* scale_row, int64_t k0) {
+  return _mm512_load_si512(kFp4Tables.v[scale_row[k0 / kFp4WeightBlock]]);
+}
+
 template <WeightFormat F, bool Fast>
 inline __m512i decode(const uint8_t* row, int64_t k0, const uint8_t* scale_row) {
   if constexpr (F == WeightFormat::Bf16) {
     return _mm512_loadu_si512(row + 2 * k0);
   } else {
     static_assert(Fast, "chunks with scale bytes outside [2, 252] take slow_fp4_chunk");
-    return fp4_unit(row, k0, _mm512_load_si512(kFp4Tables.v[scale_row[k0 / kFp4WeightBlock]]));
+    return fp4_unit(row, k0, fp4_table(scale_row, k0));
   }
 }
 
@@ -605,8 +610,7 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
       for (int64_t k0 = kc; k0 < kend; k0 += kUnit) {
         const int u = static_cast<int>((k0 - kc) / kUnit);
         for (int j = 0; j < NR; ++j)
-          _mm512_store_si512(panel.w[u][j],
-                             fp4_panel_unit(rq[j], k0, _mm512_load_si512(kFp4Tables.v[rs[j][k0 / kFp4WeightBlock]])));
+          _mm512_store_si512(panel.w[u][j], fp4_panel_unit(rq[j], k0, fp4_table(rs[j], k0)));
       }
     }
     for (int64_t i = 0; i < m; i += kMRPanel) {
