@@ -28,6 +28,7 @@ EG = "tests/test_expert_gemm.py"
 LE = "tests/test_local_experts.py"
 SW = "tests/test_swiglu_and_cast.py"
 PK = "tests/test_pack_rows.py"
+BL = "tests/test_expert_gemm_blocking.py"
 
 MUTANTS = [
     # ---------------------------------------------------------------- local_experts (csrc/cpu/local_experts.cpp)
@@ -78,6 +79,19 @@ MUTANTS = [
     Mutant("avx512bf16: fp4 table entry -6 reads -5", "csrc/cpu/kernels/moe_gemm_avx512bf16.cpp",
            "0xC0C0,\n    0x0000", "0xC0A0,\n    0x0000",
            (EG, "-k", "test_matches_reference and avx512bf16")),
+    Mutant("avx512bf16: a block of fp8 weight rows of both kinds all on the fold path",
+           "csrc/cpu/kernels/moe_gemm_avx512bf16.cpp",
+           "      } else if (pow2 == 0) {\n        dot_columns<F, NR, MR, panel, false>",
+           "      } else if (pow2 != (1u << NR) - 1) {\n        dot_columns<F, NR, MR, panel, false>",
+           (BL, "-k", "own_path and avx512bf16"),
+           why="the path must follow each row's own scales, not its block's: blocks differ by row count"),
+    Mutant("avx512bf16: fp8 pow2 range one exponent too low", "csrc/cpu/kernels/moe_gemm_avx512bf16.cpp",
+           "constexpr uint32_t kFp8Pow2Low = 10;", "constexpr uint32_t kFp8Pow2Low = 9;",
+           ("tests/test_expert_gemm_codes.py", "-k", "few_row_paths and avx512bf16"),
+           why="2^-118 makes the subnormal codes bf16 subnormals, which vdpbf16ps reads as zero"),
+    Mutant("avx512bf16: fp8 NaN code scaled like a number", "csrc/cpu/kernels/moe_gemm_avx512bf16.cpp",
+           "const bool keep = v == 0 || c == 0x7F;", "const bool keep = v == 0;",
+           ("tests/test_expert_gemm_codes.py", "-k", "avx512bf16")),
     Mutant("all ISAs: second chunk of fp8 weight scales read from the first", "csrc/cpu/kernels/moe_gemm_impl.h",
            "V::fp8_scales(static_cast<const float*>(r.s) + kc / kFp8WeightBlock,",
            "V::fp8_scales(static_cast<const float*>(r.s),",

@@ -13,16 +13,18 @@ from hypothesis import strategies as st
 import static_moe
 from static_moe import reference
 from static_moe.formats import quantize_activation, quantize_weight
-from static_moe.testing.generators import FORMAT_PAIRS
+from static_moe.testing.generators import FORMAT_PAIRS, FP8_SCALE_KINDS, fp8_scales_of_kind
 from static_moe.testing.numeric import (assert_equal, assert_gemm_bitwise, assert_gemm_close,
                                         assert_rejected_untouched)
 
 PAIR_IDS = [f"{a}x{w}" for a, w in FORMAT_PAIRS]
 
 
-def _weights(num_experts, n, k, fmt, gen):
+def _weights(num_experts, n, k, fmt, gen, fp8_scales="pow2"):
+    """fp8: scales of the kind fp8_scales (fp8_scales_of_kind: powers of two, float, or both row by row)."""
     w = torch.randn(num_experts, n, k, generator=gen) / k**0.5
-    return quantize_weight(w, fmt)
+    b, b_s = quantize_weight(w, fmt)
+    return (b, fp8_scales_of_kind(b_s, fp8_scales, gen)) if fmt == "fp8" else (b, b_s)
 
 
 def _activations(rows, k, act, group, gen, scale=1.0, pow2=True):
@@ -67,31 +69,33 @@ def _poison_other_experts(b, b_scale, keep):
     mask_p=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
     scale=st.sampled_from([1e-3, 1.0, 30.0]),
     pow2=st.booleans(),
+    fp8_scales=st.sampled_from(FP8_SCALE_KINDS),
     expert_pick=st.integers(0, 3),
     seed=st.integers(0, 2**31 - 1),
 )
 # Edge cases by name, outside the random budget: no rows; every row masked (NaN padding only); fp8 weights with K
 # spanning two scale chunks; fp4 with g = 32 and K = 1024.
 @example(pair=("bf16", "bf16"), group=128, rows=0, k=128, n=32, num_experts=1, mask_p=1.0, scale=1.0, pow2=True,
-         expert_pick=0, seed=0)
+         fp8_scales="pow2", expert_pick=0, seed=0)
 @example(pair=("fp8", "fp8"), group=32, rows=7, k=256, n=96, num_experts=3, mask_p=0.0, scale=1.0, pow2=True,
-         expert_pick=2, seed=1)
+         fp8_scales="mixed", expert_pick=2, seed=1)
 @example(pair=("fp8", "fp8"), group=128, rows=5, k=640, n=128, num_experts=2, mask_p=0.5, scale=30.0, pow2=False,
-         expert_pick=1, seed=2)
+         fp8_scales="float", expert_pick=1, seed=2)
 @example(pair=("bf16", "fp4"), group=32, rows=9, k=1024, n=200, num_experts=4, mask_p=0.9, scale=1e-3, pow2=True,
-         expert_pick=3, seed=3)
-def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p, scale, pow2, expert_pick, seed):
+         fp8_scales="pow2", expert_pick=3, seed=3)
+def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p, scale, pow2, fp8_scales,
+                           expert_pick, seed):
     act, wf = pair
     gen = torch.Generator().manual_seed(seed)
     expert = expert_pick % num_experts
     a, a_s = _activations(rows, k, act, group, gen, scale, pow2)
-    b, b_s = _weights(num_experts, n, k, wf, gen)
+    b, b_s = _weights(num_experts, n, k, wf, gen, fp8_scales)
     mask = torch.rand(rows, generator=gen) < mask_p
     ref = reference.expert_gemm(a, a_s, b, b_s, mask, expert)
     a, a_s = _poison_rows(a, a_s, ~mask)
     b, b_s = _poison_other_experts(b, b_s, expert)
     out = static_moe.expert_gemm(a, a_s, b, b_s, mask, expert)
-    what = f"{cpu_isa} {act}x{wf} g={group} R={rows} K={k} N={n} e={expert}/{num_experts}"
+    what = f"{cpu_isa} {act}x{wf} g={group} R={rows} K={k} N={n} e={expert}/{num_experts} fp8 scales {fp8_scales}"
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n), what
     assert_gemm_bitwise(out, ref, what)
     assert bool((out.view(torch.int16)[~mask] == 0).all()), f"{what}: masked rows must be exact (+0) zeros"

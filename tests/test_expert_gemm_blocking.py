@@ -2,7 +2,8 @@
 blocks of rows: every tail of every ISA's row blocking (blocks of 4 or 6 rows, the one-row path) is exercised on
 every weight format, on every CPU instruction set. On avx512bf16, fp4 and fp8 weights with more rows than one block
 take the decoded-panel path (blocks of 4 rows reading weights decoded once per chunk) and fewer take the direct
-one, so the comparisons with the full 13 rows check that the two paths give the same bits."""
+one, so the comparisons with the full 13 rows check that the two paths give the same bits. fp8 weights run with
+power-of-two scales, float ones and both side by side (avx512bf16's pow2 and fold paths, chosen per weight row)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,27 @@ import torch
 
 import static_moe
 from static_moe.formats import quantize_activation, quantize_weight
+from static_moe.testing.generators import FP8_SCALE_KINDS, fp8_scales_of_kind
 from static_moe.testing.numeric import assert_equal
 
 ROWS = 13  # > two blocks of 6 rows: every remainder mod 4 and mod 6 occurs among 1..ROWS
-PAIRS = [("bf16", "bf16"), ("bf16", "fp4"), ("fp8", "fp4"), ("bf16", "fp8"), ("fp8", "fp8")]
+# fp8 weights with each kind of scales (fp8_scales_of_kind): on avx512bf16, rows of powers of two take the pow2
+# path and the others the fold path, each row by its own scales, and "mixed" puts both in every block of weight rows.
+CASES = [("bf16", "bf16", None), ("bf16", "fp4", None), ("fp8", "fp4", None)] + [
+    (act, "fp8", kind) for act in ("bf16", "fp8") for kind in FP8_SCALE_KINDS]
 
 
-@pytest.mark.parametrize("act,wf", PAIRS, ids=[f"{a}x{w}" for a, w in PAIRS])
-def test_every_row_count_matches_the_full_batch(cpu_isa, act, wf, rng):
+def _weights(n, k, wf, kind, rng):
+    b, b_s = quantize_weight(torch.randn(1, n, k, generator=rng) / k**0.5, wf)
+    return b, (fp8_scales_of_kind(b_s, kind, rng) if wf == "fp8" else b_s)
+
+
+@pytest.mark.parametrize("act,wf,kind", CASES, ids=[f"{a}x{w}" + (f"_{c}" if c else "") for a, w, c in CASES])
+def test_every_row_count_matches_the_full_batch(cpu_isa, act, wf, kind, rng):
     k, n = 256, 200  # N: not a multiple of any weight-row block, so column tails run too
     x = torch.randn(ROWS, k, generator=rng)
     a, a_s = (x.to(torch.bfloat16), None) if act == "bf16" else quantize_activation(x, 128, pow2_scale=True)
-    b, b_s = quantize_weight(torch.randn(1, n, k, generator=rng) / k**0.5, wf)
+    b, b_s = _weights(n, k, wf, kind, rng)
     full = static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(ROWS, dtype=torch.bool), 0)
     for m in range(1, ROWS):
         mask = torch.arange(ROWS) < m
@@ -30,14 +40,15 @@ def test_every_row_count_matches_the_full_batch(cpu_isa, act, wf, rng):
         assert_equal(part[:m], full[:m], f"{cpu_isa} {act}x{wf}: the first {m} rows")
 
 
-@pytest.mark.parametrize("wf", ["fp4", "fp8"])
-def test_many_rows_match_each_row_alone(cpu_isa, wf, rng):
+@pytest.mark.parametrize("wf,kind", [("fp4", None)] + [("fp8", c) for c in FP8_SCALE_KINDS],
+                         ids=["fp4"] + [f"fp8_{c}" for c in FP8_SCALE_KINDS])
+def test_many_rows_match_each_row_alone(cpu_isa, wf, kind, rng):
     """27 rows (six blocks of 4 and a tail of 3 on avx512bf16's decoded-panel path; 4 + 4 + 3 rows per block tail
     elsewhere) over K = 1024 (two 512-k chunks): each row computed alone (the one-row path, which decodes in
     registers) gives the batch's bits. fp4: the UE8M0 bytes of about a tenth of the blocks are set to 0 or 1 (their
     weights below 2^-126), so chunks of the panel path take the slow (lifted) decode next to fast ones."""
     rows, n, k = 27, 40, 1024
-    b, b_s = quantize_weight(torch.randn(1, n, k, generator=rng) / k**0.5, wf)
+    b, b_s = _weights(n, k, wf, kind, rng)
     x = torch.randn(rows, k, generator=rng).to(torch.bfloat16)
     if wf == "fp4":
         s = b_s.view(torch.uint8).clone()
@@ -49,3 +60,27 @@ def test_many_rows_match_each_row_alone(cpu_isa, wf, rng):
     for r in range(rows):
         one = static_moe.expert_gemm(x[r : r + 1], None, b, b_s, torch.ones(1, dtype=torch.bool), 0)
         assert_equal(one[0], full[r], f"{cpu_isa} {wf}: row {r} alone")
+
+
+def test_fp8_weight_rows_take_their_own_path(cpu_isa, rng):
+    """Each fp8 weight row's own scales choose its path (avx512bf16: powers of two the pow2 path, one running sum
+    over K; others the fold path, a sum per 128-k block), never its neighbours': alone (blocks of 4 weight rows)
+    and among 13 rows (blocks of 3, the panel) a row gets the same bits. The weights make the two orders differ:
+    2^24 in column 0, 0.5 in every column of the second block, −2^24 in column 256 (the same lane as column 0),
+    so the pow2 path loses that lane's 0.5s against 2^24 and the fold path keeps them (60 against 64 with rows of
+    ones). The second block's scale is 1 (pow2 rows) or 1.5 (fold rows), at random row by row."""
+    n, k, rows = 40, 384, 13
+    codes = torch.zeros(1, n, k, dtype=torch.uint8)
+    codes[..., 0], codes[..., 128:256], codes[..., 256] = 0x78, 0x30, 0xF8  # 256, 0.5, −256
+    fold = torch.rand(n, generator=rng) < 0.5
+    b_s = torch.tensor([2.0**16, 1.0, 2.0**16]).repeat(1, n, 1)
+    b_s[0, fold, 1] = 1.5
+    b = codes.view(torch.float8_e4m3fn)
+    x = torch.ones(rows, k, dtype=torch.bfloat16)
+    full = static_moe.expert_gemm(x, None, b, b_s, torch.ones(rows, dtype=torch.bool), 0)
+    one = static_moe.expert_gemm(x[:1], None, b, b_s, torch.ones(1, dtype=torch.bool), 0)
+    for r in range(rows):
+        assert_equal(full[r], one[0], f"{cpu_isa}: row {r} of 13 against the row alone")
+    if cpu_isa == "avx512bf16":  # the crafted order dependence is really there: the two paths differ on it
+        per_half = one[0].float() / torch.where(fold, 1.5, 1.0)
+        assert per_half[~fold].eq(60).all() and per_half[fold].eq(64).all(), per_half.tolist()

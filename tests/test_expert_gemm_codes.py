@@ -1,5 +1,6 @@
 """expert_gemm decodes every fp8 e4m3fn weight code exactly as the reference on every CPU instruction set: the two
-NaN codes (0x7F, 0xFF) give NaN, subnormals and ±0 their exact values, with any float32 block scale.
+NaN codes (0x7F, 0xFF) give NaN, subnormals and ±0 their exact values, with any float32 block scale, on the
+fold path and (powers of two) on avx512bf16's pow2 path, through the panel and the one- and few-row kernels.
 
 Each weight row n holds code n in every column and each activation row is one-hot (1.0 at one column), so every
 output is bf16(e4m3fn(n) · s) (plus exact zeros): a sum with no rounding, hence bitwise the same on every lane
@@ -36,7 +37,10 @@ def _one_hot_rows() -> torch.Tensor:
 # Powers of two put fp8 weight rows on the exact-bf16 paths where an ISA has them (2^-20: the e4m3fn subnormals
 # times it are still normal bf16 numbers; 2^40: large but finite products); 0.3, 1.7 and 3e-5 are not powers of
 # two, so q·s is rounded once in fp32, as the reference.
-SCALES = [(1.0, 1.0), (0.25, 2.0**-20), (0.3, 1.7), (2.0**40, 3.0e-5)]
+# On avx512bf16 a weight row whose scales are all powers of two in [2^-117, 2^119] takes the pow2 path (the scale
+# in the decoded weights' exponents): 2^-117 (the subnormal codes land on the bf16 normal floor) and 2^119 (448 ·
+# 2^119 is finite) are its edges, 2^-118 just outside (fold path). Above 2^119 codes of 256 and up overflow to inf.
+SCALES = [(1.0, 1.0), (0.25, 2.0**-20), (0.3, 1.7), (2.0**40, 3.0e-5), (2.0**-117, 2.0**119), (2.0**-118, 2.0**-118)]
 
 
 @pytest.mark.parametrize("scales", SCALES, ids=[f"s{a:g}_{b:g}" for a, b in SCALES])
@@ -54,3 +58,22 @@ def test_every_fp8_weight_code_matches_reference(cpu_isa, act, scales):
     nan_rows = ref.float().isnan().all(0)
     assert nan_rows.nonzero().squeeze(1).tolist() == [0x7F, 0xFF], "the reference's NaN codes"
     assert_equal(out, ref, f"{cpu_isa}, {act} activations, weight scales {scales}")
+
+
+POW2_SCALES = [sc for sc in SCALES if all(torch.tensor(sc).frexp().mantissa.eq(0.5))]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("scales", POW2_SCALES, ids=[f"s{a:g}_{b:g}" for a, b in POW2_SCALES])
+def test_every_fp8_weight_code_through_the_few_row_paths(cpu_isa, scales, rows):
+    """The same codes through the one-row and few-row kernels (the test above runs K rows: avx512bf16's panel).
+    Every activation is 1.0, so each output sums K equal products e4m3fn(n)·s: with a power-of-two s every partial
+    sum is exact (or overflows, as in the reference), so the reference's bits hold in any order — NaN rows NaN,
+    ±0 rows zero, the subnormal codes times 2^-117 the bf16 normal floor."""
+    b, b_scale = _all_code_weights(scales)
+    a = torch.ones(rows, K, dtype=torch.bfloat16)
+    mask = torch.ones(rows, dtype=torch.bool)
+    ref = reference.expert_gemm(a, None, b, b_scale, mask, 0)
+    out = torch.ops.static_moe.expert_gemm(a, None, b, b_scale, mask, 0)
+    assert ref.float().isnan().all(0).nonzero().squeeze(1).tolist() == [0x7F, 0xFF], "the reference's NaN codes"
+    assert_equal(out, ref, f"{cpu_isa}, {rows} rows of ones, weight scales {scales}")

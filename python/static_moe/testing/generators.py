@@ -51,6 +51,31 @@ def make_weights(num_local: int, hidden: int, inter: int, fmt: str, seed: int = 
     return {"w13": to(w13_q), "w13_scale": to(w13_s), "w2": to(w2_q), "w2_scale": to(w2_s)}
 
 
+FP8_SCALE_KINDS = ("pow2", "float", "mixed")
+
+
+def fp8_scales_of_kind(b_scale: torch.Tensor, kind: str, g: torch.Generator) -> torch.Tensor:
+    """fp8 weight scales float32 [..., N, K/128] (powers of two, as quantize_weight gives) recast as ``kind``:
+    "pow2" unchanged; "float" each times a factor in (1.01, 1.99), never a power of two (DeepSeek-V3's float
+    scale_inv); "mixed" row by row at random: half unchanged, a quarter float, a quarter powers of two but for
+    one float block. The CPU avx512bf16 kernel takes a weight row with only powers of two (in range) by its pow2
+    path, any other by its fold path; "mixed" puts both kinds of row side by side, so that however the kernel
+    groups weight rows (blocks of 3 or 4, by row count) some groups hold one kind and others both."""
+    if kind == "pow2":
+        return b_scale
+    factor = 1.01 + 0.98 * torch.rand(b_scale.shape, generator=g)
+    if kind == "float":
+        return b_scale * factor
+    if kind != "mixed":
+        raise ValueError(f"fp8_scales_of_kind: kind must be one of {FP8_SCALE_KINDS}, got {kind!r}")
+    row_kind = torch.multinomial(torch.tensor([2.0, 1.0, 1.0]), b_scale.shape[-2], replacement=True, generator=g)
+    # row_kind 0: pow2, 1: float, 2: pow2 but for one float block
+    one_block = torch.zeros(b_scale.shape, dtype=torch.bool)
+    one_block[..., b_scale.shape[-1] // 2] = True
+    use = (row_kind == 1).unsqueeze(-1) | ((row_kind == 2).unsqueeze(-1) & one_block)
+    return torch.where(use, b_scale * factor, b_scale)
+
+
 def make_activations(rows: int, hidden: int, act_fmt: str, group: int = 128, seed: int = 0, device="cpu",
                      scale: float = 1.0):
     """``(x, x_scale)``: bf16 [R, H] with x_scale None, or fp8 e4m3fn [R, H] with float32 [R, H/group]."""
