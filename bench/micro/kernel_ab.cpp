@@ -53,10 +53,11 @@ int main(int argc, char** argv) {
   const bool cold = argc > 4 && std::atoi(argv[4]) != 0;
   const int rounds = argc > 5 ? std::atoi(argv[5]) : 10;
   std::mt19937 g(1);
-  const WeightFormat formats[3] = {WeightFormat::Fp4, WeightFormat::Fp8, WeightFormat::Bf16};
-  const char* names[3] = {"fp4", "fp8", "bf16"};
-  for (int f = 0; f < 3; ++f) {
-    const Expert e = f == 0 ? make_fp4(N, K, g) : (f == 1 ? make_fp8(N, K, g) : make_bf16(N, K, g));
+  // fp8: float32 block scales (the fold path); fp8p2: power-of-two ones (the pow2 path)
+  const WeightFormat formats[4] = {WeightFormat::Fp4, WeightFormat::Fp8, WeightFormat::Fp8, WeightFormat::Bf16};
+  const char* names[4] = {"fp4", "fp8", "fp8p2", "bf16"};
+  for (int f = 0; f < 4; ++f) {
+    const Expert e = f == 0 ? make_fp4(N, K, g) : (f < 3 ? make_fp8(N, K, g, f == 2) : make_bf16(N, K, g));
     const ExpertWeight w = e.view(formats[f]);
     for (int64_t m : {1, 4, 16, 64}) {
       Rows r(Isa::Avx512Bf16, formats[f], m, K, N, g);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -45,11 +46,14 @@ Expert make_fp4(int64_t n, int64_t k, std::mt19937& g) {
   return e;
 }
 
-Expert make_fp8(int64_t n, int64_t k, std::mt19937& g) {
+// pow2: power-of-two block scales (2^-13..2^-10, as quantize_weight_fp8 and UE8M0 checkpoints give: the kernels'
+// pow2 path); otherwise float32 scales that are not powers of two (the fold path).
+Expert make_fp8(int64_t n, int64_t k, std::mt19937& g, bool pow2 = false) {
   Expert e{n, k, std::vector<uint8_t>(n * k), std::vector<uint8_t>(n * k / 128 * 4)};
   for (auto& b : e.q) b = static_cast<uint8_t>(g() % 0x7F) | (g() & 0x80);  // no NaN codes
   float* s = reinterpret_cast<float*>(e.s.data());
-  for (int64_t i = 0; i < n * k / 128; ++i) s[i] = 0.001f * (1 + g() % 100);
+  for (int64_t i = 0; i < n * k / 128; ++i)
+    s[i] = pow2 ? std::ldexp(1.0f, -10 - static_cast<int>(g() % 4)) : 0.001f * (1 + g() % 100);
   return e;
 }
 
