@@ -3,7 +3,8 @@ seed_dense, torch_cached, (fp8 weights) torch_scaled_mm and (fp4 weights) torch_
 
 One expert's GEMM over T gathered rows, all routed to it (rows per expert = T): the gate/up GEMM
 (N = 2I, K = H) and, with --gemm both, the down GEMM (N = H, K = I). Every call is cold (caches flushed), so the
-expert's weight streams from DRAM as in a decode step.
+expert's weight streams from DRAM as in a decode step. fp8 weights have power-of-two 1×128 scales, as
+quantize_weight gives (the CPU kernel's pow2 path); --fp8-scales float times the fold path that float scales take.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_expert_gemm.py --shape v4_flash --pairs fp8xfp4 --tokens 1 16
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_expert_gemm.py --quick
@@ -24,7 +25,7 @@ from harness.timing import (bf16_matmul, measure_with, stream_fraction, time_bas
                             timing_dict, weight_stream)
 from static_moe import reference
 from static_moe.formats import quantize_weight
-from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, gen, make_activations
+from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, fp8_scales_of_kind, gen, make_activations
 from static_moe.testing.machine import bf16_dot_products
 from static_moe.testing.numeric import assert_gemm_close, calc_diff
 
@@ -34,14 +35,18 @@ GEMMS = {"w13": lambda s: (2 * s.intermediate, s.hidden), "w2": lambda s: (s.hid
 PEAK_MIN_TOKENS = 16  # from here a point is compute-bound and is timed with the bf16 matmul (run_all's target)
 
 
-def expert_weight(n: int, k: int, fmt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One expert's weight [1, N, K] in ``fmt`` (+ scales), drawn N(0, 1/K)."""
-    w = torch.randn(1, n, k, generator=gen(seed)) / k**0.5
-    return quantize_weight(w, fmt)
+def expert_weight(n: int, k: int, fmt: str, seed: int, fp8_scales: str = "pow2") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One expert's weight [1, N, K] in ``fmt`` (+ scales), drawn N(0, 1/K). fp8: scales of the kind ``fp8_scales``
+    (fp8_scales_of_kind: "pow2", as quantize_weight gives, or "float", as DeepSeek-V3's scale_inv)."""
+    g = gen(seed)
+    w = torch.randn(1, n, k, generator=g) / k**0.5
+    b, b_s = quantize_weight(w, fmt)
+    return (b, fp8_scales_of_kind(b_s, fp8_scales, g)) if fmt == "fp8" else (b, b_s)
 
 
 def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
-        pairs: list[tuple[str, str]] | None = None, gemms: tuple[str, ...] = ("w13",)) -> list[dict]:
+        pairs: list[tuple[str, str]] | None = None, gemms: tuple[str, ...] = ("w13",),
+        fp8_scales: str = "pow2") -> list[dict]:
     """Append one record per (shape, gemm, pair, tokens) to ``report``."""
     pairs = pairs or list(FORMAT_PAIRS)
     records = []
@@ -54,7 +59,7 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
             n, k = GEMMS[gemm](shape)
             print(f"[{BENCH}] {shape.name} {gemm}: N={n} K={k}", flush=True)
             for w_fmt in dict.fromkeys(w for _, w in pairs):
-                b, b_s = expert_weight(n, k, w_fmt, seed=2)
+                b, b_s = expert_weight(n, k, w_fmt, seed=2, fp8_scales=fp8_scales)
                 cached = {dt: B.TorchCached(b, b_s, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
                 smm = B.TorchScaledMM(b, b_s) if (w_fmt == "fp8" and smm_reason is None) else None
                 int4 = B.TorchInt4Pack(b, b_s) if (w_fmt == "fp4" and int4_reason is None) else None
@@ -71,6 +76,10 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
                             rec["bf16_matmul_fraction"] = ((cost.flops / rec["op"]["median_s"])
                                                            / (mm["flops"] / mm["median_s"]))
                         rec.update(rows=t, rows_active=t, rows_per_expert=float(t), experts="1/1", n=n, k=k)
+                        if w_fmt == "fp8":
+                            rec["fp8_scales"] = fp8_scales
+                            if fp8_scales != "pow2":
+                                rec["fmt"] += f", {fp8_scales} scales"  # a series of its own in tables and plots
                         records.append(report.add(rec))
                         progress(rec)
                 del cached, smm, int4, b, b_s
@@ -124,11 +133,13 @@ def main(argv=None) -> None:
     add_common_args(p)
     p.add_argument("--pairs", nargs="+", default=None, help="act×weight pairs as actxweight, e.g. fp8xfp4 (default: all)")
     p.add_argument("--gemm", choices=["w13", "w2", "both"], default="w13", help="gate/up (w13), down (w2) or both")
+    p.add_argument("--fp8-scales", choices=["pow2", "float"], default="pow2",
+                   help="fp8 weight scales: powers of two (default; the CPU kernel's pow2 path) or float (its fold path)")
     args = p.parse_args(argv)
     shapes, tokens = resolve_args(args)
     report = start(args, BENCH)
     gemms = ("w13", "w2") if args.gemm == "both" else (args.gemm,)
-    run(report, shapes, tokens, args.quick, parse_pairs(args.pairs, list(FORMAT_PAIRS)), gemms)
+    run(report, shapes, tokens, args.quick, parse_pairs(args.pairs, list(FORMAT_PAIRS)), gemms, args.fp8_scales)
     finish(report, args, BENCH, [BENCH])
 
 
