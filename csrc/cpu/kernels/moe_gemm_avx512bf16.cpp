@@ -533,8 +533,9 @@ void dot_block_fp8(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, 
         for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl, 0, kStreamHint);
       }
       // Pow2: the line's activation units held in registers, since each weight row's tables take four loads per
-      // line (against the fold path, bench_kernel_ab: 4 rows, one core, weights in L3, 1.12 -> 0.93 of its time;
-      // one row, two cores from DRAM, 1.08-1.20 -> 0.98-1.08).
+      // line. Against the fold path (bench_kernel_ab): 4 rows, one core, weights in L3, 1.12 -> 0.86-0.98 of its
+      // time; one row, two cores from DRAM, 1.08-1.20 -> 0.98-1.08 (from L3 1.2-1.4: the tables' loads, which
+      // DRAM's latency hides).
       constexpr bool hold = Pow2;
       __m512i av0[MR], av1[MR];
       if constexpr (hold) {
@@ -751,8 +752,7 @@ inline void panel_block_fp8(int r, const uint16_t* const* ap, const WeightPanel<
 // scale's tables, so that the panel holds scaled bf16 weights that the rows read as fp4's (panel_rows), with the
 // same sequence as dot_block_fp8<MR, NR, true>. accm: room for m · NR accumulators. Measured (bench_kernel_ab,
 // N = K = 4096, pow2 scales on this path against the fold path, same process): 16 / 64 rows 0.88-0.90 / 0.81-0.83
-// of the fold path's time on one core from L3 or DRAM, 0.89-1.00 / 0.79-0.82 on two from DRAM; four rows
-// 0.86-0.98; one row from DRAM 0.98-1.08, from L3 1.2-1.4 (the tables' loads, which DRAM's latency hides).
+// of the fold path's time on one core from L3 or DRAM, 0.89-1.00 / 0.79-0.82 on two from DRAM.
 template <int NR, bool Pow2>
 void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                    bool prefetch, Acc* accm) {
