@@ -35,7 +35,8 @@ GEMMS = {"w13": lambda s: (2 * s.intermediate, s.hidden), "w2": lambda s: (s.hid
 PEAK_MIN_TOKENS = 16  # from here a point is compute-bound and is timed with the bf16 matmul (run_all's target)
 
 
-def expert_weight(n: int, k: int, fmt: str, seed: int, fp8_scales: str = "pow2") -> tuple[torch.Tensor, torch.Tensor | None]:
+def expert_weight(n: int, k: int, fmt: str, seed: int,
+                  fp8_scales: str = "pow2") -> tuple[torch.Tensor, torch.Tensor | None]:
     """One expert's weight [1, N, K] in ``fmt`` (+ scales), drawn N(0, 1/K). fp8: scales of the kind ``fp8_scales``
     (fp8_scales_of_kind: "pow2", as quantize_weight gives, or "float", as DeepSeek-V3's scale_inv)."""
     g = gen(seed)
@@ -134,7 +135,7 @@ def main(argv=None) -> None:
     p.add_argument("--pairs", nargs="+", default=None, help="act×weight pairs as actxweight, e.g. fp8xfp4 (default: all)")
     p.add_argument("--gemm", choices=["w13", "w2", "both"], default="w13", help="gate/up (w13), down (w2) or both")
     p.add_argument("--fp8-scales", choices=["pow2", "float"], default="pow2",
-                   help="fp8 weight scales: powers of two (default; the CPU kernel's pow2 path) or float (its fold path)")
+                   help="fp8 weight scales: powers of two (default; the CPU kernel's pow2 path) or float (fold path)")
     args = p.parse_args(argv)
     shapes, tokens = resolve_args(args)
     report = start(args, BENCH)
