@@ -51,16 +51,15 @@ double best_of(int reps, bool cold, F&& f) {
   return best;
 }
 
-// The real kernel over all N weight rows, split in 512-column chunks over t threads (as csrc/cpu/expert_gemm.cpp).
+// The real kernel over all N weight rows on t threads (column_chunks).
 double kernel(Isa isa, const Expert& e, WeightFormat wf, Rows& r, int64_t m, int t, int reps, bool cold) {
   const ExpertWeight w = e.view(wf);
   OutRows o;
   o.rows = r.optr.data();
-  const int64_t chunks = (e.n + 511) / 512;
   return best_of(reps, cold, [&] {
-#pragma omp parallel for num_threads(t) schedule(dynamic, 1)
-    for (int64_t c = 0; c < chunks; ++c)
-      expert_gemm_rows(isa, r.ptr.data(), r.is_bf16.data(), m, w, c * 512, std::min(e.n, (c + 1) * 512), o);
+    column_chunks(e.n, t, [&](int64_t n0, int64_t n1) {
+      expert_gemm_rows(isa, r.ptr.data(), r.is_bf16.data(), m, w, n0, n1, o);
+    });
   });
 }
 
@@ -300,10 +299,9 @@ int main(int argc, char** argv) {
           w.data = buf[h];
           w.scale = buf[h] + qb;
           const double tc = best_of(3 * reps, true, [&] {
-#pragma omp parallel for num_threads(t) schedule(dynamic, 1)
-            for (int64_t c = 0; c < (N + 511) / 512; ++c)
-              expert_gemm_rows(Isa::Avx512Bf16, r.ptr.data(), r.is_bf16.data(), m, w, c * 512,
-                               std::min(N, (c + 1) * 512), o);
+            column_chunks(N, t, [&](int64_t n0, int64_t n1) {
+              expert_gemm_rows(Isa::Avx512Bf16, r.ptr.data(), r.is_bf16.data(), m, w, n0, n1, o);
+            });
           });
           line(h ? "kernel_fp4_cold_2MiB_pages" : "kernel_fp4_cold_4KiB_pages", t, m, wbytes / tc / 1e9, "GB/s");
         }

@@ -26,21 +26,18 @@ extern "C" bool kernel_ab_other(int isa, const float* const* a, const uint8_t* a
 
 namespace {
 
-// All N columns in 512-column chunks over t threads (as csrc/cpu/expert_gemm.cpp), with build a (this tree) or b.
+// All N columns over t threads (column_chunks), with build a (this tree) or b.
 double run(bool b, const ExpertWeight& w, Rows& r, int64_t m, int t) {
   OutRows o;
   o.rows = r.optr.data();
-  const int64_t n = w.n, chunks = (n + 511) / 512;
   const double t0 = now();
-#pragma omp parallel for num_threads(t) schedule(dynamic, 1)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t n0 = c * 512, n1 = std::min(n, n0 + 512);
+  column_chunks(w.n, t, [&](int64_t n0, int64_t n1) {
     if (b) {
       kernel_ab_other(static_cast<int>(Isa::Avx512Bf16), r.ptr.data(), r.is_bf16.data(), m, &w, n0, n1, &o);
     } else {
       expert_gemm_rows(Isa::Avx512Bf16, r.ptr.data(), r.is_bf16.data(), m, w, n0, n1, o);
     }
-  }
+  });
   return now() - t0;
 }
 

@@ -3,6 +3,7 @@
 // Header-only and torch-free; each driver gets its own copy (an anonymous namespace).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -20,6 +21,15 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 std::vector<uint8_t> g_flush(128u << 20);  // 4× a 32 MiB last-level cache
 void flush() {
   for (size_t i = 0; i < g_flush.size(); i += 64) g_flush[i] += 1;
+}
+
+// f(n0, n1) for every 512-column chunk of N weight rows, the chunks taken by t OpenMP threads as they go (as
+// csrc/cpu/expert_gemm.cpp at N = 4096, where it keeps 512).
+template <typename F>
+void column_chunks(int64_t n, int t, F&& f) {
+  const int64_t chunks = (n + 511) / 512;
+#pragma omp parallel for num_threads(t) schedule(dynamic, 1)
+  for (int64_t c = 0; c < chunks; ++c) f(c * 512, std::min(n, (c + 1) * 512));
 }
 
 struct Expert {
