@@ -536,9 +536,8 @@ void dot_block_fp8(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, 
       // line. Against the fold path (bench_kernel_ab): 4 rows, one core, weights in L3, 1.12 -> 0.86-0.98 of its
       // time; one row, two cores from DRAM, 1.08-1.20 -> 0.98-1.08 (from L3 1.2-1.4: the tables' loads, which
       // DRAM's latency hides).
-      constexpr bool hold = Pow2;
       __m512i av0[MR], av1[MR];
-      if constexpr (hold) {
+      if constexpr (Pow2) {
         load_units<MR>(ap, kl, av0);
         load_units<MR>(ap, kl + kUnit, av1);
       }
@@ -551,11 +550,11 @@ void dot_block_fp8(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, 
           plain(rq[j] + kl, w0, w1);
         }
         for (int i = 0; i < MR; ++i) {
-          const __m512i x = hold ? av0[i] : _mm512_loadu_si512(ap[i] + kl);
+          const __m512i x = Pow2 ? av0[i] : _mm512_loadu_si512(ap[i] + kl);
           blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)x, (__m512bh)w0);
         }
         for (int i = 0; i < MR; ++i) {
-          const __m512i x = hold ? av1[i] : _mm512_loadu_si512(ap[i] + kl + kUnit);
+          const __m512i x = Pow2 ? av1[i] : _mm512_loadu_si512(ap[i] + kl + kUnit);
           blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)x, (__m512bh)w1);
         }
       }
