@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from harness import native
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "bench" / "micro" / "fp4_gemv.cpp"
@@ -39,14 +40,11 @@ def cpu_flags() -> set[str]:
 
 def build(out_dir: Path) -> Path:
     """Compile the driver (about 20 s on one core); returns the binary's path."""
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise SystemExit(f"bench_cpu_micro: no C++ compiler ({cxx})")
+    compiler = native.cxx("bench_cpu_micro")
     out_dir.mkdir(parents=True, exist_ok=True)
     binary = out_dir / "fp4_gemv"
-    kernels = sorted(str(p) for p in (ROOT / "csrc" / "cpu" / "kernels").glob("moe_gemm*.cpp"))
-    cmd = [cxx, "-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", f"-I{ROOT / 'csrc'}", str(SOURCE), *kernels,
-           "-o", str(binary)]
+    kernels = [str(p) for p in native.kernel_sources(ROOT / "csrc")]
+    cmd = [compiler, *native.CXX_FLAGS, f"-I{ROOT / 'csrc'}", str(SOURCE), *kernels, "-o", str(binary)]
     subprocess.run(cmd, check=True)
     return binary
 

@@ -15,23 +15,16 @@ The other revision must share this tree's ExpertWeight and OutRows layout (csrc/
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
+from harness import native
+
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = ROOT / "bench" / "micro"
-
-
-def _cxx() -> str:
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise SystemExit(f"bench_kernel_ab: no C++ compiler ({cxx})")
-    return cxx
 
 
 def _export(rev: str, dest: Path) -> Path:
@@ -51,12 +44,12 @@ def _export(rev: str, dest: Path) -> Path:
 
 def build(rev: str, out_dir: Path) -> Path:
     """Both builds into one binary (about a minute on two cores); returns its path."""
-    cxx = _cxx()
-    flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+    cxx = native.cxx("bench_kernel_ab")
+    flags = native.CXX_FLAGS
     other = _export(rev, out_dir / "src")
     objs = out_dir / f"obj_{other.parent.name}"
     objs.mkdir(parents=True, exist_ok=True)
-    sources = [MICRO / "kernel_ab_entry.cpp", *sorted((other / "cpu" / "kernels").glob("moe_gemm*.cpp"))]
+    sources = [MICRO / "kernel_ab_entry.cpp", *native.kernel_sources(other)]
     jobs = []
     for src in sources:
         obj = objs / (src.stem + ".o")
@@ -66,7 +59,7 @@ def build(rev: str, out_dir: Path) -> Path:
         if proc.wait() != 0:
             raise SystemExit(f"bench_kernel_ab: compiling {obj.name} of {rev} failed")
     binary = out_dir / f"kernel_ab_{other.parent.name}"
-    ours = sorted(str(p) for p in (ROOT / "csrc" / "cpu" / "kernels").glob("moe_gemm*.cpp"))
+    ours = [str(p) for p in native.kernel_sources(ROOT / "csrc")]
     subprocess.run([cxx, *flags, f"-I{ROOT / 'csrc'}", str(MICRO / "kernel_ab.cpp"), *ours,
                     *sorted(str(o) for o in objs.glob("*.o")), "-o", str(binary)], check=True)
     return binary
