@@ -24,8 +24,7 @@ from harness.report import Report, progress
 from harness.timing import (bf16_matmul, measure_with, stream_fraction, time_baseline, time_fastest_variant, time_fn,
                             timing_dict, weight_stream)
 from static_moe import reference
-from static_moe.formats import quantize_weight
-from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, fp8_scales_of_kind, gen, make_activations
+from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, gen, make_activations, random_weight
 from static_moe.testing.machine import bf16_dot_products
 from static_moe.testing.numeric import assert_gemm_close, calc_diff
 
@@ -39,10 +38,7 @@ def expert_weight(n: int, k: int, fmt: str, seed: int,
                   fp8_scales: str = "pow2") -> tuple[torch.Tensor, torch.Tensor | None]:
     """One expert's weight [1, N, K] in ``fmt`` (+ scales), drawn N(0, 1/K). fp8: scales of the kind ``fp8_scales``
     (fp8_scales_of_kind: "pow2", as quantize_weight gives, or "float", as DeepSeek-V3's scale_inv)."""
-    g = gen(seed)
-    w = torch.randn(1, n, k, generator=g) / k**0.5
-    b, b_s = quantize_weight(w, fmt)
-    return (b, fp8_scales_of_kind(b_s, fp8_scales, g)) if fmt == "fp8" else (b, b_s)
+    return random_weight(1, n, k, fmt, gen(seed), fp8_scales)
 
 
 def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,

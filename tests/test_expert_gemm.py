@@ -12,19 +12,12 @@ from hypothesis import strategies as st
 
 import static_moe
 from static_moe import reference
-from static_moe.formats import quantize_activation, quantize_weight
-from static_moe.testing.generators import FORMAT_PAIRS, FP8_SCALE_KINDS, fp8_scales_of_kind
+from static_moe.formats import quantize_activation
+from static_moe.testing.generators import FORMAT_PAIRS, FP8_SCALE_KINDS, random_weight
 from static_moe.testing.numeric import (assert_equal, assert_gemm_bitwise, assert_gemm_close,
                                         assert_rejected_untouched)
 
 PAIR_IDS = [f"{a}x{w}" for a, w in FORMAT_PAIRS]
-
-
-def _weights(num_experts, n, k, fmt, gen, fp8_scales="pow2"):
-    """fp8: scales of the kind fp8_scales (fp8_scales_of_kind: powers of two, float, or both row by row)."""
-    w = torch.randn(num_experts, n, k, generator=gen) / k**0.5
-    b, b_s = quantize_weight(w, fmt)
-    return (b, fp8_scales_of_kind(b_s, fp8_scales, gen)) if fmt == "fp8" else (b, b_s)
 
 
 def _activations(rows, k, act, group, gen, scale=1.0, pow2=True):
@@ -89,7 +82,7 @@ def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p
     gen = torch.Generator().manual_seed(seed)
     expert = expert_pick % num_experts
     a, a_s = _activations(rows, k, act, group, gen, scale, pow2)
-    b, b_s = _weights(num_experts, n, k, wf, gen, fp8_scales)
+    b, b_s = random_weight(num_experts, n, k, wf, gen, fp8_scales)
     mask = torch.rand(rows, generator=gen) < mask_p
     ref = reference.expert_gemm(a, a_s, b, b_s, mask, expert)
     a, a_s = _poison_rows(a, a_s, ~mask)
@@ -122,7 +115,7 @@ def _full_batch(pair, rows, n, k, experts, expert, rng):
     """Random ``rows`` activations and ``experts`` weights [N, K] of the format pair, and expert_gemm over all rows."""
     act, wf = pair
     a, a_s = _activations(rows, k, act, 32, rng)
-    b, b_s = _weights(experts, n, k, wf, rng)
+    b, b_s = random_weight(experts, n, k, wf, rng)
     return a, a_s, b, b_s, static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(rows, dtype=torch.bool), expert)
 
 
@@ -160,7 +153,7 @@ def test_batch_invariance_rows_of_both_operand_forms(cpu_isa, rng):
     odd = torch.arange(10) % 2 == 1
     a = torch.where(odd[:, None], q1.view(torch.uint8), q2.view(torch.uint8)).view(torch.float8_e4m3fn)
     a_s = torch.where(odd[:, None], s1, s2)
-    b, b_s = _weights(1, 640, 256, "fp4", rng)
+    b, b_s = random_weight(1, 640, 256, "fp4", rng)
     full = static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(10, dtype=torch.bool), 0)
     assert_gemm_bitwise(full, reference.expert_gemm(a, a_s, b, b_s, torch.ones(10, dtype=torch.bool), 0))
     for r in range(10):
@@ -240,7 +233,7 @@ def test_fp4_low_scale_bytes_mixed_bitwise(cpu_isa, act, rng):
     bits (avx512bf16 decodes bytes 0 and 1 2^64 larger and scales their sums back; read as bf16 subnormals, those
     weights would be zero). Two chunks of K, 7 rows (a block of 6 and a tail); a row alone gives the batch's bits."""
     n, k = 40, 1024
-    b, b_s = _weights(1, n, k, "fp4", rng)
+    b, b_s = random_weight(1, n, k, "fp4", rng)
     s = b_s.view(torch.uint8)
     d = int(s.min())
     s = s - d
@@ -264,7 +257,7 @@ def test_fp4_low_scale_bytes_mixed_bitwise(cpu_isa, act, rng):
 
 def test_fp4_dtype_views_and_strided_inputs(rng):
     a, _ = _activations(7, 256, "bf16", 128, rng)
-    b, b_s = _weights(3, 160, 256, "fp4", rng)
+    b, b_s = random_weight(3, 160, 256, "fp4", rng)
     mask = torch.tensor([1, 0, 1, 1, 1, 0, 1], dtype=torch.bool)
     ref = reference.expert_gemm(a, None, b, b_s, mask, 2)
     views = static_moe.expert_gemm(a, None, b.view(torch.float4_e2m1fn_x2), b_s.view(torch.float8_e8m0fnu), mask, 2)
@@ -279,7 +272,7 @@ def test_fp4_dtype_views_and_strided_inputs(rng):
 
 def test_large_k_and_n_threaded(rng):
     a, a_s = _activations(20, 1024, "fp8", 128, rng)
-    b, b_s = _weights(1, 512, 1024, "fp4", rng)
+    b, b_s = random_weight(1, 512, 1024, "fp4", rng)
     mask = torch.rand(20, generator=rng) < 0.7
     assert_gemm_bitwise(static_moe.expert_gemm(a, a_s, b, b_s, mask, 0), reference.expert_gemm(a, a_s, b, b_s, mask, 0))
 
@@ -289,7 +282,7 @@ _G = torch.Generator().manual_seed(4321)
 
 def _sample(act, wf, rows, group=128, n=128, k=256, experts=2, expert=1, mask=None):
     a, a_s = _activations(rows, k, act, group, _G)
-    b, b_s = _weights(experts, n, k, wf, _G)
+    b, b_s = random_weight(experts, n, k, wf, _G)
     mask = torch.rand(rows, generator=_G) < 0.6 if mask is None else mask
     return (a, a_s, b, b_s, mask, expert)
 
@@ -310,7 +303,7 @@ def test_opcheck(args):
 
 def test_compile_fullgraph_matches_eager(rng):
     a, a_s = _activations(9, 256, "fp8", 128, rng)
-    b, b_s = _weights(3, 128, 256, "fp4", rng)
+    b, b_s = random_weight(3, 128, 256, "fp4", rng)
     mask = torch.rand(9, generator=rng) < 0.5
 
     def f(a, a_s, b, b_s, mask):
@@ -380,7 +373,7 @@ def test_rejects(args, exc, msg):
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e8m0fnu])
 def test_rejects_nan_scale_byte_of_the_expert_it_reads(dtype, rng):
     a, _ = _activations(4, 256, "bf16", 128, rng)
-    b, b_s = _weights(3, 64, 256, "fp4", rng)
+    b, b_s = random_weight(3, 64, 256, "fp4", rng)
     b_s[2, 17, 5] = 255
     b_s = b_s.view(dtype)
     with pytest.raises(ValueError, match=r"b_scale of expert 2 holds the UE8M0 NaN byte 255"):

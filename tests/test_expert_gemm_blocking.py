@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import static_moe
-from static_moe.formats import quantize_activation, quantize_weight
-from static_moe.testing.generators import FP8_SCALE_KINDS, fp8_scales_of_kind
+from static_moe.formats import quantize_activation
+from static_moe.testing.generators import FP8_SCALE_KINDS, random_weight
 from static_moe.testing.numeric import assert_equal
 
 ROWS = 13  # > two blocks of 6 rows: every remainder mod 4 and mod 6 occurs among 1..ROWS
@@ -22,17 +22,12 @@ CASES = [("bf16", "bf16", None), ("bf16", "fp4", None), ("fp8", "fp4", None)] + 
     (act, "fp8", kind) for act in ("bf16", "fp8") for kind in FP8_SCALE_KINDS]
 
 
-def _weights(n, k, wf, kind, rng):
-    b, b_s = quantize_weight(torch.randn(1, n, k, generator=rng) / k**0.5, wf)
-    return b, (fp8_scales_of_kind(b_s, kind, rng) if wf == "fp8" else b_s)
-
-
 @pytest.mark.parametrize("act,wf,kind", CASES, ids=[f"{a}x{w}" + (f"_{c}" if c else "") for a, w, c in CASES])
 def test_every_row_count_matches_the_full_batch(cpu_isa, act, wf, kind, rng):
     k, n = 256, 200  # N: not a multiple of any weight-row block, so column tails run too
     x = torch.randn(ROWS, k, generator=rng)
     a, a_s = (x.to(torch.bfloat16), None) if act == "bf16" else quantize_activation(x, 128, pow2_scale=True)
-    b, b_s = _weights(n, k, wf, kind, rng)
+    b, b_s = random_weight(1, n, k, wf, rng, kind or "pow2")
     full = static_moe.expert_gemm(a, a_s, b, b_s, torch.ones(ROWS, dtype=torch.bool), 0)
     for m in range(1, ROWS):
         mask = torch.arange(ROWS) < m
@@ -48,7 +43,7 @@ def test_many_rows_match_each_row_alone(cpu_isa, wf, kind, rng):
     registers) gives the batch's bits. fp4: the UE8M0 bytes of about a tenth of the blocks are set to 0 or 1 (their
     weights below 2^-126), so chunks of the panel path take the slow (lifted) decode next to fast ones."""
     rows, n, k = 27, 40, 1024
-    b, b_s = _weights(n, k, wf, kind, rng)
+    b, b_s = random_weight(1, n, k, wf, rng, kind or "pow2")
     x = torch.randn(rows, k, generator=rng).to(torch.bfloat16)
     if wf == "fp4":
         s = b_s.view(torch.uint8).clone()

@@ -76,6 +76,14 @@ def fp8_scales_of_kind(b_scale: torch.Tensor, kind: str, g: torch.Generator) -> 
     return torch.where(use, b_scale * factor, b_scale)
 
 
+def random_weight(num_experts: int, n: int, k: int, fmt: str, g: torch.Generator,
+                  fp8_scales: str = "pow2") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Expert weights [E, N, K] drawn N(0, 1/K) from ``g`` in ``fmt`` with their scales (formats.quantize_weight);
+    fp8 scales then recast as ``fp8_scales`` (fp8_scales_of_kind, from the same generator)."""
+    b, b_s = quantize_weight(torch.randn(num_experts, n, k, generator=g) / k**0.5, fmt)
+    return (b, fp8_scales_of_kind(b_s, fp8_scales, g)) if fmt == "fp8" else (b, b_s)
+
+
 def make_activations(rows: int, hidden: int, act_fmt: str, group: int = 128, seed: int = 0, device="cpu",
                      scale: float = 1.0):
     """``(x, x_scale)``: bf16 [R, H] with x_scale None, or fp8 e4m3fn [R, H] with float32 [R, H/group]."""
