@@ -151,18 +151,16 @@ int main() {
        "vpmultishiftqb %%zmm2,%%zmm1,%%zmm2\n\tvpmultishiftqb %%zmm2,%%zmm1,%%zmm2\n\t"
        "vpmultishiftqb %%zmm2,%%zmm1,%%zmm2\n\tvpmultishiftqb %%zmm2,%%zmm1,%%zmm2",
        "xmm2")
-#define UNIT(acc, off) \
-  "vbroadcasti32x4 " #off "/4(%0),%%zmm3\n\tvpsrlvw %%zmm1,%%zmm3,%%zmm2\n\t" \
+// One one-row fp4 unit (broadcast load, index instruction idx: zmm3 -> zmm2, vpermw, dot) into accumulator acc.
+#define UNIT(idx, acc, off) \
+  "vbroadcasti32x4 " #off "/4(%0),%%zmm3\n\t" idx "\n\t" \
   "vpermw " #off "(%0),%%zmm2,%%zmm2\n\tvdpbf16ps %%zmm30,%%zmm2,%%zmm" #acc "\n\t"
-  RATE("unit   one-row fp4 unit (load, vpsrlvw, vpermw, dot), 8 rows", 8,
-       UNIT(8, 0) UNIT(9, 64) UNIT(10, 128) UNIT(11, 192) UNIT(12, 256) UNIT(13, 320) UNIT(14, 384) UNIT(15, 448),
+#define UNITS8(idx)                                                                                          \
+  UNIT(idx, 8, 0) UNIT(idx, 9, 64) UNIT(idx, 10, 128) UNIT(idx, 11, 192) UNIT(idx, 12, 256) UNIT(idx, 13, 320) \
+      UNIT(idx, 14, 384) UNIT(idx, 15, 448)
+  RATE("unit   one-row fp4 unit (load, vpsrlvw, vpermw, dot), 8 rows", 8, UNITS8("vpsrlvw %%zmm1,%%zmm3,%%zmm2"),
        "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
-#define UNIT_MS(acc, off) \
-  "vbroadcasti32x4 " #off "/4(%0),%%zmm3\n\tvpmultishiftqb %%zmm3,%%zmm1,%%zmm2\n\t" \
-  "vpermw " #off "(%0),%%zmm2,%%zmm2\n\tvdpbf16ps %%zmm30,%%zmm2,%%zmm" #acc "\n\t"
-  RATE("unit   the same with vpmultishiftqb, 8 rows", 8,
-       UNIT_MS(8, 0) UNIT_MS(9, 64) UNIT_MS(10, 128) UNIT_MS(11, 192) UNIT_MS(12, 256) UNIT_MS(13, 320)
-       UNIT_MS(14, 384) UNIT_MS(15, 448),
+  RATE("unit   the same with vpmultishiftqb, 8 rows", 8, UNITS8("vpmultishiftqb %%zmm3,%%zmm1,%%zmm2"),
        "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
   // The fp8 panel's 4 × 3 unit (4 activation rows × 3 decoded weight rows, 12 vdpbf16ps) from L1, per unit: as GCC
   // compiled it with 24 accumulators live (each product reloads its activation: 3 + 12 loads), and with the 4
