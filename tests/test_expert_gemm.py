@@ -96,9 +96,9 @@ def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p
 
 @pytest.mark.parametrize("pair", FORMAT_PAIRS, ids=PAIR_IDS)
 def test_invariance_across_column_chunkings(cpu_isa, pair, rng):
-    # N=1600 × K=128: 24 rows run threaded in 13 chunks of 128 columns, one row (below the parallel threshold) in 4
-    # chunks of 512, one thread in 4 chunks too; a column lands in a different block of weight rows in each. Bits
-    # must agree (csrc/cpu/expert_gemm.cpp: the chunk width follows the thread count).
+    # N=1600 × K=128: 24 rows on two threads run in 10 chunks (384, 256, 7 × 128, 64 columns), one row (below the
+    # parallel threshold) and one thread in 6 (512, 512, 256, 128, 128, 64); a column lands in a different block of
+    # weight rows in each. Bits must agree (csrc/cpu/column_chunks.h: the chunks follow the thread count).
     a, a_s, b, b_s, full = _full_batch(pair, 24, 1600, 128, 1, 0, rng)
     threads = torch.get_num_threads()
     try:

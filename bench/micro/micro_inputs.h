@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "cpu/column_chunks.h"
 #include "cpu/kernels/moe_gemm.h"
 
 namespace {
@@ -23,13 +24,14 @@ void flush() {
   for (size_t i = 0; i < g_flush.size(); i += 64) g_flush[i] += 1;
 }
 
-// f(n0, n1) for every 512-column chunk of N weight rows, the chunks taken by t OpenMP threads as they go (as
-// csrc/cpu/expert_gemm.cpp at N = 4096, where it keeps 512).
+// f(n0, n1) for every column chunk of N weight rows (cpu::column_chunk_bounds, as csrc/cpu/expert_gemm.cpp splits
+// them), the chunks taken by t OpenMP threads as they go.
 template <typename F>
 void column_chunks(int64_t n, int t, F&& f) {
-  const int64_t chunks = (n + 511) / 512;
+  const std::vector<int64_t> b = column_chunk_bounds(n, t);
+  const int64_t chunks = static_cast<int64_t>(b.size()) - 1;
 #pragma omp parallel for num_threads(t) schedule(dynamic, 1)
-  for (int64_t c = 0; c < chunks; ++c) f(c * 512, std::min(n, (c + 1) * 512));
+  for (int64_t c = 0; c < chunks; ++c) f(b[c], b[c + 1]);
 }
 
 struct Expert {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "checks/expert_gemm.h"
+#include "cpu/column_chunks.h"
 #include "cpu/kernels/moe_gemm.h"
 #include "cpu/moe_gemm_binding.h"
 
@@ -24,13 +25,6 @@ namespace {
 
 using namespace static_moe;
 
-// Columns are handed out in chunks, first come first served, so a thread that streams faster does more of them:
-// 512 (8 chunks of the V4-Flash gate/up GEMM: fewer chunk starts, each a prefetch run-in), halved down to 128 until
-// every thread has at least kChunksPerThread of them, so that a narrow GEMM does not leave a thread idle (Qwen3's
-// gate/up, N = 1536: 3 chunks of 512 on 2 threads ran 2 against 1).
-constexpr int64_t kColumnChunk = 512;
-constexpr int64_t kMinColumnChunk = 128;
-constexpr int64_t kChunksPerThread = 4;
 constexpr int64_t kParallelMacs = 1 << 18; // below this many multiply-adds one thread beats waking a team
 
 at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>& a_scale, const at::Tensor& b,
@@ -84,17 +78,13 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   o.rows = out_rows.data();
   o.col0 = 0;
   const int threads = parallel ? omp_get_max_threads() : 1;
-  int64_t chunk = kColumnChunk;
-  while (chunk > kMinColumnChunk && (N + chunk - 1) / chunk < kChunksPerThread * threads) chunk /= 2;
-  const int64_t chunks = (N + chunk - 1) / chunk;
+  const std::vector<int64_t> bounds = cpu::column_chunk_bounds(N, threads);
+  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
   const int nt = static_cast<int>(std::min<int64_t>(threads, chunks));
   int bad_scale = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(| : bad_scale)
   for (int64_t c = 0; c < chunks; ++c) {
-    if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w, c * chunk, std::min(N, (c + 1) * chunk),
-                               o)) {
-      bad_scale = 1;
-    }
+    if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w, bounds[c], bounds[c + 1], o)) bad_scale = 1;
   }
   TORCH_CHECK_VALUE(!bad_scale, op, ": b_scale of expert ", expert,
                     " holds the UE8M0 NaN byte 255; scale bytes must be 0..254 (value 2^(b-127))");

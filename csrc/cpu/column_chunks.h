@@ -1,0 +1,34 @@
+// How expert_gemm splits a GEMM's N weight rows (its output columns) into chunks for its threads; header-only and
+// torch-free, so that the micro-benchmarks (bench/micro) split them the same way.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace static_moe {
+namespace cpu {
+
+// Columns are handed out in chunks, first come first served, so a thread that streams faster does more of them.
+// Chunks start at 512 columns (fewer chunk starts, each a prefetch run-in) and shrink towards 128 as the columns
+// left run out, so that the threads finish close together. With eight chunks of 512 (V4-Flash gate/up on two
+// threads) the one that finished first waited up to a chunk at the loop's end; bench/bench_profile.py put 20 % of
+// a one-row call's thread time (16 rows: 9 %) in the OpenMP runtime, 13 % (6 %) with these chunks. Measured
+// (two threads, weights from DRAM, N = K = 4096, the two schedules alternating in one process, best of 21-31):
+// 1 / 4 / 16 rows 0.92-0.97 / 0.91-0.97 / 0.96-1.02 of the time of eight chunks of 512.
+constexpr int64_t kColumnChunk = 512;
+constexpr int64_t kMinColumnChunk = 128;
+
+// Chunk boundaries [0, b1, …, n] for `threads` threads: each chunk half of one thread's share of the columns left,
+// rounded down to a multiple of 128 (a multiple of every kernel's NR) and held to [128, 512].
+inline std::vector<int64_t> column_chunk_bounds(int64_t n, int threads) {
+  std::vector<int64_t> bounds{0};
+  while (bounds.back() < n) {
+    const int64_t share = (n - bounds.back()) / (2 * threads) / kMinColumnChunk * kMinColumnChunk;
+    bounds.push_back(std::min(n, bounds.back() + std::clamp(share, kMinColumnChunk, kColumnChunk)));
+  }
+  return bounds;
+}
+
+}  // namespace cpu
+}  // namespace static_moe
