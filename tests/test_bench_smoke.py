@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -179,3 +181,63 @@ def test_same_round_timing(bench_modules):
     assert op == {"available": False, "reason": "RuntimeError: no kernel"} and out is None and "median_s" in paired["s"]
     assert H.timing.stream_fraction(paired["s"], op) is None
     assert H.timing.stream_fraction({"median_s": 1.0}, {"available": True, "median_s": 2.0}) == 0.5
+
+
+def test_profile_reads_perf_output():
+    """bench_profile.py's readers on perf's own text: samples kept only inside the calls' windows and sorted by
+    place and thread, annotate lines sorted by instruction class (AT&T operands: sources first)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        P = importlib.import_module("bench_profile")
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    so = "(/x/python/static_moe/_C.cpython-311-x86_64-linux-gnu.so)"
+    script = "\n".join([
+        f"   100/100 10.000100000:   7f01 static_moe::cpu::(anonymous namespace)::dot_panel_fp4<4> {so}",
+        "   100/102 10.000200000:   7f02 [unknown] (/x/torch/lib/libgomp.so.1)",
+        f"   100/100 10.000300000:   7f03 (anonymous namespace)::swiglu_rows {so}",
+        "   100/100 10.000400000:   7f04 _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)",
+        "   100/102 11.500000000:   7f05 [unknown] (/x/torch/lib/libgomp.so.1)",  # between the calls
+        "   100/100 12.000100000:   7f06 memset ([kernel.kallsyms])",
+        "   200/200 10.000500000:   7f07 dot_block (/x/_C.so)",  # another process, outside its own call
+    ])
+    samples = P.parse_script(script)
+    assert [s[1] for s in samples] == [True, False, True, True, False, True, True]
+    assert samples[0][3] == "_C.cpython-311-x86_64-linux-gnu.so" and samples[-1][0] == 200
+    kept = P.in_windows(samples, {100: [(10.0, 10.001), (12.0, 12.001)], 200: [(10.002, 10.003)]})
+    assert len(kept) == 5 and all(s[2] != 11.5 and s[0] == 100 for s in kept)
+    assert P.places(kept) == {"expert-GEMM kernels": (1, 0), "static_moe, other": (1, 0), "OpenMP runtime": (0, 1),
+                              "torch": (0, 0), "Python": (1, 0), "OS": (1, 0), "other": (0, 0)}
+    annotate = "\n".join([
+        " Percent |	Source code & Disassembly of _C.so for cpu-clock (467 samples, percent: local period)",
+        "         : 3     Disassembly of section .text:",
+        "    4.00 :   2d3ba:  vdpbf16ps %zmm4,%zmm0,%zmm7",
+        "    3.00 :   2cfe2:  vbroadcasti32x4 (%rsi,%rax,1),%zmm0",
+        "    2.00 :   2d054:  vpmultishiftqb %zmm0,%zmm24,%zmm0",
+        "    1.00 :   2d066:  vmovdqa64 %zmm0,0x600(%rsp,%rax,1)",
+        "    0.50 :   2d070:  vfmadd231ps %zmm1,%zmm2,%zmm3",
+        "    0.25 :   2d080:  add    $0x20,%r10",
+        "    0.00 :   2d090:  vpermw (%r14,%r8,1),%zmm0,%zmm0",
+    ])
+    rows = P.parse_annotate(annotate)
+    assert len(rows) == 6  # lines without samples are left out
+    assert P.classes(rows) == {"vdpbf16ps": 4.0, "decode": 2.0, "load": 3.0, "store": 1.0, "fold (vfmadd)": 0.5,
+                               "prefetch": 0.0, "other": 0.25}
+
+
+def test_profile_end_to_end(tmp_path):
+    """bench_profile.py on a small point, where this host lets perf sample its own processes: the calls' windows
+    and perf's clock line up (samples are found inside the calls) and most of them are in the GEMM kernels."""
+    import subprocess
+
+    probe = subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-o", str(tmp_path / "p.data"), "--", "true"],
+                           capture_output=True, text=True) if shutil.which("perf") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("perf cannot sample here" + ("" if probe is None else f": {probe.stderr.strip()[:200]}"))
+    out = subprocess.run([sys.executable, str(BENCH_DIR / "bench_profile.py"), "expert_gemm", "--shape",
+                          "qwen3_30b_a3b", "--tokens", "4", "--seconds", "0.5", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    kernel = re.search(r"expert-GEMM kernels\s+([0-9.]+) %", out.stdout)
+    assert kernel and float(kernel[1]) > 50, out.stdout
+    assert "by instruction class" in out.stdout, out.stdout
