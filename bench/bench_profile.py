@@ -2,26 +2,30 @@
 
 The issue's rule for a missed performance target is "the binding resource, with a profile and a number". This
 script gives the profile: it runs one ``expert_gemm`` or ``local_experts`` point of the benchmarks (same shapes,
-weights and routing as bench_expert_gemm / bench_local_experts) under ``perf record -e cpu-clock`` and keeps the samples,
-of every thread, that fall inside a call (the process logs each call's start and end on the clock perf stamps
-samples with), so the cache flush between cold calls, the set-up and the threads' idle time between calls are not
-in it. It prints
+weights and routing as bench_expert_gemm / bench_local_experts) under ``perf record -e cpu-clock`` and keeps the
+samples, of every thread, that fall inside a call (each process logs its calls' starts and ends on the clock perf
+stamps the samples with), so the cache flush between cold calls, the set-up and the idle time between calls are
+not in it. It prints
 
-- the call's median time under the profiler;
-- the samples by place, as a share and in thread-milliseconds per call: the expert-GEMM kernels, the rest of static_moe (SwiGLU, routing, activation prep), the
-  OpenMP runtime (a thread waiting at a barrier or for work: imbalance), torch, Python, the OS;
+- each process's median call time under the profiler;
+- the samples by place, as a share and in thread-milliseconds per call on the main thread + the others: the
+  expert-GEMM kernels, the rest of static_moe (SwiGLU, routing, activation prep), the OpenMP runtime (a thread
+  waiting at a barrier or for work), torch, Python, the OS;
 - in the hottest kernel symbol, the samples by instruction class: ``vdpbf16ps`` (the multiply-adds), the weight
-  decode (table permutes, shifts and the panel stores), loads, the fp8 fold (``vfmadd``), prefetches, the rest.
+  decode (table permutes and shifts), loads, stores (the decoded panel, parked accumulators), the fp8 fold
+  (``vfmadd``), prefetches, the rest. perf annotates the symbol over the whole recording; a kernel symbol runs
+  only inside the calls.
 
 The event is the OS timer (``cpu-clock``): this VM exposes no hardware counters (``perf stat -e cycles`` says
 ``<not supported>``), so there are no cache-miss counts. A timer sample lands on the instruction the core was
 retiring at the interrupt, which for a stall is at or just after the instruction waited for (a load's consumer);
 compare the classes of two runs of the same kernel (weights cold from DRAM against hot in the L3, say) rather than
-read one class on its own.
+read one class on its own. ``--copies 2 --threads 1`` runs two processes at once, as forward's two gloo ranks
+share this host at S = 2.
 
     .venv/bin/python bench/bench_profile.py expert_gemm --shape v4_flash --pair bf16xfp4 --tokens 16
     .venv/bin/python bench/bench_profile.py expert_gemm --shape v4_flash --pair bf16xfp4 --tokens 16 --hot
-    .venv/bin/python bench/bench_profile.py local_experts --shape v4_flash --pair fp8xfp4 --tokens 1
+    .venv/bin/python bench/bench_profile.py local_experts --pair fp8xfp4 --tokens 1 --threads 1 --copies 2
 
 Needs the ``perf`` tool and ``kernel.perf_event_paranoid`` <= 2 (its own processes); says why and exits 2 without.
 """
@@ -53,7 +57,7 @@ def place_of(dso: str, symbol: str) -> str:
     """Where a sample's code lives: one of PLACES, from perf's shared object and symbol."""
     if dso.startswith("_C") or "static_moe" in dso:
         return PLACES[0] if _KERNEL_SYMBOL.search(symbol) else PLACES[1]
-    if "gomp" in dso or "omp" in dso:
+    if dso.startswith(("libgomp", "libomp", "libiomp")):
         return PLACES[2]
     if dso.startswith(("libtorch", "libc10")):
         return PLACES[3]
@@ -208,8 +212,8 @@ def child(args) -> None:
         windows.append((t0, clock()))
     (folder / str(os.getpid())).write_text("".join(f"{t0} {t1}\n" for t0, t1 in windows))
     times = [(t1 - t0) / 1e6 for t0, t1 in windows]
-    print(f"{label}, pid {os.getpid()}, threads {torch.get_num_threads()}: {len(times)} calls, median {statistics.median(times):.3f} ms "
-          f"under the profiler", flush=True)
+    print(f"{label}, pid {os.getpid()}, threads {torch.get_num_threads()}: {len(times)} calls, median "
+          f"{statistics.median(times):.3f} ms under the profiler", flush=True)
 
 
 def launch(args, argv: list[str]) -> None:
