@@ -161,22 +161,24 @@ def _point(args):
     """(the call to profile, a label) for the point the arguments name, built as the benchmarks build it."""
     import torch
 
+    import bench_expert_gemm as EG
+    import bench_local_experts as LE
     from harness.workload import bench_weights, local_experts_for
-    from static_moe.testing.generators import MODEL_SHAPES, gen, make_activations, random_weight, sliced_routing
+    from static_moe.testing.generators import MODEL_SHAPES, make_activations, sliced_routing
 
     act_fmt, w_fmt = args.pair.split("x")
     shape = MODEL_SHAPES[args.shape]
     t = args.tokens
     if args.op == "expert_gemm":
-        n, k = (2 * shape.intermediate, shape.hidden) if args.gemm == "w13" else (shape.hidden, shape.intermediate)
-        b, b_s = random_weight(1, n, k, w_fmt, gen(2), args.fp8_scales)  # bench_expert_gemm's expert_weight
-        a, a_s = make_activations(t, k, act_fmt, 128, seed=t)
+        n, k = EG.GEMMS[args.gemm](shape)
+        b, b_s = EG.expert_weight(n, k, w_fmt, seed=2, fp8_scales=args.fp8_scales)
+        a, a_s = make_activations(t, k, act_fmt, EG.GROUP, seed=t)
         mask = torch.ones(t, dtype=torch.bool)
         return (lambda: torch.ops.static_moe.expert_gemm(a, a_s, b, b_s, mask, 0)), f"{args.gemm} N={n} K={k}"
     num_local = local_experts_for(args.shape, False)
     w = bench_weights(num_local, shape.hidden, shape.intermediate, w_fmt, seed=1)
     routing = sliced_routing(shape, [t], num_local, seed=t)
-    x, xs = make_activations(t, shape.hidden, act_fmt, 128, seed=t)
+    x, xs = make_activations(t, shape.hidden, act_fmt, LE.GROUP, seed=t)
     op_args = (x, xs, routing.topk_idx[0], routing.topk_weights[0], w["w13"], w["w13_scale"], w["w2"],
                w["w2_scale"], 0, None, 448.0)
     return (lambda: torch.ops.static_moe.local_experts(*op_args)), f"{num_local} local experts"
