@@ -99,6 +99,9 @@ MUTANTS = [
     Mutant("expert_gemm: masked row 0 computed anyway", "csrc/cpu/expert_gemm.cpp",
            "    if (mp[r]) rows.push_back(r);", "    if (mp[r] || r == 0) rows.push_back(r);",
            (EG, "-k", "test_matches_reference and scalar")),
+    Mutant("expert_gemm: each column chunk stops one column short", "csrc/cpu/expert_gemm.cpp",
+           "m, w, bounds[c], bounds[c + 1], o)", "m, w, bounds[c], bounds[c + 1] - 1, o)",
+           (EG, "-k", "test_matches_reference and scalar"), why="csrc/cpu/column_chunks.h bounds, used off by one"),
     # ---------------------------------------------------------------- pack / unpack (csrc/cpu/kernels/pack_rows.h)
     Mutant("pack: part copy one byte too long", "csrc/cpu/kernels/pack_rows.h",
            "std::memcpy(dst + s.offset, s.src + r * s.src_row_stride, static_cast<size_t>(s.nbytes));",
