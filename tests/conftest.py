@@ -48,7 +48,7 @@ def cuda_device() -> torch.device:
     return torch.device("cuda")
 
 
-CPU_ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
+CPU_ISAS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
 
 
 def _cpu_isa_supported(isa: str) -> bool:

@@ -385,7 +385,7 @@ def test_rejects_nan_scale_byte_of_the_expert_it_reads(dtype, rng):
 
 def test_rejects_unknown_forced_isa(monkeypatch):
     monkeypatch.setenv("STATIC_MOE_CPU_ISA", "avx9000")
-    with pytest.raises(ValueError, match=r"STATIC_MOE_CPU_ISA must be one of scalar, avx2, avx512, avx512bf16, auto"):
+    with pytest.raises(ValueError, match=r"STATIC_MOE_CPU_ISA must be one of scalar, avx2, avx512, avx512bf16, amx, auto"):
         static_moe.expert_gemm(_a(), None, _b(), None, _M4, 0)
 
 

@@ -175,6 +175,8 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
     std::vector<const float*> a_rows(M);
     std::vector<uint8_t> a_bf16(M);
     std::vector<void*> out_rows(M);
+    cpu::TileRows tiles;  // Isa::Amx: this expert's GEMM operand in its tiles' layout (each thread packs its own)
+    const bool amx = isa == cpu::Isa::Amx;
 
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < n_routed; ++p) {
@@ -193,6 +195,7 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         a_rows[i] = xf.row(rt.slot_of[rt.rows[b + i]]);
         a_bf16[i] = xf_bf16[rt.slot_of[rt.rows[b + i]]];
       }
+      if (amx) tiles.pack(a_rows.data(), a_bf16.data(), m, H);
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t c = 0; c < n_inter_chunks; ++c) {
         const int64_t i0 = c * kInterChunk, i1 = std::min(I, i0 + kInterChunk), It = i1 - i0;
@@ -201,9 +204,9 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         o.kind = cpu::OutKind::StoreBf16;
         o.rows = out_rows.data();
         o.col0 = i0;  // gate rows [i0, i1) -> h[i][0, It)
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w1, i0, i1, o)) bad13 = 1;
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w1, i0, i1, o, &tiles)) bad13 = 1;
         o.col0 = I + i0 - It;  // up rows [I+i0, I+i1) -> h[i][It, 2It)
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w1, I + i0, I + i1, o)) bad13 = 1;
+        if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w1, I + i0, I + i1, o, &tiles)) bad13 = 1;
 
         cpu::SwigluParams sp;
         sp.rows = m;
@@ -235,6 +238,7 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         for (int64_t c = 1; c < n_inter_chunks; ++c) mixed_z |= zfe_bf16[i * n_inter_chunks + c] != a_bf16[i];
         out_rows[i] = acc_base + rt.rows[b + i] * H;
       }
+      if (amx && !mixed_z) tiles.pack(a_rows.data(), a_bf16.data(), m, I);
       cpu::OutRows o;
       o.kind = cpu::OutKind::AddBf16ToF32;
       o.rows = out_rows.data();
@@ -243,7 +247,7 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
       for (int64_t c = 0; c < n_hidden_chunks; ++c) {
         if (mixed_z) continue;  // never happens (see zf_bf16); reported below rather than computed wrongly
         if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w2e, c * kHiddenChunk,
-                                   std::min(H, (c + 1) * kHiddenChunk), o)) {
+                                   std::min(H, (c + 1) * kHiddenChunk), o, &tiles)) {
           bad2 = 1;
         }
       }

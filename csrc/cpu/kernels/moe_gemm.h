@@ -29,6 +29,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cpu/simd.h"
@@ -72,7 +73,7 @@ struct OutRows {
 //   false  float32: ((float*)row)[c] for the k columns, in the ISA's lane layout (a fixed permutation within each
 //          32-column unit for fp4 weights, see moe_gemm_impl.h): x.float() (bf16) or e4m3fn(x)·scale rounded once
 //          in fp32 (fp8), exactly as the reference
-//   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 only, any weight format, in the order its
+//   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 and Amx only, any weight format, in the order its
 //          decode of fp4 and fp8 weights produces within each 32- or 64-column piece, when every value is
 //          exact in bf16: always for bf16 x; for fp8 x when the scales are powers of two >= 2^-117, so that every
 //          e4m3fn(x)·scale is a normal bf16 number — the float32 value itself)
@@ -101,12 +102,34 @@ class PreparedRows {
   float* base_;
 };
 
+// The bf16-form rows of one GEMM operand interleaved for Isa::Amx's tiles (moe_gemm_amx.cpp): groups of 16 rows;
+// for each group and 32-k unit, 16 words (k pairs, in the prepared lane order) × the group's rows, 1 KiB, 64-byte
+// aligned — the layout of a tile's B operand, so each tile load reads it as it is. Built once per operand (pack),
+// read by every expert_gemm_rows call over those rows, from any thread.
+class TileRows {
+ public:
+  // Packs the rows a[i] with a_bf16[i] != 0 (all rows where a_bf16 is null), in order, k columns each (a
+  // multiple of 32). Cheap where there are none.
+  void pack(const float* const* a, const uint8_t* a_bf16, int64_t m, int64_t k);
+  int64_t rows() const { return rows_; }
+  int64_t k() const { return k_; }
+  // The 16 × 16 words of group g (rows 16g … 16g + 15), unit u.
+  const uint32_t* unit(int64_t g, int64_t u) const { return base_ + (g * (k_ / 32) + u) * 256; }
+
+ private:
+  int64_t rows_ = 0, k_ = 0;
+  std::unique_ptr<uint32_t[]> buf_;  // uninitialised: a last group's unused words are never read
+  int64_t capacity_ = 0;             // words in buf_
+  uint32_t* base_ = nullptr;
+};
+
 // C for the m rows a[0..m) (prepared for w.format by prepare_activation; a_bf16[i] its return value, or
 // a_bf16 = nullptr when all are float32) and the weight rows [n0, n1), written through `out`. Single-threaded:
 // callers split [0, N) across threads. Returns false if an fp4 UE8M0 scale byte it read was 255 (NaN); the outputs
-// are then meaningless.
+// are then meaningless. Isa::Amx reads the bf16-form rows from `tiles` (packed from the same a, a_bf16, m and w.k)
+// where given, and packs them itself where not (correct, but a cost per call).
 bool expert_gemm_rows(Isa isa, const float* const* a, const uint8_t* a_bf16, int64_t m, const ExpertWeight& w,
-                      int64_t n0, int64_t n1, const OutRows& out);
+                      int64_t n0, int64_t n1, const OutRows& out, const TileRows* tiles = nullptr);
 
 // The same, one instruction set each (defined in moe_gemm_<isa>.cpp; dispatch in moe_gemm.cpp). The float32-only
 // instances take float32 rows.
@@ -127,6 +150,10 @@ bool prepare_activation(WeightFormat, ActFormat, const void*, const float*, int6
 bool expert_gemm_rows(const float* const*, const uint8_t*, int64_t, const ExpertWeight&, int64_t, int64_t,
                       const OutRows&);
 }  // namespace avx512bf16
+namespace amx {  // prepare_activation: avx512bf16's (the same lane layout)
+bool expert_gemm_rows(const float* const*, const uint8_t*, int64_t, const ExpertWeight&, int64_t, int64_t,
+                      const OutRows&, const TileRows*);
+}  // namespace amx
 
 }  // namespace cpu
 }  // namespace static_moe

@@ -89,12 +89,12 @@ def measure_read_bandwidth(array_bytes: int, repeat: int = 5) -> float:
 
 
 def bf16_dot_products(act_fmt: str, pow2_scale: bool = True) -> bool:
-    """Whether the CPU kernels multiply rows of ``act_fmt`` activations with bf16 dot products (vdpbf16ps) here, so
-    that their compute roof is the bf16 matmul peak: the avx512bf16 instruction set (csrc/cpu/simd.h: AVX-512
-    F/BW/DQ/VL + BF16 + VBMI, not forced lower by STATIC_MOE_CPU_ISA) and rows exact in bf16 (bf16 activations,
-    or fp8 with power-of-two scales). Any weight format."""
+    """Whether the CPU kernels multiply rows of ``act_fmt`` activations with bf16 dot products (vdpbf16ps, or AMX
+    tiles) here, so that their compute roof is the bf16 matmul peak: the avx512bf16 or amx instruction set
+    (csrc/cpu/simd.h: AVX-512 F/BW/DQ/VL + BF16 + VBMI, not forced lower by STATIC_MOE_CPU_ISA) and rows exact in
+    bf16 (bf16 activations, or fp8 with power-of-two scales). Any weight format."""
     forced = os.environ.get("STATIC_MOE_CPU_ISA", "")
-    if forced not in ("", "auto", "avx512bf16"):
+    if forced not in ("", "auto", "avx512bf16", "amx"):
         return False
     try:
         flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()

@@ -1,0 +1,466 @@
+// AMX instance of the expert GEMM (Isa::Amx): the bf16 products of the avx512bf16 path (the same exact decodes,
+// bf16_units.h, and the same prepared activation rows), multiplied by the tile unit instead of vdpbf16ps.
+//
+//   tiles   A (tmm0): 16 weight rows × one 32-k unit, decoded to bf16 into a 1 KiB buffer (bf16 weights: loaded
+//           straight from the weight rows, stride = row stride); B (tmm1, tmm2 for a group's last, narrower load):
+//           the unit's 16 k pairs × up to 16 activation rows of one group, from TileRows (packed once per operand);
+//           C (tmm3 … tmm7): 16 weight rows × one group's rows in fp32, up to five groups (80 rows) per pass over K.
+//           TDPBF16PS C += A · B: per (weight row, activation row), the 16 pairs of a unit summed (even and odd
+//           positions apart, then together) and added to C, so each output is one fp32 sum walked through K unit
+//           by unit, and depends on its own weight row and activation row only (Intel SDM, TDPBF16PS: "for m in
+//           0 … rows-1" computes each row of C from that row of A alone; the same for each column of B). Which
+//           rows share a tile, how many groups a pass holds, where a column chunk starts: none of it changes a
+//           row's bits (batch invariance). The bits differ from avx512bf16's (16 lane sums, then a horizontal
+//           sum), within the same reference tolerance: every product is exact in fp32 on both.
+//   weight  rows decoded by bf16_units.h, 128 k (4 units: an fp4 line, an fp8 block) per step into one of two A
+//           buffers, so the next step's decode runs while the tile unit reads the last. A weight row the tiles
+//           cannot take exactly — an fp4 scale byte outside [2, 252] anywhere in the row (bf16 subnormals, which
+//           TDPBF16PS reads as zero like vdpbf16ps, or 255, NaN), or fp8 scales that are not powers of two in
+//           range (the fold path) — is zero in the A tile and computed on its own by the avx512bf16 kernel, which
+//           handles those cases; the choice is the row's own, so its bits never depend on its neighbours.
+//   DAZ / FTZ, RNE: as vdpbf16ps (SDM: "FP32 FMA with DAZ, FTZ, RNE, and SAE").
+// Tile state: configured (LDTILECFG) per call and released (TILERELEASE) before returning, so a thread holds no
+// tile data between calls. The OS grants the process the tile state first (simd.h, amx_permitted).
+// GCC 12 flags the intrinsics headers' own `__m512i __Y = __Y;` placeholders wherever they are inlined.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu/kernels/cast.h"
+#include "cpu/kernels/moe_gemm.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c,bmi,bmi2,amx-tile,amx-bf16")
+
+#include "cpu/kernels/bf16_units.h"
+#include "cpu/kernels/moe_gemm_impl.h"
+
+namespace static_moe {
+namespace cpu {
+namespace {
+
+constexpr int kTile = 16;         // weight rows per A tile; activation rows per group (B, C)
+constexpr int kMaxGroups = 5;     // C tiles of a pass with one weight block: tmm3 … tmm7
+constexpr int64_t kStep = 128;    // k decoded per step: 4 units
+constexpr int kStepUnits = static_cast<int>(kStep / kUnit);
+constexpr int kStreamHint = 2;    // prefetcht1, as the avx512bf16 kernels
+
+// LDTILECFG's 64-byte operand (Intel SDM, "Tile configuration"): palette 1, then bytes per row and rows per tile.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+// The tile layouts, by weight blocks × activation groups per pass. A TDPBF16PS waits for the last one into the
+// same C tile, so a pass keeps at least three C tiles going where it can: with one group, three weight blocks;
+// with two, two. (Each C still sums one weight block × one group through K in unit order: the same bits.)
+//   NB = 1, NG = 1 … 5: tmm0 A (nr weight rows); tmm1 / tmm2 B of a full group / of the last; tmm3 + g C(g)
+//   NB = 3, NG = 1:     tmm0 … tmm2 A(b); tmm3 B; tmm4 + b C(b)
+//   NB = 2, NG = 2:     tmm0, tmm1 A(b); tmm2 / tmm3 B of group 0 (full) / group 1 (the last); tmm4 + 2b + g C(b, g)
+// last: the last group's rows (its B tile and C tiles are 4·last bytes wide).
+inline TileConfig tile_config(int nb, int ng, int nr, int last) {
+  TileConfig c;
+  auto set = [&](int t, int rows, int colsb) {
+    c.rows[t] = static_cast<uint8_t>(rows);
+    c.colsb[t] = static_cast<uint16_t>(colsb);
+  };
+  if (nb == 1) {
+    set(0, nr, 64);
+    set(1, kTile, 4 * kTile);
+    set(2, kTile, 4 * last);
+    for (int g = 0; g < ng; ++g) set(3 + g, nr, 4 * (g == ng - 1 ? last : kTile));
+  } else if (nb == 3) {
+    for (int b = 0; b < 3; ++b) set(b, kTile, 64);
+    set(3, kTile, 4 * last);
+    for (int b = 0; b < 3; ++b) set(4 + b, kTile, 4 * last);
+  } else {
+    set(0, kTile, 64);
+    set(1, kTile, 64);
+    set(2, kTile, 4 * kTile);
+    set(3, kTile, 4 * last);
+    for (int b = 0; b < 2; ++b) {
+      set(4 + 2 * b, kTile, 4 * kTile);
+      set(5 + 2 * b, kTile, 4 * last);
+    }
+  }
+  return c;
+}
+
+// One unit's products of a pass: A(b) from a[b] (stride sa), B(g) from bg[g]. GCC's tile intrinsics paste the tile
+// number into the instruction's text, so each layout's tiles are written out.
+#define SM_GROUP_PRODUCT(G, C)           \
+  if constexpr (NG == G + 1) {           \
+    _tile_loadd(2, bg[G], 4 * kTile);    \
+    _tile_dpbf16ps(C, 0, 2);             \
+  } else if constexpr (NG > G + 1) {     \
+    _tile_loadd(1, bg[G], 4 * kTile);    \
+    _tile_dpbf16ps(C, 0, 1);             \
+  }
+template <int NB, int NG>
+__attribute__((always_inline)) inline void unit_products(const void* const* a, int64_t sa, const uint32_t* const* bg) {
+  if constexpr (NB == 1) {
+    _tile_loadd(0, a[0], sa);
+    SM_GROUP_PRODUCT(0, 3)
+    SM_GROUP_PRODUCT(1, 4)
+    SM_GROUP_PRODUCT(2, 5)
+    SM_GROUP_PRODUCT(3, 6)
+    SM_GROUP_PRODUCT(4, 7)
+  } else if constexpr (NB == 3) {
+    static_assert(NG == 1, "three weight blocks: one group");
+    _tile_loadd(3, bg[0], 4 * kTile);
+    _tile_loadd(0, a[0], sa);
+    _tile_dpbf16ps(4, 0, 3);
+    _tile_loadd(1, a[1], sa);
+    _tile_dpbf16ps(5, 1, 3);
+    _tile_loadd(2, a[2], sa);
+    _tile_dpbf16ps(6, 2, 3);
+  } else {
+    static_assert(NB == 2 && NG == 2, "two weight blocks: two groups");
+    _tile_loadd(2, bg[0], 4 * kTile);
+    _tile_loadd(3, bg[1], 4 * kTile);
+    _tile_loadd(0, a[0], sa);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_loadd(1, a[1], sa);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+}
+#undef SM_GROUP_PRODUCT
+
+// Zero / store the pass's C tiles; c[b * NG + g] receives C(b, g) (weight rows × the group's rows, fp32).
+template <int NB, int NG>
+__attribute__((always_inline)) inline void zero_c() {
+  constexpr int count = NB * NG;
+  if constexpr (NB == 1) {
+    _tile_zero(3);
+    if constexpr (count > 1) _tile_zero(4);
+    if constexpr (count > 2) _tile_zero(5);
+    if constexpr (count > 3) _tile_zero(6);
+    if constexpr (count > 4) _tile_zero(7);
+  } else {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    if constexpr (count > 3) _tile_zero(7);
+  }
+}
+
+template <int NB, int NG>
+__attribute__((always_inline)) inline void store_c(float (*c)[kTile][kTile]) {
+  constexpr int count = NB * NG;
+  if constexpr (NB == 1) {
+    _tile_stored(3, c[0], 4 * kTile);
+    if constexpr (count > 1) _tile_stored(4, c[1], 4 * kTile);
+    if constexpr (count > 2) _tile_stored(5, c[2], 4 * kTile);
+    if constexpr (count > 3) _tile_stored(6, c[3], 4 * kTile);
+    if constexpr (count > 4) _tile_stored(7, c[4], 4 * kTile);
+  } else {
+    _tile_stored(4, c[0], 4 * kTile);
+    _tile_stored(5, c[1], 4 * kTile);
+    _tile_stored(6, c[2], 4 * kTile);
+    if constexpr (count > 3) _tile_stored(7, c[3], 4 * kTile);
+  }
+}
+
+// Which of the nr weight rows from n the tiles take (bit j: row n + j), and of those, for fp8, the ones of float
+// scales (the fold: `fold`); an fp4 row with a scale byte outside [2, 252] goes to the avx512bf16 kernel.
+inline unsigned tile_rows(const ExpertWeight& w, int64_t n, int nr, unsigned& fold) {
+  unsigned take = 0;
+  fold = 0;
+  for (int j = 0; j < nr; ++j) {
+    bool ok = true;
+    if (w.format == WeightFormat::Fp4) {
+      const uint8_t* s = static_cast<const uint8_t*>(w.scale) + (n + j) * w.scale_row_stride;
+      ok = rows_fast<1>(&s, w.k / kFp4WeightBlock);
+    } else if (w.format == WeightFormat::Fp8) {
+      const bool pow2 =
+          fp8_row_pow2(static_cast<const float*>(w.scale) + (n + j) * w.scale_row_stride, w.k / kFp8WeightBlock);
+      fold |= static_cast<unsigned>(!pow2) << j;
+    }
+    take |= static_cast<unsigned>(ok) << j;
+  }
+  return take;
+}
+
+// The units of step [kc, kc + nu·32) of the nr weight rows from n into a (a[u][j]: unit u of row j, bf16,
+// zero for rows not in `take`). Fold: fp8 rows of float scales, decoded unscaled (the scale comes in the fold).
+template <WeightFormat F, bool Fold>
+inline void decode_step(const ExpertWeight& w, int64_t n, int nr, unsigned take, int64_t kc, int nu,
+                        uint16_t (*a)[kTile][kUnit]) {
+  for (int j = 0; j < nr; ++j) {
+    const uint8_t* q = w.data + (n + j) * w.row_stride;
+    if (!(take >> j & 1u)) {
+      for (int u = 0; u < nu; ++u) _mm512_store_si512(a[u][j], _mm512_setzero_si512());
+      continue;
+    }
+    if constexpr (F == WeightFormat::Fp4) {
+      const uint8_t* s = static_cast<const uint8_t*>(w.scale) + (n + j) * w.scale_row_stride;
+      for (int u = 0; u < nu; ++u) {
+        const int64_t k0 = kc + u * kUnit;
+        _mm512_store_si512(a[u][j], fp4_panel_unit(q, k0, fp4_table(s, k0)));
+      }
+    } else {  // fp8: one 128-k block, two 64-k lines of two units each; pow2 rows scaled, fold rows plain
+      const float* s = static_cast<const float*>(w.scale) + (n + j) * w.scale_row_stride;
+      const Fp8Decoder decode8(Fold ? kFp8Bytes : fp8_scaled_bytes(s, kc));
+      for (int u = 0; u < nu; u += 2) {
+        __m512i w0, w1;
+        decode8(q + kc + u * kUnit, w0, w1);
+        _mm512_store_si512(a[u][j], w0);
+        _mm512_store_si512(a[u + 1][j], w1);
+      }
+    }
+  }
+}
+
+// The bytes of step kc of the nr weight rows from n (and, at kc = 0, their scales): prefetch hints only.
+template <WeightFormat F>
+inline void prefetch_step(const ExpertWeight& w, int64_t n, int nr, int64_t kc) {
+  constexpr int64_t bytes_per_2k = F == WeightFormat::Fp4 ? 1 : (F == WeightFormat::Fp8 ? 2 : 4);
+  const int64_t b0 = kc * bytes_per_2k / 2, b1 = std::min(w.k, kc + kStep) * bytes_per_2k / 2;
+  for (int j = 0; j < nr; ++j) {
+    const uint8_t* q = w.data + (n + j) * w.row_stride;
+    for (int64_t b = b0; b < b1; b += 64) __builtin_prefetch(q + b, 0, kStreamHint);
+    if (F != WeightFormat::Bf16 && kc == 0) {
+      const int64_t es = F == WeightFormat::Fp4 ? 1 : 4;
+      __builtin_prefetch(static_cast<const uint8_t*>(w.scale) + (n + j) * w.scale_row_stride * es, 0, 3);
+    }
+  }
+}
+
+// A weight block of the tiles: nr (<= 16) rows from n, `take` the rows they compute.
+struct Block {
+  int64_t n;
+  int nr;
+  unsigned take;
+};
+
+// fp8 rows of float scales (Fold): per 128-k block the C tiles sum the block alone, and each (weight row, row)
+// folds it in with the row's scale, acc = fma(block, s, acc), as the avx512bf16 fold path and the reference's
+// per-block sum do: the scale is applied once per block, not per weight.
+template <int NB, int NG>
+inline void fold_block(const ExpertWeight& w, const Block* blk, int64_t kb, const float (*c)[kTile][kTile],
+                       float (*acc)[kTile][kTile]) {
+  for (int b = 0; b < NB; ++b) {
+    const float* s = static_cast<const float*>(w.scale) + blk[b].n * w.scale_row_stride + kb / kFp8WeightBlock;
+    for (int j = 0; j < blk[b].nr; ++j) {
+      const __m512 sv = _mm512_set1_ps(s[j * w.scale_row_stride]);
+      for (int g = 0; g < NG; ++g) {
+        float* r = acc[b * NG + g][j];
+        _mm512_store_ps(r, _mm512_fmadd_ps(_mm512_load_ps(c[b * NG + g][j]), sv, _mm512_load_ps(r)));
+      }
+    }
+  }
+}
+
+// The NB weight blocks blk[0 … NB) × the groups [g0, g0 + NG) of t, all of K, through the tiles configured for
+// that layout; nxt: the blocks after them (prefetched as these are decoded; nr = 0: none). c[b * NG + g] gets
+// C(b, g).
+template <WeightFormat F, bool Fold, int NB, int NG>
+void tile_pass(const TileRows& t, int64_t g0, const ExpertWeight& w, const Block* blk, const Block* nxt, int n_nxt,
+               float (*c)[kTile][kTile]) {
+  alignas(64) uint16_t a[2][NB][kStepUnits][kTile][kUnit];
+  alignas(64) float acc[Fold ? NB * NG : 1][kTile][kTile];
+  if constexpr (Fold) {  // C tiles store only their configured rows and bytes: start every lane at zero
+    std::memset(acc, 0, sizeof(acc));
+    std::memset(c, 0, sizeof(float) * NB * NG * kTile * kTile);
+  }
+  zero_c<NB, NG>();
+  const int64_t K = w.k;
+  auto units_at = [&](int64_t kc) { return static_cast<int>(std::min<int64_t>(kStep, K - kc) / kUnit); };
+  auto decode = [&](int64_t kc, int64_t step) {
+    for (int b = 0; b < n_nxt; ++b) prefetch_step<F>(w, nxt[b].n, nxt[b].nr, kc);
+    if constexpr (F != WeightFormat::Bf16)
+      for (int b = 0; b < NB; ++b)
+        decode_step<F, Fold>(w, blk[b].n, blk[b].nr, blk[b].take, kc, units_at(kc), a[step & 1][b]);
+  };
+  // Software-pipelined: step s + 1 is decoded before step s's tile loads are issued. A tile load does not take
+  // data from the store buffer, so a buffer must be written well before it is loaded.
+  decode(0, 0);
+  for (int64_t kc = 0, step = 0; kc < K; kc += kStep, ++step) {
+    if (kc + kStep < K) decode(kc + kStep, step + 1);
+    const int nu = units_at(kc);
+    for (int u = 0; u < nu; ++u) {
+      const int64_t unit = kc / kUnit + u;
+      const void* ap[NB];
+      int64_t sa = 2 * kUnit;
+      for (int b = 0; b < NB; ++b) {
+        if constexpr (F == WeightFormat::Bf16) {
+          ap[b] = w.data + blk[b].n * w.row_stride + 2 * (kc + u * kUnit);
+          sa = w.row_stride;
+        } else {
+          ap[b] = a[step & 1][b][u];
+        }
+      }
+      const uint32_t* bg[kMaxGroups];
+      for (int g = 0; g < NG; ++g) bg[g] = t.unit(g0 + g, unit);
+      unit_products<NB, NG>(ap, sa, bg);
+    }
+    if constexpr (Fold) {  // a step is one fp8 block (kStep = 128)
+      store_c<NB, NG>(c);
+      zero_c<NB, NG>();
+      fold_block<NB, NG>(w, blk, kc, c, acc);
+    }
+  }
+  if constexpr (Fold) {
+    std::memcpy(c, acc, sizeof(acc));
+  } else {
+    store_c<NB, NG>(c);
+  }
+}
+
+template <WeightFormat F, bool Fold>
+void tile_pass_one(int ng, const TileRows& t, int64_t g0, const ExpertWeight& w, const Block* blk, const Block* nxt,
+                   int n_nxt, float (*c)[kTile][kTile]) {
+  switch (ng) {
+    case 1: return tile_pass<F, Fold, 1, 1>(t, g0, w, blk, nxt, n_nxt, c);
+    case 2: return tile_pass<F, Fold, 1, 2>(t, g0, w, blk, nxt, n_nxt, c);
+    case 3: return tile_pass<F, Fold, 1, 3>(t, g0, w, blk, nxt, n_nxt, c);
+    case 4: return tile_pass<F, Fold, 1, 4>(t, g0, w, blk, nxt, n_nxt, c);
+    default: return tile_pass<F, Fold, 1, 5>(t, g0, w, blk, nxt, n_nxt, c);
+  }
+}
+
+// The blocks `blocks` (all pow2 / fp4 / bf16, or all Fold) × the t.rows() bf16 rows, outputs through out.
+template <WeightFormat F, bool Fold>
+void tile_blocks(const TileRows& t, const ExpertWeight& w, const std::vector<Block>& blocks, const OutRows& out) {
+  const int64_t m = t.rows();
+  const int64_t groups = (m + kTile - 1) / kTile;
+  alignas(64) float c[kMaxGroups][kTile][kTile];
+  const int64_t nblk = static_cast<int64_t>(blocks.size());
+  for (int64_t g0 = 0; g0 < groups && nblk > 0; g0 += kMaxGroups) {  // passes of up to 80 rows
+    const int ng = static_cast<int>(std::min<int64_t>(kMaxGroups, groups - g0));
+    const int last = static_cast<int>(std::min(m, (g0 + ng) * kTile) - (g0 + ng - 1) * kTile);
+    const int nb = ng == 1 ? 3 : (ng == 2 ? 2 : 1);
+    int configured_nb = 0, configured_nr = 0;
+    auto configure = [&](int want_nb, int nr) {
+      if (want_nb == configured_nb && nr == configured_nr) return;
+      const TileConfig cfg = tile_config(want_nb, want_nb == 1 ? ng : (want_nb == 3 ? 1 : 2), nr, last);
+      _tile_loadconfig(&cfg);
+      configured_nb = want_nb;
+      configured_nr = nr;
+    };
+    auto emit = [&](const Block& bk, const float (*cb)[kTile][kTile], int cg) {  // cb[g]: C of group g0 + g
+      for (int g = 0; g < cg; ++g) {
+        const int64_t r0 = (g0 + g) * kTile;
+        const int rows = static_cast<int>(std::min<int64_t>(kTile, m - r0));
+        for (int j = 0; j < bk.nr; ++j) {
+          if (!(bk.take >> j & 1u)) continue;
+          for (int r = 0; r < rows; ++r) emit_output(out, r0 + r, bk.n + j, cb[g][j][r]);
+        }
+      }
+    };
+    // Full blocks nb at a time, then the rest one by one.
+    int64_t i = 0;
+    for (; nb > 1 && i + nb <= nblk; i += nb) {
+      bool full = true;
+      for (int b = 0; b < nb; ++b) full = full && blocks[i + b].nr == kTile;
+      if (!full) break;
+      configure(nb, kTile);
+      const int n_nxt = static_cast<int>(std::min<int64_t>(nb, nblk - i - nb));
+      if (nb == 3) {
+        tile_pass<F, Fold, 3, 1>(t, g0, w, &blocks[i], &blocks[i] + nb, n_nxt, c);
+      } else {
+        tile_pass<F, Fold, 2, 2>(t, g0, w, &blocks[i], &blocks[i] + nb, n_nxt, c);
+      }
+      for (int b = 0; b < nb; ++b) emit(blocks[i + b], c + b * (nb == 3 ? 1 : 2), nb == 3 ? 1 : 2);
+    }
+    for (; i < nblk; ++i) {
+      configure(1, blocks[i].nr);
+      tile_pass_one<F, Fold>(ng, t, g0, w, &blocks[i], &blocks[i] + 1, i + 1 < nblk ? 1 : 0, c);
+      emit(blocks[i], c, ng);
+    }
+  }
+}
+
+// The t.rows() bf16 rows (prepared rows a, outputs through out) × weight rows [n0, n1).
+template <WeightFormat F>
+bool tile_gemm(const float* const* a, const TileRows& t, const ExpertWeight& w, int64_t n0, int64_t n1,
+               const OutRows& out) {
+  const int64_t m = t.rows();
+  // The weight blocks and the rows the tiles take from each: fp8 blocks with rows of both kinds of scales appear
+  // in both lists, each with its own rows (a row's arithmetic is its own kind's, whatever its neighbours).
+  std::vector<Block> plain, folded;
+  std::vector<unsigned> left;  // per block: the rows for the avx512bf16 kernel
+  bool all = true;
+  for (int64_t n = n0; n < n1; n += kTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTile, n1 - n));
+    unsigned fold = 0;
+    const unsigned take = tile_rows(w, n, nr, fold);
+    if (take & ~fold) plain.push_back({n, nr, take & ~fold});
+    if (take & fold) folded.push_back({n, nr, take & fold});
+    left.push_back(((1u << nr) - 1u) & ~take);
+    all = all && left.back() == 0;
+  }
+  tile_blocks<F, false>(t, w, plain, out);
+  if constexpr (F == WeightFormat::Fp8) tile_blocks<F, true>(t, w, folded, out);
+  _tile_release();
+  if (all) return true;
+  // Rows the tiles do not take, in runs of consecutive weight rows: the avx512bf16 kernel, for all rows (its
+  // bits, whatever the neighbours).
+  std::vector<uint8_t> ones(static_cast<size_t>(m), 1);
+  bool ok = true;
+  int64_t run = -1;
+  for (int64_t n = n0; n <= n1; ++n) {
+    const bool taken = n < n1 && !(left[(n - n0) / kTile] >> ((n - n0) % kTile) & 1u);
+    if (!taken && n < n1 && run < 0) run = n;
+    if ((taken || n == n1) && run >= 0) {
+      ok = avx512bf16::expert_gemm_rows(a, ones.data(), m, w, run, n, out) && ok;
+      run = -1;
+    }
+  }
+  return ok;
+}
+
+}  // namespace
+
+namespace amx {
+
+bool expert_gemm_rows(const float* const* a, const uint8_t* a_bf16, int64_t m, const ExpertWeight& w, int64_t n0,
+                      int64_t n1, const OutRows& out, const TileRows* tiles) {
+  if (m <= 0 || n1 <= n0) return true;
+  int64_t n_bf16 = 0;
+  if (a_bf16 != nullptr)
+    for (int64_t i = 0; i < m; ++i) n_bf16 += a_bf16[i] != 0;
+  if (n_bf16 == 0) return avx512::expert_gemm_rows(a, m, w, n0, n1, out);
+  // The bf16 rows, in order, and their outputs; float32 rows take the AVX-512 float32 path, as on avx512bf16.
+  std::vector<const float*> rows16, rows32;
+  std::vector<void*> outs16, outs32;
+  for (int64_t i = 0; i < m; ++i) {
+    (a_bf16[i] ? rows16 : rows32).push_back(a[i]);
+    (a_bf16[i] ? outs16 : outs32).push_back(out.rows[i]);
+  }
+  TileRows own;
+  if (tiles == nullptr) {
+    own.pack(a, a_bf16, m, w.k);
+    tiles = &own;
+  }
+  OutRows o16 = out, o32 = out;
+  o16.rows = outs16.data();
+  o32.rows = outs32.data();
+  bool ok = true;
+  switch (w.format) {
+    case WeightFormat::Fp4: ok = tile_gemm<WeightFormat::Fp4>(rows16.data(), *tiles, w, n0, n1, o16); break;
+    case WeightFormat::Fp8: ok = tile_gemm<WeightFormat::Fp8>(rows16.data(), *tiles, w, n0, n1, o16); break;
+    case WeightFormat::Bf16: ok = tile_gemm<WeightFormat::Bf16>(rows16.data(), *tiles, w, n0, n1, o16); break;
+  }
+  if (!rows32.empty())
+    ok = avx512::expert_gemm_rows(rows32.data(), static_cast<int64_t>(rows32.size()), w, n0, n1, o32) && ok;
+  return ok;
+}
+
+}  // namespace amx
+}  // namespace cpu
+}  // namespace static_moe
+
+#pragma GCC pop_options
