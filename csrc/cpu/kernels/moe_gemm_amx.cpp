@@ -1,10 +1,11 @@
 // AMX instance of the expert GEMM (Isa::Amx): the bf16 products of the avx512bf16 path (the same exact decodes,
 // bf16_units.h, and the same prepared activation rows), multiplied by the tile unit instead of vdpbf16ps.
 //
-//   tiles   A (tmm0): 16 weight rows × one 32-k unit, decoded to bf16 into a 1 KiB buffer (bf16 weights: loaded
-//           straight from the weight rows, stride = row stride); B (tmm1, tmm2 for a group's last, narrower load):
-//           the unit's 16 k pairs × up to 16 activation rows of one group, from TileRows (packed once per operand);
-//           C (tmm3 … tmm7): 16 weight rows × one group's rows in fp32, up to five groups (80 rows) per pass over K.
+//   tiles   A: 16 weight rows × one 32-k unit, decoded to bf16 into a 1 KiB buffer (bf16 weights: loaded straight
+//           from the weight rows, stride = row stride); B: the unit's 16 k pairs × up to 16 activation rows of one
+//           group, from TileRows (packed once per operand); C: 16 weight rows × one group's rows in fp32. A pass
+//           over K holds up to 80 rows (five C tiles); with one or two groups it takes three or two weight blocks
+//           at once, so that three or four C tiles are in flight (tile_config has the layouts).
 //           TDPBF16PS C += A · B: per (weight row, activation row), the 16 pairs of a unit summed (even and odd
 //           positions apart, then together) and added to C, so each output is one fp32 sum walked through K unit
 //           by unit, and depends on its own weight row and activation row only (Intel SDM, TDPBF16PS: "for m in
@@ -13,11 +14,11 @@
 //           row's bits (batch invariance). The bits differ from avx512bf16's (16 lane sums, then a horizontal
 //           sum), within the same reference tolerance: every product is exact in fp32 on both.
 //   weight  rows decoded by bf16_units.h, 128 k (4 units: an fp4 line, an fp8 block) per step into one of two A
-//           buffers, so the next step's decode runs while the tile unit reads the last. A weight row the tiles
-//           cannot take exactly — an fp4 scale byte outside [2, 252] anywhere in the row (bf16 subnormals, which
-//           TDPBF16PS reads as zero like vdpbf16ps, or 255, NaN), or fp8 scales that are not powers of two in
-//           range (the fold path) — is zero in the A tile and computed on its own by the avx512bf16 kernel, which
-//           handles those cases; the choice is the row's own, so its bits never depend on its neighbours.
+//           buffers, a step ahead of the tile loads that read them. fp4: e2m1 times the block's scale, as on
+//           avx512bf16; an fp4 row with a scale byte outside [2, 252] anywhere (bf16 subnormals, which TDPBF16PS
+//           reads as zero like vdpbf16ps, or 255, NaN) is zero in the A tile and computed on its own by the
+//           avx512bf16 kernel, which handles those bytes; the choice is the row's own. fp8: every row unscaled,
+//           each 128-k block summed apart and folded in with its float32 scale (fold_block).
 //   DAZ / FTZ, RNE: as vdpbf16ps (SDM: "FP32 FMA with DAZ, FTZ, RNE, and SAE").
 // Tile state: configured (LDTILECFG) per call and released (TILERELEASE) before returning, so a thread holds no
 // tile data between calls. The OS grants the process the tile state first (simd.h, amx_permitted).
@@ -173,29 +174,21 @@ __attribute__((always_inline)) inline void store_c(float (*c)[kTile][kTile]) {
   }
 }
 
-// Which of the nr weight rows from n the tiles take (bit j: row n + j), and of those, for fp8, the ones of float
-// scales (the fold: `fold`); an fp4 row with a scale byte outside [2, 252] goes to the avx512bf16 kernel.
-inline unsigned tile_rows(const ExpertWeight& w, int64_t n, int nr, unsigned& fold) {
+// Which of the nr weight rows from n the tiles take (bit j: row n + j): all but fp4 rows with a scale byte outside
+// [2, 252], which go to the avx512bf16 kernel.
+inline unsigned tile_rows(const ExpertWeight& w, int64_t n, int nr) {
+  if (w.format != WeightFormat::Fp4) return (1u << nr) - 1u;
   unsigned take = 0;
-  fold = 0;
   for (int j = 0; j < nr; ++j) {
-    bool ok = true;
-    if (w.format == WeightFormat::Fp4) {
-      const uint8_t* s = static_cast<const uint8_t*>(w.scale) + (n + j) * w.scale_row_stride;
-      ok = rows_fast<1>(&s, w.k / kFp4WeightBlock);
-    } else if (w.format == WeightFormat::Fp8) {
-      const bool pow2 =
-          fp8_row_pow2(static_cast<const float*>(w.scale) + (n + j) * w.scale_row_stride, w.k / kFp8WeightBlock);
-      fold |= static_cast<unsigned>(!pow2) << j;
-    }
-    take |= static_cast<unsigned>(ok) << j;
+    const uint8_t* s = static_cast<const uint8_t*>(w.scale) + (n + j) * w.scale_row_stride;
+    take |= static_cast<unsigned>(rows_fast<1>(&s, w.k / kFp4WeightBlock)) << j;
   }
   return take;
 }
 
 // The units of step [kc, kc + nu·32) of the nr weight rows from n into a (a[u][j]: unit u of row j, bf16,
-// zero for rows not in `take`). Fold: fp8 rows of float scales, decoded unscaled (the scale comes in the fold).
-template <WeightFormat F, bool Fold>
+// zero for rows not in `take`).
+template <WeightFormat F>
 inline void decode_step(const ExpertWeight& w, int64_t n, int nr, unsigned take, int64_t kc, int nu,
                         uint16_t (*a)[kTile][kUnit]) {
   for (int j = 0; j < nr; ++j) {
@@ -210,9 +203,8 @@ inline void decode_step(const ExpertWeight& w, int64_t n, int nr, unsigned take,
         const int64_t k0 = kc + u * kUnit;
         _mm512_store_si512(a[u][j], fp4_panel_unit(q, k0, fp4_table(s, k0)));
       }
-    } else {  // fp8: one 128-k block, two 64-k lines of two units each; pow2 rows scaled, fold rows plain
-      const float* s = static_cast<const float*>(w.scale) + (n + j) * w.scale_row_stride;
-      const Fp8Decoder decode8(Fold ? kFp8Bytes : fp8_scaled_bytes(s, kc));
+    } else {  // fp8: one 128-k block, two 64-k lines of two units each, unscaled (the scale comes in the fold)
+      const Fp8Decoder decode8(kFp8Bytes);
       for (int u = 0; u < nu; u += 2) {
         __m512i w0, w1;
         decode8(q + kc + u * kUnit, w0, w1);
@@ -245,9 +237,11 @@ struct Block {
   unsigned take;
 };
 
-// fp8 rows of float scales (Fold): per 128-k block the C tiles sum the block alone, and each (weight row, row)
-// folds it in with the row's scale, acc = fma(block, s, acc), as the avx512bf16 fold path and the reference's
-// per-block sum do: the scale is applied once per block, not per weight.
+// fp8 weights (Fold): per 128-k block the C tiles sum the block alone, and each (weight row, row) folds it in with
+// the row's scale, acc = fma(block, s, acc), as the avx512bf16 fold path and the reference's per-block sum do: the
+// scale is applied once per block, not per weight. Every fp8 row, power-of-two scales too: one path for all rows
+// (no block split by kind of scales), and decoding with the scale's own byte tables (avx512bf16's pow2 path) gained
+// nothing here (V4-Flash w13, 16 rows, two threads: 2.45 ms with them, 2.50 ms on the fold, runs minutes apart).
 template <int NB, int NG>
 inline void fold_block(const ExpertWeight& w, const Block* blk, int64_t kb, const float (*c)[kTile][kTile],
                        float (*acc)[kTile][kTile]) {
@@ -282,7 +276,7 @@ void tile_pass(const TileRows& t, int64_t g0, const ExpertWeight& w, const Block
     for (int b = 0; b < n_nxt; ++b) prefetch_step<F>(w, nxt[b].n, nxt[b].nr, kc);
     if constexpr (F != WeightFormat::Bf16)
       for (int b = 0; b < NB; ++b)
-        decode_step<F, Fold>(w, blk[b].n, blk[b].nr, blk[b].take, kc, units_at(kc), a[step & 1][b]);
+        decode_step<F>(w, blk[b].n, blk[b].nr, blk[b].take, kc, units_at(kc), a[step & 1][b]);
   };
   // Software-pipelined: step s + 1 is decoded before step s's tile loads are issued. A tile load does not take
   // data from the store buffer, so a buffer must be written well before it is loaded.
@@ -331,7 +325,7 @@ void tile_pass_one(int ng, const TileRows& t, int64_t g0, const ExpertWeight& w,
   }
 }
 
-// The blocks `blocks` (all pow2 / fp4 / bf16, or all Fold) × the t.rows() bf16 rows, outputs through out.
+// The blocks `blocks` × the t.rows() bf16 rows, outputs through out (Fold: fp8 weights).
 template <WeightFormat F, bool Fold>
 void tile_blocks(const TileRows& t, const ExpertWeight& w, const std::vector<Block>& blocks, const OutRows& out) {
   const int64_t m = t.rows();
@@ -388,22 +382,18 @@ template <WeightFormat F>
 bool tile_gemm(const float* const* a, const TileRows& t, const ExpertWeight& w, int64_t n0, int64_t n1,
                const OutRows& out) {
   const int64_t m = t.rows();
-  // The weight blocks and the rows the tiles take from each: fp8 blocks with rows of both kinds of scales appear
-  // in both lists, each with its own rows (a row's arithmetic is its own kind's, whatever its neighbours).
-  std::vector<Block> plain, folded;
+  // The weight blocks with rows for the tiles; a block's other rows are left for the avx512bf16 kernel below.
+  std::vector<Block> blocks;
   std::vector<unsigned> left;  // per block: the rows for the avx512bf16 kernel
   bool all = true;
   for (int64_t n = n0; n < n1; n += kTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kTile, n1 - n));
-    unsigned fold = 0;
-    const unsigned take = tile_rows(w, n, nr, fold);
-    if (take & ~fold) plain.push_back({n, nr, take & ~fold});
-    if (take & fold) folded.push_back({n, nr, take & fold});
+    const unsigned take = tile_rows(w, n, nr);
+    if (take != 0) blocks.push_back({n, nr, take});
     left.push_back(((1u << nr) - 1u) & ~take);
     all = all && left.back() == 0;
   }
-  tile_blocks<F, false>(t, w, plain, out);
-  if constexpr (F == WeightFormat::Fp8) tile_blocks<F, true>(t, w, folded, out);
+  tile_blocks<F, F == WeightFormat::Fp8>(t, w, blocks, out);
   _tile_release();
   if (all) return true;
   // Rows the tiles do not take, in runs of consecutive weight rows: the avx512bf16 kernel, for all rows (its
