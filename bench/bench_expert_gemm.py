@@ -13,6 +13,7 @@ quantize_weight gives (the CPU kernel's pow2 path); --fp8-scales float times the
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -43,9 +44,25 @@ def expert_weight(n: int, k: int, fmt: str, seed: int,
 
 def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
         pairs: list[tuple[str, str]] | None = None, gemms: tuple[str, ...] = ("w13",),
-        fp8_scales: str = "pow2") -> list[dict]:
-    """Append one record per (shape, gemm, pair, tokens) to ``report``."""
+        fp8_scales: str = "pow2", isa: str | None = None) -> list[dict]:
+    """Append one record per (shape, gemm, pair, tokens) to ``report``. isa: the op forced to that CPU instruction
+    set (STATIC_MOE_CPU_ISA, read by every call; the baselines are torch's), a series of its own."""
     pairs = pairs or list(FORMAT_PAIRS)
+    if not tokens or not shapes:  # e.g. a --quick run has no compute-bound point for the extra series
+        return []
+    saved = os.environ.get("STATIC_MOE_CPU_ISA")
+    if isa is not None:
+        os.environ["STATIC_MOE_CPU_ISA"] = isa
+    try:
+        return _run(report, shapes, tokens, pairs, gemms, fp8_scales, isa)
+    finally:
+        if saved is None:
+            os.environ.pop("STATIC_MOE_CPU_ISA", None)
+        else:
+            os.environ["STATIC_MOE_CPU_ISA"] = saved
+
+
+def _run(report, shapes, tokens, pairs, gemms, fp8_scales, isa) -> list[dict]:
     records = []
     smm_reason = B.scaled_mm_unavailable_reason()
     int4_reason = B.int4pack_unavailable_reason()
@@ -77,6 +94,9 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
                             rec["fp8_scales"] = fp8_scales
                             if fp8_scales != "pow2":
                                 rec["fmt"] += f", {fp8_scales} scales"  # a series of its own in tables and plots
+                        if isa is not None:
+                            rec["isa"] = isa
+                            rec["fmt"] += f", {isa}"
                         records.append(report.add(rec))
                         progress(rec)
                 del cached, smm, int4, b, b_s

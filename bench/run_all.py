@@ -27,7 +27,7 @@ from harness.cli import add_common_args, resolve_args, start
 from harness.report import Report
 from harness.workload import local_experts_for
 from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES
-from static_moe.testing.machine import measure_machine
+from static_moe.testing.machine import cpu_isa_available, measure_machine
 
 SECTIONS = ("pack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward")
 PLOTTED = {"pack_rows": ["pack_rows", "unpack_rows"], "swiglu_and_cast": ["swiglu_and_cast"],
@@ -56,6 +56,14 @@ def run_section(name: str, report: Report, shapes, tokens, quick: bool) -> None:
         # points where it differs from the pow2 path the pass above times
         bench_expert_gemm.run(report, shapes, [t for t in tokens if t >= BF16_PEAK_MIN_TOKENS], quick,
                               [p for p in FORMAT_PAIRS if p[1] == "fp8"], fp8_scales="float")
+        # The opt-in AMX kernel (STATIC_MOE_CPU_ISA=amx, csrc/cpu/kernels/moe_gemm_amx.cpp) where this host has
+        # it, at compute-bound points: a series of its own beside the default path's, its own target lines.
+        if cpu_isa_available("amx"):
+            amx_shapes = [sh for sh in shapes if sh in INT4_SHAPES]
+            amx_tokens = [t for t in tokens if t in AMX_TOKENS]
+            bench_expert_gemm.run(report, amx_shapes, amx_tokens, quick, AMX_PAIRS, isa="amx")
+            bench_expert_gemm.run(report, amx_shapes, amx_tokens, quick, [p for p in AMX_PAIRS if p[1] == "fp8"],
+                                  fp8_scales="float", isa="amx")
     elif name == "local_experts":
         bench_local_experts.run(report, shapes, tokens, quick)
     elif name == "forward":
@@ -66,7 +74,7 @@ def targets(report: Report) -> list[dict]:
     """The issue's targets against what this run measured (a report, never an assertion)."""
     out = []
     for bench, w_fmt, min_frac, min_speedup in TARGETS:
-        recs = [r for r in report.records if r["bench"] == bench and r.get("weight") == w_fmt
+        recs = [r for r in report.records if r["bench"] == bench and r.get("weight") == w_fmt and r.get("isa") is None
                 and r.get("shape") == TARGET_SHAPE and r["tokens"] in TARGET_TOKENS and r["op"].get("available")]
         if not recs:
             continue
@@ -96,13 +104,16 @@ INT4_SHAPES, INT4_TOKENS, INT4_TARGET = ("v4_flash", "v3"), (1, 4, 16, 64), 2.0
 READ_BW_TARGET = 0.70  # one row per expert: weight bytes / time vs the read-only stream
 BF16_PEAK_TARGET = 0.50  # 16+ rows: FLOP/s vs the bf16 matmul peak
 BF16_PEAK_MIN_TOKENS = bench_expert_gemm.PEAK_MIN_TOKENS  # the points timed with the bf16 matmul
+AMX_TOKENS = (16, 64)  # the opt-in amx series: where tiles pay (at one row per expert they lose, see cpu.md)
+AMX_PAIRS = [("bf16", "fp4"), ("bf16", "fp8")]
 
 
 def round2_targets(report: Report) -> list[dict]:
     """Round-2 targets against what this run measured (a report, never an assertion). Each row: what, the measured
     minimum, where it was, the target."""
     lim = report.limits
-    ok = [r for r in report.records if r["op"].get("available") and r["op"].get("median_s")]
+    every = [r for r in report.records if r["op"].get("available") and r["op"].get("median_s")]
+    ok = [r for r in every if r.get("isa") is None]  # the default path; forced-isa series have lines of their own
     out = []
 
     def add(what, recs, value, target, unit):
@@ -136,6 +147,14 @@ def round2_targets(report: Report) -> list[dict]:
     add("  the same, fp8 weights with float scales (the fold path)",
         [r for r in peak_recs if r.get("fp8_scales") == "float"],
         lambda r: r["bf16_matmul_fraction"], BF16_PEAK_TARGET, "%")
+    amx = [r for r in every if r.get("isa") == "amx" and r.get("bf16_matmul_fraction")]
+    add("  the same, the opt-in amx kernel (STATIC_MOE_CPU_ISA=amx), fp4 and pow2-scaled fp8 weights (information)",
+        [r for r in amx if r.get("fp8_scales", "pow2") == "pow2"], lambda r: r["bf16_matmul_fraction"], None, "%")
+    add("  the same, the amx kernel, fp8 weights with float scales (information)",
+        [r for r in amx if r.get("fp8_scales") == "float"], lambda r: r["bf16_matmul_fraction"], None, "%")
+    add("  the amx kernel's fp4 expert_gemm vs torch_int4pack, T 16/64 (information)",
+        [r for r in every if r.get("isa") == "amx" and r["speedup"].get("torch_int4pack")],
+        lambda r: r["speedup"]["torch_int4pack"], None, "×")
     if lim.bf16_flops:
         add(f"  the same, vs the run's best bf16 matmul ({lim.bf16_flops / 1e9:.0f} GFLOP/s, measured at the start and "
             "end of the run)",

@@ -14,6 +14,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from static_moe.testing.machine import cpu_isa_available
+
 settings.register_profile(
     "static_moe",
     deadline=None,
@@ -51,33 +53,13 @@ def cuda_device() -> torch.device:
 CPU_ISAS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
 
 
-def _cpu_isa_supported(isa: str) -> bool:
-    """Whether the CPU kernels accept STATIC_MOE_CPU_ISA=isa here (they refuse a set the CPU lacks)."""
-    old = os.environ.get("STATIC_MOE_CPU_ISA")
-    os.environ["STATIC_MOE_CPU_ISA"] = isa
-    try:
-        a = torch.zeros(1, 128, dtype=torch.bfloat16)
-        b = torch.zeros(1, 16, 128, dtype=torch.bfloat16)
-        torch.ops.static_moe.expert_gemm(a, None, b, None, torch.ones(1, dtype=torch.bool), 0)
-        return True
-    except ValueError as e:
-        if "lacks" in str(e):
-            return False
-        raise
-    finally:
-        if old is None:
-            del os.environ["STATIC_MOE_CPU_ISA"]
-        else:
-            os.environ["STATIC_MOE_CPU_ISA"] = old
-
-
 @pytest.fixture(params=CPU_ISAS)
 def cpu_isa(request, monkeypatch) -> str:
     """Runs the test once per instruction set of the SIMD CPU kernels (csrc/cpu/simd.h), forced through
     STATIC_MOE_CPU_ISA; skips a set this CPU lacks."""
     import static_moe  # noqa: F401  (registers the ops)
 
-    if not _cpu_isa_supported(request.param):
+    if not cpu_isa_available(request.param):
         pytest.skip(f"this CPU lacks the {request.param} instruction set")
     monkeypatch.setenv("STATIC_MOE_CPU_ISA", request.param)
     return request.param

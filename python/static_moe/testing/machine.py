@@ -105,6 +105,29 @@ def bf16_dot_products(act_fmt: str, pow2_scale: bool = True) -> bool:
     return need <= set(flags) and (act_fmt == "bf16" or (act_fmt == "fp8" and pow2_scale))
 
 
+def cpu_isa_available(isa: str) -> bool:
+    """Whether the CPU kernels accept ``STATIC_MOE_CPU_ISA=isa`` here (csrc/cpu/simd.h refuses a set this CPU, or
+    the OS, lacks): one tiny expert_gemm call under it."""
+    import static_moe  # noqa: F401  (registers the ops)
+
+    old = os.environ.get("STATIC_MOE_CPU_ISA")
+    os.environ["STATIC_MOE_CPU_ISA"] = isa
+    try:
+        torch.ops.static_moe.expert_gemm(torch.zeros(1, 128, dtype=torch.bfloat16), None,
+                                         torch.zeros(1, 16, 128, dtype=torch.bfloat16), None,
+                                         torch.ones(1, dtype=torch.bool), 0)
+        return True
+    except ValueError as e:
+        if "lacks" in str(e):
+            return False
+        raise
+    finally:
+        if old is None:
+            del os.environ["STATIC_MOE_CPU_ISA"]
+        else:
+            os.environ["STATIC_MOE_CPU_ISA"] = old
+
+
 def measure_flops(n: int = 2048, repeat: int = 5, dtype: torch.dtype = torch.float32) -> float:
     """Best FLOP/s of an n×n×n torch matmul in ``dtype``."""
     x, y = torch.rand(n, n).to(dtype), torch.rand(n, n).to(dtype)
