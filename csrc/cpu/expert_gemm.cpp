@@ -87,7 +87,8 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   int bad_scale = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(| : bad_scale)
   for (int64_t c = 0; c < chunks; ++c) {
-    if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w, bounds[c], bounds[c + 1], o, &tiles)) bad_scale = 1;
+    if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w, bounds[c], bounds[c + 1], o, &tiles))
+      bad_scale = 1;
   }
   TORCH_CHECK_VALUE(!bad_scale, op, ": b_scale of expert ", expert,
                     " holds the UE8M0 NaN byte 255; scale bytes must be 0..254 (value 2^(b-127))");

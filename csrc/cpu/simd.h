@@ -11,7 +11,8 @@
 //   Isa::Avx512  AVX-512 F+BW+DQ+VL (x86-64-v4)
 //   Isa::Avx2    AVX2 + FMA + F16C (x86-64-v3 without the rest)
 //   Isa::Scalar  portable C++
-// STATIC_MOE_CPU_ISA=scalar|avx2|avx512|avx512bf16|amx|auto forces a path (tests use it to check every path on one machine).
+// STATIC_MOE_CPU_ISA=scalar|avx2|avx512|avx512bf16|amx|auto forces a path (tests use it to check every path on one
+// machine).
 // The variable is read on every call, so a test may switch paths between calls; nothing is cached but the CPU
 // feature probe, which cannot change while the process runs.
 #pragma once
@@ -75,9 +76,9 @@ inline Isa detected_isa() {
 #endif
 }
 
-// The instruction set to use now: the detected one (but Amx, see below), or the one STATIC_MOE_CPU_ISA names. On a bad value, or a
-// forced set this CPU cannot run, returns false and points *error at a message (a string literal); the caller
-// turns it into its own error type.
+// The instruction set to use now: the detected one (but Amx, see below), or the one STATIC_MOE_CPU_ISA names. On a
+// bad value, or a forced set this CPU cannot run, returns false and points *error at a message (a string
+// literal); the caller turns it into its own error type.
 inline bool select_isa(Isa* isa, const char** error) {
   const Isa best = detected_isa();
   const char* env = std::getenv("STATIC_MOE_CPU_ISA");
@@ -103,8 +104,10 @@ inline bool select_isa(Isa* isa, const char** error) {
     return false;
   }
   if (static_cast<int>(want) > static_cast<int>(best)) {
-    *error = want == Isa::Amx ? "STATIC_MOE_CPU_ISA=amx but this CPU (or the OS) lacks AMX-TILE + AMX-BF16 or AVX-512 BF16"
-             : want == Isa::Avx512Bf16 ? "STATIC_MOE_CPU_ISA=avx512bf16 but this CPU lacks AVX-512 F/BW/DQ/VL + BF16 + VBMI"
+    *error = want == Isa::Amx
+                 ? "STATIC_MOE_CPU_ISA=amx but this CPU (or the OS) lacks AMX-TILE + AMX-BF16 or AVX-512 BF16"
+             : want == Isa::Avx512Bf16
+                 ? "STATIC_MOE_CPU_ISA=avx512bf16 but this CPU lacks AVX-512 F/BW/DQ/VL + BF16 + VBMI"
              : want == Isa::Avx512   ? "STATIC_MOE_CPU_ISA=avx512 but this CPU lacks AVX-512 F/BW/DQ/VL"
                                      : "STATIC_MOE_CPU_ISA=avx2 but this CPU lacks AVX2/FMA/F16C";
     return false;

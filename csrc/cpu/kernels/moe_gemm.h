@@ -73,9 +73,9 @@ struct OutRows {
 //   false  float32: ((float*)row)[c] for the k columns, in the ISA's lane layout (a fixed permutation within each
 //          32-column unit for fp4 weights, see moe_gemm_impl.h): x.float() (bf16) or e4m3fn(x)·scale rounded once
 //          in fp32 (fp8), exactly as the reference
-//   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 and Amx only, any weight format, in the order its
-//          decode of fp4 and fp8 weights produces within each 32- or 64-column piece, when every value is
-//          exact in bf16: always for bf16 x; for fp8 x when the scales are powers of two >= 2^-117, so that every
+//   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 and Amx only, any weight format, in the
+//          order its decode of fp4 and fp8 weights produces within each 32- or 64-column piece, when every value
+//          is exact in bf16: always for bf16 x; for fp8 x when the scales are powers of two >= 2^-117, so that every
 //          e4m3fn(x)·scale is a normal bf16 number — the float32 value itself)
 // The form depends only on the row's own values, so a row's arithmetic never depends on other rows; when a row is
 // prepared in pieces, every piece must come back with the same form. Rows of one GEMM may mix both forms (pass
