@@ -21,6 +21,8 @@
 // block scale is applied once per 128-k block sum. Other rows take the AVX-512 float32 path. vdpbf16ps treats
 // bf16 subnormals as zero: fp4 blocks with scale bytes 0 or 1 (weights below 2^-126) are decoded 2^64 larger and
 // their sums scaled back, so only results (and partial sums) below 2^-126 differ from the reference's subnormals.
+// Amx (moe_gemm_amx.cpp, chosen only by STATIC_MOE_CPU_ISA=amx) multiplies the same bf16 operands with AMX tiles:
+// each output one fp32 sum through K, unit by unit; fp8 weights fold per 128-k block as on the fold path.
 //
 // A operand: the GEMM reads float32 (or, on Avx512Bf16, bf16) rows in a "lane layout" that depends on the ISA and,
 // for fp4 weights, pairs each lane with the nibble order of the packed weights (see prepare_activation). Produce it
