@@ -114,7 +114,6 @@ class TileRows {
   // multiple of 32). Cheap where there are none.
   void pack(const float* const* a, const uint8_t* a_bf16, int64_t m, int64_t k);
   int64_t rows() const { return rows_; }
-  int64_t k() const { return k_; }
   // The 16 × 16 words of group g (rows 16g … 16g + 15), unit u.
   const uint32_t* unit(int64_t g, int64_t u) const { return base_ + (g * (k_ / 32) + u) * 256; }
 

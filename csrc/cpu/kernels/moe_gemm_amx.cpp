@@ -335,11 +335,11 @@ void tile_blocks(const TileRows& t, const ExpertWeight& w, const std::vector<Blo
   for (int64_t g0 = 0; g0 < groups && nblk > 0; g0 += kMaxGroups) {  // passes of up to 80 rows
     const int ng = static_cast<int>(std::min<int64_t>(kMaxGroups, groups - g0));
     const int last = static_cast<int>(std::min(m, (g0 + ng) * kTile) - (g0 + ng - 1) * kTile);
-    const int nb = ng == 1 ? 3 : (ng == 2 ? 2 : 1);
+    const int nb = ng == 1 ? 3 : (ng == 2 ? 2 : 1);  // tile_config's layouts: nb × ng C tiles
     int configured_nb = 0, configured_nr = 0;
     auto configure = [&](int want_nb, int nr) {
       if (want_nb == configured_nb && nr == configured_nr) return;
-      const TileConfig cfg = tile_config(want_nb, want_nb == 1 ? ng : (want_nb == 3 ? 1 : 2), nr, last);
+      const TileConfig cfg = tile_config(want_nb, ng, nr, last);
       _tile_loadconfig(&cfg);
       configured_nb = want_nb;
       configured_nr = nr;
@@ -367,7 +367,7 @@ void tile_blocks(const TileRows& t, const ExpertWeight& w, const std::vector<Blo
       } else {
         tile_pass<F, Fold, 2, 2>(t, g0, w, &blocks[i], &blocks[i] + nb, n_nxt, c);
       }
-      for (int b = 0; b < nb; ++b) emit(blocks[i + b], c + b * (nb == 3 ? 1 : 2), nb == 3 ? 1 : 2);
+      for (int b = 0; b < nb; ++b) emit(blocks[i + b], c + b * ng, ng);
     }
     for (; i < nblk; ++i) {
       configure(1, blocks[i].nr);
@@ -419,34 +419,24 @@ namespace amx {
 bool expert_gemm_rows(const float* const* a, const uint8_t* a_bf16, int64_t m, const ExpertWeight& w, int64_t n0,
                       int64_t n1, const OutRows& out, const TileRows* tiles) {
   if (m <= 0 || n1 <= n0) return true;
-  int64_t n_bf16 = 0;
-  if (a_bf16 != nullptr)
-    for (int64_t i = 0; i < m; ++i) n_bf16 += a_bf16[i] != 0;
-  if (n_bf16 == 0) return avx512::expert_gemm_rows(a, m, w, n0, n1, out);
-  // The bf16 rows, in order, and their outputs; float32 rows take the AVX-512 float32 path, as on avx512bf16.
-  std::vector<const float*> rows16, rows32;
-  std::vector<void*> outs16, outs32;
-  for (int64_t i = 0; i < m; ++i) {
-    (a_bf16[i] ? rows16 : rows32).push_back(a[i]);
-    (a_bf16[i] ? outs16 : outs32).push_back(out.rows[i]);
-  }
-  TileRows own;
-  if (tiles == nullptr) {
-    own.pack(a, a_bf16, m, w.k);
-    tiles = &own;
-  }
-  OutRows o16 = out, o32 = out;
-  o16.rows = outs16.data();
-  o32.rows = outs32.data();
-  bool ok = true;
-  switch (w.format) {
-    case WeightFormat::Fp4: ok = tile_gemm<WeightFormat::Fp4>(rows16.data(), *tiles, w, n0, n1, o16); break;
-    case WeightFormat::Fp8: ok = tile_gemm<WeightFormat::Fp8>(rows16.data(), *tiles, w, n0, n1, o16); break;
-    case WeightFormat::Bf16: ok = tile_gemm<WeightFormat::Bf16>(rows16.data(), *tiles, w, n0, n1, o16); break;
-  }
-  if (!rows32.empty())
-    ok = avx512::expert_gemm_rows(rows32.data(), static_cast<int64_t>(rows32.size()), w, n0, n1, o32) && ok;
-  return ok;
+  // float32 rows take the AVX-512 float32 path, as on avx512bf16; the bf16 rows (tiles: those rows, packed) the tiles.
+  auto on_tiles = [&](const float* const* r, int64_t n, const OutRows& o) {
+    TileRows own;
+    if (tiles == nullptr) {
+      own.pack(r, nullptr, n, w.k);
+      tiles = &own;
+    }
+    switch (w.format) {
+      case WeightFormat::Fp4: return tile_gemm<WeightFormat::Fp4>(r, *tiles, w, n0, n1, o);
+      case WeightFormat::Fp8: return tile_gemm<WeightFormat::Fp8>(r, *tiles, w, n0, n1, o);
+      case WeightFormat::Bf16: break;
+    }
+    return tile_gemm<WeightFormat::Bf16>(r, *tiles, w, n0, n1, o);
+  };
+  return by_row_form(
+      a, a_bf16, m, out,
+      [&](const float* const* r, int64_t n, const OutRows& o) { return avx512::expert_gemm_rows(r, n, w, n0, n1, o); },
+      on_tiles);
 }
 
 }  // namespace amx

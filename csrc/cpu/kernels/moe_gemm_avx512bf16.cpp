@@ -705,24 +705,10 @@ bool prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
 
 bool expert_gemm_rows(const float* const* a, const uint8_t* a_bf16, int64_t m, const ExpertWeight& w, int64_t n0,
                       int64_t n1, const OutRows& out) {
-  int64_t n_bf16 = 0;
-  if (a_bf16 != nullptr)
-    for (int64_t i = 0; i < m; ++i) n_bf16 += a_bf16[i] != 0;
-  if (n_bf16 == 0) return avx512::expert_gemm_rows(a, m, w, n0, n1, out);
-  if (n_bf16 == m) return dot_gemm(a, m, w, n0, n1, out);
-  // Mixed rows: each form runs its own path (a row's arithmetic depends on its own form only).
-  std::vector<const float*> rows[2];
-  std::vector<void*> outs[2];
-  for (int64_t i = 0; i < m; ++i) {
-    rows[a_bf16[i] != 0].push_back(a[i]);
-    outs[a_bf16[i] != 0].push_back(out.rows[i]);
-  }
-  OutRows o32 = out, o16 = out;
-  o32.rows = outs[0].data();
-  o16.rows = outs[1].data();
-  const bool ok32 = avx512::expert_gemm_rows(rows[0].data(), static_cast<int64_t>(rows[0].size()), w, n0, n1, o32);
-  const bool ok16 = dot_gemm(rows[1].data(), static_cast<int64_t>(rows[1].size()), w, n0, n1, o16);
-  return ok32 && ok16;
+  return by_row_form(
+      a, a_bf16, m, out,
+      [&](const float* const* r, int64_t n, const OutRows& o) { return avx512::expert_gemm_rows(r, n, w, n0, n1, o); },
+      [&](const float* const* r, int64_t n, const OutRows& o) { return dot_gemm(r, n, w, n0, n1, o); });
 }
 
 }  // namespace avx512bf16

@@ -42,6 +42,30 @@ inline void emit_output(const OutRows& out, int64_t i, int64_t n, float c) {
   }
 }
 
+// The m rows of one GEMM by the form prepare_activation gave each (a_bf16[i]; a_bf16 = nullptr: all float32), each
+// form through its own kernel, f32(rows, count, out) or bf16(rows, count, out), over the rows of that form in order
+// with their outputs: a row's arithmetic depends on its own form only. Returns both kernels' result.
+template <class F32, class Bf16>
+bool by_row_form(const float* const* a, const uint8_t* a_bf16, int64_t m, const OutRows& out, F32&& f32, Bf16&& bf16) {
+  int64_t n_bf16 = 0;
+  if (a_bf16 != nullptr)
+    for (int64_t i = 0; i < m; ++i) n_bf16 += a_bf16[i] != 0;
+  if (n_bf16 == 0) return f32(a, m, out);
+  if (n_bf16 == m) return bf16(a, m, out);
+  std::vector<const float*> rows[2];
+  std::vector<void*> outs[2];
+  for (int64_t i = 0; i < m; ++i) {
+    rows[a_bf16[i] != 0].push_back(a[i]);
+    outs[a_bf16[i] != 0].push_back(out.rows[i]);
+  }
+  OutRows o32 = out, o16 = out;
+  o32.rows = outs[0].data();
+  o16.rows = outs[1].data();
+  const bool ok32 = f32(rows[0].data(), static_cast<int64_t>(rows[0].size()), o32);
+  const bool ok16 = bf16(rows[1].data(), static_cast<int64_t>(rows[1].size()), o16);
+  return ok32 && ok16;
+}
+
 // Activation values -> float32 in the lane layout of W-lane units (see above; W = 1: natural order).
 template <int W>
 void prepare_activation_impl(WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
