@@ -42,7 +42,8 @@ inline const char* isa_name(Isa isa) {
 }
 
 // Whether this process may use the AMX tile registers. Linux (5.16+) keeps the 8 KiB tile data state off until
-// the process asks for it (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Documentation/arch/x86/xstate.rst);
+// the process asks for it (arch_prctl ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18, Linux's
+// arch/x86/include/uapi/asm/prctl.h);
 // a tile instruction before that raises SIGILL. The grant is for the whole process, threads started later included.
 inline bool amx_permitted() {
 #if defined(__linux__) && defined(__x86_64__)

@@ -6,20 +6,22 @@
 //           group, from TileRows (packed once per operand); C: 16 weight rows × one group's rows in fp32. A pass
 //           over K holds up to 80 rows (five C tiles); with one or two groups it takes three or two weight blocks
 //           at once, so that three or four C tiles are in flight (tile_config has the layouts).
-//           TDPBF16PS C += A · B: per (weight row, activation row), the 16 pairs of a unit summed (even and odd
-//           positions apart, then together) and added to C, so each output is one fp32 sum walked through K unit
-//           by unit, and depends on its own weight row and activation row only (Intel SDM, TDPBF16PS: "for m in
-//           0 … rows-1" computes each row of C from that row of A alone; the same for each column of B). Which
-//           rows share a tile, how many groups a pass holds, where a column chunk starts: none of it changes a
-//           row's bits (batch invariance). The bits differ from avx512bf16's (16 lane sums, then a horizontal
-//           sum), within the same reference tolerance: every product is exact in fp32 on both.
+//           TDPBF16PS C += A · B: "for each possible combination of (row of tmm2, column of tmm3)" the unit's 16
+//           pairs are multiplied and accumulated into that row and column of C (Intel SDM; the Intrinsics Guide's
+//           operation of _tile_dpbf16ps: FOR m … FOR k … tmp.fp32[n] += a·b, one product at a time; the two
+//           write the pairing within a unit differently). Either way each output is one fp32 sum walked through K
+//           unit by unit that depends on its own weight row and activation row only. Which rows share a tile,
+//           how many groups a pass holds, where a column chunk starts: none of it changes a row's bits (batch
+//           invariance). The bits differ from avx512bf16's (16 lane sums, then a horizontal sum), within the same
+//           reference tolerance: every product is exact in fp32 on both.
 //   weight  rows decoded by bf16_units.h, 128 k (4 units: an fp4 line, an fp8 block) per step into one of two A
 //           buffers, a step ahead of the tile loads that read them. fp4: e2m1 times the block's scale, as on
 //           avx512bf16; an fp4 row with a scale byte outside [2, 252] anywhere (bf16 subnormals, which TDPBF16PS
 //           reads as zero like vdpbf16ps, or 255, NaN) is zero in the A tile and computed on its own by the
 //           avx512bf16 kernel, which handles those bytes; the choice is the row's own. fp8: every row unscaled,
 //           each 128-k block summed apart and folded in with its float32 scale (fold_block).
-//   DAZ / FTZ, RNE: as vdpbf16ps (SDM: "FP32 FMA with DAZ, FTZ, RNE, and SAE").
+//   DAZ / FTZ, RNE: as vdpbf16ps (SDM: round to nearest even "when doing each accumulation of the FMA", output
+//   denormals flushed to zero, input denormals treated as zero, MXCSR not consulted).
 // Tile state: configured (LDTILECFG) per call and released (TILERELEASE) before returning, so a thread holds no
 // tile data between calls. The OS grants the process the tile state first (simd.h, amx_permitted).
 // GCC 12 flags the intrinsics headers' own `__m512i __Y = __Y;` placeholders wherever they are inlined.
