@@ -74,9 +74,15 @@ constexpr int kNR1 = 4;           // weight rows per block when there is one act
 // block, so that both sets stay in the 32 zmm registers next to the decode table.
 constexpr int kMRFp8 = 4;
 constexpr int kNRFp8 = 3;
-// fp4 with more than kMR rows (the decoded-panel path, dot_panel_fp4): blocks of 4 rows × kNR weight rows read the
-// panel; 4 beat 6 at 16 rows (4 + 4 + 4 + 4 against 6 + 6 + 4: +4 %) and tied at 64 (one thread, weights in L2).
+// fp4 with more than kMR rows (the decoded-panel path, dot_panel_fp4): blocks of 4 rows × kNRPanel weight rows read
+// the panel; 4 beat 6 at 16 rows (4 + 4 + 4 + 4 against 6 + 6 + 4: +4 %) and tied at 64 (one thread, weights in L2).
+// fp8 with more than kMRFp8 rows takes panels of kNRPanel weight rows on the pow2 path and of kNRFp8 on the fold.
+// 6 weight rows (24 accumulators) against 4 (16; pow2 fp8: 3, 12), bench_kernel_ab, N = K = 4096, AMD Zen 5 (two
+// vdpbf16ps a cycle): fp4 16 / 64 rows 0.96-1.00 / 0.88-0.90 of the time on one core from L3, 0.96 / 0.90 on two
+// from DRAM; pow2 fp8 0.88 / 0.76-0.78 on one core (a 12-accumulator block has as many chains as the two pipes
+// times the 6-cycle latency, no slack).
 constexpr int kMRPanel = 4;
+constexpr int kNRPanel = 6;
 // Software prefetches of the next weight rows go to L2 (prefetcht1), not L1: one row streams DRAM bytes at ~20 GB/s
 // per core and L2 keeps more misses in flight; measured (bench/micro, one row, cold, N = K = 4096): 10-15 % more
 // GB/s than prefetcht0 on one and on two threads (fp8 weights: 5-10 %); the same at 4 and 16 rows.
@@ -611,32 +617,48 @@ inline void dot_columns(const uint16_t* const* a, int64_t m, const ExpertWeight&
   dot_row_blocks<F, NR, MR, Pow2>(a, m, w, n, out, prefetch, bad);
 }
 
+// The NR fp8 weight rows from n. Each weight row's own scales choose its path, so that a row's bits never depend on
+// how rows are blocked: all powers of two, the pow2 path for the NR rows; a panel's rows otherwise as two fold-sized
+// halves, each by its own rows' kinds (the fold keeps two sums per accumulator, so its panel has half the rows);
+// rows of both kinds (rare: a checkpoint's scales are all powers of two or mostly not) one by one.
+template <int NR, int MR, bool Panel>
+void dot_fp8_rows(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
+                  bool prefetch, uint32_t& bad, Acc* park) {
+  constexpr auto F = WeightFormat::Fp8;
+  const unsigned pow2 = fp8_pow2_rows<NR>(w, n);
+  if (pow2 == (1u << NR) - 1) {
+    dot_columns<F, NR, MR, Panel, true>(a, m, w, n, out, prefetch, bad, park);
+  } else if constexpr (NR == kNRPanel) {
+    static_assert(kNRPanel == 2 * kNRFp8, "a panel's weight rows are two fold panels'");
+    dot_fp8_rows<kNRFp8, MR, Panel>(a, m, w, n, out, true, bad, park);
+    dot_fp8_rows<kNRFp8, MR, Panel>(a, m, w, n + kNRFp8, out, prefetch, bad, park);
+  } else if (pow2 == 0) {
+    dot_columns<F, NR, MR, Panel, false>(a, m, w, n, out, prefetch, bad, park);
+  } else {
+    for (int j = 0; j < NR; ++j) {
+      if (pow2 >> j & 1u) {
+        dot_columns<F, 1, MR, false, true>(a, m, w, n + j, out, false, bad, nullptr);
+      } else {
+        dot_columns<F, 1, MR, false, false>(a, m, w, n + j, out, false, bad, nullptr);
+      }
+    }
+  }
+}
+
+// Groups of NR weight rows from n while whole groups fit below n1 (n ends after the last).
 template <WeightFormat F, int NR, int MR = 4>  // MR: rows per block (narrow tail blocks: 4)
 void dot_column_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t& n, int64_t n1,
                        const OutRows& out, uint32_t& bad) {
   // fp4 and fp8 with more rows than one block: the decoded-panel path (same bits as dot_row_blocks, less decode)
-  constexpr bool panel = F == WeightFormat::Fp4 ? NR == kNR && MR == kMR
-                                              : F == WeightFormat::Fp8 && NR == kNRFp8 && MR == kMRFp8;
+  constexpr bool panel = F == WeightFormat::Fp4   ? NR == kNRPanel && MR == kMR
+                         : F == WeightFormat::Fp8 ? (NR == kNRPanel || NR == kNRFp8) && MR == kMRFp8
+                                                  : false;
   std::vector<Acc> accm(panel && m > MR && n + NR <= n1 ? m * NR : 0);
   Acc* const park = accm.empty() ? nullptr : accm.data();
   for (; n + NR <= n1; n += NR) {
     const bool prefetch = n + 2 * NR <= n1;
     if constexpr (F == WeightFormat::Fp8) {
-      // Each weight row's own scales choose its path, so a row's bits never depend on how rows are blocked.
-      const unsigned pow2 = fp8_pow2_rows<NR>(w, n);
-      if (pow2 == (1u << NR) - 1) {
-        dot_columns<F, NR, MR, panel, true>(a, m, w, n, out, prefetch, bad, park);
-      } else if (pow2 == 0) {
-        dot_columns<F, NR, MR, panel, false>(a, m, w, n, out, prefetch, bad, park);
-      } else {  // rows of both kinds (rare: a checkpoint's scales are all powers of two or mostly not): one by one
-        for (int j = 0; j < NR; ++j) {
-          if (pow2 >> j & 1u) {
-            dot_columns<F, 1, MR, false, true>(a, m, w, n + j, out, false, bad, nullptr);
-          } else {
-            dot_columns<F, 1, MR, false, false>(a, m, w, n + j, out, false, bad, nullptr);
-          }
-        }
-      }
+      dot_fp8_rows<NR, MR, panel>(a, m, w, n, out, prefetch, bad, park);
     } else {
       dot_columns<F, NR, MR, panel, false>(a, m, w, n, out, prefetch, bad, park);
     }
@@ -650,8 +672,10 @@ bool dot_run(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t
   int64_t n = n0;
   if (m == 1) dot_column_blocks<F, kNR1>(a, m, w, n, n1, out, bad);
   if constexpr (F == WeightFormat::Fp8) {
+    if (m > kMRFp8) dot_column_blocks<F, kNRPanel, kMRFp8>(a, m, w, n, n1, out, bad);
     dot_column_blocks<F, kNRFp8, kMRFp8>(a, m, w, n, n1, out, bad);
   } else {
+    if (F == WeightFormat::Fp4 && m > kMR) dot_column_blocks<F, kNRPanel, kMR>(a, m, w, n, n1, out, bad);
     dot_column_blocks<F, kNR, kMR>(a, m, w, n, n1, out, bad);
   }
   dot_column_blocks<F, 2>(a, m, w, n, n1, out, bad);
