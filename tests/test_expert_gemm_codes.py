@@ -15,7 +15,7 @@ import torch
 
 import static_moe  # noqa: F401  (registers the ops)
 from static_moe import reference
-from static_moe.formats import quantize_activation
+from static_moe.formats import quantize_activation, quantize_weight_fp4, quantize_weight_fp8
 from static_moe.testing.numeric import assert_equal
 
 K = 256  # two fp8 weight blocks, several units of every ISA's lane layout
@@ -77,3 +77,39 @@ def test_every_fp8_weight_code_through_the_few_row_paths(cpu_isa, scales, rows):
     out = torch.ops.static_moe.expert_gemm(a, None, b, b_scale, mask, 0)
     assert ref.float().isnan().all(0).nonzero().squeeze(1).tolist() == [0x7F, 0xFF], "the reference's NaN codes"
     assert_equal(out, ref, f"{cpu_isa}, {rows} rows of ones, weight scales {scales}")
+
+
+def _identity_weight(wf: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert 0 = the K × K identity in weight format wf, "fp4" or "fp8" (1.0 is exact in both)."""
+    eye = torch.eye(K, dtype=torch.float32).unsqueeze(0)
+    return quantize_weight_fp8(eye) if wf == "fp8" else quantize_weight_fp4(eye)
+
+
+# Per activation group, in turn: powers of two (exact bf16 products with every e4m3fn value: the bf16 activation
+# rows of avx512bf16 and amx, 2^-117 their lower edge) and, in the last row, 0.3 (the float32 rows).
+ACT_SCALES = [(1.0, 2.0**-3, 2.0**5, 2.0**-117), (2.0**-100, 2.0**60, 0.5, 4.0), (0.3, 1.0, 1.0, 1.0)]
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("wf", ["fp4", "fp8"])  # fp8 activations pair with fp4 and fp8 weights (SPEC §1.6)
+def test_every_fp8_activation_code_matches_reference(cpu_isa, wf, group):
+    """Activation column c holds code c, weights are the identity, so output n is bf16(e4m3fn(n) · s) for the
+    scale s of column n's group: each code's value and each column's place in the lane layout the activation rows
+    are prepared in (the fp4 nibble order, the fp8 byte unpack order), bitwise. The NaN codes
+    (0x7F, 0xFF) sit in a row of their own, which is NaN everywhere (NaN · 0), as in the reference; the other rows
+    hold 0 there."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes.clone()
+    finite[[0x7F, 0xFF]] = 0
+    rows = torch.stack([finite] * len(ACT_SCALES) + [codes])
+    a = rows.view(torch.float8_e4m3fn)
+    groups = K // group
+    per_row = [[sc[g * len(sc) // groups] for g in range(groups)] for sc in ACT_SCALES + [ACT_SCALES[0]]]
+    a_scale = torch.tensor(per_row, dtype=torch.float32)
+    b, b_scale = _identity_weight(wf)
+    mask = torch.ones(len(rows), dtype=torch.bool)
+    ref = reference.expert_gemm(a, a_scale, b, b_scale, mask, 0)
+    out = torch.ops.static_moe.expert_gemm(a, a_scale, b, b_scale, mask, 0)
+    assert ref[-1].float().isnan().all() and not ref[:-1].float().isnan().any(), "the reference's NaN row"
+    assert ref[:-1].float().ne(0).sum() > 200 * len(ACT_SCALES), "the crafted outputs must be mostly non-zero"
+    assert_equal(out, ref, f"{cpu_isa}, {wf} weights, activation group {group}")

@@ -694,6 +694,68 @@ bool dot_gemm(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n
   return dot_run<WeightFormat::Bf16>(ab, m, w, n0, n1, out);
 }
 
+// 16 e4m3fn codes -> their float32 values, exactly as e4m3fn_to_float (NaN codes 0x7F / 0xFF -> a NaN with the
+// code's sign): normal codes by moving the exponent and mantissa bits into place and rebiasing (7 -> 127),
+// subnormal ones (exponent field 0) as m · 2^-9, an exact product.
+inline __m512 e4m3fn_to_ps(__m128i codes) {
+  const __m512i c = _mm512_cvtepu8_epi32(codes);
+  const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0.001953125f));
+  __m512i v = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), normal,
+                                      _mm512_castps_si512(sub));
+  v = _mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(_mm512_or_si512(v, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24)));
+}
+
+// The 32 fp8 activations at x (scale s, an exact_bf16_scale) as bf16 words in column order: the top 16 bits of
+// e4m3fn_to_float(x[c]) · s, exactly the scalar value() of prepare_activation (the product is a bf16 number).
+inline __m512i fp8_acts_bf16(const uint8_t* x, float s) {
+  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m512 sv = _mm512_set1_ps(s);
+  auto half = [&](__m128i c) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(e4m3fn_to_ps(c), sv)), 16));
+  };
+  return _mm512_inserti64x4(_mm512_castsi256_si512(half(_mm256_castsi256_si128(codes))),
+                            half(_mm256_extracti128_si256(codes, 1)), 1);
+}
+
+// vpermw / vpermt2w indices that put a unit's (fp4) or a line's (fp8) columns in the lane order of its decode.
+struct ActPermutes {
+  alignas(64) uint16_t fp4[32];
+  alignas(64) uint16_t fp8[2][32];
+  constexpr ActPermutes() : fp4(), fp8() {
+    for (int w = 0; w < kUnit; ++w) {
+      fp4[w] = static_cast<uint16_t>(fp4_column(w));
+      for (int v = 0; v < 2; ++v) fp8[v][w] = static_cast<uint16_t>(fp8_column(v, w));
+    }
+  }
+};
+constexpr ActPermutes kActPermutes;
+
+// One activation row as bf16 words in the lane order of weight format wf: the scalar loop of prepare_activation, 32
+// columns at a time. unit(c): the 32 words of columns c .. c + 31 in column order; value(c): one column's word.
+// k: a multiple of 32 (fp4), 64 (fp8); any for bf16 weights (a scalar tail).
+template <typename Unit, typename Value>
+void row_bf16(WeightFormat wf, int64_t k, uint16_t* o, Unit unit, Value value) {
+  int64_t c = 0;
+  if (wf == WeightFormat::Fp8) {
+    const __m512i i0 = _mm512_load_si512(kActPermutes.fp8[0]), i1 = _mm512_load_si512(kActPermutes.fp8[1]);
+    for (; c + 2 * kUnit <= k; c += 2 * kUnit) {
+      const __m512i a = unit(c), b = unit(c + kUnit);
+      _mm512_storeu_si512(o + c, _mm512_permutex2var_epi16(a, i0, b));
+      _mm512_storeu_si512(o + c + kUnit, _mm512_permutex2var_epi16(a, i1, b));
+    }
+  } else {
+    const __m512i idx = _mm512_load_si512(kActPermutes.fp4);
+    for (; c + kUnit <= k; c += kUnit) {
+      const __m512i a = unit(c);
+      _mm512_storeu_si512(o + c, wf == WeightFormat::Fp4 ? _mm512_permutexvar_epi16(idx, a) : a);
+    }
+  }
+  for (; c < k; ++c) o[c] = value(c);
+}
+
 }  // namespace
 
 namespace avx512bf16 {
@@ -709,20 +771,15 @@ bool prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
     return false;
   }
   uint16_t* o = reinterpret_cast<uint16_t*>(row) + c0;
-  auto value = [&](int64_t c) -> uint16_t {  // an exact bf16 number: its top 16 bits
-    if (af == ActFormat::Bf16) return static_cast<const uint16_t*>(x)[c];
-    return static_cast<uint16_t>(
-        float_bits(e4m3fn_to_float(static_cast<const uint8_t*>(x)[c]) * x_scale[c / group]) >> 16);
-  };
-  if (wf == WeightFormat::Fp4) {
-    for (int64_t u = 0; u < k; u += kUnit)
-      for (int w = 0; w < kUnit; ++w) o[u + w] = value(u + fp4_column(w));
-  } else if (wf == WeightFormat::Fp8) {  // k: a multiple of the fp8 weight block, so of the 64-k line
-    for (int64_t l = 0; l < k; l += 2 * kUnit)
-      for (int v = 0; v < 2; ++v)
-        for (int w = 0; w < kUnit; ++w) o[l + v * kUnit + w] = value(l + fp8_column(v, w));
-  } else {
-    for (int64_t c = 0; c < k; ++c) o[c] = value(c);
+  if (af == ActFormat::Bf16) {
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    row_bf16(
+        wf, k, o, [&](int64_t c) { return _mm512_loadu_si512(xb + c); }, [&](int64_t c) { return xb[c]; });
+  } else {  // fp8: each 32 columns in one scale group (the activation groups are multiples of 32, checks.cpp)
+    const uint8_t* xq = static_cast<const uint8_t*>(x);
+    row_bf16(
+        wf, k, o, [&](int64_t c) { return fp8_acts_bf16(xq + c, x_scale[c / group]); },
+        [&](int64_t c) { return static_cast<uint16_t>(float_bits(e4m3fn_to_float(xq[c]) * x_scale[c / group]) >> 16); });
   }
   return true;
 }
