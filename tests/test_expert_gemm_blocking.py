@@ -60,10 +60,11 @@ def test_many_rows_match_each_row_alone(cpu_isa, wf, kind, rng):
 def test_fp8_weight_rows_take_their_own_path(cpu_isa, rng):
     """Each fp8 weight row's own scales choose its path (avx512bf16: powers of two the pow2 path, one running sum
     over K; others the fold path, a sum per 128-k block), never its neighbours': alone (blocks of 4 weight rows)
-    and among 13 rows (the panels: 6 weight rows, or 3 on the fold) a row gets the same bits. The weights make the two orders differ:
-    2^24 in column 0, 0.5 in every column of the second block, −2^24 in column 256 (the same lane as column 0),
-    so the pow2 path loses that lane's 0.5s against 2^24 and the fold path keeps them (60 against 64 with rows of
-    ones). The second block's scale is 1 (pow2 rows) or 1.5 (fold rows), at random row by row."""
+    and among 13 rows (the panels: 6 weight rows, or 3 on the fold) a row gets the same bits. The weights make
+    the two orders differ: 2^24 in column 0, 0.5 in every column of the second block, −2^24 in column 256 (the
+    same lane as column 0), so the pow2 path loses that lane's 0.5s against 2^24 and the fold path keeps them (60
+    against 64 with rows of ones). The second block's scale is 1 (pow2 rows) or 1.5 (fold rows), at random row by
+    row."""
     n, k, rows = 40, 384, 13
     codes = torch.zeros(1, n, k, dtype=torch.uint8)
     codes[..., 0], codes[..., 128:256], codes[..., 256] = 0x78, 0x30, 0xF8  # 256, 0.5, −256

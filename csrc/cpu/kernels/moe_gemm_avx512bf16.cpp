@@ -78,7 +78,7 @@ constexpr int kNRFp8 = 3;
 // the panel; 4 beat 6 at 16 rows (4 + 4 + 4 + 4 against 6 + 6 + 4: +4 %) and tied at 64 (one thread, weights in L2).
 // fp8 with more than kMRFp8 rows takes panels of kNRPanel weight rows on the pow2 path and of kNRFp8 on the fold.
 // 6 weight rows (24 accumulators) against 4 (16; pow2 fp8: 3, 12), bench_kernel_ab, N = K = 4096, AMD Zen 5 (two
-// vdpbf16ps a cycle): fp4 16 / 64 rows 0.96-1.00 / 0.88-0.90 of the time on one core from L3, 0.96 / 0.90 on two
+// vdpbf16ps a cycle): fp4 16 / 64 rows 0.97-1.00 / 0.87-0.90 of the time on one core from L3, 0.96 / 0.90 on two
 // from DRAM; pow2 fp8 0.88 / 0.76-0.78 on one core (a 12-accumulator block has as many chains as the two pipes
 // times the 6-cycle latency, no slack).
 constexpr int kMRPanel = 4;
@@ -404,8 +404,8 @@ void dot_row_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, 
 
 // fp4 weights, more rows than one block: dot_block would decode every unit of the NR weight rows once per block of
 // MR rows (3 times at 16 rows, 11 at 64). Here each 512-k chunk of the NR rows is decoded once into a bf16 panel
-// (NR × 512 bf16: 4 KiB, in L1) and every row block reads it from there; the blocks' accumulators wait in memory
-// between chunks (fp32 stores and loads are exact). Every accumulator sees exactly dot_block's sequence of
+// (NR × 512 bf16: 6 KiB at NR = 6, in L1) and every row block reads it from there; the blocks' accumulators wait
+// in memory between chunks (fp32 stores and loads are exact). Every accumulator sees exactly dot_block's sequence of
 // vdpbf16ps (units in increasing k, the same operands; slow chunks through the same slow_fp4_chunk), so the bits
 // are dot_block's: which path a row takes depends on the row count, and the result must not (batch invariance).
 // Measured (bench/micro/fp4_gemv.cpp, one core, weights in L2): at 16 and 64 rows the re-decodes made fp4 22-25 %
@@ -775,11 +775,13 @@ bool prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
     const uint16_t* xb = static_cast<const uint16_t*>(x);
     row_bf16(
         wf, k, o, [&](int64_t c) { return _mm512_loadu_si512(xb + c); }, [&](int64_t c) { return xb[c]; });
-  } else {  // fp8: each 32 columns in one scale group (the activation groups are multiples of 32, checks.cpp)
+  } else {  // fp8: each 32 columns in one scale group (groups of 32 or 128, csrc/checks/common.h)
     const uint8_t* xq = static_cast<const uint8_t*>(x);
+    auto value = [&](int64_t c) {  // an exact bf16 number: its top 16 bits
+      return static_cast<uint16_t>(float_bits(e4m3fn_to_float(xq[c]) * x_scale[c / group]) >> 16);
+    };
     row_bf16(
-        wf, k, o, [&](int64_t c) { return fp8_acts_bf16(xq + c, x_scale[c / group]); },
-        [&](int64_t c) { return static_cast<uint16_t>(float_bits(e4m3fn_to_float(xq[c]) * x_scale[c / group]) >> 16); });
+        wf, k, o, [&](int64_t c) { return fp8_acts_bf16(xq + c, x_scale[c / group]); }, value);
   }
   return true;
 }
