@@ -675,7 +675,9 @@ bool dot_run(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t
     if (m > kMRFp8) dot_column_blocks<F, kNRPanel, kMRFp8>(a, m, w, n, n1, out, bad);
     dot_column_blocks<F, kNRFp8, kMRFp8>(a, m, w, n, n1, out, bad);
   } else {
-    if (F == WeightFormat::Fp4 && m > kMR) dot_column_blocks<F, kNRPanel, kMR>(a, m, w, n, n1, out, bad);
+    if constexpr (F == WeightFormat::Fp4) {
+      if (m > kMR) dot_column_blocks<F, kNRPanel, kMR>(a, m, w, n, n1, out, bad);
+    }
     dot_column_blocks<F, kNR, kMR>(a, m, w, n, n1, out, bad);
   }
   dot_column_blocks<F, 2>(a, m, w, n, n1, out, bad);
@@ -735,7 +737,9 @@ constexpr ActPermutes kActPermutes;
 
 // One activation row as bf16 words in the lane order of weight format wf: the scalar loop of prepare_activation, 32
 // columns at a time. unit(c): the 32 words of columns c .. c + 31 in column order; value(c): one column's word.
-// k: a multiple of 32 (fp4), 64 (fp8); any for bf16 weights (a scalar tail).
+// k: a multiple of 32 (fp4), 64 (fp8); any for bf16 weights (a scalar tail). Intel SDM (AVX512BW): word i of
+// VPERMW's result is the table's word at index word i (low 5 bits), VPERMT2W's the same over two tables (bit 5
+// picks the second); fp8_acts_bf16's VPMOVDW (_mm512_cvtepi32_epi16) keeps the low word of each dword, unsaturated.
 template <typename Unit, typename Value>
 void row_bf16(WeightFormat wf, int64_t k, uint16_t* o, Unit unit, Value value) {
   int64_t c = 0;
