@@ -464,15 +464,25 @@ inline void panel_block(int r, bool fast, const uint16_t* const* ap, const Weigh
   }
 }
 
-// A panel's prefetch of the next NR weight rows' scales and bytes of the chunk [kc, kend), all asked at the chunk's
-// start (the decode into the panel is short): one line of scales per row, then the chunk's lines row by row.
+// A panel's prefetch of the next NR weight rows' chunk [kc, kend): their scale lines when the chunk starts, then
+// their weight lines spread over the chunk's row blocks (next_rows: block b of nb asks for rows [b·NR/nb,
+// (b+1)·NR/nb)). Asked all at the chunk's start instead (24 weight lines for fp4 at NR = 6, 48 for fp8), 16 rows
+// took 1.04-1.08× the time (fp4 and fold fp8, one core, weights in L3 or DRAM; fp4 on two cores from DRAM 1.04),
+// 64 rows the same (bench_kernel_ab, AMD Zen 4, 2026-12-02): a burst of that many misses likely overflows what one
+// core keeps in flight, and a dropped prefetch becomes a demand miss in the next group's decode.
 template <WeightFormat F, typename S, int NR>
-inline void prefetch_next_chunk(const ExpertWeight& w, const WeightRows<S, NR>& rows, int64_t kc, int64_t kend) {
-  constexpr int64_t KL = F == WeightFormat::Fp4 ? 128 : 64;  // k per 64-byte line of a weight row
+inline void prefetch_next_scales(const ExpertWeight& w, const WeightRows<S, NR>& rows, int64_t kc) {
   constexpr int64_t block = F == WeightFormat::Fp4 ? kFp4WeightBlock : kFp8WeightBlock;  // k per scale
   for (int j = 0; j < NR; ++j) __builtin_prefetch(rows.next_s + j * w.scale_row_stride + kc / block, 0, 3);
-  for (int64_t kl = kc; kl < kend; kl += KL)
-    for (int j = 0; j < NR; ++j) __builtin_prefetch(rows.next + j * w.row_stride + kl * 64 / KL, 0, kStreamHint);
+}
+
+template <WeightFormat F, typename S, int NR>
+inline void prefetch_next_rows(const ExpertWeight& w, const WeightRows<S, NR>& rows, int64_t kc, int64_t kend,
+                               int64_t b, int64_t nb) {
+  constexpr int64_t KL = F == WeightFormat::Fp4 ? 128 : 64;  // k per 64-byte line of a weight row
+  for (int64_t j = b * NR / nb; j < (b + 1) * NR / nb; ++j)
+    for (int64_t kl = kc; kl < kend; kl += KL)
+      __builtin_prefetch(rows.next + j * w.row_stride + kl * 64 / KL, 0, kStreamHint);
 }
 
 // The m × NR results of a panel's accumulators, parked in accm row by row.
@@ -497,7 +507,7 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
   for (int64_t kc = 0; kc < K; kc += kChunk) {
     const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
     const bool fast = fp4_chunks<NR>(rs, kc, kend, ch, bad);
-    if (prefetch) prefetch_next_chunk<WeightFormat::Fp4>(w, rows, kc, kend);
+    if (prefetch) prefetch_next_scales<WeightFormat::Fp4>(w, rows, kc);
     if (fast) {
       for (int64_t k0 = kc; k0 < kend; k0 += kUnit) {
         const int u = static_cast<int>((k0 - kc) / kUnit);
@@ -505,7 +515,9 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
           _mm512_store_si512(panel.w[u][j], fp4_panel_unit(rq[j], k0, fp4_table(rs[j], k0)));
       }
     }
+    const int64_t nb = (m + kMRPanel - 1) / kMRPanel;
     for (int64_t i = 0; i < m; i += kMRPanel) {
+      if (prefetch) prefetch_next_rows<WeightFormat::Fp4>(w, rows, kc, kend, i / kMRPanel, nb);
       const int r = static_cast<int>(m - i < kMRPanel ? m - i : kMRPanel);
       panel_block<NR, kMRPanel>(r, fast, a + i, panel, rq, ch, kc, kend, accm + i * NR);
     }
@@ -577,7 +589,7 @@ void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
   const int64_t K = w.k;
   for (int64_t kc = 0; kc < K; kc += kChunk) {
     const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
-    if (prefetch) prefetch_next_chunk<WeightFormat::Fp8>(w, rows, kc, kend);
+    if (prefetch) prefetch_next_scales<WeightFormat::Fp8>(w, rows, kc);
     for (int64_t kb = kc; kb < kend; kb += kFp8WeightBlock) {
       for (int j = 0; j < NR; ++j) {
         const Fp8Decoder decode8 = Pow2 ? Fp8Decoder(fp8_scaled_bytes(rs[j], kb)) : plain;
@@ -590,7 +602,9 @@ void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
         }
       }
     }
+    const int64_t nb = (m + kMRFp8 - 1) / kMRFp8;
     for (int64_t i = 0; i < m; i += kMRFp8) {
+      if (prefetch) prefetch_next_rows<WeightFormat::Fp8>(w, rows, kc, kend, i / kMRFp8, nb);
       const int r = static_cast<int>(m - i < kMRFp8 ? m - i : kMRFp8);
       panel_block_fp8<NR, kMRFp8, Pow2>(r, a + i, panel, rs, kc, kend, accm + i * NR);
     }
