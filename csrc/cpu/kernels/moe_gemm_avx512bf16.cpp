@@ -465,11 +465,11 @@ inline void panel_block(int r, bool fast, const uint16_t* const* ap, const Weigh
 }
 
 // A panel's prefetch of the next NR weight rows' chunk [kc, kend): their scale lines when the chunk starts, then
-// their weight lines spread over the chunk's row blocks (next_rows: block b of nb asks for rows [b·NR/nb,
-// (b+1)·NR/nb)). Asked all at the chunk's start instead (24 weight lines for fp4 at NR = 6, 48 for fp8), 16 rows
-// took 1.04-1.08× the time (fp4 and fold fp8, one core, weights in L3 or DRAM; fp4 on two cores from DRAM 1.04),
-// 64 rows the same (bench_kernel_ab, AMD Zen 4, 2026-12-02): a burst of that many misses likely overflows what one
-// core keeps in flight, and a dropped prefetch becomes a demand miss in the next group's decode.
+// their weight lines spread over the chunk's row blocks (prefetch_next_rows: block b of nb asks for rows
+// [b·NR/nb, (b+1)·NR/nb)). Against all of them asked at the chunk's start (bench_kernel_ab, N = K = 4096, AMD Zen 4,
+// 2026-12-02, several runs): 16 rows 0.94-0.99 of the time for fp4 (6 rows, 24 weight lines a chunk) and 0.92-0.95
+// for fold-path fp8 (3 rows, 24 lines), one core from L3 or DRAM and two from DRAM; 64 rows 0.97-1.00; the pow2
+// path (6 rows, 48 lines) 0.99-1.01 on one core, 1.01-1.04 on two. docs/backends/cpu.md has the history.
 template <WeightFormat F, typename S, int NR>
 inline void prefetch_next_scales(const ExpertWeight& w, const WeightRows<S, NR>& rows, int64_t kc) {
   constexpr int64_t block = F == WeightFormat::Fp4 ? kFp4WeightBlock : kFp8WeightBlock;  // k per scale
