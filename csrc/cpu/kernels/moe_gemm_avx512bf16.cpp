@@ -504,6 +504,7 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
   WeightPanel<NR> panel;
   uint32_t bad = 0;
   const int64_t K = w.k;
+  const int64_t nb = (m + kMRPanel - 1) / kMRPanel;  // row blocks: each asks for its share of the next rows' lines
   for (int64_t kc = 0; kc < K; kc += kChunk) {
     const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
     const bool fast = fp4_chunks<NR>(rs, kc, kend, ch, bad);
@@ -515,7 +516,6 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
           _mm512_store_si512(panel.w[u][j], fp4_panel_unit(rq[j], k0, fp4_table(rs[j], k0)));
       }
     }
-    const int64_t nb = (m + kMRPanel - 1) / kMRPanel;
     for (int64_t i = 0; i < m; i += kMRPanel) {
       if (prefetch) prefetch_next_rows<WeightFormat::Fp4>(w, rows, kc, kend, i / kMRPanel, nb);
       const int r = static_cast<int>(m - i < kMRPanel ? m - i : kMRPanel);
@@ -587,6 +587,7 @@ void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
   for (int64_t i = 0; i < m * NR; ++i) accm[i].v = _mm512_setzero_ps();
   WeightPanel<NR> panel;
   const int64_t K = w.k;
+  const int64_t nb = (m + kMRFp8 - 1) / kMRFp8;  // row blocks: each asks for its share of the next rows' lines
   for (int64_t kc = 0; kc < K; kc += kChunk) {
     const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
     if (prefetch) prefetch_next_scales<WeightFormat::Fp8>(w, rows, kc);
@@ -602,7 +603,6 @@ void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
         }
       }
     }
-    const int64_t nb = (m + kMRFp8 - 1) / kMRFp8;
     for (int64_t i = 0; i < m; i += kMRFp8) {
       if (prefetch) prefetch_next_rows<WeightFormat::Fp8>(w, rows, kc, kend, i / kMRFp8, nb);
       const int r = static_cast<int>(m - i < kMRFp8 ? m - i : kMRFp8);
