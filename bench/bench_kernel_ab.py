@@ -3,11 +3,13 @@
 On a shared host two separate runs of the same binary differ by 10-30 %; a kernel change worth 10 % cannot be seen
 that way. bench/micro/kernel_ab.cpp links both builds (the other one compiled with -Dstatic_moe=static_moe_b, so
 its symbols do not clash) and times them round after round on the same weights and activation rows, keeping each
-one's best. Avx512Bf16 path, bf16 activation rows, fp4 / fp8 / bf16 weights at 1, 4, 16 and 64 rows.
+one's best. Bf16 activation rows, fp4 / fp8 / bf16 weights at 1, 4, 16 and 64 rows, on the avx512bf16 path or the
+one --isa names.
 
     .venv/bin/python bench/bench_kernel_ab.py --rev HEAD~1                   # one core, weights in L3 (N = K = 4096)
     .venv/bin/python bench/bench_kernel_ab.py --rev 213f471 --threads 2 --cold  # two cores, weights from DRAM
     .venv/bin/python bench/bench_kernel_ab.py --rev HEAD --n 64                # one core, weights in L2
+    .venv/bin/python bench/bench_kernel_ab.py --rev HEAD --isa avx512          # the fp32-FMA path
 
 The other revision must share this tree's ExpertWeight and OutRows layout (csrc/cpu/kernels/moe_gemm.h).
 """
@@ -74,13 +76,15 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cold", action="store_true", help="rewrite 128 MiB before every call: weights from DRAM")
     p.add_argument("--rounds", type=int, default=10, help="alternations; each build keeps its best")
+    p.add_argument("--isa", default="avx512bf16", choices=["avx512bf16", "avx512", "avx2", "scalar"],
+                   help="the kernel path both builds run (default avx512bf16)")
     args = p.parse_args(argv)
     binary = build(args.rev, ROOT / "build" / "ab")
     out = subprocess.run([str(binary), str(args.n), str(args.k), str(args.threads), str(int(args.cold)),
-                          str(args.rounds)], check=True, capture_output=True, text=True)
+                          str(args.rounds), args.isa], check=True, capture_output=True, text=True)
     where = "from DRAM" if args.cold else "warm"
-    print(f"this tree (a) vs {args.rev} (b): N={args.n} K={args.k}, {args.threads} thread(s), weights {where}, "
-          f"best of {args.rounds} alternate rounds")
+    print(f"this tree (a) vs {args.rev} (b), {args.isa}: N={args.n} K={args.k}, {args.threads} thread(s), "
+          f"weights {where}, best of {args.rounds} alternate rounds")
     print(f"  {'weights':<8}{'rows':>5}{'a GFLOP/s':>12}{'b GFLOP/s':>12}{'time a / b':>12}")
     for line in out.stdout.splitlines():
         fmt, m, ga, gb, ratio = line.split()

@@ -4,8 +4,9 @@
 // by ±10-30 % between separate runs, falls on both alike (bench/bench_kernel_ab.py builds and runs it).
 //
 // Output: one line per (format, rows): "fmt rows GFLOP/s(a) GFLOP/s(b) time(a)/time(b)", each time the best of its
-// rounds; time(a)/time(b) < 1: this tree is faster. Avx512Bf16 path, bf16 activation rows.
-// Usage: kernel_ab N K threads cold(0|1) rounds
+// rounds; time(a)/time(b) < 1: this tree is faster. Bf16 activation rows, on the avx512bf16 path unless isa names
+// another (avx512, avx2, scalar).
+// Usage: kernel_ab N K threads cold(0|1) rounds [isa]
 #include <omp.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cpu/kernels/moe_gemm.h"
@@ -27,15 +29,15 @@ extern "C" bool kernel_ab_other(int isa, const float* const* a, const uint8_t* a
 namespace {
 
 // All N columns over t threads (column_chunks), with build a (this tree) or b.
-double run(bool b, const ExpertWeight& w, Rows& r, int64_t m, int t) {
+double run(Isa isa, bool b, const ExpertWeight& w, Rows& r, int64_t m, int t) {
   OutRows o;
   o.rows = r.optr.data();
   const double t0 = now();
   column_chunks(w.n, t, [&](int64_t n0, int64_t n1) {
     if (b) {
-      kernel_ab_other(static_cast<int>(Isa::Avx512Bf16), r.ptr.data(), r.is_bf16.data(), m, &w, n0, n1, &o);
+      kernel_ab_other(static_cast<int>(isa), r.ptr.data(), r.is_bf16.data(), m, &w, n0, n1, &o);
     } else {
-      expert_gemm_rows(Isa::Avx512Bf16, r.ptr.data(), r.is_bf16.data(), m, w, n0, n1, o);
+      expert_gemm_rows(isa, r.ptr.data(), r.is_bf16.data(), m, w, n0, n1, o);
     }
   });
   return now() - t0;
@@ -49,6 +51,13 @@ int main(int argc, char** argv) {
   const int t = argc > 3 ? std::atoi(argv[3]) : 1;
   const bool cold = argc > 4 && std::atoi(argv[4]) != 0;
   const int rounds = argc > 5 ? std::atoi(argv[5]) : 10;
+  const std::string name = argc > 6 ? argv[6] : "avx512bf16";
+  const Isa isa = name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : name == "scalar" ? Isa::Scalar
+                                                                                             : Isa::Avx512Bf16;
+  if (static_cast<int>(isa) > static_cast<int>(detected_isa())) {
+    std::fprintf(stderr, "kernel_ab: this CPU cannot run %s\n", name.c_str());
+    return 2;
+  }
   std::mt19937 g(1);
   // fp8: float32 block scales (the fold path); fp8p2: power-of-two ones (the pow2 path)
   const WeightFormat formats[4] = {WeightFormat::Fp4, WeightFormat::Fp8, WeightFormat::Fp8, WeightFormat::Bf16};
@@ -57,14 +66,14 @@ int main(int argc, char** argv) {
     const Expert e = f == 0 ? make_fp4(N, K, g) : (f < 3 ? make_fp8(N, K, g, f == 2) : make_bf16(N, K, g));
     const ExpertWeight w = e.view(formats[f]);
     for (int64_t m : {1, 4, 16, 64}) {
-      Rows r(Isa::Avx512Bf16, formats[f], m, K, N, g);
+      Rows r(isa, formats[f], m, K, N, g);
       const int inner = cold ? 1 : static_cast<int>(std::max<int64_t>(1, 4096 / N));
       double best[2] = {1e30, 1e30};
       for (int rr = 0; rr < rounds; ++rr) {
         for (int b = 0; b < 2; ++b) {
           if (cold) flush();
           double s = 0;
-          for (int i = 0; i < inner; ++i) s += run(b != 0, w, r, m, t);
+          for (int i = 0; i < inner; ++i) s += run(isa, b != 0, w, r, m, t);
           best[b] = std::min(best[b], s / inner);
         }
       }

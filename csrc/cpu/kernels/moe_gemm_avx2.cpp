@@ -29,6 +29,9 @@ struct V256 {
   static constexpr int kMR = 4;
   static constexpr int kNR = 2;
   static constexpr int kNR1 = 4;
+  // 4 x 2 from a decoded panel (16 registers)
+  static constexpr int kPanelMR = 4;
+  static constexpr int kPanelNR = 2;
 
   static inline vec zero() { return _mm256_setzero_ps(); }
   static inline vec load(const float* p) { return _mm256_loadu_ps(p); }

@@ -34,6 +34,9 @@ struct V512 {
   static constexpr int kMR = 4;
   static constexpr int kNR = 4;
   static constexpr int kNR1 = 8;
+  // 4 x 6 from a decoded panel: 24 accumulators, 6 weight vectors and one activation vector of 32 registers
+  static constexpr int kPanelMR = 4;
+  static constexpr int kPanelNR = 6;
 
   static inline vec zero() { return _mm512_setzero_ps(); }
   static inline vec load(const float* p) { return _mm512_loadu_ps(p); }

@@ -11,7 +11,9 @@
 //     ISA's decode_fp8 expects) or
 //     fp4_scales(src, nb, out, bad) (out = 2^(b-127), bad |= any b == 255), one chunk per kScaleChunk k of a row,
 //     so the per-unit work is vector-only (no scalar scale decode in the hot loop)
-//   kMR, kNR (blocking: MR activation rows × NR weight rows of accumulators), kNR1 (NR when there is one row)
+//   kMR, kNR (blocking: MR activation rows × NR weight rows of accumulators), kNR1 (NR when there is one row),
+//   kPanelMR, kPanelNR (the blocking of rows read from a decoded panel when there are more than kMR rows; NR = 0:
+//   no panel)
 // Lane layout of a unit: lanes 0..W-1 then W..2W-1 hold k0+0..W-1, k0+W..2W-1 (bf16, fp8), or the even columns
 // k0+0,2,..,2W-2 then the odd ones k0+1,3,..,2W-1 (fp4: what a nibble split of W packed bytes gives).
 #pragma once
@@ -225,6 +227,79 @@ struct GemmKernels {
     }
   }
 
+  // MR rows from i0 over one chunk of the panel (len k from kc): the accumulators come from and go back to `park`
+  // ([MR][NR] vectors of W floats). Unit by unit, lo then hi, as fused_block.
+  template <int MR, int NR>
+  static inline void panel_block(const float* const* a, int64_t i0, int64_t kc, int64_t len, const float* panel,
+                                 float* park) {
+    const float* ap[MR];
+    for (int i = 0; i < MR; ++i) ap[i] = a[i0 + i] + kc;
+    vec acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = V::load(park + (i * NR + j) * W);
+    for (int64_t u = 0; u < len; u += W) {  // the halves of the units in order: lo, hi, lo, hi, ...
+      vec wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = V::load(panel + j * kChunk + u);
+      for (int i = 0; i < MR; ++i) {
+        const vec av = V::load(ap[i] + u);
+        for (int j = 0; j < NR; ++j) acc[i][j] = V::fma(av, wv[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) V::store(park + (i * NR + j) * W, acc[i][j]);
+  }
+
+  // Many rows: each chunk of NR weight rows is decoded once into a float panel (NR × kChunk floats: 12 KiB for
+  // avx512's 6 rows, in L1) that every block of V::kPanelMR rows then reads, instead of every block of kMR rows
+  // decoding the same units again (row_blocks: at 16 rows, four decodes of each unit). The accumulators wait in
+  // `park` (m × NR vectors) between chunks. Each accumulator sees the fma sequence of fused_block, unit by unit,
+  // so a row's bits are the same whichever of the two its row count takes. With `prefetch`, the next NR rows'
+  // lines of the chunk are requested while it is decoded.
+  template <WeightFormat F, int NR>
+  static void panel_rows(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
+                         bool prefetch, float* park, uint32_t& bad_out) {
+    constexpr int MR = V::kPanelMR;
+    static_assert(MR <= 4, "tails below cover MR <= 4");
+    constexpr int64_t KL = line_k<F>() > U ? line_k<F>() : U;
+    RowPtrs rp[NR];
+    for (int j = 0; j < NR; ++j) rp[j] = row_ptrs<F>(w, n + j);
+    const uint8_t* next = w.data + (n + NR) * w.row_stride;  // a hint only: never dereferenced
+    alignas(64) float sc[NR][kChunk / kFp4WeightBlock];
+    alignas(64) float panel[NR * kChunk];
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < m * NR; ++i) V::store(park + i * W, V::zero());
+    const int64_t K = w.k;
+    for (int64_t kc = 0; kc < K; kc += kChunk) {
+      const int64_t kend = K - kc < kChunk ? K : kc + kChunk;
+      for (int j = 0; j < NR; ++j) {
+        chunk_scales<F>(rp[j], kc, kend, sc[j], bad);
+        for (int64_t kl = kc; kl < kend; kl += KL) {
+          if (prefetch) {  // kl's line of the next block's row j
+            __builtin_prefetch(next + j * w.row_stride + kl * line_k<WeightFormat::Bf16>() / line_k<F>() * 2, 0, 3);
+          }
+          for (int64_t k0 = kl; k0 < kl + KL; k0 += U) {
+            vec lo, hi;
+            decode<F>(rp[j], k0, kc, sc[j], lo, hi);
+            V::store(panel + j * kChunk + (k0 - kc), lo);
+            V::store(panel + j * kChunk + (k0 - kc) + W, hi);
+          }
+        }
+      }
+      const int64_t len = kend - kc;
+      int64_t i = 0;
+      for (; i + MR <= m; i += MR) panel_block<MR, NR>(a, i, kc, len, panel, park + i * NR * W);
+      switch (m - i) {
+        case 1: panel_block<1, NR>(a, i, kc, len, panel, park + i * NR * W); break;
+        case 2: panel_block<(MR > 2 ? 2 : 1), NR>(a, i, kc, len, panel, park + i * NR * W); break;
+        case 3: panel_block<(MR > 3 ? 3 : 1), NR>(a, i, kc, len, panel, park + i * NR * W); break;
+        default: break;
+      }
+    }
+    bad_out |= bad;
+    for (int64_t i = 0; i < m; ++i)
+      for (int j = 0; j < NR; ++j) emit(out, i, n + j, V::reduce(V::load(park + (i * NR + j) * W)));
+  }
+
   // Blocks of NR weight rows from n while they fit before n1 (advances n).
   template <WeightFormat F, int NR>
   static void column_blocks(const float* const* a, int64_t m, const ExpertWeight& w, int64_t& n, int64_t n1,
@@ -244,6 +319,13 @@ struct GemmKernels {
                          const OutRows& out) {
     uint32_t bad = 0;
     int64_t n = n0;
+    if constexpr (V::kPanelNR > 0) {
+      if (m > V::kMR) {
+        constexpr int NR = V::kPanelNR;
+        std::vector<float> park(static_cast<size_t>(m) * NR * W);
+        for (; n + NR <= n1; n += NR) panel_rows<F, NR>(a, m, w, n, out, n + 2 * NR <= n1, park.data(), bad);
+      }
+    }
     // One row: more weight rows per block keep enough FMA chains in flight. Tails: narrower blocks, so that few
     // weight rows run as a single latency-bound chain.
     if (m == 1) column_blocks<F, V::kNR1>(a, m, w, n, n1, out, bad);

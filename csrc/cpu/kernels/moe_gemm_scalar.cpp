@@ -20,6 +20,9 @@ struct V1 {
   static constexpr int kMR = 4;
   static constexpr int kNR = 2;
   static constexpr int kNR1 = 4;
+  // no panel: the fallback decodes in place
+  static constexpr int kPanelMR = 4;
+  static constexpr int kPanelNR = 0;
 
   static inline vec zero() { return 0.0f; }
   static inline vec load(const float* p) { return *p; }
