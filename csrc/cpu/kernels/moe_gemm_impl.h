@@ -158,6 +158,9 @@ struct GemmKernels {
   // Few rows: decode each unit of NR weight rows into registers and use it at once for all MR rows. With
   // `prefetch` (set when the next NR weight rows are in the caller's range), their same lines are requested one
   // block ahead: one core alone does not keep enough DRAM reads in flight to stream the weights at full bandwidth.
+  // The weight lines go to L2 (prefetcht1), as in the avx512bf16 kernel: on the Intel host of 2026-12-03 (avx512,
+  // two cores, weights from DRAM, bench_kernel_ab) one row took 0.90 of prefetcht0's time with fp4 weights, 16 and
+  // 64 rows 0.87-0.96; the scales' small stream stays on prefetcht0.
   template <WeightFormat F, int MR, int NR>
   static void fused_block(const float* const* a, int64_t i0, const ExpertWeight& w, int64_t n, const OutRows& out,
                           bool prefetch, uint32_t& bad_out) {
@@ -191,7 +194,7 @@ struct GemmKernels {
       for (int64_t kl = kc; kl < kend; kl += KL) {
         if (prefetch) {
           const int64_t byte = kl * line_k<WeightFormat::Bf16>() / line_k<F>() * 2;  // kl's byte in a row
-          for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + byte, 0, 3);
+          for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + byte, 0, 2);
         }
         for (int64_t k0 = kl; k0 < kl + KL; k0 += U) {
           for (int j = 0; j < NR; ++j) {
@@ -275,7 +278,7 @@ struct GemmKernels {
         chunk_scales<F>(rp[j], kc, kend, sc[j], bad);
         for (int64_t kl = kc; kl < kend; kl += KL) {
           if (prefetch) {  // kl's line of the next block's row j
-            __builtin_prefetch(next + j * w.row_stride + kl * line_k<WeightFormat::Bf16>() / line_k<F>() * 2, 0, 3);
+            __builtin_prefetch(next + j * w.row_stride + kl * line_k<WeightFormat::Bf16>() / line_k<F>() * 2, 0, 2);
           }
           for (int64_t k0 = kl; k0 < kl + KL; k0 += U) {
             vec lo, hi;
