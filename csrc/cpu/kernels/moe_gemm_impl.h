@@ -160,7 +160,7 @@ struct GemmKernels {
   // block ahead: one core alone does not keep enough DRAM reads in flight to stream the weights at full bandwidth.
   // The weight lines go to L2 (prefetcht1), as in the avx512bf16 kernel: on the Intel host of 2026-12-03 (avx512,
   // two cores, weights from DRAM, bench_kernel_ab) one row took 0.90 of prefetcht0's time with fp4 weights, 16 and
-  // 64 rows 0.87-0.96; the scales' small stream stays on prefetcht0.
+  // 64 rows 0.87-0.96 (fp8 at 64 rows 1.08); the scales' small stream stays on prefetcht0.
   template <WeightFormat F, int MR, int NR>
   static void fused_block(const float* const* a, int64_t i0, const ExpertWeight& w, int64_t n, const OutRows& out,
                           bool prefetch, uint32_t& bad_out) {
