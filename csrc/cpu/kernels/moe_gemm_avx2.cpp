@@ -29,9 +29,9 @@ struct V256 {
   static constexpr int kMR = 4;
   static constexpr int kNR = 2;
   static constexpr int kNR1 = 4;
-  // 4 x 2 from a decoded panel (16 registers)
+  // 4 x 3 from a decoded panel: 12 accumulators, 3 weight vectors and one activation vector of 16 registers
   static constexpr int kPanelMR = 4;
-  static constexpr int kPanelNR = 2;
+  static constexpr int kPanelNR = 3;
 
   static inline vec zero() { return _mm256_setzero_ps(); }
   static inline vec load(const float* p) { return _mm256_loadu_ps(p); }
