@@ -1,8 +1,9 @@
 """expert_gemm gives a row the same bits whatever the number of rows beside it, for every row count up to two
 blocks of rows: every tail of every ISA's row blocking (blocks of 4 or 6 rows, the one-row path) is exercised on
-every weight format, on every CPU instruction set. On avx512bf16, fp4 and fp8 weights with more rows than one block
-take the decoded-panel path (blocks of 4 rows reading weights decoded once per chunk) and fewer take the direct
-one, so the comparisons with the full 13 rows check that the two paths give the same bits. fp8 weights run with
+every weight format, on every CPU instruction set. With more rows than one block, avx512bf16 (fp4 and fp8 weights),
+avx512 and avx2 (every weight format) take a decoded-panel path (blocks of 4 rows reading weights decoded once per
+chunk) and fewer rows take the direct one, so the comparisons with the full 13 rows check that the two paths give
+the same bits. fp8 weights run with
 power-of-two scales, float ones and both side by side (avx512bf16's pow2 and fold paths, chosen per weight row)."""
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def test_every_row_count_matches_the_full_batch(cpu_isa, act, wf, kind, rng):
 @pytest.mark.parametrize("wf,kind", [("fp4", None)] + [("fp8", c) for c in FP8_SCALE_KINDS],
                          ids=["fp4"] + [f"fp8_{c}" for c in FP8_SCALE_KINDS])
 def test_many_rows_match_each_row_alone(cpu_isa, wf, kind, rng):
-    """27 rows (six blocks of 4 and a tail of 3 on avx512bf16's decoded-panel path; 4 + 4 + 3 rows per block tail
-    elsewhere) over K = 1024 (two 512-k chunks): each row computed alone (the one-row path, which decodes in
+    """27 rows (six blocks of 4 and a tail of 3 on the decoded-panel paths of avx512bf16, avx512 and avx2; the
+    same blocks decoding in registers on scalar) over K = 1024 (two 512-k chunks): each row computed alone (the one-row path, which decodes in
     registers) gives the batch's bits. fp4: the UE8M0 bytes of about a tenth of the blocks are set to 0 or 1 (their
     weights below 2^-126), so chunks of the panel path take the slow (lifted) decode next to fast ones."""
     rows, n, k = 27, 40, 1024
