@@ -76,8 +76,10 @@ struct V512 {
     __m512i t = _mm512_cvtepi8_epi16(q);
     t = _mm512_and_si512(_mm512_slli_epi16(t, 7), _mm512_set1_epi16(static_cast<short>(0xBF80)));
     // The NaN codes 0x7F / 0xFF land on 1.875·2^7 (480 after the scale): set the fp16 exponent to all ones (NaN).
+    // Their bits are 0x3F80 | sign, so adding 0x4000 in those lanes gives 0x7F80 | sign (= t | 0x7C00) in one
+    // masked instruction.
     const __mmask32 nan = _mm256_cmpeq_epi8_mask(_mm256_and_si256(q, _mm256_set1_epi8(0x7F)), _mm256_set1_epi8(0x7F));
-    t = _mm512_mask_blend_epi16(nan, t, _mm512_or_si512(t, _mm512_set1_epi16(0x7C00)));
+    t = _mm512_mask_add_epi16(t, nan, t, _mm512_set1_epi16(0x4000));
     lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(t)), sv);
     hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(t, 1)), sv);
   }
