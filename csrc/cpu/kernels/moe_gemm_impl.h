@@ -155,6 +155,14 @@ struct GemmKernels {
   template <WeightFormat F>
   static constexpr int64_t line_k() { return F == WeightFormat::Fp4 ? 128 : (F == WeightFormat::Fp8 ? 64 : 32); }
 
+  // k per step of the unit loops: one cache line of a weight row, or one unit where a unit spans more.
+  template <WeightFormat F>
+  static constexpr int64_t step_k() { return line_k<F>() > U ? line_k<F>() : U; }
+
+  // The byte of column k in a weight row (k a multiple of line_k<F>()).
+  template <WeightFormat F>
+  static constexpr int64_t row_byte(int64_t k) { return k * 64 / line_k<F>(); }
+
   // Few rows: decode each unit of NR weight rows into registers and use it at once for all MR rows. With
   // `prefetch` (set when the next NR weight rows are in the caller's range), their same lines are requested one
   // block ahead: one core alone does not keep enough DRAM reads in flight to stream the weights at full bandwidth.
@@ -164,7 +172,7 @@ struct GemmKernels {
   template <WeightFormat F, int MR, int NR>
   static void fused_block(const float* const* a, int64_t i0, const ExpertWeight& w, int64_t n, const OutRows& out,
                           bool prefetch, uint32_t& bad_out) {
-    constexpr int64_t KL = line_k<F>() > U ? line_k<F>() : U;
+    constexpr int64_t KL = step_k<F>();
     static_assert(kChunk % KL == 0, "a scale chunk holds whole cache lines");
     const float* ap[MR];
     for (int i = 0; i < MR; ++i) ap[i] = a[i0 + i];
@@ -193,8 +201,7 @@ struct GemmKernels {
       }
       for (int64_t kl = kc; kl < kend; kl += KL) {
         if (prefetch) {
-          const int64_t byte = kl * line_k<WeightFormat::Bf16>() / line_k<F>() * 2;  // kl's byte in a row
-          for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + byte, 0, 2);
+          for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + row_byte<F>(kl), 0, 2);
         }
         for (int64_t k0 = kl; k0 < kl + KL; k0 += U) {
           for (int j = 0; j < NR; ++j) {
@@ -264,7 +271,7 @@ struct GemmKernels {
                          bool prefetch, float* park, uint32_t& bad_out) {
     constexpr int MR = V::kPanelMR;
     static_assert(MR <= 4, "tails below cover MR <= 4");
-    constexpr int64_t KL = line_k<F>() > U ? line_k<F>() : U;
+    constexpr int64_t KL = step_k<F>();
     RowPtrs rp[NR];
     for (int j = 0; j < NR; ++j) rp[j] = row_ptrs<F>(w, n + j);
     const uint8_t* next = w.data + (n + NR) * w.row_stride;  // a hint only: never dereferenced
@@ -278,9 +285,7 @@ struct GemmKernels {
       for (int j = 0; j < NR; ++j) {
         chunk_scales<F>(rp[j], kc, kend, sc[j], bad);
         for (int64_t kl = kc; kl < kend; kl += KL) {
-          if (prefetch) {  // kl's line of the next block's row j
-            __builtin_prefetch(next + j * w.row_stride + kl * line_k<WeightFormat::Bf16>() / line_k<F>() * 2, 0, 2);
-          }
+          if (prefetch) __builtin_prefetch(next + j * w.row_stride + row_byte<F>(kl), 0, 2);  // next block's row j
           for (int64_t k0 = kl; k0 < kl + KL; k0 += U) {
             vec lo, hi;
             decode<F>(rp[j], k0, kc, sc[j], lo, hi);
