@@ -74,14 +74,16 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, default=4096, help="weight rows (V4-Flash w13: 4096)")
     p.add_argument("--k", type=int, default=4096, help="K (V4-Flash hidden: 4096)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--cold", action="store_true", help="rewrite 128 MiB before every call: weights from DRAM")
+    p.add_argument("--cold", action="store_true", help="rewrite twice the L3 (at least 128 MiB) before every call: weights from DRAM")
     p.add_argument("--rounds", type=int, default=10, help="alternations; each build keeps its best")
-    p.add_argument("--isa", default="avx512bf16", choices=["avx512bf16", "avx512", "avx2", "scalar"],
+    p.add_argument("--isa", default="avx512bf16", choices=["avx512bf16", "amx", "avx512", "avx2", "scalar"],
                    help="the kernel path both builds run (default avx512bf16)")
+    p.add_argument("--weights", nargs="+", choices=["fp4", "fp8", "fp8p2", "bf16"],
+                   help="weight formats to time (default all; fp8: float32 scales, fp8p2: power-of-two ones)")
     args = p.parse_args(argv)
     binary = build(args.rev, ROOT / "build" / "ab")
     out = subprocess.run([str(binary), str(args.n), str(args.k), str(args.threads), str(int(args.cold)),
-                          str(args.rounds), args.isa], check=True, capture_output=True, text=True)
+                          str(args.rounds), args.isa, ",".join(args.weights or [])], check=True, capture_output=True, text=True)
     where = "from DRAM" if args.cold else "warm"
     print(f"this tree (a) vs {args.rev} (b), {args.isa}: N={args.n} K={args.k}, {args.threads} thread(s), "
           f"weights {where}, best of {args.rounds} alternate rounds")

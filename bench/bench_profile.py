@@ -11,8 +11,9 @@ not in it. It prints
 - the samples by place, as a share and in thread-milliseconds per call on the main thread + the others: the
   expert-GEMM kernels, the rest of static_moe (SwiGLU, routing, activation prep), the OpenMP runtime (a thread
   waiting at a barrier or for work), torch, Python, the OS;
-- in the hottest kernel symbol, the samples by instruction class: ``vdpbf16ps`` (the multiply-adds), the weight
-  decode (table permutes and shifts), loads, stores (the decoded panel, parked accumulators), the fp8 fold
+- in the hottest kernel symbol, the samples by instruction class: ``vdpbf16ps`` or ``tdpbf16ps`` (the
+  multiply-adds), the weight decode (table permutes and shifts), loads (tile loads included), stores (the decoded
+  panel or A tile, parked accumulators), the fp8 fold
   (``vfmadd``), prefetches, the rest. perf annotates the symbol over the whole recording; a kernel symbol runs
   only inside the calls.
 
@@ -50,7 +51,7 @@ SAMPLE_HZ = 4000
 # Reading perf's output (pure functions: tests/test_bench_smoke.py holds them to canned perf text).
 
 PLACES = ("expert-GEMM kernels", "static_moe, other", "OpenMP runtime", "torch", "Python", "OS", "other")
-_KERNEL_SYMBOL = re.compile(r"dot_|panel|expert_gemm_rows|slow_fp4|fp8_|fp4_")
+_KERNEL_SYMBOL = re.compile(r"dot_|panel|expert_gemm_rows|slow_fp4|fp8_|fp4_|tile_")  # tile_*: the amx kernel
 
 
 def place_of(dso: str, symbol: str) -> str:
@@ -108,7 +109,7 @@ def places(samples: list[Sample]) -> dict[str, tuple[int, int]]:
     return {p: (a, b) for p, (a, b) in out.items()}
 
 
-CLASSES = ("vdpbf16ps", "decode", "load", "store", "fold (vfmadd)", "prefetch", "other")
+CLASSES = ("vdpbf16ps / tdpbf16ps", "decode", "load", "store", "fold (vfmadd)", "prefetch", "other")
 _DECODE = ("vpermw", "vpermb", "vpermi2b", "vpermt2b", "vpmultishiftqb", "vpsrlvw", "vpternlogd", "vpunpcklbw",
            "vpunpckhbw")
 _MOVES = ("vmov", "vbroadcast", "vpbroadcast")
@@ -120,8 +121,12 @@ def instruction_class(mnemonic: str, operands: str) -> str:
     weight decode's permutes and shifts; a vector move or broadcast from memory (weight bytes, activation units,
     the decoded panel) is a load, one to memory (the panel, parked accumulators) a store."""
     ops = [o.strip() for o in re.split(r",(?![^(]*\))", operands)] if operands else []
-    if mnemonic.startswith("vdpbf16ps"):
+    if mnemonic.startswith(("vdpbf16ps", "tdpbf16ps")):
         return CLASSES[0]
+    if mnemonic.startswith("tileload"):  # the amx kernel's A and B tiles
+        return CLASSES[2]
+    if mnemonic.startswith("tilestore"):
+        return CLASSES[3]
     if mnemonic.startswith(_DECODE):
         return CLASSES[1]
     if mnemonic.startswith(_MOVES) and ops:

@@ -5,8 +5,8 @@
 //
 // Output: one line per (format, rows): "fmt rows GFLOP/s(a) GFLOP/s(b) time(a)/time(b)", each time the best of its
 // rounds; time(a)/time(b) < 1: this tree is faster. Bf16 activation rows, on the avx512bf16 path unless isa names
-// another (avx512, avx2, scalar).
-// Usage: kernel_ab N K threads cold(0|1) rounds [isa]
+// another (amx, avx512, avx2, scalar).
+// Usage: kernel_ab N K threads cold(0|1) rounds [isa [weights, e.g. fp4,fp8p2]]
 #include <omp.h>
 
 #include <algorithm>
@@ -52,8 +52,12 @@ int main(int argc, char** argv) {
   const bool cold = argc > 4 && std::atoi(argv[4]) != 0;
   const int rounds = argc > 5 ? std::atoi(argv[5]) : 10;
   const std::string name = argc > 6 ? argv[6] : "avx512bf16";
-  const Isa isa = name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : name == "scalar" ? Isa::Scalar
-                                                                                             : Isa::Avx512Bf16;
+  const std::string only = argc > 7 ? argv[7] : "";  // comma-separated weight names; empty: all
+  const Isa isa = name == "amx"      ? Isa::Amx
+                  : name == "avx512" ? Isa::Avx512
+                  : name == "avx2"   ? Isa::Avx2
+                  : name == "scalar" ? Isa::Scalar
+                                     : Isa::Avx512Bf16;
   if (static_cast<int>(isa) > static_cast<int>(detected_isa())) {
     std::fprintf(stderr, "kernel_ab: this CPU cannot run %s\n", name.c_str());
     return 2;
@@ -63,6 +67,7 @@ int main(int argc, char** argv) {
   const WeightFormat formats[4] = {WeightFormat::Fp4, WeightFormat::Fp8, WeightFormat::Fp8, WeightFormat::Bf16};
   const char* names[4] = {"fp4", "fp8", "fp8p2", "bf16"};
   for (int f = 0; f < 4; ++f) {
+    if (!only.empty() && ("," + only + ",").find("," + std::string(names[f]) + ",") == std::string::npos) continue;
     const Expert e = f == 0 ? make_fp4(N, K, g) : (f < 3 ? make_fp8(N, K, g, f == 2) : make_bf16(N, K, g));
     const ExpertWeight w = e.view(formats[f]);
     for (int64_t m : {1, 4, 16, 64}) {

@@ -4,8 +4,8 @@
 //   tiles   A: 16 weight rows × one 32-k unit, decoded to bf16 into a 1 KiB buffer (bf16 weights: loaded straight
 //           from the weight rows, stride = row stride); B: the unit's 16 k pairs × up to 16 activation rows of one
 //           group, from TileRows (packed once per operand); C: 16 weight rows × one group's rows in fp32. A pass
-//           over K holds up to 80 rows (five C tiles); with one or two groups it takes three or two weight blocks
-//           at once, so that three or four C tiles are in flight (tile_config has the layouts).
+//           over K holds up to 80 rows (five C tiles); with two groups it takes two weight blocks at once (four
+//           C tiles), otherwise one (tile_config has the layouts).
 //           TDPBF16PS C += A · B: "for each possible combination of (row of tmm2, column of tmm3)" the unit's 16
 //           pairs are multiplied and accumulated into that row and column of C (Intel SDM; the Intrinsics Guide's
 //           operation of _tile_dpbf16ps: FOR m … FOR k … tmp.fp32[n] += a·b, one product at a time; the two
@@ -64,12 +64,14 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
 
-// The tile layouts, by weight blocks × activation groups per pass. A TDPBF16PS waits for the last one into the
-// same C tile, so a pass keeps at least three C tiles going where it can: with one group, three weight blocks;
-// with two, two. (Each C still sums one weight block × one group through K in unit order: the same bits.)
+// The tile layouts, by weight blocks × activation groups per pass. (Each C sums one weight block × one group
+// through K in unit order, whatever the layout: the same bits.)
 //   NB = 1, NG = 1 … 5: tmm0 A (nr weight rows); tmm1 / tmm2 B of a full group / of the last; tmm3 + g C(g)
-//   NB = 3, NG = 1:     tmm0 … tmm2 A(b); tmm3 B; tmm4 + b C(b)
 //   NB = 2, NG = 2:     tmm0, tmm1 A(b); tmm2 / tmm3 B of group 0 (full) / group 1 (the last); tmm4 + 2b + g C(b, g)
+// One group takes one weight block at a time: TDPBF16PS into the C tile the previous one wrote issues as fast as
+// into another (on the 2026-12-03 AMX host, 5.5 ns either way, one 16 × 16 × 32 product), and three blocks at once
+// (48 rows, 48 weight streams, three 8 KiB A buffers) were slower from DRAM: with one, bench_kernel_ab --isa amx
+// --cold, two threads, 1 / 4 / 16 rows: fp8 0.65-0.75 of the time, bf16 0.88-1.0, fp4 0.92-0.97.
 // last: the last group's rows (its B tile and C tiles are 4·last bytes wide).
 inline TileConfig tile_config(int nb, int ng, int nr, int last) {
   TileConfig c;
@@ -82,10 +84,6 @@ inline TileConfig tile_config(int nb, int ng, int nr, int last) {
     set(1, kTile, 4 * kTile);
     set(2, kTile, 4 * last);
     for (int g = 0; g < ng; ++g) set(3 + g, nr, 4 * (g == ng - 1 ? last : kTile));
-  } else if (nb == 3) {
-    for (int b = 0; b < 3; ++b) set(b, kTile, 64);
-    set(3, kTile, 4 * last);
-    for (int b = 0; b < 3; ++b) set(4 + b, kTile, 4 * last);
   } else {
     set(0, kTile, 64);
     set(1, kTile, 64);
@@ -118,15 +116,6 @@ __attribute__((always_inline)) inline void unit_products(const void* const* a, i
     SM_GROUP_PRODUCT(2, 5)
     SM_GROUP_PRODUCT(3, 6)
     SM_GROUP_PRODUCT(4, 7)
-  } else if constexpr (NB == 3) {
-    static_assert(NG == 1, "three weight blocks: one group");
-    _tile_loadd(3, bg[0], 4 * kTile);
-    _tile_loadd(0, a[0], sa);
-    _tile_dpbf16ps(4, 0, 3);
-    _tile_loadd(1, a[1], sa);
-    _tile_dpbf16ps(5, 1, 3);
-    _tile_loadd(2, a[2], sa);
-    _tile_dpbf16ps(6, 2, 3);
   } else {
     static_assert(NB == 2 && NG == 2, "two weight blocks: two groups");
     _tile_loadd(2, bg[0], 4 * kTile);
@@ -155,7 +144,7 @@ __attribute__((always_inline)) inline void zero_c() {
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
-    if constexpr (count > 3) _tile_zero(7);
+    _tile_zero(7);
   }
 }
 
@@ -172,7 +161,7 @@ __attribute__((always_inline)) inline void store_c(float (*c)[kTile][kTile]) {
     _tile_stored(4, c[0], 4 * kTile);
     _tile_stored(5, c[1], 4 * kTile);
     _tile_stored(6, c[2], 4 * kTile);
-    if constexpr (count > 3) _tile_stored(7, c[3], 4 * kTile);
+    _tile_stored(7, c[3], 4 * kTile);
   }
 }
 
@@ -337,7 +326,7 @@ void tile_blocks(const TileRows& t, const ExpertWeight& w, const std::vector<Blo
   for (int64_t g0 = 0; g0 < groups && nblk > 0; g0 += kMaxGroups) {  // passes of up to 80 rows
     const int ng = static_cast<int>(std::min<int64_t>(kMaxGroups, groups - g0));
     const int last = static_cast<int>(std::min(m, (g0 + ng) * kTile) - (g0 + ng - 1) * kTile);
-    const int nb = ng == 1 ? 3 : (ng == 2 ? 2 : 1);  // tile_config's layouts: nb × ng C tiles
+    const int nb = ng == 2 ? 2 : 1;  // tile_config's layouts: nb × ng C tiles
     int configured_nb = 0, configured_nr = 0;
     auto configure = [&](int want_nb, int nr) {
       if (want_nb == configured_nb && nr == configured_nr) return;
@@ -364,11 +353,7 @@ void tile_blocks(const TileRows& t, const ExpertWeight& w, const std::vector<Blo
       if (!full) break;
       configure(nb, kTile);
       const int n_nxt = static_cast<int>(std::min<int64_t>(nb, nblk - i - nb));
-      if (nb == 3) {
-        tile_pass<F, Fold, 3, 1>(t, g0, w, &blocks[i], &blocks[i] + nb, n_nxt, c);
-      } else {
-        tile_pass<F, Fold, 2, 2>(t, g0, w, &blocks[i], &blocks[i] + nb, n_nxt, c);
-      }
+      tile_pass<F, Fold, 2, 2>(t, g0, w, &blocks[i], &blocks[i] + nb, n_nxt, c);
       for (int b = 0; b < nb; ++b) emit(blocks[i + b], c + b * ng, ng);
     }
     for (; i < nblk; ++i) {
