@@ -4,7 +4,8 @@ every weight format, on every CPU instruction set. With more rows than one block
 avx512 and avx2 (every weight format) take a decoded-panel path (blocks of 4 rows reading weights decoded once per
 chunk) and fewer rows take the direct one, so the comparisons with the full 13 rows check that the two paths give
 the same bits. fp8 weights run with
-power-of-two scales, float ones and both side by side (avx512bf16's pow2 and fold paths, chosen per weight row)."""
+power-of-two scales, float ones and both side by side (avx512bf16's pow2 and fold paths, chosen per weight row).
+A batch of 90 rows takes amx past one pass of its tiles (80 rows)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 import static_moe
 from static_moe.formats import quantize_activation
 from static_moe.testing.generators import FP8_SCALE_KINDS, random_weight
-from static_moe.testing.numeric import assert_equal
+from static_moe import reference
+from static_moe.testing.numeric import assert_equal, assert_gemm_bitwise
 
 ROWS = 13  # > two blocks of 6 rows: every remainder mod 4 and mod 6 occurs among 1..ROWS
 # fp8 weights with each kind of scales (fp8_scales_of_kind): on avx512bf16, rows of powers of two take the pow2
@@ -54,6 +56,22 @@ def test_many_rows_match_each_row_alone(cpu_isa, wf, kind, rng):
     full = static_moe.expert_gemm(x, None, b, b_s, torch.ones(rows, dtype=torch.bool), 0)
     assert float(full.float().abs().mean()) > 0.05, "the crafted input must keep the results of ordinary size"
     for r in range(rows):
+        one = static_moe.expert_gemm(x[r : r + 1], None, b, b_s, torch.ones(1, dtype=torch.bool), 0)
+        assert_equal(one[0], full[r], f"{cpu_isa} {wf}: row {r} alone")
+
+
+@pytest.mark.parametrize("wf,kind", [("bf16", None), ("fp4", None), ("fp8", "float")], ids=["bf16", "fp4", "fp8"])
+def test_rows_past_one_tile_pass(cpu_isa, wf, kind, rng):
+    """90 rows over N = 40 weight rows (blocks of 16, 16 and 8 on amx): amx runs a first pass over five groups of 16
+    rows and a second over one group of 10, other ISAs many row blocks. The batch matches the reference, and rows at
+    the groups' and passes' edges give the batch's bits alone."""
+    rows, n, k = 90, 40, 256
+    b, b_s = random_weight(1, n, k, wf, rng, kind or "pow2")
+    x = torch.randn(rows, k, generator=rng).to(torch.bfloat16)
+    mask = torch.ones(rows, dtype=torch.bool)
+    full = static_moe.expert_gemm(x, None, b, b_s, mask, 0)
+    assert_gemm_bitwise(full, reference.expert_gemm(x, None, b, b_s, mask, 0), f"{cpu_isa} {wf}: 90 rows")
+    for r in (0, 15, 16, 63, 79, 80, 89):
         one = static_moe.expert_gemm(x[r : r + 1], None, b, b_s, torch.ones(1, dtype=torch.bool), 0)
         assert_equal(one[0], full[r], f"{cpu_isa} {wf}: row {r} alone")
 

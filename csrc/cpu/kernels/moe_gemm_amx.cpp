@@ -4,8 +4,7 @@
 //   tiles   A: 16 weight rows × one 32-k unit, decoded to bf16 into a 1 KiB buffer (bf16 weights: loaded straight
 //           from the weight rows, stride = row stride); B: the unit's 16 k pairs × up to 16 activation rows of one
 //           group, from TileRows (packed once per operand); C: 16 weight rows × one group's rows in fp32. A pass
-//           over K holds up to 80 rows (five C tiles); with two groups it takes two weight blocks at once (four
-//           C tiles), otherwise one (tile_config has the layouts).
+//           over K holds one weight block and up to 80 rows (five C tiles; tile_config has the layout).
 //           TDPBF16PS C += A · B: "for each possible combination of (row of tmm2, column of tmm3)" the unit's 16
 //           pairs are multiplied and accumulated into that row and column of C (Intel SDM; the Intrinsics Guide's
 //           operation of _tile_dpbf16ps: FOR m … FOR k … tmp.fp32[n] += a·b, one product at a time; the two
@@ -64,41 +63,29 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
 
-// The tile layouts, by weight blocks × activation groups per pass. (Each C sums one weight block × one group
-// through K in unit order, whatever the layout: the same bits.)
-//   NB = 1, NG = 1 … 5: tmm0 A (nr weight rows); tmm1 / tmm2 B of a full group / of the last; tmm3 + g C(g)
-//   NB = 2, NG = 2:     tmm0, tmm1 A(b); tmm2 / tmm3 B of group 0 (full) / group 1 (the last); tmm4 + 2b + g C(b, g)
-// One group takes one weight block at a time: TDPBF16PS into the C tile the previous one wrote issues as fast as
-// into another (on the 2026-12-03 AMX host, 5.5 ns either way, one 16 × 16 × 32 product), and three blocks at once
-// (48 rows, 48 weight streams, three 8 KiB A buffers) were slower from DRAM: with one, bench_kernel_ab --isa amx
-// --cold, two threads, 1 / 4 / 16 rows: fp8 0.65-0.75 of the time, bf16 0.88-1.0, fp4 0.92-0.97.
-// last: the last group's rows (its B tile and C tiles are 4·last bytes wide).
-inline TileConfig tile_config(int nb, int ng, int nr, int last) {
+// The tile layout of a pass: one weight block × NG (1 … 5) groups of activation rows. tmm0 A (nr weight rows);
+// tmm1 / tmm2 B of a full group / of the last; tmm3 + g C(g). last: the last group's rows (its B and C tiles are
+// 4·last bytes wide). One weight block at a time: TDPBF16PS into the C tile the previous one wrote issues as fast
+// as into another (on the 2026-12-03 AMX host, 5.1-5.3 ns either way for a 16 × 16 × 32 product,
+// bench/micro/amx_tiles.cpp), and two or three blocks at once (up to 48 weight streams and A buffers) were slower
+// from DRAM: with one, bench_kernel_ab --isa amx --cold, two threads, N = K = 4096, time now / before: 1, 4, 16
+// rows (three blocks before) fp8 0.65-0.75, bf16 0.88-1.0, fp4 0.92-0.97; 24, 32 rows (two before) fp8 0.85-0.89,
+// bf16 0.89-1.03, fp4 0.97-1.03 (weights in L3, one core: 1.02-1.09 for fp4 and fp8 there, bf16 0.92).
+inline TileConfig tile_config(int ng, int nr, int last) {
   TileConfig c;
   auto set = [&](int t, int rows, int colsb) {
     c.rows[t] = static_cast<uint8_t>(rows);
     c.colsb[t] = static_cast<uint16_t>(colsb);
   };
-  if (nb == 1) {
-    set(0, nr, 64);
-    set(1, kTile, 4 * kTile);
-    set(2, kTile, 4 * last);
-    for (int g = 0; g < ng; ++g) set(3 + g, nr, 4 * (g == ng - 1 ? last : kTile));
-  } else {
-    set(0, kTile, 64);
-    set(1, kTile, 64);
-    set(2, kTile, 4 * kTile);
-    set(3, kTile, 4 * last);
-    for (int b = 0; b < 2; ++b) {
-      set(4 + 2 * b, kTile, 4 * kTile);
-      set(5 + 2 * b, kTile, 4 * last);
-    }
-  }
+  set(0, nr, 64);
+  set(1, kTile, 4 * kTile);
+  set(2, kTile, 4 * last);
+  for (int g = 0; g < ng; ++g) set(3 + g, nr, 4 * (g == ng - 1 ? last : kTile));
   return c;
 }
 
-// One unit's products of a pass: A(b) from a[b] (stride sa), B(g) from bg[g]. GCC's tile intrinsics paste the tile
-// number into the instruction's text, so each layout's tiles are written out.
+// One unit's products of a pass: A from a (stride sa), B(g) from bg[g]. GCC's tile intrinsics paste the tile
+// number into the instruction's text, so each group's tiles are written out.
 #define SM_GROUP_PRODUCT(G, C)           \
   if constexpr (NG == G + 1) {           \
     _tile_loadd(2, bg[G], 4 * kTile);    \
@@ -107,62 +94,34 @@ inline TileConfig tile_config(int nb, int ng, int nr, int last) {
     _tile_loadd(1, bg[G], 4 * kTile);    \
     _tile_dpbf16ps(C, 0, 1);             \
   }
-template <int NB, int NG>
-__attribute__((always_inline)) inline void unit_products(const void* const* a, int64_t sa, const uint32_t* const* bg) {
-  if constexpr (NB == 1) {
-    _tile_loadd(0, a[0], sa);
-    SM_GROUP_PRODUCT(0, 3)
-    SM_GROUP_PRODUCT(1, 4)
-    SM_GROUP_PRODUCT(2, 5)
-    SM_GROUP_PRODUCT(3, 6)
-    SM_GROUP_PRODUCT(4, 7)
-  } else {
-    static_assert(NB == 2 && NG == 2, "two weight blocks: two groups");
-    _tile_loadd(2, bg[0], 4 * kTile);
-    _tile_loadd(3, bg[1], 4 * kTile);
-    _tile_loadd(0, a[0], sa);
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_dpbf16ps(5, 0, 3);
-    _tile_loadd(1, a[1], sa);
-    _tile_dpbf16ps(6, 1, 2);
-    _tile_dpbf16ps(7, 1, 3);
-  }
+template <int NG>
+__attribute__((always_inline)) inline void unit_products(const void* a, int64_t sa, const uint32_t* const* bg) {
+  _tile_loadd(0, a, sa);
+  SM_GROUP_PRODUCT(0, 3)
+  SM_GROUP_PRODUCT(1, 4)
+  SM_GROUP_PRODUCT(2, 5)
+  SM_GROUP_PRODUCT(3, 6)
+  SM_GROUP_PRODUCT(4, 7)
 }
 #undef SM_GROUP_PRODUCT
 
-// Zero / store the pass's C tiles; c[b * NG + g] receives C(b, g) (weight rows × the group's rows, fp32).
-template <int NB, int NG>
+// Zero / store the pass's C tiles; c[g] receives C(g) (weight rows × the group's rows, fp32).
+template <int NG>
 __attribute__((always_inline)) inline void zero_c() {
-  constexpr int count = NB * NG;
-  if constexpr (NB == 1) {
-    _tile_zero(3);
-    if constexpr (count > 1) _tile_zero(4);
-    if constexpr (count > 2) _tile_zero(5);
-    if constexpr (count > 3) _tile_zero(6);
-    if constexpr (count > 4) _tile_zero(7);
-  } else {
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
-  }
+  _tile_zero(3);
+  if constexpr (NG > 1) _tile_zero(4);
+  if constexpr (NG > 2) _tile_zero(5);
+  if constexpr (NG > 3) _tile_zero(6);
+  if constexpr (NG > 4) _tile_zero(7);
 }
 
-template <int NB, int NG>
+template <int NG>
 __attribute__((always_inline)) inline void store_c(float (*c)[kTile][kTile]) {
-  constexpr int count = NB * NG;
-  if constexpr (NB == 1) {
-    _tile_stored(3, c[0], 4 * kTile);
-    if constexpr (count > 1) _tile_stored(4, c[1], 4 * kTile);
-    if constexpr (count > 2) _tile_stored(5, c[2], 4 * kTile);
-    if constexpr (count > 3) _tile_stored(6, c[3], 4 * kTile);
-    if constexpr (count > 4) _tile_stored(7, c[4], 4 * kTile);
-  } else {
-    _tile_stored(4, c[0], 4 * kTile);
-    _tile_stored(5, c[1], 4 * kTile);
-    _tile_stored(6, c[2], 4 * kTile);
-    _tile_stored(7, c[3], 4 * kTile);
-  }
+  _tile_stored(3, c[0], 4 * kTile);
+  if constexpr (NG > 1) _tile_stored(4, c[1], 4 * kTile);
+  if constexpr (NG > 2) _tile_stored(5, c[2], 4 * kTile);
+  if constexpr (NG > 3) _tile_stored(6, c[3], 4 * kTile);
+  if constexpr (NG > 4) _tile_stored(7, c[4], 4 * kTile);
 }
 
 // Which of the nr weight rows from n the tiles take (bit j: row n + j): all but fp4 rows with a scale byte outside
@@ -233,41 +192,34 @@ struct Block {
 // scale is applied once per block, not per weight. Every fp8 row, power-of-two scales too: one path for all rows
 // (no block split by kind of scales), and decoding with the scale's own byte tables (avx512bf16's pow2 path) gained
 // nothing here (V4-Flash w13, 16 rows, two threads: 2.45 ms with them, 2.50 ms on the fold, runs minutes apart).
-template <int NB, int NG>
-inline void fold_block(const ExpertWeight& w, const Block* blk, int64_t kb, const float (*c)[kTile][kTile],
+template <int NG>
+inline void fold_block(const ExpertWeight& w, const Block& blk, int64_t kb, const float (*c)[kTile][kTile],
                        float (*acc)[kTile][kTile]) {
-  for (int b = 0; b < NB; ++b) {
-    const float* s = static_cast<const float*>(w.scale) + blk[b].n * w.scale_row_stride + kb / kFp8WeightBlock;
-    for (int j = 0; j < blk[b].nr; ++j) {
-      const __m512 sv = _mm512_set1_ps(s[j * w.scale_row_stride]);
-      for (int g = 0; g < NG; ++g) {
-        float* r = acc[b * NG + g][j];
-        _mm512_store_ps(r, _mm512_fmadd_ps(_mm512_load_ps(c[b * NG + g][j]), sv, _mm512_load_ps(r)));
-      }
-    }
+  const float* s = static_cast<const float*>(w.scale) + blk.n * w.scale_row_stride + kb / kFp8WeightBlock;
+  for (int j = 0; j < blk.nr; ++j) {
+    const __m512 sv = _mm512_set1_ps(s[j * w.scale_row_stride]);
+    for (int g = 0; g < NG; ++g)
+      _mm512_store_ps(acc[g][j], _mm512_fmadd_ps(_mm512_load_ps(c[g][j]), sv, _mm512_load_ps(acc[g][j])));
   }
 }
 
-// The NB weight blocks blk[0 … NB) × the groups [g0, g0 + NG) of t, all of K, through the tiles configured for
-// that layout; nxt: the blocks after them (prefetched as these are decoded; nr = 0: none). c[b * NG + g] gets
-// C(b, g).
-template <WeightFormat F, bool Fold, int NB, int NG>
-void tile_pass(const TileRows& t, int64_t g0, const ExpertWeight& w, const Block* blk, const Block* nxt, int n_nxt,
+// The weight block blk × the groups [g0, g0 + NG) of t, all of K, through the tiles configured for NG groups;
+// nxt: the block after it (prefetched as this one is decoded), or null. c[g] gets C(g).
+template <WeightFormat F, bool Fold, int NG>
+void tile_pass(const TileRows& t, int64_t g0, const ExpertWeight& w, const Block& blk, const Block* nxt,
                float (*c)[kTile][kTile]) {
-  alignas(64) uint16_t a[2][NB][kStepUnits][kTile][kUnit];
-  alignas(64) float acc[Fold ? NB * NG : 1][kTile][kTile];
+  alignas(64) uint16_t a[2][kStepUnits][kTile][kUnit];
+  alignas(64) float acc[Fold ? NG : 1][kTile][kTile];
   if constexpr (Fold) {  // C tiles store only their configured rows and bytes: start every lane at zero
     std::memset(acc, 0, sizeof(acc));
-    std::memset(c, 0, sizeof(float) * NB * NG * kTile * kTile);
+    std::memset(c, 0, sizeof(float) * NG * kTile * kTile);
   }
-  zero_c<NB, NG>();
+  zero_c<NG>();
   const int64_t K = w.k;
   auto units_at = [&](int64_t kc) { return static_cast<int>(std::min<int64_t>(kStep, K - kc) / kUnit); };
   auto decode = [&](int64_t kc, int64_t step) {
-    for (int b = 0; b < n_nxt; ++b) prefetch_step<F>(w, nxt[b].n, nxt[b].nr, kc);
-    if constexpr (F != WeightFormat::Bf16)
-      for (int b = 0; b < NB; ++b)
-        decode_step<F>(w, blk[b].n, blk[b].nr, blk[b].take, kc, units_at(kc), a[step & 1][b]);
+    if (nxt != nullptr) prefetch_step<F>(w, nxt->n, nxt->nr, kc);
+    if constexpr (F != WeightFormat::Bf16) decode_step<F>(w, blk.n, blk.nr, blk.take, kc, units_at(kc), a[step & 1]);
   };
   // Software-pipelined: step s + 1 is decoded before step s's tile loads are issued. A tile load does not take
   // data from the store buffer, so a buffer must be written well before it is loaded.
@@ -277,42 +229,38 @@ void tile_pass(const TileRows& t, int64_t g0, const ExpertWeight& w, const Block
     const int nu = units_at(kc);
     for (int u = 0; u < nu; ++u) {
       const int64_t unit = kc / kUnit + u;
-      const void* ap[NB];
+      const void* ap = a[step & 1][u];
       int64_t sa = 2 * kUnit;
-      for (int b = 0; b < NB; ++b) {
-        if constexpr (F == WeightFormat::Bf16) {
-          ap[b] = w.data + blk[b].n * w.row_stride + 2 * (kc + u * kUnit);
-          sa = w.row_stride;
-        } else {
-          ap[b] = a[step & 1][b][u];
-        }
+      if constexpr (F == WeightFormat::Bf16) {
+        ap = w.data + blk.n * w.row_stride + 2 * (kc + u * kUnit);
+        sa = w.row_stride;
       }
       const uint32_t* bg[kMaxGroups];
       for (int g = 0; g < NG; ++g) bg[g] = t.unit(g0 + g, unit);
-      unit_products<NB, NG>(ap, sa, bg);
+      unit_products<NG>(ap, sa, bg);
     }
     if constexpr (Fold) {  // a step is one fp8 block (kStep = 128)
-      store_c<NB, NG>(c);
-      zero_c<NB, NG>();
-      fold_block<NB, NG>(w, blk, kc, c, acc);
+      store_c<NG>(c);
+      zero_c<NG>();
+      fold_block<NG>(w, blk, kc, c, acc);
     }
   }
   if constexpr (Fold) {
     std::memcpy(c, acc, sizeof(acc));
   } else {
-    store_c<NB, NG>(c);
+    store_c<NG>(c);
   }
 }
 
 template <WeightFormat F, bool Fold>
-void tile_pass_one(int ng, const TileRows& t, int64_t g0, const ExpertWeight& w, const Block* blk, const Block* nxt,
-                   int n_nxt, float (*c)[kTile][kTile]) {
+void tile_pass_groups(int ng, const TileRows& t, int64_t g0, const ExpertWeight& w, const Block& blk,
+                      const Block* nxt, float (*c)[kTile][kTile]) {
   switch (ng) {
-    case 1: return tile_pass<F, Fold, 1, 1>(t, g0, w, blk, nxt, n_nxt, c);
-    case 2: return tile_pass<F, Fold, 1, 2>(t, g0, w, blk, nxt, n_nxt, c);
-    case 3: return tile_pass<F, Fold, 1, 3>(t, g0, w, blk, nxt, n_nxt, c);
-    case 4: return tile_pass<F, Fold, 1, 4>(t, g0, w, blk, nxt, n_nxt, c);
-    default: return tile_pass<F, Fold, 1, 5>(t, g0, w, blk, nxt, n_nxt, c);
+    case 1: return tile_pass<F, Fold, 1>(t, g0, w, blk, nxt, c);
+    case 2: return tile_pass<F, Fold, 2>(t, g0, w, blk, nxt, c);
+    case 3: return tile_pass<F, Fold, 3>(t, g0, w, blk, nxt, c);
+    case 4: return tile_pass<F, Fold, 4>(t, g0, w, blk, nxt, c);
+    default: return tile_pass<F, Fold, 5>(t, g0, w, blk, nxt, c);
   }
 }
 
@@ -322,44 +270,27 @@ void tile_blocks(const TileRows& t, const ExpertWeight& w, const std::vector<Blo
   const int64_t m = t.rows();
   const int64_t groups = (m + kTile - 1) / kTile;
   alignas(64) float c[kMaxGroups][kTile][kTile];
-  const int64_t nblk = static_cast<int64_t>(blocks.size());
+  const size_t nblk = blocks.size();
   for (int64_t g0 = 0; g0 < groups && nblk > 0; g0 += kMaxGroups) {  // passes of up to 80 rows
     const int ng = static_cast<int>(std::min<int64_t>(kMaxGroups, groups - g0));
     const int last = static_cast<int>(std::min(m, (g0 + ng) * kTile) - (g0 + ng - 1) * kTile);
-    const int nb = ng == 2 ? 2 : 1;  // tile_config's layouts: nb × ng C tiles
-    int configured_nb = 0, configured_nr = 0;
-    auto configure = [&](int want_nb, int nr) {
-      if (want_nb == configured_nb && nr == configured_nr) return;
-      const TileConfig cfg = tile_config(want_nb, ng, nr, last);
-      _tile_loadconfig(&cfg);
-      configured_nb = want_nb;
-      configured_nr = nr;
-    };
-    auto emit = [&](const Block& bk, const float (*cb)[kTile][kTile], int cg) {  // cb[g]: C of group g0 + g
-      for (int g = 0; g < cg; ++g) {
+    int configured_nr = 0;
+    for (size_t i = 0; i < nblk; ++i) {
+      const Block& bk = blocks[i];
+      if (bk.nr != configured_nr) {
+        const TileConfig cfg = tile_config(ng, bk.nr, last);
+        _tile_loadconfig(&cfg);
+        configured_nr = bk.nr;
+      }
+      tile_pass_groups<F, Fold>(ng, t, g0, w, bk, i + 1 < nblk ? &blocks[i + 1] : nullptr, c);
+      for (int g = 0; g < ng; ++g) {  // c[g]: C of group g0 + g
         const int64_t r0 = (g0 + g) * kTile;
         const int rows = static_cast<int>(std::min<int64_t>(kTile, m - r0));
         for (int j = 0; j < bk.nr; ++j) {
           if (!(bk.take >> j & 1u)) continue;
-          for (int r = 0; r < rows; ++r) emit_output(out, r0 + r, bk.n + j, cb[g][j][r]);
+          for (int r = 0; r < rows; ++r) emit_output(out, r0 + r, bk.n + j, c[g][j][r]);
         }
       }
-    };
-    // Full blocks nb at a time, then the rest one by one.
-    int64_t i = 0;
-    for (; nb > 1 && i + nb <= nblk; i += nb) {
-      bool full = true;
-      for (int b = 0; b < nb; ++b) full = full && blocks[i + b].nr == kTile;
-      if (!full) break;
-      configure(nb, kTile);
-      const int n_nxt = static_cast<int>(std::min<int64_t>(nb, nblk - i - nb));
-      tile_pass<F, Fold, 2, 2>(t, g0, w, &blocks[i], &blocks[i] + nb, n_nxt, c);
-      for (int b = 0; b < nb; ++b) emit(blocks[i + b], c + b * ng, ng);
-    }
-    for (; i < nblk; ++i) {
-      configure(1, blocks[i].nr);
-      tile_pass_one<F, Fold>(ng, t, g0, w, &blocks[i], &blocks[i] + 1, i + 1 < nblk ? 1 : 0, c);
-      emit(blocks[i], c, ng);
     }
   }
 }
