@@ -9,7 +9,9 @@
 //    unit's 16 pairs in k order (what a kernel with one lane per output would compute), one fp32 add per product
 //    in k order, each pair summed exactly and added with one rounding, and the whole unit summed exactly and
 //    added with one rounding. An output that matches none of them means no vdpbf16ps kernel can hand a row over
-//    to the tiles by row count with the same bits.
+//    to the tiles by row count with the same bits. ("Exact" sums are double (pairs) and long double (the unit):
+//    exact while the terms' exponents lie within about 37 and 43 binades, nearly always at spreads 0 and 5; at
+//    20 they may lose terms far below the result's last fp32 bit.)
 // 2. Operand order. The same products with the operands swapped (activation rows as A, weight rows as B in
 //    pairs, C transposed): whether an output's bits depend on which operand holds the weights.
 // 3. Cost. TDPBF16PS by rows of A (the instruction walks them), into one C tile back to back and into six in
