@@ -1,8 +1,9 @@
 // What the AMX tile product does to the bits, and what it costs, on this CPU: the facts behind the amx kernel's
 // layout and behind keeping it opt-in (docs/backends/cpu.md, "The AMX kernel (opt-in)"). Torch-free; needs
-// AMX-TILE / AMX-BF16 and AVX-512 BF16, and Linux's permission for the tile state (as csrc/cpu/simd.h asks).
+// AMX-TILE / AMX-BF16 and AVX-512 BF16, and Linux's permission for the tile state (asked as the kernels ask it,
+// csrc/cpu/simd.h's amx_permitted).
 //
-//   g++ -O2 -march=sapphirerapids -o build/micro/amx_tiles bench/micro/amx_tiles.cpp && build/micro/amx_tiles
+//   g++ -O2 -march=sapphirerapids -Icsrc -o build/micro/amx_tiles bench/micro/amx_tiles.cpp && build/micro/amx_tiles
 //
 // 1. Bits. One TDPBF16PS (C 16×16 fp32 += A 16×32 bf16 · B in pairs) on random operands whose exponents spread
 //    over ±spread, against four readings of "C[m][n] += the unit's 32 products": a chain of VDPBF16PS over the
@@ -17,8 +18,6 @@
 // 3. Cost. TDPBF16PS by rows of A (the instruction walks them), into one C tile back to back and into six in
 //    turn; a 1 KiB tile load from L1. Nanoseconds of the wall clock, best of 5.
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -26,6 +25,8 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+
+#include "cpu/simd.h"
 
 namespace {
 
@@ -173,8 +174,7 @@ void cost() {
 }  // namespace
 
 int main() {
-  // Linux grants a process the tile state on request: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+  if (!static_moe::cpu::amx_permitted()) {
     std::fprintf(stderr, "amx_tiles: the OS does not grant the AMX tile state here\n");
     return 2;
   }
