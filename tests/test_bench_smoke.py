@@ -183,6 +183,32 @@ def test_same_round_timing(bench_modules):
     assert H.timing.stream_fraction({"median_s": 1.0}, {"available": True, "median_s": 2.0}) == 0.5
 
 
+def test_round2_int4pack_read_ceiling(bench_modules):
+    """run_all's T = 1 line under the int4pack target: t_int4pack / t_stream (speed-up over int4pack / the op's
+    fraction of the same-round stream), its minimum over the V4-Flash and V3 fp4 points at T = 1 only."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        run_all = importlib.import_module("run_all")
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+
+    def rec(shape, tokens, speedup, fraction, weight="fp4"):
+        return {"bench": "expert_gemm", "shape": shape, "fmt": f"bf16×{weight} w13", "tokens": tokens,
+                "weight": weight, "op": {"available": True, "median_s": 1e-3},
+                "speedup": {"torch_int4pack": speedup}, "weight_stream_fraction": fraction}
+
+    records = [rec("v4_flash", 1, 1.5, 0.75),   # int4pack 1.5× the op, the op at 0.75 of the stream: ceiling 2.0
+               rec("v3", 1, 1.2, 0.8),          # ceiling 1.5: the minimum
+               rec("v3", 4, 1.0, 0.9),          # T = 4: not a read-bound point, left out (ceiling 1.11)
+               rec("qwen3_30b_a3b", 1, 1.0, 1.0)]  # not a target shape (ceiling 1.0)
+    report = SimpleNamespace(limits=MachineLimits(2, 1e10, 1e11, 0, 0, 0), records=records)
+    rows = {r["what"].strip().split(":")[0]: r for r in run_all.round2_targets(report)}
+    ceiling = rows["the same at T=1"]
+    assert ceiling["min"] == pytest.approx(1.5) and ceiling["at"] == "v3 bf16×fp4 w13 T=1"
+    assert ceiling["target"] is None  # information: the bench never passes or fails it
+    assert rows[next(k for k in rows if k.startswith("expert_gemm fp4 vs torch_int4pack"))]["min"] == 1.0
+
+
 def test_profile_reads_perf_output():
     """bench_profile.py's readers on perf's own text: samples kept only inside the calls' windows and sorted by
     place and thread, annotate lines sorted by instruction class (AT&T operands: sources first)."""
