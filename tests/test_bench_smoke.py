@@ -186,11 +186,7 @@ def test_same_round_timing(bench_modules):
 def test_round2_int4pack_read_ceiling(bench_modules):
     """run_all's T = 1 line under the int4pack target: t_int4pack / t_stream (speed-up over int4pack / the op's
     fraction of the same-round stream), its minimum over the V4-Flash and V3 fp4 points at T = 1 only."""
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        run_all = importlib.import_module("run_all")
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    run_all = importlib.import_module("run_all")  # bench/ is on sys.path while bench_modules is up
 
     def rec(shape, tokens, speedup, fraction, weight="fp4"):
         return {"bench": "expert_gemm", "shape": shape, "fmt": f"bf16×{weight} w13", "tokens": tokens,
