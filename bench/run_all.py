@@ -121,18 +121,17 @@ def round2_targets(report: Report) -> list[dict]:
             worst = min(recs, key=value)
             out.append({"what": what, "min": value(worst), "at": _at(worst), "target": target, "unit": unit})
 
+    int4 = [r for r in ok if r["bench"] == "expert_gemm" and r.get("weight") == "fp4" and r["shape"] in INT4_SHAPES
+            and r["tokens"] in INT4_TOKENS and r["speedup"].get("torch_int4pack")]
     add("expert_gemm fp4 vs torch_int4pack (aten._weight_int4pack_mm_for_cpu), V4-Flash and V3, T 1/4/16/64",
-        [r for r in ok if r["bench"] == "expert_gemm" and r.get("weight") == "fp4" and r["shape"] in INT4_SHAPES
-         and r["tokens"] in INT4_TOKENS and r["speedup"].get("torch_int4pack")],
-        lambda r: r["speedup"]["torch_int4pack"], INT4_TARGET, "×")
+        int4, lambda r: r["speedup"]["torch_int4pack"], INT4_TARGET, "×")
     # At one row both ops are bound by reading their weights, so the most a kernel can gain on int4pack there is
     # int4pack's time over a plain read of the kernel's own bytes, timed in the same rounds
     # (speedup / weight_stream_fraction = t_int4pack / t_stream): below 2, the 2× target asks the kernel to read
     # faster than torch.sum reads the same bytes.
     add("  the same at T=1: t_int4pack / t_stream, the ×int4pack of a kernel reading its weights at the same-round "
         "stream's rate (information; below 2× the target is past a plain read)",
-        [r for r in ok if r["bench"] == "expert_gemm" and r.get("weight") == "fp4" and r["shape"] in INT4_SHAPES
-         and r["tokens"] == 1 and r["speedup"].get("torch_int4pack") and r.get("weight_stream_fraction")],
+        [r for r in int4 if r["tokens"] == 1 and r.get("weight_stream_fraction")],
         lambda r: r["speedup"]["torch_int4pack"] / r["weight_stream_fraction"], None, "×")
     add("local_experts fp4 vs torch_int4pack (information)",
         [r for r in ok if r["bench"] == "local_experts" and r["speedup"].get("torch_int4pack")],
