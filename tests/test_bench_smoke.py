@@ -188,9 +188,9 @@ def test_round2_int4pack_read_ceiling(bench_modules):
     fraction of the same-round stream), its minimum over the V4-Flash and V3 fp4 points at T = 1 only."""
     run_all = importlib.import_module("run_all")  # bench/ is on sys.path while bench_modules is up
 
-    def rec(shape, tokens, speedup, fraction, weight="fp4"):
-        return {"bench": "expert_gemm", "shape": shape, "fmt": f"bf16×{weight} w13", "tokens": tokens,
-                "weight": weight, "op": {"available": True, "median_s": 1e-3},
+    def rec(shape, tokens, speedup, fraction):
+        return {"bench": "expert_gemm", "shape": shape, "fmt": "bf16×fp4 w13", "tokens": tokens,
+                "weight": "fp4", "op": {"available": True, "median_s": 1e-3},
                 "speedup": {"torch_int4pack": speedup}, "weight_stream_fraction": fraction}
 
     records = [rec("v4_flash", 1, 1.5, 0.75),   # int4pack 1.5× the op, the op at 0.75 of the stream: ceiling 2.0
