@@ -4,25 +4,53 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
-THREADS ?= 2
+# Threads for the kernels (OpenMP): `make test THREADS=4`, or an OMP_NUM_THREADS already in the caller's
+# environment; 2 (this project's CI machine) otherwise.
+THREADS ?= $(or $(OMP_NUM_THREADS),2)
+SHELL   := /bin/bash
+# pip's lines for what it downloads and installs, without one line per package already there.
+QUIET_SATISFIED := { grep -v '^Requirement already satisfied' || true; }
+# Lint tools are pinned: a new release may format differently, and `make lint` is part of `make test`.
+LINT_DEPS := ruff==0.17.5 clang-format==23.1.3
+# C++/CUDA sources under clang-format.
+CXX_SOURCES = $(shell find csrc bench/micro tests/cuda_host tests/asan -name '*.h' -o -name '*.cpp' -o -name '*.cu' \
+                -o -name '*.cuh' | sort)
 
-.PHONY: all venv build test asan mutate demo bench clean
+.PHONY: all venv build test lint format asan mutate demo bench clean
 
 all: test
 
 $(STAMP): Makefile   # a changed dependency list re-runs the installs in an existing .venv
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip setuptools wheel
-	$(VPY) -m pip install -q torch==2.13.0 numpy ml_dtypes pytest hypothesis ninja matplotlib 'transformers>=5'
+	@echo "== installing the pinned dependencies into $(VENV) (torch is ~200 MB: a few minutes on a fresh machine)"
+	set -o pipefail; $(VPY) -m pip install --progress-bar off --upgrade pip setuptools wheel | $(QUIET_SATISFIED)
+	set -o pipefail; $(VPY) -m pip install --progress-bar off torch==2.13.0 numpy ml_dtypes pytest hypothesis \
+		ninja matplotlib 'transformers>=5' $(LINT_DEPS) | $(QUIET_SATISFIED)
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+# The extension build prints one line per compiled file (ninja's [n/N] counter), not minutes of silence; the
+# whole compiler output is kept in build/pip-install.log.
 build: venv
-	$(VPY) -m pip install -q --no-build-isolation -e .
+	@echo "== building the C++ extension (pip install --no-build-isolation -e .; 2-4 minutes on 2 cores)"
+	@mkdir -p build
+	set -o pipefail; $(VPY) -m pip install -v --no-build-isolation -e . 2>&1 | tee build/pip-install.log | \
+		sed -un -E 's@^ *(\[[0-9]+/[0-9]+\]) .* -c (\S+) .*@  \1 \2@p; s@^(Successfully installed .*)@  \1@p'
 
-test: build asan
+test: build lint asan
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q tests
+
+# ruff (lint + format check) over the Python, clang-format over the C++/CUDA; `make format` rewrites in place.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run -Werror $(CXX_SOURCES)
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
 
 # pack_rows / unpack_rows kernels under AddressSanitizer: a torch-free driver, its own debug build (about a
 # second), so a copy one byte too long fails even where no value comparison could see it. Leak checking is

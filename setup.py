@@ -10,6 +10,7 @@ The default build never uses ``-march=native``: SIMD kernels pick their instruct
 
 import glob
 import os
+import re
 
 import setuptools
 from setuptools import setup
@@ -38,6 +39,13 @@ except ImportError:
                      "torch==2.13.0 first") from None
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version() -> str:
+    """``__version__`` from python/static_moe/_version.py, read as text: importing the package needs the extension
+    this script is about to build."""
+    with open(os.path.join(ROOT, "python", "static_moe", "_version.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 
 def _rel(paths):
@@ -82,7 +90,7 @@ else:
 
 setup(
     name="static_moe",
-    version="0.1.0",
+    version=_version(),
     description="Static-shape expert-parallel MoE decode ops for NKI, CUDA and CPU",
     packages=["static_moe", "static_moe.reference", "static_moe.ops", "static_moe.testing", "static_moe.nki",
               "static_moe.nki.interpreter", "static_moe.integrations", "nki_kernels"],
@@ -90,6 +98,7 @@ setup(
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
+    license="Apache-2.0",
     # The extension is built against one torch release (pyproject.toml pins the build's); its C++ ABI holds
     # within that minor release only.
     install_requires=["torch>=2.13,<2.14", "numpy", "ml_dtypes"],

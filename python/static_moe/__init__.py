@@ -9,6 +9,7 @@ import torch  # noqa: F401  (libtorch must be loaded before the extension)
 from . import _C  # noqa: F401  (loads the library: schemas + backend kernels)
 from . import ops  # noqa: F401  (fake kernels, Python-side op bodies)
 from . import workspace
+from ._version import __version__
 from .formats import (
     dequantize_activation,
     dequantize_weight,
@@ -25,6 +26,7 @@ from .workspace import WorkspaceSpec, memory_plan
 _nki_dispatch.register_neuron_kernels()  # NKI kernels as the Neuron-device impls; a no-op without torch-neuronx
 
 __all__ = [
+    "__version__",
     "pack_rows",
     "unpack_rows",
     "swiglu_and_cast",
