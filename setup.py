@@ -93,7 +93,7 @@ setup(
     version=_version(),
     description="Static-shape expert-parallel MoE decode ops for NKI, CUDA and CPU",
     packages=["static_moe", "static_moe.reference", "static_moe.ops", "static_moe.testing", "static_moe.nki",
-              "static_moe.nki.interpreter", "static_moe.integrations", "nki_kernels"],
+              "static_moe.nki.interpreter", "static_moe.integrations", "static_moe.loaders", "nki_kernels"],
     package_dir={"static_moe": "python/static_moe", "nki_kernels": "nki_kernels"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

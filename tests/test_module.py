@@ -319,7 +319,7 @@ def test_from_module_fused_transformers_experts():
 
 def test_expert_split_errors_say_what_to_pass():
     """Which experts a rank keeps (from_module's rule), and the messages when the counts do not fit."""
-    from static_moe.module import _local_range
+    from static_moe.loaders.torch_modules import _local_range
 
     assert _local_range(8, 8, 2, 1, False, "x") == (4, 4, 8)  # the whole model: rank 1 keeps 4…7
     assert _local_range(4, 8, 2, 1, False, "x") == (0, 4, 8)  # this rank's own

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import static_moe
 from static_moe import reference
-from static_moe.reference.pack_rows import pack_layout, part_nbytes
+from static_moe.packed_layout import pack_layout, part_nbytes
 from static_moe.testing.numeric import assert_equal
 
 DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64, torch.uint8, torch.int16]

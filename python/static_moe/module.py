@@ -20,7 +20,8 @@ Ways to fill them: :meth:`StaticMoE.from_module` (transformers 5.x fused ``gate_
 ``w1``/``w3``/``w2`` tensors, DTensor local shards included, or a list of MLPs; a shared expert and its gate),
 :meth:`StaticMoE.from_deepseek_state_dict` (checkpoints: per-expert or fused keys; fp8 with 128×128 block scales,
 fp4 e2m1 + UE8M0, bf16), :meth:`set_expert_weights`, or ``load_state_dict`` (validated like set_expert_weights).
-The ``from_*`` constructors are collective over the EP group: an error on one rank raises on every rank.
+The ``from_*`` constructors are collective over the EP group: an error on one rank raises on every rank. Their
+bodies are the loaders of ``static_moe.loaders``, one module per source.
 
 Prepared layout (SPEC §1.2): a layer holds its weights in the layout its device's kernels read — EOI (the table
 above) on CPU and CUDA; for trn2 / trn3 the K-major EIO forms of
@@ -39,7 +40,7 @@ blocks' codes halved and scales doubled; loading them again changes nothing).
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -51,11 +52,8 @@ from .formats import (
     FP8_E4M3FN_MAX,
     WEIGHT_FP4_BLOCK,
     WEIGHT_FP8_BLOCK,
-    as_uint8,
     dequantize_activation,
-    expand_block_scales,
     quantize_activation,
-    quantize_weight,
 )
 from .layouts import check_target, prepare_expert_weights, target_layout, to_eoi
 from .ops.forward import forward as _forward_op
@@ -581,52 +579,12 @@ class StaticMoE(_FixedFormats):
         Collective over ``ep_group``: an error on any rank raises on every rank (the others name the failing rank)
         before any rank returns a layer, and no rank keeps a workspace lease.
         """
-        size, rank, _ = _group_info(ep_group)
-        stage = "StaticMoE.from_module"
+        # The loader imports this module's checks, so it is imported when called, not when this module loads.
+        from .loaders.torch_modules import from_module
 
-        def read():
-            _check_ep_size(ep_size, size)
-            gate, up, down, total = _experts_from_module(module, num_experts, size, rank, shared_expert)
-            if shared_expert is None and shared_expert_gate is not None:
-                raise ValueError("shared_expert_gate was given without shared_expert")
-            shared = None if shared_expert is None else _linears_of(shared_expert, "shared_expert")
-            gate_w = None if shared_expert_gate is None else _gate_of(shared_expert_gate, gate.shape[2])
-            if shared is not None and options.get("shared_intermediate_size", 0) is None:
-                raise ValueError("shared_expert was given but shared_intermediate_size=None was passed")
-            return gate, up, down, total, shared, gate_w
-
-        gate, up, down, total, shared, gate_w = _collectively(ep_group, size, stage, read)
-        options.setdefault("device", gate.device)
-        if shared is not None:
-            options.setdefault("shared_intermediate_size", shared[0].shape[0])
-            options.setdefault("shared_gate", gate_w is not None)
-        layer = cls(gate.shape[2], gate.shape[1], total, top_k, capacity, weight_format=weight_format,
-                    ep_group=ep_group, ep_size=ep_size, **options)
-
-        def load():
-            layer._load_float_experts(gate, up, down)
-            if shared is not None:
-                layer._load_float_shared(*shared)
-                if gate_w is not None:
-                    layer.shared.set_gate(gate_w)
-                elif layer.shared.gate_weight is not None:
-                    raise ValueError("shared_gate=True but no shared_expert_gate was given")
-
-        _collectively(ep_group, size, stage, load, cleanup=layer.close)
-        return layer
-
-    def _load_float_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        w13 = torch.cat((gate, up), dim=1)
-        w13_q, w13_s = quantize_weight(w13.to(self.w13.device), self.weight_format)
-        w2_q, w2_s = quantize_weight(down.to(self.w13.device), self.weight_format)
-        self.set_expert_weights(w13_q, w13_s, w2_q, w2_s)
-
-    def _load_float_shared(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        w13 = torch.cat((gate, up), dim=0)[None]
-        fmt = self.shared.weight_format
-        w13_q, w13_s = quantize_weight(w13.to(self.w13.device), fmt)
-        w2_q, w2_s = quantize_weight(down[None].to(self.w13.device), fmt)
-        self.shared.set_weights(w13_q, w13_s, w2_q, w2_s)
+        return from_module(cls, module, top_k=top_k, capacity=capacity, num_experts=num_experts,
+                           weight_format=weight_format, shared_expert=shared_expert,
+                           shared_expert_gate=shared_expert_gate, ep_group=ep_group, ep_size=ep_size, **options)
 
     @classmethod
     def from_deepseek_state_dict(cls, state_dict: Mapping[str, torch.Tensor], *, top_k: int, capacity: int,
@@ -651,56 +609,12 @@ class StaticMoE(_FixedFormats):
         another format (ValueError). Collective over ``ep_group`` like :meth:`from_module`: a missing key, a bad
         shape or scale on any rank raises on every rank before any rank returns a layer.
         """
-        size, rank, _ = _group_info(ep_group)
-        stage = "StaticMoE.from_deepseek_state_dict"
+        from .loaders.deepseek import from_deepseek_state_dict  # imported when called, as in from_module
 
-        def read():
-            _check_ep_size(ep_size, size)
-            _positive_int("num_experts", num_experts)
-            if num_experts % size:
-                raise ValueError(f"num_experts ({num_experts}) must be divisible by ep_size ({size})")
-            num_local = num_experts // size
-            experts = _read_checkpoint_experts(state_dict, prefix, rank * num_local, num_local)
-            target = weight_format or _common_format([m["format"] for m in experts], "routed experts")
-            shared, gate = _read_checkpoint_shared(state_dict, prefix)
-            h, i = experts[0]["down"][0].shape[0], experts[0]["up"][0].shape[0]
-            device = torch.device(options.get("device") or experts[0]["up"][0].device)
-            converted = [_mlp_in_format(m, target, m["base"], device) for m in experts]
-            stacked = {k: None if converted[0][k] is None else torch.stack([m[k] for m in converted])
-                       for k in _WEIGHT_NAMES}
-            routed = _checked_weights("routed", _weight_shapes(num_local, h, i, target), target, stacked)
-            if shared is None:
-                return h, i, target, routed, None, None, {}
-            if options.get("shared_intermediate_size", 0) is None:
-                raise ValueError(f"the state dict has {shared['base']}* keys but shared_intermediate_size=None "
-                                 "was passed")
-            s_fmt = shared_weight_format or (shared["format"] if weight_format is None else target)
-            si = shared["up"][0].shape[0]
-            m = _mlp_in_format(shared, s_fmt, shared["base"], device)
-            s_checked = _checked_weights("shared expert", _weight_shapes(1, h, si, s_fmt), s_fmt,
-                                         {k: None if m[k] is None else m[k][None] for k in _WEIGHT_NAMES})
-            gate = None if gate is None else _checked_gate(f"{prefix}shared_expert_gate.weight", gate, h)
-            extra = {"shared_intermediate_size": si, "shared_weight_format": s_fmt, "shared_gate": gate is not None}
-            return h, i, target, routed, s_checked, gate, extra
-
-        h, i, target, routed, s_checked, gate, extra = _collectively(ep_group, size, stage, read)
-        options.setdefault("device", routed["w13"].device)
-        for k, v in extra.items():
-            options.setdefault(k, v)
-        if s_checked is None:
-            options.setdefault("shared_weight_format", shared_weight_format)
-        layer = cls(h, i, num_experts, top_k, capacity, weight_format=target, ep_group=ep_group, ep_size=ep_size,
-                    **options)
-
-        def load():
-            _copy_checked(layer, routed)
-            if s_checked is not None:
-                _copy_checked(layer.shared, s_checked)
-                if gate is not None:
-                    layer.shared.set_gate(gate)
-
-        _collectively(ep_group, size, stage, load, cleanup=layer.close)
-        return layer
+        return from_deepseek_state_dict(cls, state_dict, top_k=top_k, capacity=capacity, num_experts=num_experts,
+                                        prefix=prefix, weight_format=weight_format,
+                                        shared_weight_format=shared_weight_format, ep_group=ep_group,
+                                        ep_size=ep_size, **options)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     @property
@@ -810,346 +724,3 @@ class StaticMoE(_FixedFormats):
                 + (f", fp8_max={self.fp8_max}" if self.act_group else "")
                 + f", swiglu_limit={self.swiglu_limit}, ep={self.ep_rank}/{self.ep_size}"
                 + (f", prepare_for={self.prepare_for!r}" if self.weight_layout != "eoi" else ""))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Conversion helpers
-# ----------------------------------------------------------------------------------------------------------------
-def _collectively(ep_group, size: int, stage: str, fn, cleanup=None):
-    """``fn()`` on every rank; if it raised on any rank, every rank raises (``workspace.converge``) after
-    ``cleanup()`` (e.g. giving back a workspace lease), so no rank returns a layer its peers do not have."""
-    result, error = None, None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001  (any failure must reach the other ranks)
-        error = e
-    try:
-        if size > 1:
-            _workspace.converge(ep_group, error, stage)
-        elif error is not None:
-            raise error
-    except BaseException:
-        if cleanup is not None:
-            cleanup()
-        raise
-    return result
-
-
-def _float_weight(name: str, t, first: int = 0) -> torch.Tensor:
-    """A float source weight, checked finite (``first``: global id of dim 0's first expert, for the message)."""
-    t = _materialized(name, t)
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be a float weight (bf16/fp16/fp32) to convert, got {t.dtype}; "
-                        "quantized checkpoints load with StaticMoE.from_deepseek_state_dict")
-    return _check_finite(name, t.detach(), first)
-
-
-def _is_silu(act) -> bool:
-    return act is nn.functional.silu or isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
-
-
-def _check_activation(owner, what: str) -> None:
-    act = getattr(owner, "act_fn", None)
-    if act is not None and not _is_silu(act):
-        raise ValueError(f"{what} uses the activation {type(act).__name__}: StaticMoE computes SwiGLU "
-                         "(SiLU-gated) experts only")
-
-
-def _linears_of(expert, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gate [I, H], up [I, H], down [H, I]) of a SwiGLU MLP with HF (gate/up/down_proj) or DeepSeek (w1/w3/w2)
-    names."""
-    for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
-        mods = [getattr(expert, n, None) for n in names]
-        if all(m is not None for m in mods):
-            _check_activation(expert, what)
-            if any(getattr(m, "bias", None) is not None for m in mods):
-                raise ValueError(f"{what}: biased projections are not supported (SwiGLU experts have no bias)")
-            ws = [_float_weight(f"{what}.{n}.weight", getattr(m, "weight", m)) for n, m in zip(names, mods)]
-            gate, up, down = ws
-            if gate.dim() != 2 or up.shape != gate.shape or tuple(down.shape) != (gate.shape[1], gate.shape[0]):
-                raise ValueError(f"{what}: expected gate/up [I, H] and down [H, I], got {list(gate.shape)}, "
-                                 f"{list(up.shape)}, {list(down.shape)}")
-            if len({gate.device, up.device, down.device}) != 1:
-                raise ValueError(f"{what}: gate, up and down weights must share one device")
-            return gate, up, down
-    raise TypeError(f"{what} must have gate_proj/up_proj/down_proj or w1/w3/w2 projections, "
-                    f"got {type(expert).__name__}")
-
-
-def _gate_of(gate, hidden: int) -> torch.Tensor:
-    """The weight [1, H] of a shared expert's gate (nn.Linear(H, 1, bias=False) or a tensor)."""
-    if getattr(gate, "bias", None) is not None:
-        raise ValueError("shared_expert_gate: a biased gate is not supported")
-    return _checked_gate("shared_expert_gate.weight", getattr(gate, "weight", gate), hidden)
-
-
-def _local_range(n: int, num_experts: int | None, size: int, rank: int, is_shard: bool, what: str):
-    """(first, count, global E): which of the ``n`` given experts this rank keeps (see from_module)."""
-    if is_shard:
-        if num_experts is not None and num_experts != n * size:
-            raise ValueError(f"{what} is an EP shard of {n} experts on each of {size} ranks ({n * size} in all), "
-                             f"but num_experts={num_experts} was passed")
-        return 0, n, n * size
-    if num_experts is None:
-        if size == 1:
-            return 0, n, n
-        split = f"each rank then keeps {n // size}" if n % size == 0 else f"{n} does not split over {size} ranks"
-        raise ValueError(f"{what} holds {n} experts and the EP group has {size} ranks: pass num_experts={n} if "
-                         f"they are all the model's experts ({split}), or num_experts={n * size} if they are "
-                         "this rank's own")
-    _positive_int("num_experts", num_experts)
-    if n == num_experts:
-        if num_experts % size:
-            raise ValueError(f"{what}: num_experts={num_experts} experts do not split over ep_size={size} ranks; "
-                             f"pick an ep_size that divides {num_experts}")
-        count = num_experts // size
-        return rank * count, count, num_experts
-    if n * size == num_experts:
-        return 0, n, num_experts
-    mine = f"this rank's {num_experts // size}" if num_experts % size == 0 else "a share (it does not divide)"
-    raise ValueError(f"{what} holds {n} experts, but num_experts={num_experts} over ep_size={size} needs all "
-                     f"{num_experts} (the whole model) or {mine}")
-
-
-def _fused_tensors(module):
-    """(gate_up_proj, down_proj) of transformers 5.x fused experts, or None for another kind of source."""
-    gu, d = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(_maybe_local(gu), torch.Tensor) and isinstance(_maybe_local(d), torch.Tensor)):
-        return None
-    name = type(module).__name__
-    for flag, bad, why in (("is_transposed", True, "transposed [E, H, 2I] weights"),
-                           ("is_concatenated", False, "interleaved gate/up rows"),
-                           ("has_gate", False, "experts without a gate projection"),
-                           ("has_bias", True, "biased projections")):
-        if getattr(module, flag, not bad) == bad:
-            raise ValueError(f"{name}: {why} cannot be represented (StaticMoE takes gate rows then up rows, "
-                             "no bias)")
-    for b in ("gate_up_proj_bias", "down_proj_bias"):
-        if getattr(module, b, None) is not None:
-            raise ValueError(f"{name}.{b}: biased projections cannot be represented")
-    _check_activation(module, name)
-    return gu, d
-
-
-def _experts_from_module(module, num_experts, size, rank, shared_expert=None):
-    """This rank's experts as float (gate [L, I, H], up [L, I, H], down [L, H, I]) and the global count E."""
-    fused = _fused_tensors(module)
-    if fused is not None:
-        is_shard = hasattr(fused[0], "to_local")
-        gu, d = _materialized("experts.gate_up_proj", fused[0]), _materialized("experts.down_proj", fused[1])
-        if gu.dim() != 3 or d.dim() != 3 or gu.shape[1] % 2 or tuple(d.shape) != (gu.shape[0], gu.shape[2],
-                                                                                  gu.shape[1] // 2):
-            raise ValueError(f"fused experts need gate_up_proj [E, 2I, H] and down_proj [E, H, I], got "
-                             f"{list(gu.shape)} and {list(d.shape)}")
-        first, count, total = _local_range(gu.shape[0], num_experts, size, rank, is_shard, "experts.gate_up_proj")
-        gu = _float_weight("experts.gate_up_proj", gu[first:first + count], first)
-        d = _float_weight("experts.down_proj", d[first:first + count], first)
-        if gu.device != d.device:
-            raise ValueError("experts.gate_up_proj and experts.down_proj must share one device")
-        i = gu.shape[1] // 2
-        return gu[:, :i], gu[:, i:], d, total
-    if all(hasattr(module, n) for n in ("w1", "w2", "w3")) and isinstance(
-            _maybe_local(getattr(module, "w1")), torch.Tensor) and _maybe_local(getattr(module, "w1")).dim() == 3:
-        is_shard = hasattr(module.w1, "to_local")
-        ts = {n: _materialized(f"source {n}", getattr(module, n)) for n in ("w1", "w3", "w2")}
-        g = ts["w1"]
-        if ts["w3"].shape != g.shape or tuple(ts["w2"].shape) != (g.shape[0], g.shape[2], g.shape[1]):
-            raise ValueError(f"source expects w1/w3 [L, I, H] and w2 [L, H, I], got {list(g.shape)}, "
-                             f"{list(ts['w3'].shape)}, {list(ts['w2'].shape)}")
-        first, count, total = _local_range(g.shape[0], num_experts, size, rank, is_shard, "source w1")
-        gate, up, down = (_float_weight(f"source {n}", ts[n][first:first + count], first) for n in ("w1", "w3", "w2"))
-        if len({gate.device, up.device, down.device}) != 1:
-            raise ValueError("source w1, w3 and w2 must share one device")
-        return gate, up, down, total
-    inner = getattr(module, "experts", None)
-    if isinstance(inner, nn.Module) and inner is not module:
-        for attr in ("shared_expert", "shared_experts"):
-            if shared_expert is None and getattr(module, attr, None) is not None:
-                raise ValueError(f"{type(module).__name__} has a {attr}: pass it as shared_expert= (and its "
-                                 "shared_expert_gate=, if any), or pass module.experts; it would be dropped")
-        return _experts_from_module(inner, num_experts, size, rank, shared_expert)
-    if isinstance(module, nn.Module) and not isinstance(module, (nn.ModuleList, nn.Sequential)):
-        raise TypeError(f"module must be fused experts (gate_up_proj/down_proj), grouped experts (w1/w3/w2 "
-                        f"tensors) or a list of SwiGLU MLPs, got {type(module).__name__}")
-    if not isinstance(module, Iterable):
-        raise TypeError(f"module must be grouped experts or a list of experts, got {type(module).__name__}")
-    experts = list(module)
-    if not experts:
-        raise ValueError("the experts list is empty")
-    first, count, total = _local_range(len(experts), num_experts, size, rank, False, "the experts list")
-    mats = []
-    for j, e in enumerate(experts[first:first + count]):
-        if e is None:
-            raise ValueError(f"expert {first + j} (owned by this rank) is None")
-        mats.append(_linears_of(e, f"experts[{first + j}]"))
-    for j, m in enumerate(mats):
-        if m[0].shape != mats[0][0].shape or m[0].device != mats[0][0].device:
-            raise ValueError(f"experts[{first + j}] has gate {list(m[0].shape)} on {m[0].device}, but "
-                             f"experts[{first}] has {list(mats[0][0].shape)} on {mats[0][0].device}: every "
-                             "expert must have the same shapes and device")
-    return (*(torch.stack([m[i] for m in mats]) for i in range(3)), total)
-
-
-def _maybe_local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-_DS_NAMES = {"gate": ("w1", "gate_proj"), "up": ("w3", "up_proj"), "down": ("w2", "down_proj")}
-_DS_SCALE_SUFFIXES = ("weight_scale_inv", "scale", "weight_scale")
-_FUSED_SCALE_SUFFIXES = ("_scale_inv", "_scale", "_weight_scale")
-
-
-def _tensor_format(name: str, w: torch.Tensor, s: torch.Tensor | None) -> str:
-    if w.dtype in _FLOAT_DTYPES:
-        if s is not None:
-            raise ValueError(f"{name}: a {w.dtype} weight must not have a scale")
-        return "bf16"
-    if w.dtype == torch.float8_e4m3fn:
-        return "fp8"
-    if w.dtype in (torch.uint8, torch.int8, torch.float4_e2m1fn_x2):
-        return "fp4"
-    raise TypeError(f"{name}: weight dtype {w.dtype} is not bf16/fp16/fp32, float8_e4m3fn or packed fp4")
-
-
-def _checkpoint_tensor(sd: Mapping, key: str, dims: int) -> torch.Tensor:
-    t = _materialized(key, sd[key])
-    if t.dim() != dims:
-        raise ValueError(f"{key} must be a {dims}-D tensor, got {t.dim()}-D {list(t.shape)}")
-    return t
-
-
-def _mlp_format(out: dict, base: str) -> dict:
-    fmts = {_tensor_format(name, w, s) for w, s, name in (out[p] for p in _DS_NAMES)}
-    if len(fmts) != 1:
-        raise ValueError(f"{base}*: gate/up/down weights mix formats {sorted(fmts)}")
-    return {**out, "format": fmts.pop(), "base": base}
-
-
-def _read_deepseek_mlp(sd: Mapping[str, torch.Tensor], base: str) -> dict:
-    """{"gate"|"up"|"down": (weight, scale or None, key stem), "format", "base"} of one SwiGLU MLP."""
-    out = {}
-    for part, names in _DS_NAMES.items():
-        for n in names:
-            if f"{base}{n}.weight" in sd:
-                w = _checkpoint_tensor(sd, f"{base}{n}.weight", 2)
-                s = next((f"{base}{n}.{x}" for x in _DS_SCALE_SUFFIXES if f"{base}{n}.{x}" in sd), None)
-                s = None if s is None else _materialized(s, sd[s])
-                out[part] = (w, s, f"{base}{n}")
-                break
-        else:
-            raise KeyError(f"state dict has no {base}{{{'|'.join(names)}}}.weight")
-    return _mlp_format(out, base)
-
-
-def _read_fused_experts(sd: Mapping, base: str, first: int, count: int) -> list[dict]:
-    """This rank's experts from transformers 5.x fused keys ``{base}gate_up_proj`` / ``{base}down_proj``."""
-    tensors = {}
-    for name in ("gate_up_proj", "down_proj"):
-        key = f"{base}{name}"
-        if key not in sd:
-            raise KeyError(f"state dict has {base}gate_up_proj or {base}down_proj but not {key}")
-        w = _checkpoint_tensor(sd, key, 3)
-        s = next((key + x for x in _FUSED_SCALE_SUFFIXES if key + x in sd), None)
-        s = None if s is None else _checkpoint_tensor(sd, s, 3)
-        if w.shape[0] < first + count or (s is not None and s.shape[0] != w.shape[0]):
-            raise ValueError(f"{key} holds {w.shape[0]} experts (scales: "
-                             f"{None if s is None else s.shape[0]}); this rank needs experts {first}…"
-                             f"{first + count - 1}")
-        tensors[name] = (w, s)
-    (gu, gus), (d, ds) = tensors["gate_up_proj"], tensors["down_proj"]
-    if gu.shape[1] % 2 or (gus is not None and gus.shape[1] % 2):
-        raise ValueError(f"{base}gate_up_proj must stack gate rows then up rows [E, 2I, …], got {list(gu.shape)}"
-                         + ("" if gus is None else f" with scales {list(gus.shape)}"))
-    out = []
-    for e in range(first, first + count):
-        half, s_half = gu.shape[1] // 2, None if gus is None else gus.shape[1] // 2
-        stem = f"{base}gate_up_proj[{e}]"
-        out.append(_mlp_format({
-            "gate": (gu[e, :half], None if gus is None else gus[e, :s_half], f"{stem} gate rows"),
-            "up": (gu[e, half:], None if gus is None else gus[e, s_half:], f"{stem} up rows"),
-            "down": (d[e], None if ds is None else ds[e], f"{base}down_proj[{e}]"),
-        }, f"{base}[{e}]"))
-    return out
-
-
-def _read_checkpoint_experts(sd: Mapping, prefix: str, first: int, count: int) -> list[dict]:
-    """Experts ``first … first+count−1`` in per-expert or fused keys, with consistent shapes (named if not)."""
-    base = f"{prefix}experts."
-    if f"{base}gate_up_proj" in sd or f"{base}down_proj" in sd:
-        experts = _read_fused_experts(sd, base, first, count)
-    else:
-        experts = [_read_deepseek_mlp(sd, f"{base}{e}.") for e in range(first, first + count)]
-    for m in experts[1:]:
-        for part in _DS_NAMES:
-            (w, _, name), (w0, _, name0) = m[part], experts[0][part]
-            if w.shape != w0.shape:
-                raise ValueError(f"{name} has shape {list(w.shape)} but {name0} has {list(w0.shape)}: every "
-                                 "expert must have the same shapes")
-    return experts
-
-
-def _read_checkpoint_shared(sd: Mapping, prefix: str) -> tuple[dict | None, torch.Tensor | None]:
-    """The shared expert (DeepSeek ``shared_experts.`` or Qwen2-MoE ``shared_expert.``) and its gate, if any."""
-    gate_key = f"{prefix}shared_expert_gate.weight"
-    gate = _materialized(gate_key, sd[gate_key]) if gate_key in sd else None
-    for base in (f"{prefix}shared_experts.", f"{prefix}shared_expert."):
-        if any(k.startswith(base) for k in sd):
-            return _read_deepseek_mlp(sd, base), gate
-    if gate is not None:
-        raise KeyError(f"state dict has {gate_key} but no {prefix}shared_expert.* weights")
-    return None, None
-
-
-def _common_format(fmts: list[str], what: str) -> str:
-    if len(set(fmts)) != 1:
-        raise ValueError(f"{what} mix weight formats {sorted(set(fmts))}")
-    return fmts[0]
-
-
-def _linear_in_format(w: torch.Tensor, s: torch.Tensor | None, src: str, target: str, name: str, device):
-    """One checkpoint linear [N, K] → (weight, scale) in ``target`` (SPEC §1.2 layouts)."""
-    w = w.to(device)
-    s = None if s is None else s.to(device)
-    n = w.shape[0]
-    if src == "bf16":
-        if target == "bf16":
-            return _check_finite(name, w).to(torch.bfloat16), None
-        return quantize_weight(_check_finite(name, w).float(), target)
-    if src != target:
-        raise ValueError(f"{name}: the checkpoint stores {src} weights; converting them to {target} would quantize "
-                         f"twice. Load them as {src} (weight_format=None) or dequantize them first.")
-    if s is None:
-        raise ValueError(f"{name}: {src} weights need a scale tensor (weight_scale_inv / scale)")
-    if src == "fp8":
-        k = w.shape[1]
-        if k % WEIGHT_FP8_BLOCK:
-            raise ValueError(f"{name}: K={k} must be a multiple of {WEIGHT_FP8_BLOCK} for fp8 weights")
-        if s.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} scale: fp8 weight scales must be float32 (bf16/fp16 are widened), got "
-                            f"{s.dtype}")
-        kb = k // WEIGHT_FP8_BLOCK
-        s = s.float()
-        if tuple(s.shape) == (-(-n // WEIGHT_FP8_BLOCK), kb):
-            s = expand_block_scales(s, n)  # 128×128 blocks → 1×128
-        elif tuple(s.shape) != (n, kb):
-            raise ValueError(f"{name}: fp8 scales must be 128×128 blocks [{-(-n // 128)}, {kb}] or 1×128 "
-                             f"[{n}, {kb}], got {list(s.shape)}")
-        return _normalize_weight(name, w, "fp8"), _normalize_scale(f"{name} scale", s.contiguous(), "fp8")
-    w = as_uint8(w) if w.dtype != torch.int8 else w.view(torch.uint8)
-    k = 2 * w.shape[1]
-    s = _normalize_scale(f"{name} scale", s, "fp4")
-    if tuple(s.shape) != (n, k // WEIGHT_FP4_BLOCK):
-        raise ValueError(f"{name}: fp4 UE8M0 scales must be [{n}, {k // WEIGHT_FP4_BLOCK}] (1×32 along K), "
-                         f"got {list(s.shape)}")
-    return w, s
-
-
-def _mlp_in_format(m: dict, target: str, base: str, device) -> dict:
-    """A checkpoint MLP → {"w13", "w13_scale", "w2", "w2_scale"} for one expert in ``target``."""
-    conv = {part: _linear_in_format(m[part][0], m[part][1], m["format"], target, m[part][2], device)
-            for part in ("gate", "up", "down")}
-    (g, gs), (u, us), (d, ds) = conv["gate"], conv["up"], conv["down"]
-    if g.shape != u.shape:
-        raise ValueError(f"{base}: gate {list(g.shape)} and up {list(u.shape)} differ")
-    return {"w13": torch.cat((g, u), dim=0), "w13_scale": None if gs is None else torch.cat((gs, us), dim=0),
-            "w2": d, "w2_scale": ds}

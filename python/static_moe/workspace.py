@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .formats import FP8_E4M3FN_MAX, check_fp8_max, check_swiglu_limit
-from .reference.pack_rows import aligned
+from .packed_layout import aligned
 
 PROTOCOL_VERSION = 2  # 2: packed rows carry the step header; the manifest carries swiglu_limit and fp8_max
 

@@ -41,7 +41,7 @@ from .. import _C
 from .. import workspace as _workspace
 from ..formats import FP8_E4M3FN_MAX, as_uint8
 from ..layouts import layout_format as _layout_format
-from ..reference.pack_rows import pack_layout, part_nbytes
+from ..packed_layout import pack_layout, part_nbytes
 from . import step_status as _status
 
 _c10d = torch.ops._c10d_functional
@@ -317,16 +317,6 @@ def _finite_f32(v) -> bool:
         return False
 
 
-def _config_words(cfg: dict, call_ok: bool) -> list[int]:
-    """The header's configuration words. A rank whose call failed its own checks sends none (all unknown): its
-    failure is reported as such, and only the calls that passed are compared with each other."""
-    if not call_ok:
-        return [_status.UNKNOWN] * len(_status.CONFIG_FIELDS)
-    return _status.config_words(cfg["capacity"], cfg["hidden"], cfg["intermediate"], cfg["num_experts"],
-                                cfg["topk"], cfg["ep_size"], cfg["act_format"], cfg["weight_format"],
-                                cfg["act_group"], cfg["swiglu_limit"], cfg["fp8_max"])
-
-
 def _spec_of(cfg: dict, device) -> _workspace.WorkspaceSpec | None:
     if any(cfg[k] is None for k in ("capacity", "hidden", "intermediate", "num_experts", "topk", "act_format",
                                     "weight_format", "act_group")):
@@ -341,68 +331,14 @@ def _spec_of(cfg: dict, device) -> _workspace.WorkspaceSpec | None:
         return None
 
 
-def _error_kind(e: BaseException) -> int:
-    if isinstance(e, ValueError):
-        return _status.VALUE_ERROR
-    if isinstance(e, TypeError):
-        return _status.TYPE_ERROR
-    return _status.OTHER_ERROR
-
-
-def _strip(msg: str) -> str:
-    return msg[len("forward: "):] if msg.startswith("forward: ") else msg
-
-
-def _others_error(failures: dict[int, tuple[str, str]]) -> RuntimeError:
-    ranks = sorted(failures)
-    detail = "; ".join(f"rank {r}: {_strip(failures[r][1])}" if len(ranks) > 1 else _strip(failures[r][1])
-                       for r in ranks)
-    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-    return RuntimeError(f"forward: {who} failed: {detail}")
-
-
 def _first_step_on_group(pg, error: BaseException | None, spec) -> None:
     """The raw op's first step on a group that has no workspace (every rank is in that state alike): exchange
     errors, then acquire the op's own workspace — both collective, so ranks whose configurations differ get
     ValueError on every rank (the workspace manifests differ) before any buffer reaches a collective."""
     if error is None and spec is None:
         error = ValueError("forward: the call's configuration makes no valid workspace spec")
-    _workspace.converge(pg, error, "forward", others_error=_others_error)
+    _workspace.converge(pg, error, "forward", others_error=_status.others_error)
     _workspace.acquire_implicit(spec, pg)
-
-
-def _read_messages(gathered: torch.Tensor, headers: list[list[int]], capacity: int, parts_width: int) -> dict:
-    out = {}
-    for r, h in enumerate(headers):
-        if h[0] == _status.MAGIC and h[1] in (_status.VALUE_ERROR, _status.TYPE_ERROR, _status.OTHER_ERROR):
-            n = max(0, min(h[2], capacity * parts_width))
-            raw = gathered[r * capacity:(r + 1) * capacity, :parts_width].reshape(-1)[:n].cpu().numpy().tobytes()
-            out[r] = raw.decode("utf-8", "replace")
-    return out
-
-
-def _raise_verdict(v: _status.Verdict, rank: int, size: int, error: BaseException | None) -> None:
-    if v.bad_magic:
-        raise RuntimeError(f"forward: ranks {v.bad_magic} sent no step header (their packed rows do not come from "
-                           "this version of static_moe's forward); every rank of the group must run the same code")
-    if v.config_diffs:
-        extra = ""
-        if v.failures:
-            extra = " (also: " + "; ".join(f"rank {r}: {_strip(m)}" for r, (_, m) in sorted(v.failures.items())) + ")"
-        raise ValueError(f"forward: configurations differ across the EP group (group ranks {list(range(size))}): "
-                         + " | ".join(v.config_diffs) + extra + "; every rank must call forward with the same "
-                         "capacity, H, I, num_experts, top-k, formats, activation group, swiglu_limit and fp8_max")
-    if v.failures:
-        if rank in v.failures:
-            if error is not None:
-                raise error
-            raise ValueError(v.failures[rank][1])
-        raise _others_error(v.failures)
-    if v.need_frame and len(v.need_frame) != size:
-        others = [r for r in range(size) if r not in v.need_frame]
-        raise ValueError(f"forward: ranks {v.need_frame} hold no workspace for this step's configuration but ranks "
-                         f"{others} do: workspaces were acquired or closed on some ranks only (acquire and close "
-                         "them on every rank of the group, in the same order)")
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -429,7 +365,7 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
     if ws is None:  # the group's first step (every rank alike): agree on a workspace first
         _first_step_on_group(pg, error, spec)
         ws = _workspace.current_frame(group_name)
-    kind = _status.OK if error is None else _error_kind(error)
+    kind = _status.OK if error is None else _status.error_kind(error)
     if error is None and (spec is None or _workspace.frame_key(spec) != _workspace.frame_key(ws.spec)):
         kind = _status.NEED_FRAME  # fine, but not the current workspace's shapes: ask every rank to switch
     if kind == _status.NEED_FRAME and _capturing(x):
@@ -446,7 +382,7 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
             message = _status.message_bytes(str(error), c * pw)
         ok = kind == _status.OK
         header = _status.build_header(ws.send.device, kind, len(message),
-                                      _config_words(cfg, error is None),
+                                      _status.call_config_words(cfg, error is None),
                                       topk_idx.to(torch.int32) if ok else None,
                                       x_scale if ok and x_scale is not None else None)
         _status.write_frame(ws.send, pw, header, packed, message)
@@ -460,8 +396,8 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
         poison = _status.device_verdict(headers)
     else:
         host = headers.cpu().tolist()  # the step's one host read (a stream sync on CUDA)
-        verdict = _status.decide(host, _read_messages(gathered, host, c, pw))
-        _raise_verdict(verdict, rank, size, error)
+        verdict = _status.decide(host, _status.read_messages(gathered, host, c, pw))
+        _status.raise_verdict(verdict, rank, size, error)
         if verdict.need_frame:  # every rank's call is fine and needs other shapes: switch, on every rank alike
             target = _workspace.find_frame(group_name, spec)
             if target is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C
-from ..reference.pack_rows import pack_layout, part_nbytes
+from ..packed_layout import pack_layout, part_nbytes
 
 
 def pack_rows(parts: list[torch.Tensor], capacity: int) -> torch.Tensor:

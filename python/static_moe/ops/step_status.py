@@ -25,6 +25,12 @@ word  field               meaning
 Words 3–5 are computed with tensor ops where the inputs live, so building the header never reads a device
 tensor on the host. Reading the gathered headers back is the step's one host read (free on CPU; on CUDA one
 small device→host copy, i.e. a stream sync — see :func:`device_verdict` for what runs under graph capture).
+
+This module owns the wire format and the verdict; the forward (ops/forward.py) only calls it in step order:
+
+    before the all-gather   call_config_words, error_kind, message_bytes → build_header → write_frame
+    after it                gathered_headers → decide(headers, read_messages(...)) → raise_verdict
+                            (under CUDA graph capture: device_verdict, and NaN output instead of raising)
 """
 
 from __future__ import annotations
@@ -68,6 +74,26 @@ def config_words(capacity, hidden, intermediate, num_experts, topk, ep_size, act
         _ACT_CODES[act_format] | _WEIGHT_CODES[weight_format] << 4)
     return [known(capacity), known(hidden), known(intermediate), known(num_experts), known(topk), known(ep_size),
             formats, known(act_group), f32_bits(swiglu_limit), f32_bits(fp8_max)]
+
+
+def call_config_words(cfg: dict, call_ok: bool) -> list[int]:
+    """The header's configuration words of a call whose configuration ``cfg`` gives the fields of
+    :func:`config_words` by name (None: unknown). A rank whose call failed its own checks sends none (all
+    unknown): its failure is reported as such, and only the calls that passed are compared with each other."""
+    if not call_ok:
+        return [UNKNOWN] * len(CONFIG_FIELDS)
+    return config_words(cfg["capacity"], cfg["hidden"], cfg["intermediate"], cfg["num_experts"], cfg["topk"],
+                        cfg["ep_size"], cfg["act_format"], cfg["weight_format"], cfg["act_group"],
+                        cfg["swiglu_limit"], cfg["fp8_max"])
+
+
+def error_kind(e: BaseException) -> int:
+    """The header kind that reports a failed call's exception (read back as the same type by :func:`decide`)."""
+    if isinstance(e, ValueError):
+        return VALUE_ERROR
+    if isinstance(e, TypeError):
+        return TYPE_ERROR
+    return OTHER_ERROR
 
 
 def describe_config_word(field: str, value: int) -> str:
@@ -154,6 +180,18 @@ def gathered_headers(gathered: torch.Tensor, capacity: int, parts_width: int) ->
     return gathered[::capacity, parts_width:parts_width + STEP_HEADER_NBYTES].contiguous().view(torch.int32)
 
 
+def read_messages(gathered: torch.Tensor, headers: list[list[int]], capacity: int, parts_width: int) -> dict[int, str]:
+    """{rank: its decoded message} for every rank whose header (host copy) reports a failed call; the message is
+    read from that rank's data columns of ``gathered`` (a host read of at most its C·W bytes)."""
+    out = {}
+    for r, h in enumerate(headers):
+        if h[0] == MAGIC and h[1] in (VALUE_ERROR, TYPE_ERROR, OTHER_ERROR):
+            n = max(0, min(h[2], capacity * parts_width))
+            raw = gathered[r * capacity:(r + 1) * capacity, :parts_width].reshape(-1)[:n].cpu().numpy().tobytes()
+            out[r] = raw.decode("utf-8", "replace")
+    return out
+
+
 @dataclass
 class Verdict:
     """What every rank concludes from the S headers (the same on every rank)."""
@@ -209,6 +247,49 @@ def decide(headers: list[list[int]], messages: dict[int, str]) -> Verdict:
         else:
             failures[r] = ("RuntimeError", f"forward: unknown step status {kind}")
     return Verdict(diffs, failures, need, bad_magic)
+
+
+def _strip(msg: str) -> str:
+    return msg[len("forward: "):] if msg.startswith("forward: ") else msg
+
+
+def others_error(failures: dict[int, tuple[str, str]]) -> RuntimeError:
+    """The error the ranks whose own call passed raise when ``failures`` (rank -> (type name, message)) did not."""
+    ranks = sorted(failures)
+    detail = "; ".join(f"rank {r}: {_strip(failures[r][1])}" if len(ranks) > 1 else _strip(failures[r][1])
+                       for r in ranks)
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+    return RuntimeError(f"forward: {who} failed: {detail}")
+
+
+def raise_verdict(v: Verdict, rank: int, size: int, error: BaseException | None) -> None:
+    """Raise what the verdict asks of this rank (``error``: its own call's exception, or None), or return when the
+    step goes on (every rank fine; or every rank needs another workspace: ``v.need_frame`` holds all S ranks).
+
+    In that order: ranks that sent no header (RuntimeError); configurations that differ (ValueError on every
+    rank); failed calls (the failing rank raises its own error, the others :func:`others_error`); workspaces
+    held on some ranks only (ValueError)."""
+    if v.bad_magic:
+        raise RuntimeError(f"forward: ranks {v.bad_magic} sent no step header (their packed rows do not come from "
+                           "this version of static_moe's forward); every rank of the group must run the same code")
+    if v.config_diffs:
+        extra = ""
+        if v.failures:
+            extra = " (also: " + "; ".join(f"rank {r}: {_strip(m)}" for r, (_, m) in sorted(v.failures.items())) + ")"
+        raise ValueError(f"forward: configurations differ across the EP group (group ranks {list(range(size))}): "
+                         + " | ".join(v.config_diffs) + extra + "; every rank must call forward with the same "
+                         "capacity, H, I, num_experts, top-k, formats, activation group, swiglu_limit and fp8_max")
+    if v.failures:
+        if rank in v.failures:
+            if error is not None:
+                raise error
+            raise ValueError(v.failures[rank][1])
+        raise others_error(v.failures)
+    if v.need_frame and len(v.need_frame) != size:
+        others = [r for r in range(size) if r not in v.need_frame]
+        raise ValueError(f"forward: ranks {v.need_frame} hold no workspace for this step's configuration but ranks "
+                         f"{others} do: workspaces were acquired or closed on some ranks only (acquire and close "
+                         "them on every rank of the group, in the same order)")
 
 
 def device_verdict(headers: torch.Tensor) -> torch.Tensor:

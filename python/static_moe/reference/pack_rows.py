@@ -1,4 +1,5 @@
-"""Reference pack_rows / unpack_rows (SPEC §1.8): pure torch, the executable spec of the pack layout."""
+"""Reference pack_rows / unpack_rows (SPEC §1.8): pure torch, the executable spec of packing rows by the layout of
+static_moe.packed_layout and copying spans back out."""
 
 from __future__ import annotations
 
@@ -6,26 +7,10 @@ import math
 
 import torch
 
-ALIGN = 16
-PAD_BYTE = 0xFF
+# The layout itself (spans, alignment, padding byte) is production code; the reference packs by it.
+from ..packed_layout import ALIGN, PAD_BYTE, aligned, pack_layout, part_nbytes
 
-
-def part_nbytes(part: torch.Tensor) -> int:
-    """Bytes of one row of ``part`` [T, ...]."""
-    return math.prod(part.shape[1:]) * part.element_size()
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def pack_layout(row_nbytes: list[int]) -> tuple[list[tuple[int, int]], int]:
-    """Spans ``(offset, nbytes)`` of each part and the total row width W; each part starts 16-byte aligned."""
-    spans, width = [], 0
-    for n in row_nbytes:
-        spans.append((width, n))
-        width += aligned(n)
-    return spans, width
+__all__ = ["ALIGN", "PAD_BYTE", "aligned", "pack_layout", "part_nbytes", "pack_rows", "unpack_rows"]
 
 
 def pack_rows(parts: list[torch.Tensor], capacity: int) -> torch.Tensor:
