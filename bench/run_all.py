@@ -283,7 +283,7 @@ def _publish_paths(args) -> tuple[Path | None, Path | None]:
     return hosts_dir, args.results_doc or (DOC if default_dir else None)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="benchmarks to run")
@@ -295,7 +295,11 @@ def main(argv=None) -> None:
                         f"{DOC.relative_to(DOC.parents[1])} when the summary goes to the default hosts dir)")
     p.add_argument("--table-only", action="store_true",
                    help="only re-render the results table from the summaries already there, and exit")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     hosts_dir, results_doc = _publish_paths(args)
     if args.table_only:
         print(f"updated {update_results_doc(results_doc or DOC, hosts_dir or HOSTS_DIR)}")

@@ -277,6 +277,25 @@ def test_results_table_one_row_per_host(bench_modules, tmp_path):
     assert doc_mod.render_results_table([]).startswith("No host has a committed summary yet")
 
 
+def test_only_a_full_run_replaces_the_committed_summary(bench_modules, tmp_path):
+    """run_all writes the host summary to bench/results/hosts/ and re-renders docs/benchmarks.md only on a full run
+    (what make bench runs); a partial run writes where --hosts-dir / --results-doc say, or nowhere."""
+    run_all = importlib.import_module("run_all")
+    doc_mod = importlib.import_module("harness.results_doc")
+
+    def paths(*argv):
+        return run_all._publish_paths(run_all.build_parser().parse_args([str(a) for a in argv]))
+
+    committed = (doc_mod.HOSTS_DIR, doc_mod.DOC)
+    assert paths() == committed
+    assert paths("--shape", "all", "--tokens", 1, 4, 16, 64, 128) == committed
+    for partial in (["--quick"], ["--only", "expert_gemm"], ["--shape", "v3"], ["--tokens", 1]):
+        assert paths(*partial) == (None, None), partial
+    assert paths("--quick", "--hosts-dir", tmp_path) == (tmp_path, None)
+    assert paths("--quick", "--hosts-dir", tmp_path, "--results-doc", tmp_path / "b.md") == (tmp_path, tmp_path / "b.md")
+    assert paths("--table-only") == committed
+
+
 def test_committed_results_table_is_rendered(bench_modules):
     """docs/benchmarks.md shows the table the committed host summaries give (run_all.py --table-only renders it)."""
     doc_mod = importlib.import_module("harness.results_doc")
