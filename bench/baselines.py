@@ -11,8 +11,7 @@ would without static_moe. Everything on the CPU, in the calling process.
 - ``torch_scaled_mm`` (fp8 weights only): ``torch._scaled_mm`` with row-wise scales. The weights are
   re-quantized once at load to one float32 scale per output row (coarser than the format's 1×128 blocks);
   activations are quantized per row on every call. The weight is passed as the first operand ([N, K]
-  row-major) and the activations as the second (column-major): on the CPU in torch 2.13 that is about 3× faster
-  than the other orientation.
+  row-major) and the activations as the second (column-major): the faster orientation on the CPU.
 - ``torch_int4pack`` (fp4 weights only): PyTorch's own 4-bit CPU GEMM, ``torch.ops.aten._weight_int4pack_mm_for_cpu``
   (bf16 activations, uint4 weights with a bf16 scale and zero per 32 along K: the byte count of fp4's). The
   weights are re-quantized once at load to that format (asymmetric min/max per group of 32, from the dequantized

@@ -286,8 +286,8 @@ ALONE_KEYS = ("alone_s", "alone_cpu_s", "concurrent_s", "concurrent_cpu_s")
 
 def _alone_and_concurrent(call, rank: int, s: int, barrier, repeat: int = 5) -> dict[str, float]:
     """Median wall and process-CPU seconds of ``call``, cold: (a) alone, each rank in turn while the others wait
-    in a gloo barrier (measured to use a few % of a core: no busy polling), and (b) concurrent, every rank at
-    once after one barrier, as inside a step. Process CPU time counts the OpenMP workers too (and their spinning,
+    in a gloo barrier (gloo does not busy-poll, so the waiting ranks leave the cores to it), and (b) concurrent,
+    every rank at once after one barrier, as inside a step. Process CPU time counts the OpenMP workers too (and their spinning,
     if any); the gloo threads add next to nothing while no collective runs."""
     import statistics
     import time

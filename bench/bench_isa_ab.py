@@ -3,7 +3,7 @@
 STATIC_MOE_CPU_ISA is read on every call, so one process can alternate two kernels on the same weights and rows
 (harness.timing.time_interleaved): their ratio is the change, whatever the shared host does meanwhile. With each
 point it times torch_int4pack (fp4 weights) and torch's bf16 matmul of the same shape in the same rounds, the
-baselines of the issue's targets. Points: expert_gemm w13 and local_experts of bench_expert_gemm /
+baselines of run_all's same-round targets. Points: expert_gemm w13 and local_experts of bench_expert_gemm /
 bench_local_experts (the same weights, activations and routing).
 
     .venv/bin/python bench/bench_isa_ab.py                                   # avx512bf16 vs amx, V4-Flash

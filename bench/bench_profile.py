@@ -1,6 +1,6 @@
 """Where a CPU op's time goes: one benchmark point run under ``perf record``, sampled only inside the op's calls.
 
-The issue's rule for a missed performance target is "the binding resource, with a profile and a number". This
+A missed performance target is explained by its binding resource, with a profile and a number. This
 script gives the profile: it runs one ``expert_gemm`` or ``local_experts`` point of the benchmarks (same shapes,
 weights and routing as bench_expert_gemm / bench_local_experts) under ``perf record -e cpu-clock`` and keeps the
 samples, of every thread, that fall inside a call (each process logs its calls' starts and ends on the clock perf
@@ -17,12 +17,12 @@ not in it. It prints
   (``vfmadd``), prefetches, the rest. perf annotates the symbol over the whole recording; a kernel symbol runs
   only inside the calls.
 
-The event is the OS timer (``cpu-clock``): this VM exposes no hardware counters (``perf stat -e cycles`` says
-``<not supported>``), so there are no cache-miss counts. A timer sample lands on the instruction the core was
-retiring at the interrupt, which for a stall is at or just after the instruction waited for (a load's consumer);
-compare the classes of two runs of the same kernel (weights cold from DRAM against hot in the L3, say) rather than
-read one class on its own. ``--copies 2 --threads 1`` runs two processes at once, as forward's two gloo ranks
-share this host at S = 2.
+The event is the OS timer (``cpu-clock``), which every host has: a VM often exposes no hardware counters (``perf
+stat -e cycles`` says ``<not supported>``), and then there are no cache-miss counts. A timer sample lands on the
+instruction the core was retiring at the interrupt, which for a stall is at or just after the instruction waited
+for (a load's consumer); compare the classes of two runs of the same kernel (weights cold from DRAM against hot in
+the L3, say) rather than read one class on its own. ``--copies 2 --threads 1`` runs two processes at once, as
+forward's two gloo ranks share one host at S = 2.
 
     .venv/bin/python bench/bench_profile.py expert_gemm --shape v4_flash --pair bf16xfp4 --tokens 16
     .venv/bin/python bench/bench_profile.py expert_gemm --shape v4_flash --pair bf16xfp4 --tokens 16 --hot

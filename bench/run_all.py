@@ -3,13 +3,18 @@ Qwen3-30B-A3B; tokens per rank 1, 4, 16, 64, 128), with the machine's limits mea
 
 Prints one table per benchmark (median time, collective time, bytes, FLOPs, both roofline terms, the bound,
 roofline fraction, speed-ups over seed_dense / torch_cached / torch_scaled_mm / torch_int4pack / the pure-torch
-reference), the issues' performance targets with the measured figures, and writes bench/results/bench.json plus
+reference), the performance targets with the measured figures, and writes bench/results/bench.json plus
 <bench>_roofline.png / <bench>_speedup.png. Sized to finish in under 10 minutes on 2 threads: the number of local
 experts is scaled per shape (printed; H and I are never scaled).
+
+A full run (every benchmark, shape and default token count; not --quick) also writes the host's summary,
+bench/results/hosts/<host-id>.json (committed; harness.hosts), and renders docs/benchmarks.md's results table from
+every summary there (harness.results_doc). A partial run writes them only where --hosts-dir says.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/run_all.py            # what `make bench` runs
     OMP_NUM_THREADS=2 .venv/bin/python bench/run_all.py --quick    # a tiny smoke run
     OMP_NUM_THREADS=2 .venv/bin/python bench/run_all.py --only local_experts --shape v4_flash
+    .venv/bin/python bench/run_all.py --table-only                  # re-render the table from the committed summaries
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import bench_forward
 import bench_local_experts
 import bench_pack_rows
 import bench_swiglu_and_cast
-from harness.cli import add_common_args, resolve_args, start
+from harness.cli import DEFAULT_TOKENS, add_common_args, resolve_args, start
+from harness.hosts import HOSTS_DIR, host_summary, this_host, write_host_json
 from harness.report import Report
+from harness.results_doc import DOC, update_results_doc
 from harness.workload import local_experts_for
 from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES
 from static_moe.testing.machine import cpu_isa_available, measure_machine
@@ -33,10 +40,10 @@ SECTIONS = ("pack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "for
 PLOTTED = {"pack_rows": ["pack_rows", "unpack_rows"], "swiglu_and_cast": ["swiglu_and_cast"],
            "expert_gemm": ["expert_gemm"], "local_experts": ["local_experts"], "forward": ["forward"]}
 
-# docs issue "CPU performance at the roofline" §2, on V4-Flash shapes, tokens per rank 1–16.
+# The roofline targets: roofline fraction and speed-up over torch_cached, on V4-Flash shapes, tokens per rank 1–16.
 TARGET_SHAPE = "v4_flash"
 TARGET_TOKENS = (1, 4, 16)
-TARGETS = [  # (bench, weight format, min roofline fraction, min speed-up vs torch_cached)
+ROOFLINE_TARGETS = [  # (bench, weight format, min roofline fraction, min speed-up vs torch_cached)
     ("expert_gemm", "fp4", 0.60, 4.0),
     ("local_experts", "fp4", 0.60, 4.0),
     ("expert_gemm", "fp8", 0.50, 2.0),
@@ -70,10 +77,10 @@ def run_section(name: str, report: Report, shapes, tokens, quick: bool) -> None:
         bench_forward.run(report, shapes, tokens, quick)
 
 
-def targets(report: Report) -> list[dict]:
-    """The issue's targets against what this run measured (a report, never an assertion)."""
+def roofline_targets(report: Report) -> list[dict]:
+    """The roofline targets against what this run measured (a report, never an assertion)."""
     out = []
-    for bench, w_fmt, min_frac, min_speedup in TARGETS:
+    for bench, w_fmt, min_frac, min_speedup in ROOFLINE_TARGETS:
         recs = [r for r in report.records if r["bench"] == bench and r.get("weight") == w_fmt and r.get("isa") is None
                 and r.get("shape") == TARGET_SHAPE and r["tokens"] in TARGET_TOKENS and r["op"].get("available")]
         if not recs:
@@ -97,9 +104,9 @@ def targets(report: Report) -> list[dict]:
     return out
 
 
-# issue "CPU performance, round 2": PyTorch's own 4-bit GEMM, the read-only bandwidth at one row, the bf16 peak at
-# 16+ rows; each a ratio of calls timed in the same rounds (harness.timing.time_interleaved), so the load a shared
-# host puts on one block of samples and not on the next does not skew it.
+# The same-round targets: PyTorch's own 4-bit GEMM (the int4pack target), the read-only bandwidth at one row, the bf16
+# peak at 16+ rows; each a ratio of calls timed in the same rounds (harness.timing.time_interleaved), so the load a
+# shared host puts on one block of samples and not on the next does not skew it.
 INT4_SHAPES, INT4_TOKENS, INT4_TARGET = ("v4_flash", "v3"), (1, 4, 16, 64), 2.0
 READ_BW_TARGET = 0.70  # one row per expert: weight bytes / time vs the read-only stream
 BF16_PEAK_TARGET = 0.50  # 16+ rows: FLOP/s vs the bf16 matmul peak
@@ -108,9 +115,9 @@ AMX_TOKENS = (16, 64)  # the opt-in amx series: where tiles pay (at one row per 
 AMX_PAIRS = [("bf16", "fp4"), ("bf16", "fp8")]
 
 
-def round2_targets(report: Report) -> list[dict]:
-    """Round-2 targets against what this run measured (a report, never an assertion). Each row: what, the measured
-    minimum, where it was, the target."""
+def same_round_targets(report: Report) -> list[dict]:
+    """The same-round targets against what this run measured (a report, never an assertion). Each row: what, the
+    measured minimum, where it was, the target."""
     lim = report.limits
     every = [r for r in report.records if r["op"].get("available") and r["op"].get("median_s")]
     ok = [r for r in every if r.get("isa") is None]  # the default path; forced-isa series have lines of their own
@@ -121,8 +128,7 @@ def round2_targets(report: Report) -> list[dict]:
             worst = min(recs, key=value)
             out.append({"what": what, "min": value(worst), "at": _at(worst), "target": target, "unit": unit})
 
-    int4 = [r for r in ok if r["bench"] == "expert_gemm" and r.get("weight") == "fp4" and r["shape"] in INT4_SHAPES
-            and r["tokens"] in INT4_TOKENS and r["speedup"].get("torch_int4pack")]
+    int4 = [r for r in ok if _int4_point(r)]
     add("expert_gemm fp4 vs torch_int4pack (aten._weight_int4pack_mm_for_cpu), V4-Flash and V3, T 1/4/16/64",
         int4, lambda r: r["speedup"]["torch_int4pack"], INT4_TARGET, "×")
     # At one row both ops are bound by reading their weights, so the most a kernel can gain on int4pack there is
@@ -136,9 +142,7 @@ def round2_targets(report: Report) -> list[dict]:
     add("local_experts fp4 vs torch_int4pack (information)",
         [r for r in ok if r["bench"] == "local_experts" and r["speedup"].get("torch_int4pack")],
         lambda r: r["speedup"]["torch_int4pack"], None, "×")
-    one_row = [r for r in ok if r.get("weight_stream_fraction") and (
-        (r["bench"] == "expert_gemm" and r["tokens"] == 1)
-        or (r["bench"] == "local_experts" and r.get("rows_per_expert", 2.0) <= 1.0))]
+    one_row = [r for r in ok if _one_row(r)]
     add("one row per expert (expert_gemm T=1, local_experts at 1 row/expert): a read-only stream over the same weight "
         "bytes, timed in the same rounds, vs the op",
         one_row, lambda r: r["weight_stream_fraction"], READ_BW_TARGET, "%")
@@ -179,10 +183,62 @@ def round2_targets(report: Report) -> list[dict]:
     return out
 
 
-def print_round2_targets(rows: list[dict]) -> None:
+def _int4_point(r: dict) -> bool:
+    """A point of the int4pack target: expert_gemm, fp4 weights, V4-Flash or V3, T 1/4/16/64, int4pack timed."""
+    return (r["bench"] == "expert_gemm" and r.get("weight") == "fp4" and r["shape"] in INT4_SHAPES
+            and r["tokens"] in INT4_TOKENS and bool(r["speedup"].get("torch_int4pack")))
+
+
+def _one_row(r: dict) -> bool:
+    """A point at one row per expert with its same-round read-only stream: expert_gemm at T = 1, local_experts at
+    ≤ 1 row per expert."""
+    return bool(r.get("weight_stream_fraction")) and (
+        (r["bench"] == "expert_gemm" and r["tokens"] == 1)
+        or (r["bench"] == "local_experts" and r.get("rows_per_expert", 2.0) <= 1.0))
+
+
+def _span(values) -> list[float] | None:
+    values = list(values)
+    return [min(values), max(values)] if values else None
+
+
+def summary_ranges(report: Report) -> dict:
+    """Per column of docs/benchmarks.md's results table, [min, max] over the V4-Flash and V3 points of this run (None
+    where it has none): the host summary's figures (harness.hosts).
+
+    int4pack: expert_gemm fp4 ×torch_int4pack per T, the default kernel; read_ceiling: at T = 1, t_int4pack /
+    t_stream, what a kernel reading its weights at the same-round stream's rate would get against int4pack;
+    amx_int4pack: the opt-in amx kernel's ×torch_int4pack per T; one_row_read: the op's fraction of a same-round
+    read-only stream over its own weight bytes at one row per expert; bf16_matmul: expert_gemm FLOP/s over torch's
+    bf16 matmul in the same rounds at 16+ rows, fp4 and power-of-two-scaled fp8 weights; forward_in_step: a rank's
+    local experts inside the S = 2 step against the same call alone, every shape."""
+    every = [r for r in report.records if r["op"].get("available") and r["op"].get("median_s")]
+    ok = [r for r in every if r.get("isa") is None]
+    shapes = [r for r in ok if r.get("shape") in INT4_SHAPES]
+    int4 = [r for r in ok if _int4_point(r)]
+    amx = [r for r in every if r.get("isa") == "amx" and r.get("shape") in INT4_SHAPES
+           and r["speedup"].get("torch_int4pack")]
+    return {
+        "shapes": list(INT4_SHAPES),
+        "int4pack": {str(t): _span(r["speedup"]["torch_int4pack"] for r in int4 if r["tokens"] == t)
+                     for t in INT4_TOKENS},
+        "read_ceiling": _span(r["speedup"]["torch_int4pack"] / r["weight_stream_fraction"] for r in int4
+                              if r["tokens"] == 1 and r.get("weight_stream_fraction")),
+        "amx_int4pack": {str(t): _span(r["speedup"]["torch_int4pack"] for r in amx if r["tokens"] == t)
+                         for t in AMX_TOKENS},
+        "one_row_read": _span(r["weight_stream_fraction"] for r in shapes if _one_row(r)),
+        "bf16_matmul": _span(r["bf16_matmul_fraction"] for r in shapes if r["bench"] == "expert_gemm"
+                             and r.get("bf16_matmul_fraction") and r.get("fp8_scales", "pow2") == "pow2"),
+        "forward_in_step": _span(r["local_experts_in_step_vs_alone"] for r in ok if r["bench"] == "forward"
+                                 and r.get("ep_size") == 2 and r.get("local_experts_in_step_vs_alone")),
+    }
+
+
+def print_same_round_targets(rows: list[dict]) -> None:
     if not rows:
         return
-    print("\nTargets (issue 'CPU performance, round 2'; measured minimum over the points named, ratios of this run):")
+    print("\nTargets against torch_int4pack, the read-only stream and the bf16 matmul (measured minimum over the "
+          "points named, ratios of calls timed in the same rounds of this run):")
     for t in rows:
         v = t["min"]
         shown = {"×": f"{v:.2f}×", "%": f"{100 * v:.0f}%", "-%": f"{-100 * v:.0f}% (largest)",
@@ -199,10 +255,11 @@ def _at(r: dict) -> str:
     return f"{r.get('shape')} {r.get('fmt')} T={r['tokens']}"
 
 
-def print_targets(rows: list[dict]) -> None:
+def print_roofline_targets(rows: list[dict]) -> None:
     if not rows:
         return
-    print("\nTargets (issue 'CPU performance at the roofline' §2; measured minimum over the points named):")
+    print("\nTargets for the roofline fraction and the speed-up over torch_cached (measured minimum over the points "
+          "named):")
     for t in rows:
         parts = []
         if "roofline_fraction_min" in t:
@@ -216,14 +273,41 @@ def print_targets(rows: list[dict]) -> None:
         print(f"  {t['what']}: " + "; ".join(parts))
 
 
-def main(argv=None) -> None:
+def _publish_paths(args) -> tuple[Path | None, Path | None]:
+    """Where this run's host summary goes and which markdown file's results table it re-renders (None: nowhere).
+    Only a full run — what `make bench` runs — replaces the committed summary of its host kind by default."""
+    full = (not args.quick and list(args.only) == list(SECTIONS) and args.shape in (None, ["all"])
+            and args.tokens in (None, list(DEFAULT_TOKENS)))
+    hosts_dir = args.hosts_dir or (HOSTS_DIR if full or args.table_only else None)
+    default_dir = hosts_dir is not None and hosts_dir.resolve() == HOSTS_DIR.resolve()
+    return hosts_dir, args.results_doc or (DOC if default_dir else None)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="benchmarks to run")
-    args = p.parse_args(argv)
+    p.add_argument("--hosts-dir", type=Path, default=None,
+                   help=f"write the host's summary <host-id>.json here (default: {HOSTS_DIR.relative_to(DOC.parents[1])} "
+                        "on a full run, nowhere on a partial one)")
+    p.add_argument("--results-doc", type=Path, default=None,
+                   help=f"render the results table of this markdown file from every summary in the hosts dir (default: "
+                        f"{DOC.relative_to(DOC.parents[1])} when the summary goes to the default hosts dir)")
+    p.add_argument("--table-only", action="store_true",
+                   help="only re-render the results table from the summaries already there, and exit")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    hosts_dir, results_doc = _publish_paths(args)
+    if args.table_only:
+        print(f"updated {update_results_doc(results_doc or DOC, hosts_dir or HOSTS_DIR)}")
+        return
     shapes, tokens = resolve_args(args)
     t_start = time.perf_counter()
     report = start(args, "run_all")
+    report.meta["host"] = this_host()
     scale = {s: (local_experts_for(s, args.quick), MODEL_SHAPES[s].num_experts) for s in shapes}
     report.meta.update(shapes=shapes, tokens=tokens, local_experts_scale=scale)
     print("scale: local experts kept per rank (H, I, k unscaled): "
@@ -250,14 +334,22 @@ def main(argv=None) -> None:
     notes = report.notes()
     if notes:
         print("unavailable:\n" + notes)
-    rows = targets(report)
-    report.meta["targets"] = rows
-    print_targets(rows)
-    rows2 = round2_targets(report)
-    report.meta["targets_round2"] = rows2
-    print_round2_targets(rows2)
+    rows = roofline_targets(report)
+    report.meta["roofline_targets"] = rows
+    print_roofline_targets(rows)
+    rows2 = same_round_targets(report)
+    report.meta["same_round_targets"] = rows2
+    print_same_round_targets(rows2)
     path = report.write_json(Path(args.out) / "bench.json")
     print(f"\nwrote {path}")
+    if hosts_dir is None:
+        print("a partial run: no host summary written (--hosts-dir DIR writes one)")
+    else:
+        summary = host_summary(report, report.meta["host"], {"roofline": rows, "same_round": rows2},
+                               summary_ranges(report))
+        print(f"wrote {write_host_json(summary, hosts_dir)}")
+        if results_doc is not None:
+            print(f"updated {update_results_doc(results_doc, hosts_dir)} (results table)")
     if not args.no_plots:
         for name in args.only:
             for bench in PLOTTED[name]:

@@ -183,7 +183,7 @@ def test_same_round_timing(bench_modules):
     assert H.timing.stream_fraction({"median_s": 1.0}, {"available": True, "median_s": 2.0}) == 0.5
 
 
-def test_round2_int4pack_read_ceiling(bench_modules):
+def test_int4pack_target_read_ceiling(bench_modules):
     """run_all's T = 1 line under the int4pack target: t_int4pack / t_stream (speed-up over int4pack / the op's
     fraction of the same-round stream), its minimum over the V4-Flash and V3 fp4 points at T = 1 only."""
     run_all = importlib.import_module("run_all")  # bench/ is on sys.path while bench_modules is up
@@ -198,11 +198,109 @@ def test_round2_int4pack_read_ceiling(bench_modules):
                rec("v3", 4, 1.0, 0.9),          # T = 4: not a read-bound point, left out (ceiling 1.11)
                rec("qwen3_30b_a3b", 1, 1.0, 1.0)]  # not a target shape (ceiling 1.0)
     report = SimpleNamespace(limits=MachineLimits(2, 1e10, 1e11, 0, 0, 0), records=records)
-    rows = {r["what"].strip().split(":")[0]: r for r in run_all.round2_targets(report)}
+    rows = {r["what"].strip().split(":")[0]: r for r in run_all.same_round_targets(report)}
     ceiling = rows["the same at T=1"]
     assert ceiling["min"] == pytest.approx(1.5) and ceiling["at"] == "v3 bf16×fp4 w13 T=1"
     assert ceiling["target"] is None  # information: the bench never passes or fails it
     assert rows[next(k for k in rows if k.startswith("expert_gemm fp4 vs torch_int4pack"))]["min"] == 1.0
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: {vendor}
+cpu family\t: {family}
+model\t\t: {model}
+model name\t: Some CPU
+flags\t\t: {flags}
+
+processor\t: 1
+vendor_id\t: OtherVendor
+"""
+AVX512BF16_FLAGS = "fpu avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512vbmi"
+
+
+HOST_ID_CASES = [  # (vendor, family, model, flags, the id)
+    ("GenuineIntel", 6, 207, AVX512BF16_FLAGS + " amx_bf16 amx_tile amx_int8", "intel-6-207-amx"),
+    ("GenuineIntel", 6, 207, AVX512BF16_FLAGS, "intel-6-207-avx512bf16"),  # the same CPU with AMX hidden
+    ("AuthenticAMD", 25, 17, AVX512BF16_FLAGS, "amd-25-17-avx512bf16"),
+    ("AuthenticAMD", 23, 49, "avx2 fma f16c avx512f", "amd-23-49-avx2"),  # avx512f alone is not the avx512 level
+    ("Weird Vendor!", 1, 2, "sse2", "weirdvendor-1-2-scalar"),
+]
+
+
+@pytest.mark.parametrize("vendor,family,model,flags,expected", HOST_ID_CASES, ids=[c[-1] for c in HOST_ID_CASES])
+def test_host_id(bench_modules, vendor, family, model, flags, expected):
+    """harness.hosts.host_id: vendor, family, model and the best CPU-kernel level of the first processor's flags,
+    filesystem-safe."""
+    hosts = importlib.import_module("harness.hosts")
+    assert hosts.host_id(CPUINFO.format(vendor=vendor, family=family, model=model, flags=flags)) == expected
+
+
+def _host_doc(host_id, cpu="CPU", int4=None, read=24.4e9):
+    """A synthetic host summary in harness.hosts.host_summary's layout."""
+    return {"host": {"id": host_id, "cpu": cpu, "threads": 2}, "run": {"commit": "abc1234"},
+            "machine": {"read_bandwidth": read, "bf16_flops": 1583e9},
+            "summary": {"int4pack": int4 or {"1": [1.31, 1.56], "4": [1.25, 1.28], "16": None, "64": [1.1, 1.1]},
+                        "read_ceiling": [1.52, 1.84], "amx_int4pack": {"16": None, "64": None},
+                        "one_row_read": [0.77, 1.15], "bf16_matmul": [0.08, 0.2], "forward_in_step": None}}
+
+
+def test_results_table_one_row_per_host(bench_modules, tmp_path):
+    """harness.results_doc renders one row per host file (sorted by host id), and replaces only what lies between
+    the markers of a document."""
+    doc_mod = importlib.import_module("harness.results_doc")
+    hosts = tmp_path / "hosts"
+    hosts.mkdir()
+    (hosts / "intel-6-207-amx.json").write_text(json.dumps(_host_doc("intel-6-207-amx", cpu="Xeon")))
+    (hosts / "amd-25-17-avx512bf16.json").write_text(json.dumps(_host_doc("amd-25-17-avx512bf16", cpu="EPYC",
+                                                                          read=None)))
+    (hosts / "notes.txt").write_text("not a host summary")
+    table = doc_mod.render_results_table(doc_mod.host_files(hosts))
+    lines = table.splitlines()
+    assert len(lines) == 2 + 2  # header, rule, one row per host file
+    assert lines[2].startswith("| `amd-25-17-avx512bf16` | EPYC | 2 | — | 1583 |")
+    assert lines[3].startswith("| `intel-6-207-amx` | Xeon | 2 | 24.4 | 1583 | 1.31–1.56 / 1.25–1.28 / — / 1.10 |")
+    assert "| 1.52–1.84 | — | 77–115 % | 8–20 % | — | `abc1234` |" in lines[3]
+    assert all(line.count("|") == len(doc_mod.COLUMNS) + 1 for line in lines)
+
+    before, after = "# Benchmarks\n\nprose before\n", "\nprose after, kept byte for byte  \n"
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"{before}{doc_mod.BEGIN}\n| stale | table |\n{doc_mod.END}{after}")
+    doc_mod.update_results_doc(doc, hosts)
+    text = doc.read_text()
+    assert text == f"{before}{doc_mod.BEGIN}\n{table}\n{doc_mod.END}{after}"
+    assert "stale" not in text
+    doc_mod.update_results_doc(doc, hosts)
+    assert doc.read_text() == text  # rendering again changes nothing
+    for bad in (f"{before}{after}", f"{doc_mod.END}\n{doc_mod.BEGIN}\n", f"{doc_mod.BEGIN}{doc_mod.BEGIN}{doc_mod.END}"):
+        with pytest.raises(ValueError, match="results:begin"):
+            doc_mod.replace_between_markers(bad, table)
+    assert doc_mod.render_results_table([]).startswith("No host has a committed summary yet")
+
+
+def test_only_a_full_run_replaces_the_committed_summary(bench_modules, tmp_path):
+    """run_all writes the host summary to bench/results/hosts/ and re-renders docs/benchmarks.md only on a full run
+    (what make bench runs); a partial run writes where --hosts-dir / --results-doc say, or nowhere."""
+    run_all = importlib.import_module("run_all")
+    doc_mod = importlib.import_module("harness.results_doc")
+
+    def paths(*argv):
+        return run_all._publish_paths(run_all.build_parser().parse_args([str(a) for a in argv]))
+
+    committed = (doc_mod.HOSTS_DIR, doc_mod.DOC)
+    assert paths() == committed
+    assert paths("--shape", "all", "--tokens", 1, 4, 16, 64, 128) == committed
+    for partial in (["--quick"], ["--only", "expert_gemm"], ["--shape", "v3"], ["--tokens", 1]):
+        assert paths(*partial) == (None, None), partial
+    assert paths("--quick", "--hosts-dir", tmp_path) == (tmp_path, None)
+    assert paths("--quick", "--hosts-dir", tmp_path, "--results-doc", tmp_path / "b.md") == (tmp_path, tmp_path / "b.md")
+    assert paths("--table-only") == committed
+
+
+def test_committed_results_table_is_rendered(bench_modules):
+    """docs/benchmarks.md shows the table the committed host summaries give (run_all.py --table-only renders it)."""
+    doc_mod = importlib.import_module("harness.results_doc")
+    text = doc_mod.DOC.read_text()
+    assert text == doc_mod.replace_between_markers(text, doc_mod.render_results_table(doc_mod.host_files()))
 
 
 def test_profile_reads_perf_output():

@@ -7,6 +7,8 @@
 - ``checks``    correctness checks of baselines and of the op
 - ``report``    records, the printed table, JSON and PNG plots
 - ``cli``       the command line every script shares; the start and end of a run
+- ``hosts``     the host kind's id and description, and the per-host summary `make bench` commits
+- ``results_doc`` the results table of docs/benchmarks.md, rendered from the per-host summaries
 
 Every figure a benchmark prints is a ratio measured in the same run on the same pinned thread count: against the
 machine's own limits (``static_moe.testing.machine.measure_machine``; the demo measures with the same code), and

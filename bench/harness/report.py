@@ -155,7 +155,7 @@ class Report:
             style(ax, log_y=False)
             ax.set_ylim(0, max(1.05, ax.get_ylim()[1]))
         fig.suptitle(f"{bench}: roofline fraction (compute limit: the peak of the units the kernel uses; "
-                     f"{self.limits.threads} threads)", fontsize=10)
+                     f"{self.limits.threads} threads{self._on_host()})", fontsize=10)
         fig.tight_layout()
         paths.append(out_dir / f"{bench}_roofline.png")
         fig.savefig(paths[-1], dpi=90)
@@ -175,12 +175,18 @@ class Report:
                     ax.axhline(1.0, color="grey", lw=0.5)
                     ax.set(xlabel="tokens per rank", ylabel=f"speed-up vs {name}", title=MODEL_SHAPES[shape].name)
                     style(ax, log_y=True)
-            fig.suptitle(f"{bench}: speed-up of static_moe over the baselines ({self.limits.threads} threads)", fontsize=10)
+            fig.suptitle(f"{bench}: speed-up of static_moe over the baselines ({self.limits.threads} threads"
+                         f"{self._on_host()})", fontsize=10)
             fig.tight_layout()
             paths.append(out_dir / f"{bench}_speedup.png")
             fig.savefig(paths[-1], dpi=90)
             plt.close(fig)
         return paths
+
+    def _on_host(self) -> str:
+        """`` on <host id>`` for a plot's title, where the run recorded its host (harness.hosts)."""
+        host = (self.meta.get("host") or {}).get("id")
+        return f" on {host}" if host else ""
 
 
 def machine_meta(threads: int) -> dict:
