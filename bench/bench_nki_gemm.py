@@ -2,9 +2,10 @@
 GEMM) at decode shapes: DeepSeek-V4-Flash, DeepSeek-V3, Qwen3-30B-A3B; T = 1, 16, 128 tokens per rank; expert
 parallelism EP = 1 and 8; trn2 for every format pair, trn3 for the fp8 × fp8 and fp8 × fp4 targets.
 
-No device is needed: the kernels run through static_moe's NKI interpreter, whose cost record the cost model
-(``static_moe.nki.interpreter.cost.CostModel``: figures and assumptions in its docstring) turns into an estimated
-time on one NeuronCore (the trn2 figures; trn3 rows run the trn3 target's instructions under the same figures).
+No device is needed: the kernels run through the repository's NKI interpreter (tools/nki_interpreter), whose cost
+record the cost model (``nki_interpreter.cost.CostModel``: figures and assumptions in its docstring) turns into an
+estimated time on one NeuronCore (the trn2 figures; trn3 rows run the trn3 target's instructions under the same
+figures).
 ``ideal`` is the time to move the bytes the op must move at one core's share of HBM bandwidth (2.9 TB/s / 8):
 the weights (scales included) of the experts some row selects, x of the rows routed here, every row's routing
 and fp32 result. ``fraction = ideal / estimate``. Model numbers, not measurements.
@@ -43,12 +44,16 @@ from pathlib import Path
 
 import torch
 
-from nki_kernels.expert_gemm import expert_gemm_kernel
-from nki_kernels.local_experts import chunk_cap, chunk_rows_for, local_experts_kernel
-from static_moe.formats import quantize_weight
-from static_moe.layouts import prepare_weight, to_eio
-from static_moe.nki import interpreter, shim
-from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, make_activations, make_routing
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))  # the NKI interpreter: a development tool, not in the installed package
+
+import nki_interpreter as interpreter  # noqa: E402
+from static_moe.formats import quantize_weight  # noqa: E402
+from static_moe.layouts import prepare_weight  # noqa: E402
+from static_moe.nki import shim  # noqa: E402
+from static_moe.nki_kernels.expert_gemm import expert_gemm_kernel  # noqa: E402
+from static_moe.nki_kernels.local_experts import chunk_cap, chunk_rows_for, local_experts_kernel  # noqa: E402
+from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, make_activations, make_routing  # noqa: E402
 
 TOKENS = (1, 16, 128)  # per rank
 EPS = (1, 8)
@@ -190,8 +195,8 @@ def layout_for(shape, wfmt, target) -> str:
 
 
 def weight_path(shape, act, wfmt, target) -> str:
-    """The GEMM path (``gemm_tiles.WeightPlan.path``, or "eoi") the new design's weights take, for the chunk
-    policy (``chunk_cap``)."""
+    """The GEMM path (``expert_gemm_tiles.WeightPlan.path``, or "eoi") the weights take, for the chunk policy
+    (``chunk_cap``)."""
     if layout_for(shape, wfmt, target) == "eoi":
         return "eoi"
     if wfmt == "fp8" and target != "trn3":

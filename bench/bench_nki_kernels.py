@@ -1,9 +1,9 @@
 """Estimated trn2 time of the NKI kernels at decode shapes, next to the ideal HBM-bandwidth time.
 
-No Neuron device is needed: each kernel runs through static_moe's NKI interpreter, which records its DMAs and
-instructions; ``static_moe.nki.interpreter.cost.CostModel`` (figures and assumptions in its docstring) turns
-the record into an estimated time on one NeuronCore-v3. ``ideal`` is the time to move the bytes the op must
-move (inputs read once, outputs written once) at one core's share of HBM bandwidth (2.9 TB/s / 8);
+No Neuron device is needed: each kernel runs through the repository's NKI interpreter (tools/nki_interpreter),
+which records its DMAs and instructions; ``nki_interpreter.cost.CostModel`` (figures and assumptions in its
+docstring) turns the record into an estimated time on one NeuronCore-v3. ``ideal`` is the time to move the bytes
+the op must move (inputs read once, outputs written once) at one core's share of HBM bandwidth (2.9 TB/s / 8);
 ``fraction = ideal / estimate``. These are model numbers, not measurements.
 
     .venv/bin/python bench/bench_nki_kernels.py [--shape v4_flash] [--json bench/results/nki_kernels.json]
@@ -22,11 +22,15 @@ from pathlib import Path
 
 import torch
 
-from nki_kernels.pack_rows import pack_rows, unpack_rows
-from nki_kernels.swiglu_and_cast import swiglu_and_cast
-from static_moe.nki import interpreter, shim
-from static_moe.reference.pack_rows import aligned, pack_layout, part_nbytes
-from static_moe.testing.generators import MODEL_SHAPES
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))  # the NKI interpreter: a development tool, not in the installed package
+
+import nki_interpreter as interpreter  # noqa: E402
+from static_moe.nki import shim  # noqa: E402
+from static_moe.nki_kernels.pack_rows import pack_rows, unpack_rows  # noqa: E402
+from static_moe.nki_kernels.swiglu_and_cast import swiglu_and_cast  # noqa: E402
+from static_moe.reference.pack_rows import pack_layout, part_nbytes  # noqa: E402
+from static_moe.testing.generators import MODEL_SHAPES  # noqa: E402
 
 TOKENS = (1, 4, 16, 64, 128)
 SWIGLU_ROWS = (1, 4, 16, 64, 128, 512)

@@ -1,6 +1,6 @@
 """NKI kernels: pack token rows of several tensors into one uint8 buffer (SPEC §1.8) and unpack a span.
 
-Runs through the real NKI when it is importable and through static_moe's interpreter otherwise (see
+Runs through the real NKI when it is importable and through the repository's NKI interpreter otherwise (see
 ``static_moe.nki.shim``). NKI >= 0.3 API only. All data moves as bytes: both sides of every DMA are viewed as
 uint8 (a DMA between different dtypes would convert values, not copy bits).
 """

@@ -11,10 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from static_moe.nki import interpreter
-from static_moe.nki.interpreter import LEGACY_TRN2, TRN2, simulate
-from static_moe.nki.interpreter import isa as nisa
-from static_moe.nki.interpreter import language as nl
+import nki_interpreter as interpreter
+from nki_interpreter import LEGACY_TRN2, TRN2, simulate
+from nki_interpreter import isa as nisa
+from nki_interpreter import language as nl
 
 F32 = np.float32
 

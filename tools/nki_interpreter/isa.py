@@ -16,8 +16,8 @@ destination, and may shift partitions within the documented limits (Trainium/Inf
 the same number of partitions n, and when the operands do not all start on the same partition, each start
 partition must be legal for n — 0 when 64 < n ≤ 128; 0 or 64 when 32 < n ≤ 64 (cross-half); 0, 32, 64 or 96
 when n ≤ 32 (cross-quadrant). Anything else is refused (``cross-partition``). Operands on the same lanes are
-accepted at any start (placement is the allocator's job, per the same guide). Issue 10 replaced the earlier,
-stricter rule (same start partition always), which refused kernels that run on trn2.
+accepted at any start (placement is the allocator's job, per the same guide). A stricter rule (same start
+partition always) would refuse kernels that run on trn2.
 
 Enums: members of the nisa enums are expected; a raw integer that matches a documented enum value (the
 aws-neuron-sdk isa stub numbers ``engine``, ``dge_mode``, ``oob_mode``, ``reduce_cmd``) is accepted with a
@@ -1125,7 +1125,8 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
 
 
 # ---------------------------------------------------------------------------------------------- more ISA
-# Instructions added in issue 10, one module per family; imported last because they use the helpers above.
+# The DMA, LNC, search, stream and MX instructions, one module per family; imported last because they use the
+# helpers above.
 from .isa_dma import dma_compute, dma_transpose  # noqa: E402,F401
 from .isa_lnc import core_barrier, sendrecv  # noqa: E402,F401
 from .isa_search import (  # noqa: E402,F401
