@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from static_moe.nki.shim import nisa, nl
-from static_moe.reference.pack_rows import ALIGN, PAD_BYTE, pack_layout
+from static_moe.packed_layout import ALIGN, PAD_BYTE, pack_layout
 
 # 0xFF in every byte, written 4 bytes at a time: W is a multiple of 16, so the uint8 tile views as int32 and the
 # memset touches a quarter of the elements (VectorE cost is per element).
