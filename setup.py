@@ -1,5 +1,6 @@
-"""Build static_moe: the Python package (python/static_moe), the NKI kernel sources (nki_kernels) and the C++
-extension ``static_moe._C`` from csrc/.
+"""Build static_moe: the Python package (python/static_moe), the NKI kernel sources (nki_kernels/, installed as
+``static_moe.nki_kernels``) and the C++ extension ``static_moe._C`` from csrc/. The NKI interpreter in tools/ is
+a development tool and is not installed.
 
 A CPU-only torch builds the CPU backend alone.  When torch is a CUDA build and nvcc is found, the CUDA kernels
 in csrc/cuda/ are compiled into the same extension and registered for the CUDA dispatch key.
@@ -93,8 +94,8 @@ setup(
     version=_version(),
     description="Static-shape expert-parallel MoE decode ops for NKI, CUDA and CPU",
     packages=["static_moe", "static_moe.reference", "static_moe.ops", "static_moe.testing", "static_moe.nki",
-              "static_moe.nki.interpreter", "static_moe.integrations", "static_moe.loaders", "nki_kernels"],
-    package_dir={"static_moe": "python/static_moe", "nki_kernels": "nki_kernels"},
+              "static_moe.nki_kernels", "static_moe.integrations", "static_moe.loaders"],
+    package_dir={"static_moe": "python/static_moe", "static_moe.nki_kernels": "nki_kernels"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",

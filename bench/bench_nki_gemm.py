@@ -2,18 +2,18 @@
 GEMM) at decode shapes: DeepSeek-V4-Flash, DeepSeek-V3, Qwen3-30B-A3B; T = 1, 16, 128 tokens per rank; expert
 parallelism EP = 1 and 8; trn2 for every format pair, trn3 for the fp8 × fp8 and fp8 × fp4 targets.
 
-No device is needed: the kernels run through static_moe's NKI interpreter, whose cost record the cost model
-(``static_moe.nki.interpreter.cost.CostModel``: figures and assumptions in its docstring) turns into an estimated
-time on one NeuronCore (the trn2 figures; trn3 rows run the trn3 target's instructions under the same figures).
+No device is needed: the kernels run through the repository's NKI interpreter (tools/nki_interpreter), whose cost
+record the cost model (``nki_interpreter.cost.CostModel``: figures and assumptions in its docstring) turns into an
+estimated time on one NeuronCore (the trn2 figures; trn3 rows run the trn3 target's instructions under the same
+figures).
 ``ideal`` is the time to move the bytes the op must move at one core's share of HBM bandwidth (2.9 TB/s / 8):
 the weights (scales included) of the experts some row selects, x of the rows routed here, every row's routing
 and fp32 result. ``fraction = ideal / estimate``. Model numbers, not measurements.
 
 Layer (``layer_routing``): EP ranks × T tokens routed top-k over the model's E experts (uniform); rank 0 owns
 L = E/EP experts and gathers R = EP·T rows (capacity T per source rank): the tokens that name a local expert,
-then padding rows. The new design runs on weights prepared for the target (``layouts.prepare_weight``; Qwen3's
-I = 768 cannot hold the x4-packed fp4 form, so its fp4 rows run unprepared, and trn3 keeps plain fp8 for it) with
-M = ``chunk_rows_for(R, k, E, chunk_cap(path))`` rows per work item (``chunk_for``: as the kernel picks it).
+then padding rows. The kernel runs on weights prepared for the target (``layouts.prepare_weight``, ``layout_for``)
+with M = ``chunk_rows_for(R, k, E, chunk_cap(path))`` rows per work item (``chunk_for``: as the kernel picks it).
 
 Extrapolation: a full layer has 16–256 local experts; interpreting each takes seconds, so the cost is measured
 at the real H, I and R on 1- and 2-expert layers and extrapolated per component (engine cycles, DMA bytes and
@@ -21,11 +21,6 @@ count, DGE count, loop iterations, HBM bytes): ``k10 + (L−1)(k20 − k10) + n�
 Σ_e ⌈C_e / M⌉ of the full layer's routing — exact because the instruction stream is affine in L (the routing
 and work-list setup) and in n (every item runs the same static body). ``--check`` runs a 4-expert layer directly
 and prints the error.
-
-The old design (before issue 11: every routed expert over all R gathered rows, unprepared weights decoded on
-chip, a runtime loop over all L experts) is not kept runnable — its tile functions were replaced. Its figures
-(``bench/legacy/nki_local_experts_pre_issue11.json``) were recorded by this script's layer model and the same
-cost model against the kernel of commit f17bee4, and are printed beside the new ones ("old").
 
     .venv/bin/python bench/bench_nki_gemm.py [--models v4_flash,v3,qwen3_30b_a3b] [--tokens 1,16,128]
                                              [--ep 1,8] [--pairs bf16xbf16,...] [--targets trn2,trn3]
@@ -43,21 +38,23 @@ from pathlib import Path
 
 import torch
 
-from nki_kernels.expert_gemm import expert_gemm_kernel
-from nki_kernels.local_experts import chunk_cap, chunk_rows_for, local_experts_kernel
-from static_moe.formats import quantize_weight
-from static_moe.layouts import prepare_weight, to_eio
-from static_moe.nki import interpreter, shim
-from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, make_activations, make_routing
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))  # the NKI interpreter: a development tool, not in the installed package
+
+import nki_interpreter as interpreter  # noqa: E402
+from static_moe.formats import quantize_weight  # noqa: E402
+from static_moe.layouts import prepare_weight  # noqa: E402
+from static_moe.nki import shim  # noqa: E402
+from static_moe.nki_kernels.expert_gemm import expert_gemm_kernel  # noqa: E402
+from static_moe.nki_kernels.local_experts import chunk_cap, chunk_rows_for, local_experts_kernel  # noqa: E402
+from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, make_activations, make_routing  # noqa: E402
 
 TOKENS = (1, 16, 128)  # per rank
 EPS = (1, 8)
-LEGACY_JSON = Path(__file__).resolve().parent / "legacy" / "nki_local_experts_pre_issue11.json"
 GROUP = 128
 FP8_MAX = 240.0  # trn2 on-chip fp8
 LIMIT = 7.0
 COMPONENTS = interpreter.cost.COMPONENTS  # tensor/vector/scalar/gpsimd/sync engines, dma, dge, loop
-OLD = tuple(f"old_{c}" for c in COMPONENTS)  # the same components under the pre-issue-10 model
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -77,12 +74,9 @@ def _act_bytes(rows, k, fmt) -> int:
 
 
 def _profile(kernel, *args, **kwargs) -> dict:
-    """Run through the interpreter; the estimate's components (corrected model, and ``old_*`` under the
-    legacy one, from the same record) plus HBM bytes and SBUF peak."""
+    """Run through the interpreter; the estimate's components plus HBM bytes and SBUF peak."""
     _, rep = interpreter.profile(kernel, *args, **kwargs)
-    old = interpreter.LEGACY_TRN2.estimate(interpreter.last_run().cost)
     out = {c: rep.get(c, 0.0) for c in COMPONENTS}
-    out.update({f"old_{c}": old.get(c, 0.0) for c in COMPONENTS})
     out.update(hbm_bytes=rep["hbm_bytes"], sbuf_peak_bytes=rep["sbuf_peak_bytes"])
     return out
 
@@ -90,22 +84,19 @@ def _profile(kernel, *args, **kwargs) -> dict:
 def _combine(terms) -> dict:
     """Σ coeff · record over additive components (engine times are linear in cycles and instruction counts,
     DMA time in bytes and count, loop time in iterations)."""
-    keys = COMPONENTS + OLD + ("hbm_bytes",)
+    keys = COMPONENTS + ("hbm_bytes",)
     out = {k: sum(c * r[k] for c, r in terms) for k in keys}
     out["sbuf_peak_bytes"] = max(r["sbuf_peak_bytes"] for _, r in terms)
     return out
 
 
 def _finish(rec: dict, ideal_bytes: int) -> dict:
-    """Overlapped estimate (max of the components), serial bound (their sum) and binding component, under
-    the corrected model and (``old_time_s``) the legacy one."""
+    """Overlapped estimate (max of the components), serial bound (their sum) and binding component."""
     parts = {k: rec[k] for k in COMPONENTS}
     t = max(parts.values())
-    old_t = max(rec[k] for k in OLD)
     ideal = interpreter.TRN2.hbm_roofline(ideal_bytes)
     return {**rec, "time_s": t, "serial_s": sum(parts.values()), "bound": max(parts, key=parts.get)[:-2],
-            "old_time_s": old_t, "ideal_bytes": ideal_bytes, "ideal_s": ideal,
-            "fraction": ideal / t if t else float("nan"), "old_fraction": ideal / old_t if old_t else float("nan")}
+            "ideal_bytes": ideal_bytes, "ideal_s": ideal, "fraction": ideal / t if t else float("nan")}
 
 
 # --------------------------------------------------------------------------------------------- expert_gemm
@@ -184,14 +175,14 @@ def _le_args(shape, act, wfmt, rows, num_local, routed_local: list[int], seed=0,
 
 
 def layout_for(shape, wfmt, target) -> str:
-    """The weight layout the new design runs at: always prepared ("eio"; the packed forms zero-pad K to whole
+    """The weight layout the kernel runs at: always prepared ("eio"; the packed forms zero-pad K to whole
     512 blocks on chip, so Qwen3-30B-A3B's I = 768 prepares too)."""
     return "eio"
 
 
 def weight_path(shape, act, wfmt, target) -> str:
-    """The GEMM path (``gemm_tiles.WeightPlan.path``, or "eoi") the new design's weights take, for the chunk
-    policy (``chunk_cap``)."""
+    """The GEMM path (``expert_gemm_tiles.WeightPlan.path``, or "eoi") the weights take, for the chunk policy
+    (``chunk_cap``)."""
     if layout_for(shape, wfmt, target) == "eoi":
         return "eoi"
     if wfmt == "fp8" and target != "trn3":
@@ -246,13 +237,13 @@ def row_local_experts(shape, act, wfmt, tokens, ep, r: dict, target: str, seed=0
     rec = _combine([(1, r["k10"]), (n_local - 1, r["k20"]), (-(n_local - 1), r["k10"]), (n, r["k11"]),
                     (-n, r["k10"])])
     ideal = _le_ideal(shape, act, wfmt, rows, real, n_routed)
-    return {"kernel": "local_experts", "design": "new", "ep": ep, "rows": rows, "chunk_rows": m, "items": n,
+    return {"kernel": "local_experts", "ep": ep, "rows": rows, "chunk_rows": m, "items": n,
             "shape": f"H={shape.hidden} I={shape.intermediate} L={n_local}",
             "routed": f"{n_routed}/{n_local} experts", **_finish(rec, ideal)}
 
 
 def check_extrapolation(shape, act, wfmt, rows=16) -> str:
-    """Measured vs extrapolated (new design): a 4-expert layer with 2 routed experts, from 1-/2-expert runs."""
+    """Measured vs extrapolated: a 4-expert layer with 2 routed experts, from 1-/2-expert runs."""
     m = chunk_for(shape, act, wfmt, "trn2", rows)
     r = measure_local_experts(shape, act, wfmt, rows, m)
     pred = _combine([(1, r["k10"]), (3, r["k20"]), (-3, r["k10"]), (2, r["k11"]), (-2, r["k10"])])
@@ -265,17 +256,17 @@ def check_extrapolation(shape, act, wfmt, rows=16) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- targets
-TARGETS = (  # (target, activation × weight, floor): issue 11
+TARGETS = (  # (target, activation × weight, floor of the roofline fraction)
     ("trn2", ("bf16", "bf16"), 0.90), ("trn2", ("fp8", "fp8"), 0.80), ("trn3", ("fp8", "fp8"), 0.80),
     ("trn3", ("fp8", "fp4"), 0.80), ("trn2", ("fp8", "fp4"), 0.35))
 
 
 def targets_summary(rows: list[dict]) -> str:
-    """Per target: the worst new-design fraction over every model, T and EP measured, its binding component,
+    """Per target: the worst fraction over every model, T and EP measured, its binding component,
     and whether the floor is met."""
-    lines = ["targets (new design, worst case over the models, T and EP measured):"]
+    lines = ["targets (worst case over the models, T and EP measured):"]
     for tgt, (a, w), floor in TARGETS:
-        sel = [r for r in rows if r["design"] == "new" and r["target"] == tgt and r["pair"] == f"{a}×{w}"]
+        sel = [r for r in rows if r["kernel"] == "local_experts" and r["target"] == tgt and r["pair"] == f"{a}×{w}"]
         if not sel:
             lines.append(f"  {tgt} {a}×{w} ≥ {floor:.0%}: not measured")
             continue
@@ -288,34 +279,24 @@ def targets_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _legacy_rows() -> dict:
-    """Old-design rows recorded by a run of the pre-issue-11 kernel, keyed (model, pair, T, EP, target)."""
-    if not LEGACY_JSON.exists():
-        return {}
-    return {(r["model"], r["pair"], r["tokens"], r["ep"], r["target"]): r for r in json.loads(LEGACY_JSON.read_text())}
-
-
 # ---------------------------------------------------------------------------------------------------- main
 def table(rows: list[dict]) -> str:
-    """expert_gemm rows (variants) and local_experts rows (new design, the old design's figures beside)."""
+    """expert_gemm rows (variants) and local_experts rows."""
     head = (f"{'model':<14} {'kernel':<19} {'act×w':<10} {'tgt':<4} {'T':>4} {'EP':>2} {'R':>5} {'M':>4} "
-            f"{'items':>5} {'touched':<16} {'old µs':>9} {'est µs':>9} {'serial µs':>10} {'bound':>6} "
-            f"{'ideal µs':>9} {'old frac':>8} {'fraction':>8} {'HBM MiB':>8}")
+            f"{'items':>5} {'touched':<16} {'est µs':>9} {'serial µs':>10} {'bound':>6} "
+            f"{'ideal µs':>9} {'fraction':>8} {'HBM MiB':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         t = f"{'~' if r.get('interpolated') else ''}{r['tokens']}"
-        old_us = f"{r['old_time_s'] * 1e6:9.1f}" if r.get("old_time_s") is not None else f"{'—':>9}"
-        old_fr = f"{r['old_fraction']:8.1%}" if r.get("old_fraction") is not None else f"{'—':>8}"
-        kern = r["kernel"] if r["kernel"] != "local_experts" else "local_experts"
-        lines.append(f"{r['model']:<14} {kern:<19} {r['pair']:<10} {r['target']:<4} {t:>4} {r.get('ep', 1):>2} "
+        lines.append(f"{r['model']:<14} {r['kernel']:<19} {r['pair']:<10} {r['target']:<4} {t:>4} {r.get('ep', 1):>2} "
                      f"{r.get('rows', r['tokens']):>5} {r.get('chunk_rows', ''):>4} {r.get('items', ''):>5} "
-                     f"{r['routed']:<16} {old_us} {r['time_s'] * 1e6:>9.1f} {r['serial_s'] * 1e6:>10.1f} "
-                     f"{r['bound']:>6} {r['ideal_s'] * 1e6:>9.1f} {old_fr} {r['fraction']:>8.1%} "
+                     f"{r['routed']:<16} {r['time_s'] * 1e6:>9.1f} {r['serial_s'] * 1e6:>10.1f} "
+                     f"{r['bound']:>6} {r['ideal_s'] * 1e6:>9.1f} {r['fraction']:>8.1%} "
                      f"{r['hbm_bytes'] / 2**20:>8.2f}")
     return "\n".join(lines)
 
 
-def _local_experts_rows(models, pairs, targets, tokens, eps, legacy, t0) -> list[dict]:
+def _local_experts_rows(models, pairs, targets, tokens, eps, t0) -> list[dict]:
     rows = []
     for key in models:
         shape = MODEL_SHAPES[key]
@@ -333,11 +314,6 @@ def _local_experts_rows(models, pairs, targets, tokens, eps, legacy, t0) -> list
                         model = shape.name.replace("DeepSeek-", "")
                         row.update(model=model, pair=f"{act}×{wfmt}", tokens=t, target=tgt,
                                    layout=layout_for(shape, wfmt, tgt))
-                        old = legacy.get((model, row["pair"], t, ep, tgt))
-                        # the old design's estimate under the same (corrected) cost model as 'est'
-                        row["old_time_s"] = None if old is None else old["time_s"]
-                        row["old_fraction"] = None if old is None else old["fraction"]
-                        row["old_bound"] = None if old is None else old["bound"]
                         rows.append(row)
                         print(table([row]).split("\n", 2)[2], f"   [{time.time() - t0:.0f}s]", flush=True)
     return rows
@@ -360,7 +336,7 @@ def _expert_gemm_rows(models, pairs, tokens, measured, t0) -> list[dict]:
                 for which in ("gemm1", "gemm2"):
                     for r in rows_expert_gemm(shape, act, wfmt, t, which, recs[which]):
                         r.update(model=shape.name.replace("DeepSeek-", ""), pair=f"{act}×{wfmt}", tokens=t,
-                                 interpolated=mark, target="trn2", old_time_s=r["old_time_s"])
+                                 interpolated=mark, target="trn2")
                         rows.append(r)
                         print(table([r]).split("\n", 2)[2], f"   [{time.time() - t0:.0f}s]", flush=True)
     return rows
@@ -400,8 +376,7 @@ def main(argv=None) -> int:
           f"max(N, 64) cycles per matmul at 2.4 GHz; VectorE 0.96 GHz (2N for two-input ops), ScalarE/GpSimd "
           f"1.2 GHz (GpSimd 32 bit/partition/cycle), {m.instr_fixed_cycles} cycles per instruction) vs the ideal "
           f"HBM time at {m.hbm_bandwidth_per_core / 1e9:.0f} GB/s per core (trn3 rows: the same model, run on the "
-          f"trn3 target's instructions). 'old' = the pre-issue-11 design (routed experts over all R rows), "
-          f"recorded in {LEGACY_JSON.name}; 'est' = overlapped estimate (max of engines, DMA, DGE, loop), "
+          f"trn3 target's instructions). 'est' = overlapped estimate (max of engines, DMA, DGE, loop), "
           f"'serial' = their sum, 'bound' = the binding one; M = rows per work item, items = Σ_e ⌈C_e/M⌉. "
           f"fp8 activations with 1×{GROUP} scales, fp8_max {FP8_MAX:g}, swiglu limit {LIMIT:g}.", flush=True)
     t0 = time.time()
@@ -412,7 +387,7 @@ def main(argv=None) -> int:
     if "expert_gemm" in kernels:
         rows += _expert_gemm_rows(models, pairs, tokens, sorted({min(tokens), max(tokens)}), t0)
     if "local_experts" in kernels:
-        rows += _local_experts_rows(models, pairs, targets, tokens, eps, _legacy_rows(), t0)
+        rows += _local_experts_rows(models, pairs, targets, tokens, eps, t0)
     print()
     print(table(rows))
     print()

@@ -6,7 +6,7 @@ Formats (activation × weight): bf16 × {bf16, fp8, fp4} and fp8 × {fp8, fp4}; 
 (g ∈ {32, 128}), fp8 B per 1×128 along K, fp4 B is e2m1 with UE8M0 scales per 1×32 along K.
 
 ``weight_layout="eio"`` (the prepared, K-major layout of ``python/static_moe/layouts.py``) runs on the tile
-functions of ``nki_kernels/gemm_tiles.py``: weights DMA'd K-major straight onto the partitions as the stationary
+functions of ``nki_kernels/expert_gemm_tiles.py``: weights DMA'd K-major straight onto the partitions as the stationary
 operand (no on-chip weight transpose); trn2 feeds fp8 as native ``float8_e4m3`` (bytes prepared by
 ``reencode_fp8_for_trn2``) with one PSUM group per 128-wide K block and the weight scale applied on evacuation;
 trn3 runs fp8 × fp4 and fp8 × fp8 (MX form) through ``nc_matmul_mx`` into fp32 PSUM; fp4 elsewhere is decoded to
@@ -43,7 +43,7 @@ from dataclasses import replace
 
 from static_moe.nki.shim import nisa, nl
 
-from .gemm_tiles import (  # noqa: F401  (re-exported: the tile API lives in gemm_tiles)
+from .expert_gemm_tiles import (  # noqa: F401  (re-exported: the tile API lives in expert_gemm_tiles)
     _M_1C1C1C1C,
     GROUP_PATH_MAX_ROWS,
     MOVING_MAX,
@@ -120,12 +120,12 @@ def expert_rows(t, e, row0: int, nblk: int, dtype=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Decoders: shared with the EIO tiles (nki_kernels/gemm_tiles.py): bit ops on VectorE, exact integer adds on
+# Decoders: shared with the EIO tiles (nki_kernels/expert_gemm_tiles.py): bit ops on VectorE, exact integer adds on
 # GpSimd, immediates exact in fp32
 # ----------------------------------------------------------------------------------------------------------------
 def decode_e2m1_pairs(lo, hi, words):
     """Packed e2m1 → float8_e4m3 bytes holding the value × 2^-6; byte b of ``lo`` / ``hi`` decodes the low / high
-    nibble of byte b of each uint32 word (see :func:`gemm_tiles.decode_e2m1_nibbles`)."""
+    nibble of byte b of each uint32 word (see :func:`expert_gemm_tiles.decode_e2m1_nibbles`)."""
     decode_e2m1_nibbles(lo, hi, words, _mask_tile(_M_1C1C1C1C, "m_1c"))
 
 
@@ -351,7 +351,7 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         - Elsewhere fp8 activations enter as bf16 ``q·s``: exact for power-of-two scales; other fp32 scales round
           to bf16 (≤ 2^-9 relative per element).
         - Constructs: every instruction form used is listed with its doc page / public kernel in this module's
-          docstring and in ``nki_kernels/gemm_tiles.py``'s; the interpreter refuses the undocumented ones
+          docstring and in ``nki_kernels/expert_gemm_tiles.py``'s; the interpreter refuses the undocumented ones
           (docs/backends/nki_interpreter.md, rules sbuf-indirect-operand, gpsimd-bitvec, immediate-range,
           fp8-transpose).
 

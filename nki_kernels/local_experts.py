@@ -8,8 +8,8 @@ Per local expert e (global id expert_offset + e) and its C_e routed rows (the re
     d   = bf16(z · W2_eᵀ)                                     [C_e, H]   (GEMM2)
     acc[rows] += d (fp32), experts in increasing local id     [R, H]
 
-Routed-row compaction (issue 11 §4)
------------------------------------
+Routed-row compaction
+---------------------
 The TensorE, evacuation and swiglu work of an expert is proportional to its *routed* rows, not to the R gathered
 rows: the kernel builds, on device, a work list of items (expert e, chunk c) of at most M rows each (``M =
 chunk_rows_for(R, k, E)``, a power of two ≤ 128: twice the mean rows per expert, so an expert is one item in the
@@ -75,7 +75,7 @@ from __future__ import annotations
 from static_moe.nki.shim import nisa, nl
 
 from .expert_gemm import WEIGHT_LAYOUTS, block_times_rows, load_weight_group, rows_per_dma, weight_format, weight_k
-from .gemm_tiles import (
+from .expert_gemm_tiles import (
     MOVING_MAX,
     P,
     WeightRing,
@@ -116,7 +116,7 @@ def chunk_rows_for(rows: int, topk: int, num_experts: int, cap: int = MAX_CHUNK)
 
 
 def chunk_cap(weight_path: str) -> int:
-    """The :func:`chunk_rows_for` cap for a GEMM path (``gemm_tiles.WeightPlan.path``; ``"eoi"`` for the
+    """The :func:`chunk_rows_for` cap for a GEMM path (``expert_gemm_tiles.WeightPlan.path``; ``"eoi"`` for the
     unprepared decode path): 32 on the per-K-block fp8 path, 128 elsewhere.
 
     The per-K-block fp8 evacuation costs VectorE / GpSimd (ScalarE from 64 rows) time per evacuated column
@@ -432,7 +432,7 @@ def _work_list(tiles, ids, r: int, n_local: int, m: int, n_max: int, skip_unrout
 # The two GEMMs of an item, per weight layout
 # ----------------------------------------------------------------------------------------------------------------
 class _EioGemm:
-    """A GEMM on prepared (EIO) weights through ``nki_kernels/gemm_tiles.py``: K-major weight slabs DMA'd as the
+    """A GEMM on prepared (EIO) weights through ``nki_kernels/expert_gemm_tiles.py``: K-major weight slabs DMA'd as the
     stationary operand into a ring of ``WEIGHT_BUFS`` buffers (allocated once, outside the runtime loop: the
     DMA of slab i+1 overlaps the matmuls of slab i, also across items)."""
 
@@ -542,7 +542,7 @@ class _ItemBuffers:
             nisa.memset(dst=self.x_s, value=0.0)
         else:
             self.xg = self.d_rows
-        # the group path's operand is built per item from a quad one (gemm_tiles.group_operand)
+        # the group path's operand is built per item from a quad one (expert_gemm_tiles.group_operand)
         # K of each operand is the plan's kp: act_rows_into_operand zero-pads the rows up to it (I = 768 with
         # packed weights: 1024)
         self.op1 = alloc_act_operand(_fill_korder(g1.korder), g1.kp, m, "item_x_op")

@@ -1,6 +1,6 @@
 """NKI kernels: pack token rows of several tensors into one uint8 buffer (SPEC §1.8) and unpack a span.
 
-Runs through the real NKI when it is importable and through static_moe's interpreter otherwise (see
+Runs through the real NKI when it is importable and through the repository's NKI interpreter otherwise (see
 ``static_moe.nki.shim``). NKI >= 0.3 API only. All data moves as bytes: both sides of every DMA are viewed as
 uint8 (a DMA between different dtypes would convert values, not copy bits).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from static_moe.nki.shim import nisa, nl
-from static_moe.reference.pack_rows import ALIGN, PAD_BYTE, pack_layout
+from static_moe.packed_layout import ALIGN, PAD_BYTE, pack_layout
 
 # 0xFF in every byte, written 4 bytes at a time: W is a multiple of 16, so the uint8 tile views as int32 and the
 # memset touches a quarter of the elements (VectorE cost is per element).

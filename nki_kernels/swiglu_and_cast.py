@@ -1,6 +1,6 @@
 """NKI kernel: SwiGLU with clamp and routing weight, then bf16 or fp8 (1×g power-of-two scales) cast.
 
-Runs through the real NKI when it is importable and through static_moe's interpreter otherwise (see
+Runs through the real NKI when it is importable and through the repository's NKI interpreter otherwise (see
 ``static_moe.nki.shim``). NKI >= 0.3 API only (destination-first ``nisa`` calls, ``nl.ndarray`` buffers);
 the per-group scale is applied through a ``.broadcast`` view (NKI >= 0.5).
 """

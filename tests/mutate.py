@@ -47,9 +47,18 @@ def sync(repo: Path, src: Path) -> None:
         b.write_bytes(data)
 
 
+def link_kernels(src: Path) -> None:
+    """The NKI kernels (nki_kernels/) install as ``static_moe.nki_kernels`` through setup.py's package_dir; the
+    scratch copy runs from its source folders instead, so it reaches them through a link
+    python/static_moe/nki_kernels -> nki_kernels (found before any installed copy of the package)."""
+    link = src / "python" / "static_moe" / "nki_kernels"
+    if not link.is_symlink():
+        link.symlink_to(Path("..", "..", "nki_kernels"), target_is_directory=True)
+
+
 def env_for(src: Path) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(src / "python"), str(src)])
+    env["PYTHONPATH"] = os.pathsep.join([str(src / "python"), str(src / "tools")])
     env.setdefault("MAX_JOBS", "1")
     env.setdefault("OMP_NUM_THREADS", "2")
     env["STATIC_MOE_FORCE_CPU"] = "1"
@@ -89,10 +98,11 @@ def pytest(src: Path, env: dict, args: tuple[str, ...], timeout: float) -> tuple
 
 
 def check_imports_scratch(src: Path, env: dict) -> None:
-    rc, out, _ = run([sys.executable, "-c", "import static_moe, nki_kernels; print(static_moe.__file__); "
-                      "print(nki_kernels.__file__)"], src, env, 300)
+    rc, out, _ = run([sys.executable, "-c", "import static_moe, static_moe.nki_kernels, nki_interpreter; "
+                      "print(static_moe.__file__); print(static_moe.nki_kernels.__file__); "
+                      "print(nki_interpreter.__file__)"], src, env, 300)
     paths = out.split()
-    if rc != 0 or not all(Path(p).resolve().is_relative_to(src.resolve()) for p in paths[-2:]):
+    if rc != 0 or not all(Path(p).resolve().is_relative_to(src.resolve()) for p in paths[-3:]):
         sys.exit(f"mutate: the scratch copy does not import its own package (got {out.strip()!r})")
 
 
@@ -132,6 +142,7 @@ def main() -> int:
     src.mkdir(parents=True, exist_ok=True)
     env = env_for(src)
     sync(REPO, src)
+    link_kernels(src)
     print(f"mutate: scratch copy {src}; building (MAX_JOBS={env['MAX_JOBS']}) ...", flush=True)
     ok, out = build(src, env)
     if not ok:

@@ -594,12 +594,14 @@ def test_nki_dispatch_passes_the_layout_as_a_keyword(monkeypatch):
         return k
 
     monkeypatch.setattr(dispatch, "_kernels", lambda: {n: fake_kernel(n) for n in ("expert_gemm", "local_experts")})
-    monkeypatch.setattr(dispatch.shim, "simulate", lambda kernel: kernel)  # call the recording kernel directly
+    from static_moe.nki import shim
+
+    monkeypatch.setattr(shim, "simulate", lambda kernel: kernel)  # call the recording kernel directly
     w = make_weights(2, LH, LI, "fp8", seed=1)
     we = _eio_weights(w, "eio")
     x, xs = make_activations(3, LH, "fp8", 128, seed=2)
     idx, tw = make_routing(3, 2, 2, seed=3)
-    from static_moe.nki import interpreter
+    import nki_interpreter as interpreter
 
     with interpreter.target("trn3"):  # plain EIO fp8 bytes need no trn2 re-encoding there
         dispatch.local_experts(*_le_args(x, xs, idx, tw, w, 0, None, 240.0))
@@ -692,8 +694,8 @@ def test_collective_forward_takes_the_layout_on_two_ranks():
 def test_nki_takes_the_prepared_bytes_like_the_reference(target, wfmt):
     """Parity of the prepared bytes (static_moe.layouts.prepare_expert_weights) through the NKI kernels (our
     interpreter, on the target) and the reference, within SPEC §2, and NKI prepared vs NKI unprepared."""
+    import nki_interpreter as interpreter
     from static_moe.layouts import prepare_expert_weights
-    from static_moe.nki import interpreter
     from static_moe.testing.numeric import assert_gemm_close
 
     act = "bf16" if wfmt == "bf16" else "fp8"

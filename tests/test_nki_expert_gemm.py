@@ -17,14 +17,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import nki_interpreter as interpreter
 from static_moe import layouts
 from static_moe.formats import dequantize_weight, quantize_weight
-from static_moe.nki import dispatch, interpreter, shim
+from static_moe.nki import dispatch, shim
+from static_moe.nki_kernels.expert_gemm import expert_gemm_kernel
 from static_moe.reference import expert_gemm as ref_expert_gemm
 from static_moe.testing.generators import FORMAT_PAIRS, make_activations
 from static_moe.testing.numeric import assert_equal, assert_gemm_bitwise, assert_gemm_close
-
-from nki_kernels.expert_gemm import expert_gemm_kernel
 
 # Our interpreter accumulates matmuls in fp32 in k order and rounds like the reference, so its results are the
 # reference's bits but for rare last-bit differences (measured ≥ 99.98 % equal): hold it to that. The real NKI
@@ -149,7 +149,7 @@ def test_rows_are_batch_invariant():
 
 @interpreter_only
 def test_skip_variant_reads_no_weights_for_an_unrouted_expert():
-    from static_moe.nki.interpreter import last_run
+    from nki_interpreter import last_run
 
     rows, k, n = 20, 256, 256
     b, b_s = _weights(3, n, k, "fp8", 1)
@@ -494,10 +494,10 @@ def test_eio_weights_reach_the_tensor_engine_as_loaded(target, act, wfmt):
 
 # ------------------------------------------------------------------------------------------ tiles, runtime expert
 def _tiles_all_experts_kernel(a, a_s, b, bs, rows):
-    """Every expert of an EIO weight through the gemm_tiles API inside a runtime loop: the expert id is a
+    """Every expert of an EIO weight through the expert_gemm_tiles API inside a runtime loop: the expert id is a
     register, reaching only the HBM side of the DMAs (as the fused kernel uses the tiles)."""
-    from nki_kernels import gemm_tiles as G
     from static_moe.nki.shim import nisa, nl
+    from static_moe.nki_kernels import expert_gemm_tiles as G
 
     r, _ = a.shape
     plan = G.weight_plan(b, G.act_format(a), rows=rows)
@@ -536,7 +536,7 @@ def test_tiles_take_a_runtime_expert_id(target, act, wfmt, rows):
 @interpreter_only
 @pytest.mark.parametrize("target,act,wfmt,group", EIO_CASES, ids=[f"{t}-{a}x{w}-g{g}" for t, a, w, g in EIO_CASES])
 def test_eio_kernel_runs_no_nested_runtime_loops(target, act, wfmt, group):
-    """Issue 11 part 5: at most one runtime loop open at a time (the skip loop, or the MX path's two loops one
+    """At most one runtime loop open at a time (the skip loop, or the MX path's two loops one
     after the other); the interpreter records the deepest nesting."""
     mask = torch.tensor([True, False, True, True, False, True])
     _run_eio(target, act, wfmt, group, 6, 512, 256, mask, True, 5, what=f"{target} {act}x{wfmt}")

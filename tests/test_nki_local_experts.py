@@ -47,8 +47,8 @@ def _prepared(args, target):
 
 def _kernel(args, limit, fp8_max=TRN2_FP8_MAX, target="trn2", **kw):
     """The kernel through the interpreter on ``target`` with keywords (skip_unrouted, chunk_rows, weight_layout)."""
-    from nki_kernels.local_experts import local_experts_kernel
-    from static_moe.nki import interpreter
+    import nki_interpreter as interpreter
+    from static_moe.nki_kernels.local_experts import local_experts_kernel
 
     with interpreter.target(target):
         return interpreter.simulate(local_experts_kernel)(*args, limit, fp8_max, **kw)
@@ -128,8 +128,8 @@ def test_rows_are_batch_invariant():
 def test_skip_variant_reads_exactly_the_routed_experts():
     """Each routed expert (one row: one work item) adds exactly its weights plus the item's own traffic (table
     row, expert id, M gathered x rows, M acc rows read-modify-written); the static variant reads every expert."""
-    from nki_kernels.local_experts import chunk_rows_for
-    from static_moe.nki.interpreter import last_run
+    from nki_interpreter import last_run
+    from static_moe.nki_kernels.local_experts import chunk_rows_for
 
     rows, hidden, inter, num_local = 12, 256, 128, 4
     m = chunk_rows_for(rows, 2, num_local)
@@ -152,7 +152,7 @@ def test_skip_variant_reads_exactly_the_routed_experts():
 
 @interpreter_only
 def test_fp8_max_448_needs_trn3():
-    from static_moe.nki import interpreter
+    import nki_interpreter as interpreter
 
     args = _case("fp8", "fp8", 128, 20, 256, 256, 2, 4, 2, 0, 5)
     with pytest.raises(ValueError, match="trn3"):
@@ -183,8 +183,8 @@ def test_fp8_max_reaches_the_requantization_on_trn3(wfmt, group):
     (make_fp8_max_sensitive), the kernel with each value (448 needs trn3's e4m3fn) matches the reference with
     the same value — random inputs give identical bits for both, so only this input shows a kernel that
     ignores fp8_max."""
+    import nki_interpreter as interpreter
     from static_moe.formats import quantize_activation, quantize_weight
-    from static_moe.nki import interpreter
     from static_moe.testing.generators import make_fp8_max_sensitive
 
     x, w13, w2, idx, tw = make_fp8_max_sensitive(6, 2, 256, 256, seed=4)
@@ -238,7 +238,7 @@ def test_prepared_packed_weights_with_k_not_a_multiple_of_512(act, wfmt, target)
 def test_trn3_mx_path_refuses_a_routed_non_pow2_activation_scale(wfmt):
     """nc_matmul_mx takes E8M0 (power-of-two) scales: a routed row with another x scale is refused, not truncated;
     the same scale on a row routed to no local expert (or on trn2, or with the weights unprepared) is fine."""
-    from static_moe.nki import interpreter
+    import nki_interpreter as interpreter
 
     args = _case("fp8", wfmt, 32, 6, 512, 512, 2, 2, 2, 0, 31)
     kargs, _ = _prepared(args, "trn3")
@@ -281,7 +281,7 @@ def test_hot_expert_spans_several_items(layout):
 @interpreter_only
 def test_work_list_reads_each_item_weights_once():
     """HBM bytes grow by exactly one expert's weights per work item, Σ_e ⌈C_e / M⌉ items, whatever R is."""
-    from static_moe.nki.interpreter import last_run
+    from nki_interpreter import last_run
 
     hidden, inter, num_local, m = 256, 128, 4, 4
     per_expert = 3 * inter * hidden * 2  # bf16 w13 + w2
@@ -306,8 +306,8 @@ def test_work_list_reads_each_item_weights_once():
 @interpreter_only
 def test_item_work_does_not_grow_with_gathered_rows():
     """Routed-row compaction: one routed row costs the same TensorE, VectorE, ScalarE and GpSimd work per item
-    whether the gathered buffer holds 8 or 256 rows (the old design's expert work grew with R)."""
-    from static_moe.nki.interpreter import last_run
+    whether the gathered buffer holds 8 or 256 rows: an expert's work follows its routed rows, not R."""
+    from nki_interpreter import last_run
 
     deltas = []
     for rows in (8, 256):
@@ -342,7 +342,7 @@ def test_compacted_rows_are_batch_invariant():
 
 
 def test_chunk_rows_policy():
-    from nki_kernels.local_experts import chunk_cap, chunk_rows_for
+    from static_moe.nki_kernels.local_experts import chunk_cap, chunk_rows_for
 
     assert chunk_cap("fp8_block") == 32 and chunk_cap("bf16") == chunk_cap("eoi") == 128
     assert chunk_rows_for(1, 6, 256) == 1  # decode: one row
@@ -372,8 +372,8 @@ def test_neuron_device_dispatch():  # pragma: no cover - needs a Neuron device
 @interpreter_only
 @pytest.mark.parametrize("layout", ["eoi", "eio"])
 def test_kernel_runs_no_nested_runtime_loops(layout):
-    """Issue 11 part 5: one runtime loop over the work items, none inside it (the interpreter records the depth)."""
-    from static_moe.nki import interpreter
+    """One runtime loop over the work items, none inside it (the interpreter records the depth)."""
+    import nki_interpreter as interpreter
 
     args = _case("fp8", "fp4", 32, 24, 512, 512, 3, 3, 2, 0, 41, empty_frac=0.2)
     kargs = _prepared(args, "trn3")[0] if layout == "eio" else args
@@ -386,8 +386,8 @@ def test_kernel_runs_no_nested_runtime_loops(layout):
 def test_trn2_refuses_prepared_fp8_bytes_that_were_not_reencoded():
     """trn2 reads EIO fp8 bytes as float8_e4m3 (exponent 15 = inf/NaN): bytes straight from layouts.to_eio that
     still hold |q| >= 256 are refused by both kernels' dispatch instead of returning NaN; re-encoded ones run."""
+    import nki_interpreter as interpreter
     from static_moe.layouts import to_eio
-    from static_moe.nki import interpreter
 
     args = _case("fp8", "fp8", 128, 4, 512, 512, 2, 2, 2, 0, 37)
     x, xs, idx, tw, w13, s13, w2, s2, off = args

@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nki_kernels.pack_rows import pack_rows, unpack_rows
 from static_moe.nki import shim
+from static_moe.nki_kernels.pack_rows import pack_rows, unpack_rows
 from static_moe.reference.pack_rows import pack_layout, part_nbytes
 from static_moe.reference.pack_rows import pack_rows as ref_pack_rows
 from static_moe.reference.pack_rows import unpack_rows as ref_unpack_rows
@@ -82,7 +82,7 @@ def test_multi_dim_part_and_padding_reads_as_minus_one_and_nan():
 @pytest.mark.skipif(shim.real_nki_available(), reason="interpreter-specific cost check")
 def test_pack_cost_is_one_wide_dma_per_row_tile():
     """Staging through SBUF: each 128-row tile leaves in one DMA of W bytes per partition."""
-    from static_moe.nki import interpreter
+    import nki_interpreter as interpreter
 
     g = torch.Generator().manual_seed(2)
     x = _part(128, 4096, torch.float8_e4m3fn, g)

@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from nki_kernels.swiglu_and_cast import swiglu_and_cast
 from static_moe.nki import shim
+from static_moe.nki_kernels.swiglu_and_cast import swiglu_and_cast
 from static_moe.reference.swiglu_and_cast import floor_scale
 from static_moe.reference.swiglu_and_cast import swiglu_and_cast as ref_swiglu_and_cast
 from static_moe.testing.numeric import assert_swiglu_close
@@ -111,7 +111,7 @@ def test_pow2_scale_false_is_rejected_by_the_kernel():
 
 @pytest.mark.skipif(shim.real_nki_available(), reason="interpreter target switch (trn2 vs trn3)")
 def test_fp8_max_448_needs_trn3():
-    from static_moe.nki import interpreter
+    import nki_interpreter as interpreter
 
     gate_up, w = _inputs(70, 256, torch.bfloat16, True, 0.2, 40.0, 5)
     with pytest.raises(AssertionError, match="trn3"):

@@ -1,7 +1,8 @@
 """The package's production code stands without its reference: no module of static_moe other than the reference
 ops themselves (static_moe/reference/), the testing helpers (static_moe/testing/) and the self-checking demo
-(static_moe/demo.py) imports static_moe.reference. The reference may import production helpers (the packed row
-layout, the formats); the other way round, a kernel's behaviour would depend on its own specification.
+(static_moe/demo.py) imports static_moe.reference; nor does an NKI kernel (nki_kernels/, installed as
+static_moe.nki_kernels). The reference may import production helpers (the packed row layout, the formats); the
+other way round, a kernel's behaviour would depend on its own specification.
 Read from the source with ``ast``: nothing is imported."""
 
 from __future__ import annotations
@@ -10,13 +11,18 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "static_moe"
+KERNELS = Path(__file__).resolve().parents[1] / "nki_kernels"  # static_moe.nki_kernels (setup.py's package_dir)
 REFERENCE = "static_moe.reference"
 NOT_PRODUCTION = ("reference", "testing", "demo.py")  # first path part under static_moe/
 
 
 def module_name(path: Path) -> str:
-    """static_moe.ops.forward for python/static_moe/ops/forward.py; static_moe.ops for ops/__init__.py."""
-    parts = ("static_moe", *path.relative_to(PACKAGE).with_suffix("").parts)
+    """static_moe.ops.forward for python/static_moe/ops/forward.py; static_moe.ops for ops/__init__.py;
+    static_moe.nki_kernels.pack_rows for nki_kernels/pack_rows.py."""
+    if path.is_relative_to(KERNELS):
+        parts = ("static_moe", "nki_kernels", *path.relative_to(KERNELS).with_suffix("").parts)
+    else:
+        parts = ("static_moe", *path.relative_to(PACKAGE).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -47,7 +53,8 @@ def reference_imports(source: str, name: str, is_package: bool = False) -> list[
 
 
 def production_files() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in NOT_PRODUCTION)
+    package = [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in NOT_PRODUCTION]
+    return sorted(package + list(KERNELS.rglob("*.py")))
 
 
 def test_the_check_finds_every_spelling_of_a_reference_import():
@@ -65,9 +72,11 @@ def test_the_check_finds_every_spelling_of_a_reference_import():
 def test_production_modules_import_nothing_from_the_reference():
     files = production_files()
     assert PACKAGE / "module.py" in files and PACKAGE / "ops" / "forward.py" in files
+    assert KERNELS / "pack_rows.py" in files
+    assert module_name(KERNELS / "pack_rows.py") == "static_moe.nki_kernels.pack_rows"
     found = {}
     for path in files:
         hits = reference_imports(path.read_text(), module_name(path), path.name == "__init__.py")
         if hits:
-            found[str(path.relative_to(PACKAGE))] = hits
+            found[str(path.relative_to(PACKAGE.parents[1]))] = hits
     assert not found, f"production modules import static_moe.reference (move what they need out of it): {found}"

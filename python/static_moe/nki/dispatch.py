@@ -10,7 +10,11 @@ Three paths, each taken only where it can run (:func:`status` says which and why
 2. **Real NKI without a device.** :func:`expert_gemm` / :func:`local_experts` on CPU tensors run the kernel
    through ``nki.simulate`` (the target is forced to trn2 unless ``NEURON_PLATFORM_TARGET_OVERRIDE`` says
    otherwise: off-device the simulator would default to trn3).
-3. **Neither.** The same calls run through static_moe's NKI interpreter (``static_moe.nki.shim``).
+3. **Neither.** The same calls run through the repository's NKI interpreter (``nki_interpreter``, a
+   development tool in ``tools/`` that the wheel does not ship), bound by ``static_moe.nki.shim``.
+
+The shim, and through it the kernels and the interpreter, are imported on first use, not by ``import
+static_moe``: :func:`register_neuron_kernels` reaches the shim only where torch-neuronx is importable.
 
 Argument normalisation, shared by the three paths (the kernels take only NKI dtypes): fp4 weights
 (``float4_e2m1fn_x2``) and UE8M0 scales (``float8_e8m0fnu``) are viewed as uint8, ``topk_idx`` is narrowed to
@@ -27,8 +31,6 @@ from __future__ import annotations
 import os
 
 import torch
-
-from . import shim
 
 _OPS = ("expert_gemm", "local_experts")
 _registered: list[str] = []
@@ -118,9 +120,17 @@ def check_trn2_fp8_bytes(op: str, weights, weight_layout, e4m3fn_native: bool):
 
 
 # ----------------------------------------------------------------------------------------------- launching
+def _shim():
+    """``static_moe.nki.shim``, imported on first use (it binds the real nki or the interpreter; ImportError with
+    what to install where neither is importable)."""
+    from . import shim
+
+    return shim
+
+
 def _kernels():
-    from nki_kernels.expert_gemm import expert_gemm_kernel
-    from nki_kernels.local_experts import local_experts_kernel
+    from ..nki_kernels.expert_gemm import expert_gemm_kernel
+    from ..nki_kernels.local_experts import local_experts_kernel
 
     return {"expert_gemm": expert_gemm_kernel, "local_experts": local_experts_kernel}
 
@@ -131,6 +141,7 @@ def _on_neuron(t: torch.Tensor) -> bool:
 
 def _launch(name: str, args: tuple, device: bool, **flags):
     kernel = _kernels()[name]
+    shim = _shim()
     if device:
         return shim.jit(kernel)(*args, **flags)
     if shim.real_nki_available():
@@ -140,11 +151,10 @@ def _launch(name: str, args: tuple, device: bool, **flags):
 
 def _e4m3fn_native() -> bool:
     """Whether the target has OCP e4m3fn on chip (trn3 / NeuronCore-v4)."""
+    shim = _shim()
     if shim.real_nki_available():
         return os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2").lower() in ("trn3", "gen4")
-    from .interpreter import get_target
-
-    return get_target().name == "trn3"
+    return shim.interpreter.get_target().name == "trn3"
 
 
 def expert_gemm(a, a_scale, b, b_scale, row_mask, expert, weight_layout="eoi", *, skip_unrouted: bool = True):
@@ -190,7 +200,11 @@ def neuron_dispatch_keys() -> tuple[list[str], str]:
         keys.append("PrivateUse1")
     else:
         why.append("no native 'neuron' (PrivateUse1) device")
-    if not shim.real_nki_available():
+    try:
+        real = _shim().real_nki_available()
+    except ImportError:
+        real = False
+    if not real:
         return [], "torch-neuronx is importable but the real nki (nki.jit) is not"
     return keys, "; ".join(why)
 
@@ -211,11 +225,17 @@ def register_neuron_kernels() -> list[str]:
 def status() -> dict:
     """Which of the three paths is available here, with the reason for each that is not."""
     keys, why = neuron_dispatch_keys()
+    try:
+        backend, shim_error = _shim().BACKEND, None
+    except ImportError as e:  # neither a real nki nor the repository's interpreter
+        backend, shim_error = None, str(e)
     return {
         "device": keys or None,
         "device_why_not": None if keys else why,
-        "simulator": "nki.simulate" if shim.real_nki_available() else None,
-        "simulator_why_not": None if shim.real_nki_available() else
+        "simulator": "nki.simulate" if backend == "nki" else None,
+        "simulator_why_not": None if backend == "nki" else
         "the real nki (nki.jit/nki.simulate, Neuron's package index) is not importable here",
-        "interpreter": shim.BACKEND == "interpreter",
+        "interpreter": backend == "interpreter",
+        "interpreter_why_not": None if backend == "interpreter" else
+        (shim_error or "a real nki is importable (STATIC_MOE_NKI=interpreter forces the interpreter)"),
     }

@@ -1,5 +1,11 @@
-"""The one place kernels get ``nl`` / ``nisa`` from: the real NKI when it is importable, our interpreter
-otherwise.
+"""The one place kernels get ``nl`` / ``nisa`` from: the real NKI when it is importable, the repository's NKI
+interpreter otherwise.
+
+The interpreter (``nki_interpreter``) is a development tool that the wheel does not ship: it lives in the
+repository's ``tools/`` and is importable where ``tools/`` is on ``sys.path`` (the tests and the NKI benchmarks
+put it there). Where neither it nor a real NKI is importable, importing this module (hence any NKI kernel)
+raises ImportError saying so. ``import static_moe`` never imports this module: ``static_moe.nki.dispatch``
+loads it on first use.
 
 Targeted NKI: the standalone ``nki`` package, API as of NKI 0.6 / Neuron SDK 2.32 (the NKI >= 0.3 programming
 model; the ``.broadcast`` view needs >= 0.5, the skip-unrouted register loops >= 0.6; not checked at import):
@@ -15,6 +21,7 @@ Exports:
     simulate(kernel)    real ``nki.simulate`` / the interpreter's simulate
     BACKEND             "nki" or "interpreter"
     REAL_NKI_VERSION    the real package's version string, or None
+    interpreter         the ``nki_interpreter`` package when it backs ``nl`` / ``nisa``, else None
 """
 
 from __future__ import annotations
@@ -30,23 +37,43 @@ def _load_real():
     if not hasattr(_nki, "jit"):
         raise ImportError("the installed 'nki' has no jit (the PyPI placeholder?)")
     if getattr(_nki, "__static_moe_interpreter__", False):
-        raise ImportError("'nki' is the interpreter's own facade (interpreter.as_nki), not a real NKI")
+        raise ImportError("'nki' is the interpreter's own facade (nki_interpreter.as_nki), not a real NKI")
     version = getattr(_nki, "__version__", None)
     return _nki, _nl, _nisa, version
 
 
+def _load_interpreter(real_error: ImportError | None):
+    try:
+        import nki_interpreter
+    except ImportError as e:
+        if e.name != "nki_interpreter":
+            raise  # the interpreter is there but one of its own imports failed: show that, not the message below
+        why = "STATIC_MOE_NKI=interpreter" if real_error is None else f"no real nki ({real_error})"
+        raise ImportError(
+            f"static_moe's NKI kernels need the Neuron SDK's nki (nki.language, nki.isa, nki.jit; Neuron's package "
+            f"index), or, for development, the NKI interpreter of the static_moe repository: put the repository's "
+            f"tools/ directory on sys.path (the tests and benchmarks do) so that `import nki_interpreter` works "
+            f"({why})",
+            name="nki_interpreter",
+        ) from real_error
+    return nki_interpreter
+
+
 _choice = os.environ.get("STATIC_MOE_NKI", "auto").lower()
 _real = None
+_real_error = None
 if _choice != "interpreter":
     try:
         _real = _load_real()
-    except ImportError:
+    except ImportError as e:
         if _choice == "nki":
             raise
+        _real_error = e
 
 if _real is not None:
     _nki, nl, nisa, REAL_NKI_VERSION = _real
     BACKEND = "nki"
+    interpreter = None
     jit = _nki.jit
 
     def simulate(kernel):
@@ -54,10 +81,9 @@ if _real is not None:
         return _nki.simulate(kernel)
 
 else:
-    from .interpreter import isa as nisa  # noqa: F401
-    from .interpreter import jit  # noqa: F401
-    from .interpreter import language as nl  # noqa: F401
-    from .interpreter import simulate  # noqa: F401
+    interpreter = _load_interpreter(_real_error)
+    nl, nisa = interpreter.language, interpreter.isa
+    jit, simulate = interpreter.jit, interpreter.simulate
 
     BACKEND = "interpreter"
     REAL_NKI_VERSION = None

@@ -33,7 +33,7 @@ class _TileSize:
     """``nl.tile_size``: hardware tile limits of the current target.
 
     Audited against the ``nki.language.tile_size`` page (aws-neuron-sdk ``nki/api/nki.language.tile_size.rst``)
-    and the NKI 0.4 release notes (issue 10). Per attribute, the page's meaning and the value here:
+    and the NKI 0.4 release notes. Per attribute, the page's meaning and the value here:
 
     - ``pmax`` = 128: maximum partition dim of a tile.
     - ``gemm_stationary_fmax`` = 128, ``gemm_moving_fmax`` = 512: nc_matmul free-size limits (nc_matmul page).
@@ -41,14 +41,14 @@ class _TileSize:
     - ``psum_bank_fmax`` = 512 / ``psum_bank_fmax_bytes`` = 2048: one PSUM bank per partition, fp32 elements /
       bytes.
     - ``psum_fmax`` (deprecated 0.4) = 512: the page: "maximum free dimension per PSUM bank per partition, in
-      FP32 elements ... despite the name, this does not represent the free-dim size per partition". Before
-      issue 10 the interpreter returned the whole partition (4096): wrong.
+      FP32 elements ... despite the name, this does not represent the free-dim size per partition" (not the
+      whole partition, 4096).
     - ``psum_num_banks`` = 8 (7 with ``NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true``): usable banks per partition.
     - ``sbuf_size_bytes``: "total SBUF capacity in bytes (all partitions combined)": 128 × 224 KiB on trn2.
     - ``sbuf_fmax_bytes``: "maximum free dimension of a tile on SBUF, in bytes" = the usable per-partition SBUF
       (212984 B on trn2, see :mod:`.state`); ``sbuf_fmax`` = the same in fp32 elements (bytes // 4).
     - ``total_available_sbuf_size`` (deprecated 0.4): "despite the name, this returns the usable SBUF capacity
-      *per partition*" = ``sbuf_fmax_bytes``. Before issue 10 the interpreter returned the all-partition total.
+      *per partition*" = ``sbuf_fmax_bytes`` (not the all-partition total).
     - ``psum_min_align`` = 4, ``sbuf_min_align`` = 1: "minimum byte alignment of the PSUM / SBUF free-dimension
       address". The page gives no number. ASSUMPTION: PSUM accumulates per 4-byte element (Trainium/Inferentia2
       guide, "Near-memory accumulation in PSUM": "read-accumulate-write to every 4B element"), SBUF is byte

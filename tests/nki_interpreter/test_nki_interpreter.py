@@ -9,10 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from static_moe.nki import interpreter
-from static_moe.nki.interpreter import NkiRuleError, simulate
-from static_moe.nki.interpreter import isa as nisa
-from static_moe.nki.interpreter import language as nl
+import nki_interpreter as interpreter
+from nki_interpreter import NkiRuleError, simulate
+from nki_interpreter import isa as nisa
+from nki_interpreter import language as nl
 
 F32 = np.float32
 
@@ -675,18 +675,6 @@ def test_indirect_row_gather_with_oob_skip():
         nisa.dma_copy(dst=rows, src=table.ap([[4, 4], [1, 4]], offset=0, vector_offset=i, indirect_dim=0))
 
     rejects("dma-oob", strict, table, idx)
-
-
-def test_shim_falls_back_to_the_interpreter_and_maps_dtypes():
-    import torch
-
-    from static_moe.nki import shim
-
-    if not shim.real_nki_available():
-        assert shim.nl is nl and shim.nisa is nisa and shim.BACKEND == "interpreter"
-    assert shim.nl_dtype(torch.float8_e4m3fn) == shim.nl.float8_e4m3fn
-    with pytest.raises(ValueError, match="int64"):
-        shim.nl_dtype(torch.int64)
 
 
 def test_interpreter_internals_are_not_tensor_api():

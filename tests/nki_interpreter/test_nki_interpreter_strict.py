@@ -1,4 +1,4 @@
-"""The interpreter refuses the constructs issue 11 (part 5) names as undocumented — one rule per construct, each
+"""The interpreter refuses the constructs no NKI document describes — one rule per construct, each
 with a violating kernel that must fail naming the rule and the documented twin that runs:
 
 - ``sbuf-indirect-operand``: an SBUF ``.ap(scalar_offset=<register>)`` view as a compute operand or as the
@@ -14,13 +14,12 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-
-from static_moe.nki import interpreter
-from static_moe.nki.interpreter import simulate
-from static_moe.nki.interpreter import isa as nisa
-from static_moe.nki.interpreter import language as nl
-
 from test_nki_interpreter import load, out_of, rejects  # the shared kernel-test helpers
+
+import nki_interpreter as interpreter
+from nki_interpreter import isa as nisa
+from nki_interpreter import language as nl
+from nki_interpreter import simulate
 
 
 # ----------------------------------------------------------------------------------- sbuf-indirect-operand
@@ -184,7 +183,7 @@ def test_trn3_matmul_transpose_mode_of_fp8_is_refused():
 
 def test_runtime_loop_nesting_is_recorded():
     """Nested runtime loops are not refused (no doc page forbids them), but public kernels never nest them and
-    issue 11 removes them from ours: the run records the deepest nesting, which the kernel tests hold to 1."""
+    ours do not either: the run records the deepest nesting, which the kernel tests hold to 1."""
 
     def kernel(x, nest):
         t = load(x)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from static_moe.nki.interpreter import isa as nisa
-from static_moe.nki.interpreter import language as nl
-from static_moe.nki.interpreter import simulate
+from nki_interpreter import isa as nisa
+from nki_interpreter import language as nl
+from nki_interpreter import simulate
 
 TIES = np.array([[0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, 4.5]], np.float32)
 TIES_RNE = [[0, 2, 2, 4, 0, -2, -2, 4]]

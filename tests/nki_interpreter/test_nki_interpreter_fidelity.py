@@ -1,4 +1,4 @@
-"""The NKI interpreter against the public NKI semantics (issue 10, §1 and §2): indirect access-pattern offsets,
+"""The NKI interpreter against the public NKI semantics: indirect access-pattern offsets,
 ``nl.tile_size`` values, the SBUF budget per target, truthiness, list/tuple outputs and raw enum integers.
 Each case is built from the documentation's own description (cited per test); rules that were stricter than
 the hardware are tested on both sides of their boundary.
@@ -10,12 +10,12 @@ import warnings
 
 import numpy as np
 import pytest
-
-from static_moe.nki import interpreter
-from static_moe.nki.interpreter import NkiRuleError, simulate
-from static_moe.nki.interpreter import isa as nisa
-from static_moe.nki.interpreter import language as nl
 from test_nki_interpreter import rejects  # the shared kernel-test helper
+
+import nki_interpreter as interpreter
+from nki_interpreter import NkiRuleError, simulate
+from nki_interpreter import isa as nisa
+from nki_interpreter import language as nl
 
 F32 = np.float32
 

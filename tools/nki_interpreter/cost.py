@@ -28,10 +28,9 @@ Constants, with their source; ASSUMPTION where the docs give no figure:
 - DMA: 16 queues per core (TA2 "Data movement between HBM and SBUF"; T2 "16x DMA engines"), sharing
   ``dma_bandwidth = 368 GB/s`` and a fixed ``dma_fixed = 1.3 µs`` per dma_copy, of which 16 run concurrently.
   ASSUMPTION for both figures: TA2 gives 27 GiB/s per engine (16 × 27 GiB/s = 464 GB/s peak) and "move 4 KiB
-  or more per partition" but no per-transfer latency; 368 GB/s (~80 % of that peak) and 1.3 µs are the
-  figures this project has used since issue 4, kept so the old and new tables differ only where the docs
-  changed the model. Contiguous runs shorter than ``dma_min_efficient_run = 512 B`` are charged as 512 B
-  (ASSUMPTION: descriptors move whole bursts; TA2 only says small DMA buffers carry overhead).
+  or more per partition" but no per-transfer latency; 368 GB/s is ~80 % of that peak. Contiguous runs shorter
+  than ``dma_min_efficient_run = 512 B`` are charged as 512 B (ASSUMPTION: descriptors move whole bursts; TA2
+  only says small DMA buffers carry overhead).
   DMA transposes run at 90 % (HBM→SBUF) or 50 % (SBUF→SBUF) of DMA throughput (T2 "DMA Transpose").
 - DGE: a DMA whose address is dynamic (``.ap(scalar_offset=...)`` / ``vector_offset``) or that asks for
   ``dge_mode=hwdge/swdge`` needs descriptor generation at run time: ``dge_fixed = 0.6 µs`` each (T2
@@ -44,11 +43,7 @@ Overlap: engines, DMA queues and DGE run in parallel, so the **overlapped estima
 ``time_s = max(component times)`` — a lower bound reached only by a perfectly pipelined kernel — and the
 **serial bound** ``serial_s = Σ components`` the no-overlap upper bound; ``bound`` names the component that
 binds the overlapped estimate. The HBM roofline for comparison is ``hbm_bytes / (2.9 TB/s / 8 cores)``
-(T2 gives "3TB/s" per device; 2.9 TB/s is the project's figure since issue 4; 8 cores share it).
-
-``LEGACY_TRN2`` is the model before issue 10 (all engines 1 element per cycle whatever the input count,
-N + 64 fixed cycles per matmul, no DGE cost, no transpose efficiency), kept so benchmarks can print the old
-figures beside the corrected ones.
+(T2 gives "3TB/s" per device; 2.9 TB/s is the figure the project's benchmarks use; 8 cores share it).
 """
 
 from __future__ import annotations
@@ -80,19 +75,16 @@ class CostRecord:
     instr_count: dict = field(default_factory=lambda: defaultdict(int))  # engine -> instructions
     instr_elems: dict = field(default_factory=lambda: defaultdict(int))  # engine -> Σ elements per partition
     instr_cycles: dict = field(default_factory=lambda: defaultdict(float))  # engine -> model cycles (no fixed)
-    instr_cycles_legacy: dict = field(default_factory=lambda: defaultdict(float))  # the pre-issue-10 model
     by_name: dict = field(default_factory=lambda: defaultdict(int))  # "engine.instruction" -> count
     loop_iterations: int = 0
     matmul_flops: int = 0
 
     # --------------------------------------------------------------------------------------------- recording
-    def instr(self, engine: str, name: str, partitions: int, elems_per_partition: int, cycles: float | None = None,
-              legacy_cycles: float | None = None):
+    def instr(self, engine: str, name: str, partitions: int, elems_per_partition: int, cycles: float | None = None):
         c = elems_per_partition if cycles is None else cycles
         self.instr_count[engine] += 1
         self.instr_elems[engine] += elems_per_partition
         self.instr_cycles[engine] += c
-        self.instr_cycles_legacy[engine] += c if legacy_cycles is None else legacy_cycles
         self.by_name[f"{engine}.{name}"] += 1
 
     def dma(self, rec: DmaRecord) -> None:
@@ -141,8 +133,6 @@ class CostRecord:
                 out.instr_elems[k] += v
             for k, v in r.instr_cycles.items():
                 out.instr_cycles[k] += v
-            for k, v in r.instr_cycles_legacy.items():
-                out.instr_cycles_legacy[k] += v
             for k, v in r.by_name.items():
                 out.by_name[k] += v
             out.loop_iterations += r.loop_iterations
@@ -165,7 +155,6 @@ class CostModel:
         "tensor": 2.4e9, "vector": 0.96e9, "scalar": 1.2e9, "gpsimd": 1.2e9, "sync": 1.2e9})
     instr_fixed_cycles: int = 60  # TA2 "Tensor access overhead"
     loop_iteration_s: float = 0.1e-6  # ASSUMPTION
-    legacy: bool = False  # True: the pre-issue-10 model (LEGACY_TRN2)
 
     def dma_time(self, rec: CostRecord) -> float:
         if not rec.dmas:
@@ -174,25 +163,21 @@ class CostModel:
         for d in rec.dmas:
             avg = d.nbytes / max(d.runs, 1)
             moved = d.nbytes if avg >= self.dma_min_efficient_run else d.runs * self.dma_min_efficient_run
-            eff += moved if self.legacy else moved / d.efficiency
+            eff += moved / d.efficiency
         return eff / self.dma_bandwidth + math.ceil(len(rec.dmas) / self.dma_queues) * self.dma_fixed
 
     def dge_time(self, rec: CostRecord) -> float:
-        if self.legacy:
-            return 0.0
         n = sum(1 for d in rec.dmas if d.dge)
         return math.ceil(n / self.dge_instances) * self.dge_fixed
 
     def engine_times(self, rec: CostRecord) -> dict:
-        cycles = rec.instr_cycles_legacy if self.legacy else rec.instr_cycles
         out = {}
         for e in ENGINES:
             n = rec.instr_count.get(e, 0)
             if n:
-                # TensorE's fixed cost is in its cycles (the max(N, 64) issue interval); the legacy model
-                # charged every engine the same per-instruction constant.
-                fixed = 0 if (e == "tensor" and not self.legacy) else self.instr_fixed_cycles
-                out[e] = (cycles.get(e, 0.0) + n * fixed) / self.clock_hz[e]
+                # TensorE's fixed cost is in its cycles (the max(N, 64) issue interval).
+                fixed = 0 if e == "tensor" else self.instr_fixed_cycles
+                out[e] = (rec.instr_cycles.get(e, 0.0) + n * fixed) / self.clock_hz[e]
         return out
 
     def estimate(self, rec: CostRecord) -> dict:
@@ -211,7 +196,6 @@ class CostModel:
 
 
 TRN2 = CostModel()
-LEGACY_TRN2 = CostModel(instr_fixed_cycles=64, legacy=True)
 
 
 def estimate(rec: CostRecord, model: CostModel = TRN2) -> dict:

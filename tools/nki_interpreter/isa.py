@@ -16,8 +16,8 @@ destination, and may shift partitions within the documented limits (Trainium/Inf
 the same number of partitions n, and when the operands do not all start on the same partition, each start
 partition must be legal for n — 0 when 64 < n ≤ 128; 0 or 64 when 32 < n ≤ 64 (cross-half); 0, 32, 64 or 96
 when n ≤ 32 (cross-quadrant). Anything else is refused (``cross-partition``). Operands on the same lanes are
-accepted at any start (placement is the allocator's job, per the same guide). Issue 10 replaced the earlier,
-stricter rule (same start partition always), which refused kernels that run on trn2.
+accepted at any start (placement is the allocator's job, per the same guide). A stricter rule (same start
+partition always) would refuse kernels that run on trn2.
 
 Enums: members of the nisa enums are expected; a raw integer that matches a documented enum value (the
 aws-neuron-sdk isa stub numbers ``engine``, ``dge_mode``, ``oob_mode``, ``reduce_cmd``) is accepted with a
@@ -380,30 +380,9 @@ def _vector_cycles(instr: str, eng: str, dst: NkiTensor, srcs) -> float:
     return n_in * f
 
 
-def _legacy_cycles(instr: str, eng: str, dst: NkiTensor, srcs) -> float:
-    """The cost model before issue 10 (kept to print old figures beside new ones): one element per cycle on
-    every engine and input count, VectorE fast modes for SBUF-only bf16/fp16 copies/scalars (4×/2×) and
-    tensor_tensor (2×)."""
-    f = dst._free_size
-    if eng != "vector":
-        return f
-    half = (dt.bfloat16, dt.float16)
-    tens = [dst] + [s for s in srcs if isinstance(s, NkiTensor) and s._free_size > 1]
-    if all(t.buffer.name == "sbuf" and t.dtype in half for t in tens):
-        if instr in ("tensor_copy", "tensor_scalar"):
-            contiguous = all(t.bstrides[-1] == t._itemsize for t in tens)
-            return f / (4 if contiguous else 2)
-        if instr == "tensor_tensor":
-            return f / 2
-    return f
-
-
-def _record(eng: str, instr: str, dst: NkiTensor, srcs=(), cycles=None, legacy=None):
+def _record(eng: str, instr: str, dst: NkiTensor, srcs=(), cycles=None):
     c = _vector_cycles(instr, eng, dst, srcs) if cycles is None else cycles
-    if legacy is None:
-        legacy = _legacy_cycles(instr, eng, dst, srcs) if cycles is None else cycles
-    lc = legacy
-    current().cost.instr(eng, instr, dst.shape[0], dst._free_size, c, legacy_cycles=lc)
+    current().cost.instr(eng, instr, dst.shape[0], dst._free_size, c)
 
 
 def _check_op(op, instr: str, what: str, kinds) -> O.Op:
@@ -1022,7 +1001,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     dst._np()[...] = prod.astype(dst.dtype).reshape(dst.shape)
     state[idx] = PSUM_MM
     fp32 = st.dtype == dt.float32 or mv.dtype == dt.float32
-    current().cost.instr("tensor", instr, m, n, _tensor_cycles(n, m, fp32), legacy_cycles=n * (4 if fp32 else 1))
+    current().cost.instr("tensor", instr, m, n, _tensor_cycles(n, m, fp32))
     current().cost.matmul_flops += 2 * k * (2 if double else 1) * m * n
 
 
@@ -1091,8 +1070,7 @@ def _matmul_transpose(dst, st, mv, perf_mode, accumulate, spec):
               f"stationary dtype {dt.name(st.dtype)}")
         _store_raw(dst, raw, psum_state=PSUM_OTHER)
     fp32 = st._itemsize == 4
-    current().cost.instr("tensor", "nc_matmul", m, k, _tensor_cycles(k, m, fp32, transpose=True),
-                         legacy_cycles=k * (4 if fp32 else 1))
+    current().cost.instr("tensor", "nc_matmul", m, k, _tensor_cycles(k, m, fp32, transpose=True))
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -1118,14 +1096,14 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
           f"{instr}: data [{p}, {f}] transposes to [{f}, {p}], dst is {list(dst.shape)}")
     _store_raw(dst, _raw(x).T.copy(), psum_state=PSUM_OTHER)
     if eng == "tensor":  # the transpose mode of TensorE: a moving pass over the P-column identity
-        current().cost.instr("tensor", instr, f, p, _tensor_cycles(p, f, x._itemsize == 4, transpose=True),
-                             legacy_cycles=p)
+        current().cost.instr("tensor", instr, f, p, _tensor_cycles(p, f, x._itemsize == 4, transpose=True))
     else:
         _record(eng, instr, dst, (x,), cycles=p)
 
 
 # ---------------------------------------------------------------------------------------------- more ISA
-# Instructions added in issue 10, one module per family; imported last because they use the helpers above.
+# The DMA, LNC, search, stream and MX instructions, one module per family; imported last because they use the
+# helpers above.
 from .isa_dma import dma_compute, dma_transpose  # noqa: E402,F401
 from .isa_lnc import core_barrier, sendrecv  # noqa: E402,F401
 from .isa_search import (  # noqa: E402,F401

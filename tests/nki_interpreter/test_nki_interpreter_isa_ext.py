@@ -1,5 +1,7 @@
-"""Instructions added to the NKI interpreter in issue 10 (§3), each against numpy built from the isa stub's
-own description (aws-neuron-sdk ``nki/api/nki/isa/__init__.py``) and with its documented limits refused.
+"""The NKI interpreter's less common instructions and modes (transpose-mode and tiled matmuls, DMA transposes and
+dma_compute, the search / scan / select / stream instructions, MX on trn3, LNC = 2), each against numpy built from
+the isa stub's own description (aws-neuron-sdk ``nki/api/nki/isa/__init__.py``) and with its documented limits
+refused.
 """
 
 from __future__ import annotations
@@ -7,12 +9,12 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-
-from static_moe.nki import interpreter
-from static_moe.nki.interpreter import NkiRuleError, simulate
-from static_moe.nki.interpreter import isa as nisa
-from static_moe.nki.interpreter import language as nl
 from test_nki_interpreter import arr, load, out_of, rejects  # the shared kernel-test helpers
+
+import nki_interpreter as interpreter
+from nki_interpreter import NkiRuleError, simulate
+from nki_interpreter import isa as nisa
+from nki_interpreter import language as nl
 
 F32 = np.float32
 
@@ -609,7 +611,7 @@ def test_lnc2_sendrecv_exchanges_tiles_and_each_core_has_its_own_sbuf():
 
 
 def test_lnc2_a_missing_peer_fails_instead_of_hanging(monkeypatch):
-    from static_moe.nki.interpreter import isa_lnc
+    from nki_interpreter import isa_lnc
 
     monkeypatch.setattr(isa_lnc, "TIMEOUT_S", 0.5)
 

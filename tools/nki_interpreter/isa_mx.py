@@ -155,5 +155,5 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
         prod = _raw(dst).astype(np.float64) + prod
     dst._np()[...] = prod.astype(np.float32).astype(dst.dtype).reshape(dst.shape)
     state[idx] = PSUM_MM
-    current().cost.instr("tensor", instr, m, n, _tensor_cycles(n, m, False), legacy_cycles=n)
+    current().cost.instr("tensor", instr, m, n, _tensor_cycles(n, m, False))
     current().cost.matmul_flops += 2 * 4 * kp * m * n

@@ -1,7 +1,8 @@
 """End to end: small kernels written the way public NKI kernels are (``import nki``, ``nki.language as nl``,
 ``nki.isa as nisa``, ``@nki.jit``, torch tensors in and out), run unmodified through the interpreter under
-the public module names (``interpreter.as_nki``) and compared with pure-torch references. Each exercises
-something issue 10 fixed or added. (Written for this project; not copied from any public kernel.)
+the public module names (``nki_interpreter.as_nki``) and compared with pure-torch references. Each exercises
+a public-docs rule or instruction the interpreter models. (Written for this project; not copied from any public
+kernel.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from static_moe.nki.interpreter import as_nki
+from nki_interpreter import as_nki
 
 
 @pytest.fixture()
@@ -127,7 +128,7 @@ def test_slot_positions_with_tensor_tensor_scan_and_nonzero_with_count(nki_api):
         out_n = nl.ndarray((p, t + 1), dtype=nl.int32, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=out_c, src=csum)
         nisa.dma_copy(dst=out_n, src=nz)
-        return [out_c, out_n]  # a list of outputs (issue 10)
+        return [out_c, out_n]  # a list of outputs
 
     mask = (torch.rand(32, 24, generator=torch.Generator().manual_seed(3)) > 0.6).float()
     c, n = positions(mask)

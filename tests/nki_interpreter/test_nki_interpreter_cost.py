@@ -1,6 +1,5 @@
-"""The interpreter's cost model (issue 10, §4): each corrected constant against the architecture guides'
-figure, the overlapped estimate vs the serial bound, the binding engine, and the legacy model kept for the
-old benchmark tables. Model numbers only — no timing of this machine.
+"""The interpreter's cost model: each constant against the architecture guides' figure, the overlapped estimate
+vs the serial bound, and the binding engine. Model numbers only — no timing of this machine.
 """
 
 from __future__ import annotations
@@ -11,10 +10,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from static_moe.nki import interpreter
-from static_moe.nki.interpreter import LEGACY_TRN2, TRN2, simulate
-from static_moe.nki.interpreter import isa as nisa
-from static_moe.nki.interpreter import language as nl
+import nki_interpreter as interpreter
+from nki_interpreter import TRN2, simulate
+from nki_interpreter import isa as nisa
+from nki_interpreter import language as nl
 
 F32 = np.float32
 
@@ -98,7 +97,6 @@ def test_tensor_engine_issue_interval_is_max_n_64_and_fp32_is_4x():
     assert cycles(mm(512, nl.float32), np.ones(1, F32), engine="tensor") == 4 * 512
     est = TRN2.estimate(interpreter.last_run().cost)
     assert est["tensor_s"] == pytest.approx(4 * 512 / 2.4e9)  # no extra per-instruction constant on TensorE
-    assert LEGACY_TRN2.estimate(interpreter.last_run().cost)["tensor_s"] == pytest.approx((4 * 512 + 64) / 2.4e9)
 
 
 def test_transpose_mode_fp32_is_twice_as_fast_as_an_fp32_matmul():
@@ -129,7 +127,6 @@ def test_dynamic_dmas_pay_the_dge_cost():
     assert static["dge_s"] == 0.0
     assert dyn["dge_s"] == pytest.approx(math.ceil(4 / 2) * 0.6e-6)
     assert dyn["dma_s"] == pytest.approx(static["dma_s"])
-    assert LEGACY_TRN2.estimate(interpreter.last_run().cost)["dge_s"] == 0.0
 
 
 def test_estimate_reports_the_overlap_the_serial_bound_and_the_binding_engine():
@@ -149,17 +146,15 @@ def test_estimate_reports_the_overlap_the_serial_bound_and_the_binding_engine():
     assert rep["bound"] == "scalar" and rep["scalar_s"] == pytest.approx(4 * (4096 + 60) / 1.2e9)
 
 
-def test_legacy_model_reproduces_the_pre_issue_10_formula():
-    """Old model: one element per cycle on every engine and input count, 64 fixed cycles per instruction."""
+def test_vector_time_is_its_cycles_plus_60_per_instruction_at_0_96_ghz():
+    """Two memsets (N cycles each) and a two-input tensor_tensor (2N), 60 fixed cycles per instruction."""
     def k(x):
         a, b = sbuf((128, 1000)), sbuf((128, 1000))
         nisa.tensor_tensor(dst=a, data1=a, data2=b, op=nl.multiply)
 
     simulate(k)(np.ones(1, F32))
     rec = interpreter.last_run().cost
-    old = LEGACY_TRN2.estimate(rec)["vector_s"]
     new = TRN2.estimate(rec)["vector_s"]
-    assert old == pytest.approx((3 * 1000 + 3 * 64) / 0.96e9)
     assert new == pytest.approx((2 * 1000 + 2000 + 3 * 60) / 0.96e9)
 
 

@@ -13,8 +13,8 @@ Capacities (per NeuronCore, 128 partitions):
   value is the physical size less the runtime's reserved regions, which nki-library spells out as
   ``224 * 1024 - 16384 - 8`` (dynamic-DMA scratch and eval-accelerator reserve): **212984 B on trn2**,
   **245752 B on trn3** (256 KiB − 16392). Public trn2 kernels allocate up to that (their own budgets
-  subtract a few hundred bytes more for an identity tile), so a lower budget refuses hardware-proven kernels.
-  (Before issue 10 the interpreter budgeted 192 KiB on trn2: stricter than the hardware.)
+  subtract a few hundred bytes more for an identity tile), so a lower budget (192 KiB, say) would refuse
+  hardware-proven kernels.
 - PSUM: 2 MiB = 128 × 16 KiB, 8 banks of 2 KiB (512 fp32) per partition (trn2 guide; the Trainium/Inferentia2
   guide, "Near-memory accumulation in PSUM"). ``nl.tile_size.psum_num_banks`` is 7 when the environment sets
   ``NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true`` (tile_size page). PSUM allocations are counted in whole banks

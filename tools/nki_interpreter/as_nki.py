@@ -1,13 +1,13 @@
 """The interpreter under the public module names, so kernels written for the real NKI run unmodified:
 
-    from static_moe.nki.interpreter import as_nki
+    from nki_interpreter import as_nki
     with as_nki.installed():
         import nki, nki.language as nl, nki.isa as nisa
         ...  # @nki.jit kernels run through the interpreter
 
 ``installed()`` puts a ``nki`` package (``jit``, ``simulate``, ``language``, ``isa``, ``isa.constants``,
 ``dtype``) into ``sys.modules`` for the duration of the block and restores what was there before. It is a
-test and porting aid: :mod:`static_moe.nki.shim` never mistakes it for a real NKI (the facade is marked).
+test and porting aid: ``static_moe.nki.shim`` never mistakes it for a real NKI (the facade is marked).
 """
 
 from __future__ import annotations
