@@ -18,9 +18,10 @@ is first copied into the registered ``acc`` buffer.
 Every rank issues exactly one all-gather and one reduce-scatter whose shapes depend only on the workspace,
 whatever its tokens or routing (T = 0 included).
 
-Errors are collective (S > 1, docs/errors.md): a rank whose call fails a check after construction — T > C, ids
-outside [−1, E), a wrong shape or dtype, a UE8M0 byte 255 or NaN in its weight scales, an x_scale that is not
-positive and finite, a configuration that differs from the other ranks' — still takes part in the all-gather,
+Errors are collective (S > 1, docs/errors.md "The rule"): a rank whose call raises anything before the all-gather
+— a failed check (T > C, ids outside [−1, E) in their own dtype, a wrong shape or dtype, a UE8M0 byte 255 or
+NaN in its weight scales, an x_scale that is not positive and finite, a configuration that differs from the
+other ranks'), or any other exception, whatever its type — still takes part in the all-gather,
 with a step header (ops/step_status.py) that says so in place of its tokens. Every rank reads the S headers
 after the all-gather and reaches the same verdict: either the step goes on, or every rank raises (the failing
 rank its own error, the others RuntimeError naming it; configurations that differ: ValueError everywhere) and
