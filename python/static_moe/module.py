@@ -545,7 +545,7 @@ class StaticMoE(_FixedFormats):
             self._configure(hidden_size, intermediate_size, num_experts, top_k, capacity, weight_format,
                             act_format, act_group, swiglu_limit, shared_intermediate_size, shared_weight_format,
                             shared_swiglu_limit, device, fp8_max, shared_gate, prepare_for)
-        except Exception as e:  # noqa: BLE001  (any failure — a bad device string, an allocation — reaches every rank)
+        except Exception as e:  # noqa: BLE001  (any failure, a bad device string or an allocation, reaches every rank)
             error = e
         if self.ep_size > 1:
             # Every rank learns whether any rank's arguments were rejected, so no rank waits alone below.
@@ -667,8 +667,9 @@ class StaticMoE(_FixedFormats):
         ``weight_format`` None keeps the checkpoint's format; a quantized checkpoint is never re-quantized to
         another format (ValueError). H is read from the experts' ``down_proj``; ``hidden_size=`` (optional) and the
         router's ``{prefix}gate.weight`` [E, H], when present, must agree with it (a checkpoint whose expert
-        weights are all transposed has H and I swapped: ValueError). Collective over ``ep_group`` like :meth:`from_module`: a missing key, a bad
-        shape or scale on any rank raises on every rank before any rank returns a layer.
+        weights are all transposed has H and I swapped: ValueError). Collective over ``ep_group`` like
+        :meth:`from_module`: a missing key, a bad shape or scale on any rank raises on every rank before any rank
+        returns a layer.
         """
         from .loaders.deepseek import from_deepseek_state_dict  # imported when called, as in from_module
 
