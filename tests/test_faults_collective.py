@@ -188,6 +188,8 @@ LAYER_FAULTS = [
     ("device gpu", dict(device="gpu"), "RuntimeError", "gpu"),
     ("swiglu_limit 10**400", dict(swiglu_limit=10**400), "ValueError", "swiglu_limit must be None or a positive"),
     ("allocation fails", "alloc", "MemoryError", "injected allocation failure"),
+    *([("device cuda on a CPU build", dict(device="cuda"), "AssertionError", "CUDA")]
+      if not torch.cuda.is_available() else []),
     ("hidden on meta", "forward meta hidden", "ValueError", "hidden is on meta"),
     ("weights moved to meta", "forward meta weights", "RuntimeError", "weights are now on meta"),
     ("NaN hidden, fp8 layer", "forward nan fp8", "ValueError", "NaN"),
