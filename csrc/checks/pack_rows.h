@@ -77,6 +77,10 @@ inline void check_unpack_rows(const at::Tensor& packed, int64_t offset, int64_t 
                       ") must lie inside the packed row width W = packed.size(1) = ", width, " (offset = ", offset,
                       ", nbytes = ", nbytes, ")");
   }
+  // Raw bytes cannot hold these: a packed 0xFF byte is no bool, and a quantized tensor's scale is not in its bytes.
+  TORCH_CHECK_TYPE(dtype != c10::ScalarType::Bool && !c10::isQIntType(dtype), op, ": dtype ", dtype_name(dtype),
+                   " cannot be unpacked from raw bytes (bool and quantized dtypes are refused): unpack uint8 and "
+                   "convert");
   const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
   int64_t elems = 1;
   bool overflow = false;

@@ -45,6 +45,14 @@ def _prefix(op: str | None) -> str:
     return f"{op}: " if op else ""
 
 
+def _finite(v: int | float) -> bool:
+    """math.isfinite without its OverflowError: an int past float's range (10**400) is not finite."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def check_swiglu_limit(limit, op: str | None = None, name: str = "swiglu_limit") -> float | None:
     """None, or a positive number that stays finite and positive once rounded to float32 (the kernels' type).
 
@@ -52,7 +60,7 @@ def check_swiglu_limit(limit, op: str | None = None, name: str = "swiglu_limit")
     (0 in float32), NaN, ≤ 0 and non-numbers alike."""
     if limit is None:
         return None
-    ok = isinstance(limit, (int, float)) and not isinstance(limit, bool) and math.isfinite(limit) and limit > 0
+    ok = isinstance(limit, (int, float)) and not isinstance(limit, bool) and _finite(limit) and limit > 0
     if ok:
         f32 = torch.tensor(float(limit), dtype=torch.float64).to(torch.float32).item()  # round-to-nearest, inf past
         ok = math.isfinite(f32) and f32 > 0
@@ -64,7 +72,7 @@ def check_swiglu_limit(limit, op: str | None = None, name: str = "swiglu_limit")
 
 def check_fp8_max(fp8_max, op: str | None = None) -> float:
     """A number in [2, 448]: the range of an fp8 re-quantization (448 OCP e4m3fn, 240 trn2). Raises ValueError."""
-    ok = (isinstance(fp8_max, (int, float)) and not isinstance(fp8_max, bool) and math.isfinite(fp8_max)
+    ok = (isinstance(fp8_max, (int, float)) and not isinstance(fp8_max, bool) and _finite(fp8_max)
           and FP8_MAX_MIN <= fp8_max <= FP8_E4M3FN_MAX)
     if not ok:
         raise ValueError(f"{_prefix(op)}fp8_max must be in [2, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3; "

@@ -57,6 +57,7 @@ from .formats import (
 )
 from .layouts import check_target, prepare_expert_weights, target_layout, to_eoi
 from .ops.forward import forward as _forward_op
+from .ops.forward import report_failure
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -194,6 +195,8 @@ class _FixedFormats(nn.Module):
     # The activation format the weights are multiplied with ("bf16", "fp8", None: not known). It only chooses
     # trn3's fp8 form (static_moe.layouts.prepare_weight: plain K-major fp8 for bf16, MX for fp8 when pow2).
     prepare_act: str | None = None
+    # Whether the load_state_dict under way was asked strict=True (set by our load_state_dict around nn.Module's).
+    _strict_load: bool = False
 
     @property
     def weight_layout(self) -> str:
@@ -231,31 +234,85 @@ class _FixedFormats(nn.Module):
 
         return super()._apply(device_part_only, recurse)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        # load_state_dict validates exactly like set_weights: the default copy_ would cast float32 into uint8
-        # fp4 weights and accept byte 255 or NaN scales.
+    def _validated_state(self, state_dict, prefix: str, strict: bool) -> tuple[dict, list[str]]:
+        """What ``load_state_dict`` copies into this module's own weights, validated exactly like set_weights, and
+        which given weight keys it withholds; reads ``state_dict``, changes nothing.
+
+        Returns ({state-dict key: tensor to copy, in the held layout}, [withheld keys]). Every given weight key is
+        checked (dtype, shape, UE8M0 byte 255, NaN / Inf fp8 scale, NaN fp8 code), a partial set too (a prepared
+        layer refuses one: its tensors are prepared together). With ``strict`` and some weight keys missing the
+        given ones are withheld: nn.Module raises for the missing keys after copying, and a load that raises must
+        have copied nothing. Raises ValueError / TypeError."""
         given = {n: state_dict.get(prefix + n) for n in _WEIGHT_NAMES}
-        complete = all(given[n] is not None or getattr(self, n) is None for n in _WEIGHT_NAMES)
-        if not complete and self.weight_layout == "eio" and any(given[n] is not None for n in _WEIGHT_NAMES):
+        present = [n for n in _WEIGHT_NAMES if given[n] is not None]
+        missing = [n for n in _WEIGHT_NAMES if given[n] is None and getattr(self, n) is not None]
+        what = f"{type(self).__name__} state dict {prefix or '(root)'}"
+        updates: dict = {}
+        withheld: list[str] = []
+        if present and not missing:
+            checked = _checked_weights(what, self._weight_shapes(), self.weight_format, given)
+            prepared = _prepared(self, checked)  # EOI in the state dict, the held layout in the module
+            updates = {prefix + n: t for n, t in prepared.items() if t is not None}
+        elif present and strict:
+            withheld = [prefix + n for n in present]
+        elif present and self.weight_layout == "eio":
             # The saved (EOI) tensors are prepared together (trn3's MX choice and trn2's re-encoding depend on
             # both weights and their scales), so one alone has no held form to copy into.
-            missing = [prefix + n for n in _WEIGHT_NAMES if given[n] is None and getattr(self, n) is not None]
-            raise ValueError(f"{type(self).__name__} state dict {prefix or '(root)'}: a prepared layer "
-                             f"(prepare_for={self.prepare_for!r}) loads w13/w13_scale/w2/w2_scale together; "
-                             f"missing {missing}")
-        if complete:
-            checked = _checked_weights(f"{type(self).__name__} state dict {prefix or '(root)'}", self._weight_shapes(),
-                                       self.weight_format, given)
-            prepared = _prepared(self, checked)  # EOI in the state dict, the held layout in the module
-            _match_parameters(self, prepared)
-            state_dict = {**state_dict, **{prefix + n: t for n, t in prepared.items() if t is not None}}
+            raise ValueError(f"{what}: a prepared layer (prepare_for={self.prepare_for!r}) loads "
+                             f"w13/w13_scale/w2/w2_scale together; missing {[prefix + n for n in missing]}")
+        elif present:
+            shapes = self._weight_shapes()
+            updates = {prefix + n: _checked_weight(what, n, given[n], shapes, self.weight_format) for n in present}
         gate = state_dict.get(prefix + "gate_weight")
         if gate is not None and getattr(self, "gate_weight", None) is not None:
-            state_dict = {**state_dict, prefix + "gate_weight": _checked_gate(f"{prefix}gate_weight", gate,
-                                                                               self.hidden_size)}
+            updates[prefix + "gate_weight"] = _checked_gate(f"{prefix}gate_weight", gate, self.hidden_size)
+        return updates, withheld
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module's, validated first: every weight key of this module and its submodules is checked, and
+        with ``strict`` missing / unexpected keys are found, before anything is copied, so a load that raises
+        leaves every tensor as it was. (Loaded through a parent module, each of these modules still validates
+        every key before copying it, but the parent's other modules, and with ``strict`` and missing keys the
+        given keys, may already have been copied when nn.Module raises.)"""
+        modules = [(f"{name}." if name else "", m) for name, m in self.named_modules() if isinstance(m, _FixedFormats)]
+        for prefix, m in modules:
+            m._validated_state(state_dict, prefix, strict)
+        if strict:
+            expected = set(self.state_dict(keep_vars=True))
+            missing = [k for k in expected if k not in state_dict]
+            unexpected = [k for k in state_dict if k not in expected]
+            msgs = []
+            if missing:
+                msgs.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+            if unexpected:
+                msgs.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+            if msgs:
+                raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(type(self).__name__,
+                                                                                        "\n\t".join(msgs)))
+        for _, m in modules:  # nn.Module passes strict=True to every _load_from_state_dict: say what was asked
+            m._strict_load = strict
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            for _, m in modules:
+                m._strict_load = False
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Validated like set_weights (the default copy_ would cast float32 into uint8 fp4 weights, bf16 into fp8
+        # codes, and accept byte 255 or NaN scales): _validated_state.
+        # nn.Module passes strict=True whatever the caller asked; _strict_load is what our load_state_dict was
+        # asked (False when a parent module loads: a partial set is then validated and copied key by key).
+        updates, withheld = self._validated_state(state_dict, prefix, self._strict_load)
+        full = all(prefix + n in updates for n in _WEIGHT_NAMES if getattr(self, n) is not None)
+        if full:
+            _match_parameters(self, {n: updates.get(prefix + n) for n in _WEIGHT_NAMES})
+        state_dict = {k: v for k, v in {**state_dict, **updates}.items() if k not in withheld}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        for k in withheld:  # given, only not copied: nn.Module reports the keys that are really missing
+            if k in missing_keys:
+                missing_keys.remove(k)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -394,18 +451,20 @@ def _init_weights(module: nn.Module, num_local, hidden, inter, fmt, device) -> N
 def _checked_weights(what: str, shapes: dict, fmt: str, given: dict) -> dict:
     """``given`` ({"w13", "w13_scale", "w2", "w2_scale"} → tensor or None) checked against ``fmt`` and ``shapes``:
     dtypes (fp4/UE8M0 views become uint8), shapes, UE8M0 byte 255, non-finite fp8 scales, NaN fp8 bytes."""
-    checked = {}
-    for name in _WEIGHT_NAMES:
-        t, label = given[name], f"{what} {name}"
-        if name.endswith("_scale"):
-            t = None if t is None else _materialized(label, t)
-            t = _normalize_scale(label, t, fmt)
-        else:
-            t = _normalize_weight(label, _materialized(label, t), fmt)
-        if shapes[name] is not None and tuple(t.shape) != shapes[name]:
-            raise ValueError(f"{label} must have shape {list(shapes[name])} ({fmt}), got {list(t.shape)}")
-        checked[name] = t
-    return checked
+    return {name: _checked_weight(what, name, given[name], shapes, fmt) for name in _WEIGHT_NAMES}
+
+
+def _checked_weight(what: str, name: str, t, shapes: dict, fmt: str) -> torch.Tensor | None:
+    """One of ``_checked_weights``' tensors, checked alone (a partial load_state_dict checks each key it copies)."""
+    label = f"{what} {name}"
+    if name.endswith("_scale"):
+        t = None if t is None else _materialized(label, t)
+        t = _normalize_scale(label, t, fmt)
+    else:
+        t = _normalize_weight(label, _materialized(label, t), fmt)
+    if shapes[name] is not None and tuple(t.shape) != shapes[name]:
+        raise ValueError(f"{label} must have shape {list(shapes[name])} ({fmt}), got {list(t.shape)}")
+    return t
 
 
 def _copy_checked(module: nn.Module, checked: dict) -> None:
@@ -486,7 +545,7 @@ class StaticMoE(_FixedFormats):
             self._configure(hidden_size, intermediate_size, num_experts, top_k, capacity, weight_format,
                             act_format, act_group, swiglu_limit, shared_intermediate_size, shared_weight_format,
                             shared_swiglu_limit, device, fp8_max, shared_gate, prepare_for)
-        except (ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001  (any failure, a bad device string or an allocation, reaches every rank)
             error = e
         if self.ep_size > 1:
             # Every rank learns whether any rank's arguments were rejected, so no rank waits alone below.
@@ -606,8 +665,11 @@ class StaticMoE(_FixedFormats):
           * fp4: uint8 / int8 / float4_e2m1fn_x2 [N, K/2] with UE8M0 scales uint8 / float8_e8m0fnu [N, K/32]
             (byte 255 rejected).
         ``weight_format`` None keeps the checkpoint's format; a quantized checkpoint is never re-quantized to
-        another format (ValueError). Collective over ``ep_group`` like :meth:`from_module`: a missing key, a bad
-        shape or scale on any rank raises on every rank before any rank returns a layer.
+        another format (ValueError). H is read from the experts' ``down_proj``; ``hidden_size=`` (optional) and the
+        router's ``{prefix}gate.weight`` [E, H], when present, must agree with it (a checkpoint whose expert
+        weights are all transposed has H and I swapped: ValueError). Collective over ``ep_group`` like
+        :meth:`from_module`: a missing key, a bad shape or scale on any rank raises on every rank before any rank
+        returns a layer.
         """
         from .loaders.deepseek import from_deepseek_state_dict  # imported when called, as in from_module
 
@@ -636,6 +698,24 @@ class StaticMoE(_FixedFormats):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    # --- copies --------------------------------------------------------------------------------------------------
+    # A layer holds a workspace lease, acquired collectively over its EP group: a copy would either share it (closing
+    # the copy would give back the original's lease) or need a collective acquire of its own, which a copy made on
+    # one rank cannot make. So a layer is not copied or pickled: construct another (collective) and load_state_dict.
+    def _refuse_copy(self, what: str):
+        raise TypeError(f"a StaticMoE layer cannot be {what}: it holds a workspace lease acquired collectively over "
+                        "its EP group; construct another layer on every rank and load_state_dict(layer.state_dict()) "
+                        "into it (state_dict() is also what to save)")
+
+    def __copy__(self):
+        self._refuse_copy("copied")
+
+    def __deepcopy__(self, memo):
+        self._refuse_copy("deep-copied")
+
+    def __reduce_ex__(self, protocol):
+        self._refuse_copy("pickled")
 
     # --- compute -----------------------------------------------------------------------------------------------
     def _activations(self, hidden):
@@ -673,24 +753,13 @@ class StaticMoE(_FixedFormats):
             raise ValueError(f"topk_idx and topk_weights must be [T={t}, top_k={self.top_k}], got "
                              f"{list(topk_idx.shape)} and {list(topk_weights.shape)}")
 
-    def forward(self, hidden, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self._closed:
-            raise RuntimeError("this StaticMoE layer is closed: its workspace lease was given back")
+    def _prepare_call(self, hidden, topk_idx, topk_weights) -> tuple:
+        """Everything a call does before the op: the layer's checks, the activations in the experts' format and
+        the shared expert's output. (x, x_scale, topk_idx, topk_weights, leading shape, shared output or None)."""
         if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float16:
             topk_weights = topk_weights.float()  # the op takes float32 / bf16 routing weights
-        try:
-            x, x_scale, lead, x_bf16 = self._activations(hidden)
-            self._check_call(x, topk_idx, topk_weights)
-        except (ValueError, TypeError):
-            if self.ep_size == 1 or not isinstance(hidden, torch.Tensor):
-                raise
-            # One rank's bad call must not leave the others waiting in the all-gather: hand the inputs to the
-            # op as they came; it fails its own checks and reports the failure to every rank (docs/errors.md).
-            return _forward_op(hidden, None, topk_idx, topk_weights, self.w13, self.w13_scale, self.w2,
-                               self.w2_scale, None, num_experts=self.num_experts, capacity=self.capacity,
-                               swiglu_limit=self.swiglu_limit, group_name=self.group_name, ep_rank=self.ep_rank,
-                               ep_size=self.ep_size, fp8_max=self.fp8_max, weight_layout=self.weight_layout)
-        out_dtype = hidden.dtype if isinstance(hidden, torch.Tensor) else torch.bfloat16
+        x, x_scale, lead, x_bf16 = self._activations(hidden)
+        self._check_call(x, topk_idx, topk_weights)
         if self.w13.device != self._device:
             raise RuntimeError(f"this layer was built for {self._device} (its workspace lives there) but its weights "
                                f"are now on {self.w13.device}; construct the layer on the target device instead "
@@ -710,6 +779,20 @@ class StaticMoE(_FixedFormats):
                 shared_out = self.shared(sx, None, gate_input)
             else:
                 shared_out = self.shared(x, x_scale, gate_input)
+        return x, x_scale, topk_idx, topk_weights, lead, shared_out
+
+    def forward(self, hidden, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("this StaticMoE layer is closed: its workspace lease was given back")
+        try:
+            x, x_scale, topk_idx, topk_weights, lead, shared_out = self._prepare_call(hidden, topk_idx, topk_weights)
+        except Exception as e:  # noqa: BLE001
+            if self.ep_size == 1:
+                raise
+            # One rank's failed call must not leave the others waiting in the all-gather: a collective step that
+            # reports this error, so every rank raises (docs/errors.md).
+            report_failure(e, self.group_name, self.ep_rank, self.ep_size)
+        out_dtype = hidden.dtype if isinstance(hidden, torch.Tensor) else torch.bfloat16
         out = _forward_op(x, x_scale, topk_idx, topk_weights, self.w13, self.w13_scale, self.w2, self.w2_scale,
                           shared_out, num_experts=self.num_experts, capacity=self.capacity,
                           swiglu_limit=self.swiglu_limit, group_name=self.group_name, ep_rank=self.ep_rank,

@@ -43,6 +43,7 @@ def from_deepseek_state_dict(cls, state_dict: Mapping[str, torch.Tensor], *, top
     of class ``cls``."""
     size, rank, _ = _group_info(ep_group)
     stage = "StaticMoE.from_deepseek_state_dict"
+    hidden_size = options.pop("hidden_size", None)
 
     def read():
         _check_ep_size(ep_size, size)
@@ -54,6 +55,7 @@ def from_deepseek_state_dict(cls, state_dict: Mapping[str, torch.Tensor], *, top
         target = weight_format or _common_format([m["format"] for m in experts], "routed experts")
         shared, gate = _read_checkpoint_shared(state_dict, prefix)
         h, i = experts[0]["down"][0].shape[0], experts[0]["up"][0].shape[0]
+        _check_hidden(state_dict, prefix, h, i, hidden_size)
         device = torch.device(options.get("device") or experts[0]["up"][0].device)
         converted = [_mlp_in_format(m, target, m["base"], device) for m in experts]
         stacked = {k: None if converted[0][k] is None else torch.stack([m[k] for m in converted])
@@ -197,6 +199,19 @@ def _read_checkpoint_shared(sd: Mapping, prefix: str) -> tuple[dict | None, torc
     if gate is not None:
         raise KeyError(f"state dict has {gate_key} but no {prefix}shared_expert.* weights")
     return None, None
+
+
+def _check_hidden(state_dict, prefix: str, h: int, i: int, hidden_size) -> None:
+    """H as read from the experts' down_proj [H, I] must be the model's: ``hidden_size`` when given, and the
+    router's ``{prefix}gate.weight`` [E, H] when the checkpoint has it. Shapes alone cannot tell a checkpoint whose
+    every expert weight is transposed from one with H and I swapped; these two can."""
+    router = state_dict.get(f"{prefix}gate.weight")
+    for what, want in ((f"{prefix}gate.weight (the router, [E, H])", router.shape[-1] if hasattr(router, "shape")
+                        and len(router.shape) == 2 else None), ("hidden_size", hidden_size)):
+        if want is not None and want != h:
+            raise ValueError(f"{what} gives H = {want}, but the experts' down_proj gives H = {h} (and up_proj I = "
+                             f"{i}): are the expert weights transposed? Checkpoint linears are [out, in] "
+                             "(nn.Linear's weight)")
 
 
 def _common_format(fmts: list[str], what: str) -> str:

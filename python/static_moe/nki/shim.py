@@ -13,7 +13,8 @@ model; the ``.broadcast`` view needs >= 0.5, the skip-unrouted register loops >=
 placeholder, so "importable" means ``nki.language``, ``nki.isa`` and ``nki.jit`` all exist.
 
 Set ``STATIC_MOE_NKI=interpreter`` to force the interpreter even where a real ``nki`` is installed (for
-example to compare the two), or ``STATIC_MOE_NKI=nki`` to require the real one (ImportError otherwise).
+example to compare the two), or ``STATIC_MOE_NKI=nki`` to require the real one (ImportError otherwise); unset
+or ``auto`` picks as above, and any other value is a ValueError at import.
 
 Exports:
     nl, nisa            the language and ISA modules
@@ -59,7 +60,11 @@ def _load_interpreter(real_error: ImportError | None):
     return nki_interpreter
 
 
+_CHOICES = ("auto", "interpreter", "nki")
 _choice = os.environ.get("STATIC_MOE_NKI", "auto").lower()
+if _choice not in _CHOICES:  # a typo must not silently mean "auto"
+    raise ValueError(f"STATIC_MOE_NKI must be one of {_CHOICES} (unset means 'auto'), got "
+                     f"{os.environ['STATIC_MOE_NKI']!r}")
 _real = None
 _real_error = None
 if _choice != "interpreter":

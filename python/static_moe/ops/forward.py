@@ -18,9 +18,10 @@ is first copied into the registered ``acc`` buffer.
 Every rank issues exactly one all-gather and one reduce-scatter whose shapes depend only on the workspace,
 whatever its tokens or routing (T = 0 included).
 
-Errors are collective (S > 1, docs/errors.md): a rank whose call fails a check after construction — T > C, ids
-outside [−1, E), a wrong shape or dtype, a UE8M0 byte 255 or NaN in its weight scales, an x_scale that is not
-positive and finite, a configuration that differs from the other ranks' — still takes part in the all-gather,
+Errors are collective (S > 1, docs/errors.md "The rule"): a rank whose call raises anything before the all-gather
+— a failed check (T > C, ids outside [−1, E) in their own dtype, a wrong shape or dtype, a UE8M0 byte 255 or
+NaN in its weight scales, an x_scale that is not positive and finite, a configuration that differs from the
+other ranks'), or any other exception, whatever its type — still takes part in the all-gather,
 with a step header (ops/step_status.py) that says so in place of its tokens. Every rank reads the S headers
 after the all-gather and reaches the same verdict: either the step goes on, or every rank raises (the failing
 rank its own error, the others RuntimeError naming it; configurations that differ: ValueError everywhere) and
@@ -45,6 +46,7 @@ from ..packed_layout import pack_layout, part_nbytes
 from . import step_status as _status
 
 _c10d = torch.ops._c10d_functional
+_INT32_MAX = 2**31 - 1
 
 # Labels of the forward's phases in torch.profiler traces (the demo sums them to report the collectives' share).
 PHASES = ("pack", "all_gather", "unpack", "local_experts", "reduce_scatter", "combine")
@@ -99,8 +101,9 @@ def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
         raise ValueError(f"forward: ep_size must be a positive int, got {ep_size!r}")
     if not isinstance(ep_rank, int) or not 0 <= ep_rank < ep_size:
         raise ValueError(f"forward: ep_rank must be in [0, ep_size={ep_size}), got {ep_rank!r}")
-    if not isinstance(capacity, int) or capacity <= 0:
-        raise ValueError(f"forward: capacity must be a positive int, got {capacity!r}")
+    if not isinstance(capacity, int) or capacity <= 0 or capacity > _INT32_MAX:
+        raise ValueError(f"forward: capacity must be a positive int, at most 2^31 − 1 (the packed rows and the "
+                         f"step header count rows in int32), got {capacity!r}")
 
     # --- everything local_experts will be given (its offset ep_rank·L >= 0 is checked above, so 0 stands in) ----
     if not _symbolic(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale):
@@ -243,12 +246,13 @@ def _packed_parts(x, x_scale, topk_idx, topk_weights) -> list[torch.Tensor]:
 def _forward_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                     num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX,
                     weight_layout="eoi"):
-    if isinstance(ep_size, int) and ep_size > 1:
+    if _collective(group_name, ep_size):
         return _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                                    num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max,
                                    weight_layout)
     dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                          num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max, weight_layout)
+    check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)  # the value checks of S > 1, same words
     if x.device.type == "cpu":
         check_topk_range(topk_idx, num_experts)  # free on the host; device inputs: see forward()
         check_scale_range(x_scale)
@@ -258,6 +262,23 @@ def _forward_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_s
     acc = _local_step(packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, swiglu_limit, fp8_max,
                       weight_layout)
     return _combine(acc, dims.tokens, shared_output)
+
+
+def _collective(group_name: str, ep_size) -> bool:
+    """Whether the call is a collective step: ep_size > 1, or a group_name that names a group of several ranks (a
+    rank passing ep_size = 1 there is a topology mismatch its peers must hear of, not a private S = 1 step)."""
+    if isinstance(ep_size, int) and ep_size > 1:
+        return True
+    if not group_name:
+        return False
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    import torch.distributed as dist
+
+    try:
+        return dist.get_world_size(_resolve_process_group(group_name)) > 1
+    except Exception:  # noqa: BLE001  (no such group: the S = 1 step ignores the name)
+        return False
 
 
 def _local_step(gathered, parts, has_scale, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit,
@@ -341,26 +362,61 @@ def _first_step_on_group(pg, error: BaseException | None, spec) -> None:
     _workspace.acquire_implicit(spec, pg)
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def _capturing(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _frame(ws, kind, error, cfg, x_scale, topk_idx, topk_weights, x) -> tuple:
+    """Pack this rank's send buffer: its rows and a header with the value words (kind OK), or its error's message
+    (an error kind), or nothing (NEED_FRAME). Returns (kind, error, parts): a failure while packing an OK call
+    becomes that call's error, so the step still reports it on every rank."""
+    c, pw = ws.spec.capacity, ws.spec.parts_width
+    if kind == _status.OK:
+        try:
+            parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
+            packed = torch.ops.static_moe.pack_rows(parts, c)
+            header = _status.build_header(ws.send.device, kind, 0, _status.call_config_words(cfg, True), topk_idx,
+                                          x_scale)
+            _status.write_frame(ws.send, pw, header, packed)
+            return kind, None, parts
+        except Exception as e:  # noqa: BLE001  (reported like a failed check)
+            kind, error = _status.error_kind(e), e
+    message = b"" if kind == _status.NEED_FRAME else _status.message_bytes(_status.describe_error(error), c * pw)
+    header = _status.build_header(ws.send.device, kind, len(message),
+                                  _status.call_config_words(cfg, kind == _status.NEED_FRAME), None, None)
+    _status.write_frame(ws.send, pw, header, None, message)
+    return kind, error, None
+
+
+def report_failure(error: BaseException, group_name: str, ep_rank: int, ep_size: int):
+    """Run a collective step on the group that reports ``error`` as this rank's: every rank raises (this one
+    ``error``), exactly as for a failed check of the op. For a caller whose own checks failed before it could
+    call the op (StaticMoE.forward, the wrapper's argument checks), so that its peers are not left waiting."""
+    return _forward_collective(None, None, None, None, None, None, None, None, None, None, None, None,
+                               group_name, ep_rank, ep_size, FP8_E4M3FN_MAX, "eoi", preset_error=error)
 
 
 def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                         num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max,
-                        weight_layout="eoi", retry: bool = True):
+                        weight_layout="eoi", retry: bool = True, preset_error: BaseException | None = None):
     pg, size, rank = _resolve_group(group_name, ep_size)
-    error, dims = None, None
-    try:
-        _check_topology(group_name, size, rank, ep_rank, ep_size)
-        dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                             num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max, weight_layout)
-        check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)
-    except (ValueError, TypeError, RuntimeError, IndexError, AttributeError) as e:
-        if _capturing(x):
-            raise  # a graph being captured runs nothing now: there is no step to keep in step
-        error = e
-    cfg = _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, size, weight_layout)
-    spec = _spec_of(cfg, x.device)
+    # From here to the all-gather every exception, whatever its type, is this rank's verdict to report, never a
+    # local raise: its peers are about to wait in the all-gather (docs/errors.md, "the rule").
+    error, dims, cfg, spec = preset_error, None, None, None
+    capturing = _capturing(x)
+    if error is None:
+        try:
+            _check_topology(group_name, size, rank, ep_rank, ep_size)
+            dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
+                                 num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max, weight_layout)
+            check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)
+            cfg = _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, size,
+                               weight_layout)
+            spec = _spec_of(cfg, x.device)
+        except Exception as e:  # noqa: BLE001
+            if capturing:
+                raise  # a graph being captured runs nothing now: there is no step to keep in step
+            error = e
     ws = _workspace.current_frame(group_name)
     if ws is None:  # the group's first step (every rank alike): agree on a workspace first
         _first_step_on_group(pg, error, spec)
@@ -368,24 +424,13 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
     kind = _status.OK if error is None else _status.error_kind(error)
     if error is None and (spec is None or _workspace.frame_key(spec) != _workspace.frame_key(ws.spec)):
         kind = _status.NEED_FRAME  # fine, but not the current workspace's shapes: ask every rank to switch
-    if kind == _status.NEED_FRAME and _capturing(x):
+    if kind == _status.NEED_FRAME and capturing:
         raise RuntimeError("forward: this step's shapes need another workspace than the group's current one, which "
                            "cannot be switched during CUDA graph capture: run one eager step with them first")
     c, pw = ws.spec.capacity, ws.spec.parts_width
 
     with record_function(PHASE_PREFIX + "pack"):
-        packed, parts, message = None, None, b""
-        if kind == _status.OK:
-            parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
-            packed = torch.ops.static_moe.pack_rows(parts, c)
-        elif kind != _status.NEED_FRAME:
-            message = _status.message_bytes(str(error), c * pw)
-        ok = kind == _status.OK
-        header = _status.build_header(ws.send.device, kind, len(message),
-                                      _status.call_config_words(cfg, error is None),
-                                      topk_idx.to(torch.int32) if ok else None,
-                                      x_scale if ok and x_scale is not None else None)
-        _status.write_frame(ws.send, pw, header, packed, message)
+        kind, error, parts = _frame(ws, kind, error, cfg, x_scale, topk_idx, topk_weights, x)
 
     with record_function(PHASE_PREFIX + "all_gather"):
         gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(ws.send, size, group_name, out=ws.gathered))
@@ -413,7 +458,7 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
     try:
         acc = _local_step(gathered[:, :pw], parts, x_scale is not None, w13, w13_scale, w2, w2_scale,
                           ep_rank * dims.num_local, swiglu_limit, fp8_max, weight_layout)
-    except (ValueError, TypeError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001
         # Expected only for what is checked inside local_experts rather than before the all-gather: on CPU / CUDA
         # weight_layout="eio" is refused here (after pack and all-gather, the error prefixed "local_experts: ").
         # The other ranks are already on their way to the reduce-scatter: take part with NaN, so their outputs
@@ -437,20 +482,75 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
     return out
 
 
+def _report_meta_call(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output, group_name,
+                      ep_rank, ep_size) -> None:
+    """A collective call that reached the fake with real meta tensors (not a trace: the dispatcher sends any call
+    with a meta argument here) would return shapes on this rank only: report it in a collective step instead."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    given = dict(x=x, x_scale=x_scale, topk_idx=topk_idx, topk_weights=topk_weights, w13=w13, w13_scale=w13_scale,
+                 w2=w2, w2_scale=w2_scale, shared_output=shared_output)
+    meta = [n for n, t in given.items() if isinstance(t, torch.Tensor) and t.is_meta and not isinstance(t, FakeTensor)]
+    if meta and not torch.compiler.is_compiling():
+        report_failure(ValueError(f"forward: {', '.join(meta)} on the meta device: a step needs real tensors, all on "
+                                  "one device"), group_name, ep_rank if isinstance(ep_rank, int) else 0, ep_size)
+
+
 @torch.library.register_fake("static_moe::forward")
 def _forward_fake(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                   num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX,
                   weight_layout="eoi"):
+    if _collective(group_name, ep_size):
+        _report_meta_call(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
+                          group_name, ep_rank, ep_size)
     try:
         dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
                              num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max, weight_layout)
-    except (ValueError, TypeError):
-        # S > 1: the kernel reports this error on every rank at run time. Raising here, at trace time on this
-        # rank only, would leave the others' compiled steps waiting in the all-gather.
-        if not (isinstance(ep_size, int) and ep_size > 1 and x.dim() == 2):
+    except Exception:  # noqa: BLE001
+        # A collective step: the kernel reports this error on every rank at run time. Raising here, at trace time
+        # on this rank only, would leave the others' compiled steps waiting in the all-gather. The shape given
+        # back is never produced: the step raises.
+        if not _collective(group_name, ep_size):
             raise
-        return x.new_empty((x.shape[0], x.shape[1]), dtype=torch.bfloat16)
+        return x.new_empty((x.shape[0] if x.dim() else 0, x.shape[-1] if x.dim() else 0), dtype=torch.bfloat16)
     return x.new_empty((dims.tokens, dims.hidden), dtype=torch.bfloat16)
+
+
+_SCHEMA_TENSORS = (("x", False), ("x_scale", True), ("topk_idx", False), ("topk_weights", False), ("w13", False),
+                   ("w13_scale", True), ("w2", False), ("w2_scale", True), ("shared_output", True))
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def schema_error(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output, num_experts,
+                 capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max, weight_layout) -> Exception | None:
+    """The error the op's schema would raise for these arguments (before the op's body, on one rank), as
+    TypeError / ValueError naming the argument, or None when the schema accepts them."""
+    given = dict(x=x, x_scale=x_scale, topk_idx=topk_idx, topk_weights=topk_weights, w13=w13, w13_scale=w13_scale,
+                 w2=w2, w2_scale=w2_scale, shared_output=shared_output)
+    for name, optional in _SCHEMA_TENSORS:
+        t = given[name]
+        if not (isinstance(t, torch.Tensor) or (optional and t is None)):
+            return TypeError(f"forward: {name} must be a tensor{' or None' if optional else ''}, got "
+                             f"{type(t).__name__}")
+    for name, v in (("num_experts", num_experts), ("capacity", capacity), ("ep_rank", ep_rank), ("ep_size", ep_size)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            return ValueError(f"forward: {name} must be a positive int, got {v!r}")
+        if not _INT64[0] <= v <= _INT64[1]:
+            return ValueError(f"forward: {name} must fit in int64, got {v!r}")
+    for name, v, optional in (("swiglu_limit", swiglu_limit, True), ("fp8_max", fp8_max, False)):
+        if optional and v is None:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            return TypeError(f"forward: {name} must be a number{' or None' if optional else ''}, got {v!r}")
+        try:
+            float(v)
+        except OverflowError:
+            return ValueError(f"forward: {name} must be None or a positive finite number, got {v!r} (it overflows "
+                              "a float)")
+    for name, v in (("group_name", group_name), ("weight_layout", weight_layout)):
+        if not isinstance(v, str):
+            return TypeError(f"forward: {name} must be a str, got {type(v).__name__}")
+    return None
 
 
 def _tracing() -> bool:
@@ -485,7 +585,15 @@ def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, sh
     (not under torch.compile or CUDA graph capture) ``topk_idx`` and ``x_scale`` are range-checked first; with
     ep_size > 1 the op checks them itself, in the step header, on every device.
     """
-    if ep_size == 1 and not _tracing() and x.device.type != "cpu":
+    if _collective(group_name, ep_size):
+        error = schema_error(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
+                             num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max,
+                             weight_layout)
+        if error is not None:
+            # The op's schema would refuse these arguments before its body runs, on this rank only: report them
+            # in a collective step instead, so every rank raises.
+            report_failure(error, group_name, ep_rank if isinstance(ep_rank, int) else 0, ep_size)
+    elif ep_size == 1 and not _tracing() and x.device.type != "cpu":
         check_topk_range(topk_idx, num_experts)  # a host sync: eager only
         check_scale_range(x_scale)
     return torch.ops.static_moe.forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,

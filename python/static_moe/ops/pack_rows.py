@@ -33,6 +33,15 @@ def _symbolic(*tensors: torch.Tensor) -> bool:
     return any(isinstance(s, torch.SymInt) for t in tensors for s in t.shape)
 
 
+@torch.library.impl("static_moe::pack_rows", "CompositeExplicitAutograd")
+def _pack_rows_no_backend(parts, capacity):
+    # Reached only where no backend kernel is: an empty list (it has no device to dispatch on) or a device
+    # static_moe has no kernels for. Without this the dispatcher's NotImplementedError would list its tables.
+    if len(parts) == 0:
+        raise ValueError("pack_rows: parts must hold at least one tensor [T, ...], got an empty list")
+    raise NotImplementedError(f"pack_rows: no kernel for tensors on {parts[0].device} (CPU and CUDA have one)")
+
+
 @torch.library.register_fake("static_moe::pack_rows")
 def _pack_rows_fake(parts, capacity):
     if _symbolic(*parts) or isinstance(capacity, torch.SymInt):

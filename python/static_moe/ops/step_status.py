@@ -49,6 +49,7 @@ CONFIG_FIELDS = ("capacity", "hidden", "intermediate", "num_experts", "topk", "e
                  "swiglu_limit", "fp8_max")
 _CONFIG0 = 6
 UNKNOWN = -1
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _ACT_CODES = {"bf16": 0, "fp8": 1}
 _WEIGHT_CODES = {"bf16": 0, "fp8": 1, "fp4": 2}
 
@@ -96,6 +97,14 @@ def error_kind(e: BaseException) -> int:
     return OTHER_ERROR
 
 
+def describe_error(e: BaseException) -> str:
+    """The message a failed call sends its peers: the exception's text, after its type's name when the peers will
+    not raise that type (anything but ValueError, TypeError and RuntimeError, e.g. "MemoryError: ...")."""
+    if isinstance(e, (ValueError, TypeError, RuntimeError)):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
 def describe_config_word(field: str, value: int) -> str:
     if value == UNKNOWN:
         return "unknown"
@@ -128,16 +137,18 @@ def _host_words_on(device: torch.device, words: tuple[int, ...]) -> torch.Tensor
 
 def build_header(device: torch.device, kind: int, length: int, config: list[int], topk_idx: torch.Tensor | None,
                  x_scale: torch.Tensor | None) -> torch.Tensor:
-    """int32 [16] on ``device``. topk_idx / x_scale (this rank's, or None when its call already failed) feed the
-    value words with tensor ops only."""
+    """int32 [16] on ``device``. topk_idx (int32 / int64, as the call gave it: never narrowed before this range
+    check) / x_scale (this rank's, or None when its call already failed) feed the value words with tensor ops
+    only; ids outside int32 saturate to its bounds, which lie outside [−1, E) too."""
     words = [MAGIC, kind, length, -1, -1, -1] + config
     host = _host_words_on(device, tuple(words))
     if kind != OK or topk_idx is None:
         return host
     parts = [host[:3]]
     if topk_idx.numel():
+        # In the ids' own dtype, then saturated into int32: an int64 id of 2^32 + 1 must not wrap to a valid 1.
         lo, hi = torch.aminmax(topk_idx.reshape(-1))
-        parts.append(torch.stack((lo, hi)).to(torch.int32))
+        parts.append(torch.stack((lo, hi)).clamp(_INT32_MIN, _INT32_MAX).to(torch.int32))
     else:
         parts.append(host[3:5])
     if x_scale is not None and x_scale.numel():

@@ -47,6 +47,10 @@ def forward_simulated(
         check_fp8_max(fp8_max, "forward")
     s = len(xs)
     num_local = num_experts // s
+    for idx in topk_idxs:  # in the ids' own dtype, before _parts narrows them to int32 (2^32 + 1 must not become 1)
+        if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
+            raise ValueError(f"forward: topk_idx must hold global expert ids in [-1, {num_experts}) (−1 = empty "
+                             f"slot), got values in [{int(idx.min())}, {int(idx.max())}]")
     packed = [pack_rows(_parts(*a), capacity) for a in zip(xs, x_scales, topk_idxs, topk_weights)]
     gathered = torch.cat(packed, dim=0)  # [S·C, W]
     parts0 = _parts(xs[0], x_scales[0], topk_idxs[0], topk_weights[0])

@@ -13,8 +13,9 @@ from .swiglu_and_cast import swiglu_and_cast
 def routed_weight(topk_idx: torch.Tensor, topk_weights: torch.Tensor, expert_id: int) -> torch.Tensor:
     """float32 [R]: the sum, in slot order, of each row's top-k weights whose id is ``expert_id`` (0 elsewhere).
 
-    Slots that do not name the expert contribute nothing, so NaN weights in padded rows cannot leak."""
-    hit = topk_idx == expert_id
+    Slots that do not name the expert contribute nothing, so NaN weights in padded rows cannot leak. Compared in
+    int64: an int32 tensor compared with a Python int would wrap the int at 2^32."""
+    hit = topk_idx.to(torch.int64) == expert_id
     w = topk_weights.float()
     acc = torch.zeros(topk_idx.shape[0], dtype=torch.float32, device=topk_idx.device)
     for j in range(topk_idx.shape[1]):
@@ -68,7 +69,7 @@ def local_experts(
     acc = torch.zeros((r, w2.shape[1]), dtype=torch.float32, device=x.device)
     for e in range(num_local):
         w_e = routed_weight(topk_idx, topk_weights, expert_offset + e)
-        hit = (topk_idx == expert_offset + e).any(dim=1)
+        hit = (topk_idx.to(torch.int64) == expert_offset + e).any(dim=1)
         rows = hit.nonzero().squeeze(1)
         if rows.numel() == 0:
             continue  # no row selects this expert: no work, no weight reads

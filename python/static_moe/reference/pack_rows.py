@@ -33,6 +33,9 @@ def unpack_rows(
 ) -> torch.Tensor:
     """Copy the span ``[offset, offset + nbytes)`` of every row of uint8 ``packed`` [R, W] out as
     ``dtype [R, *row_shape]``."""
+    if dtype == torch.bool or dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        raise TypeError(f"unpack_rows: dtype {dtype} cannot be unpacked from raw bytes (bool and quantized dtypes "
+                        "are refused): unpack uint8 and convert")
     width = packed.shape[1]
     if not (0 <= offset <= width and 0 <= nbytes <= width - offset):
         end = offset + nbytes if offset + nbytes < 2**63 else "(overflows int64)"
