@@ -96,12 +96,16 @@ def _state(module) -> _ExpertsState:
 
 
 def is_experts_class(cls: type) -> bool:
-    """True for a class decorated with ``@use_experts_implementation`` (its forward is the decorator's dispatching
-    wrapper, defined in transformers.integrations.moe, around the class's own forward)."""
-    forward = getattr(cls, "forward", None)
-    code = getattr(forward, "__code__", None)
-    return (getattr(forward, "__wrapped__", None) is not None and code is not None
-            and code.co_filename == use_experts_implementation.__code__.co_filename)
+    """True for a class decorated with ``@use_experts_implementation``, or a subclass of one (whose own forward may
+    call the decorated one): a class of its MRO defines the decorator's dispatching wrapper (from
+    transformers.integrations.moe) as its forward."""
+    wrapper_file = use_experts_implementation.__code__.co_filename
+    for klass in getattr(cls, "__mro__", ()):
+        forward = klass.__dict__.get("forward")
+        code = getattr(forward, "__code__", None)
+        if getattr(forward, "__wrapped__", None) is not None and code is not None and code.co_filename == wrapper_file:
+            return True
+    return False
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
