@@ -164,11 +164,26 @@ def test_deepseek_v4_experts_take_their_limit():
 ], ids=["bias", "no-gate", "post-norm", "gelu", "clamp-after-act", "alpha-glu"])
 def test_unsupported_variants_are_refused_before_conversion(flags, variant):
     model = make(experts_class(**flags), limit=0.5)
-    with pytest.raises(UnsupportedExperts, match=f"experts: TestExperts: static_moe cannot run these experts: "
-                                                 f"{variant}"):
+    with pytest.raises(UnsupportedExperts, match=f"^TestExperts: static_moe cannot run these experts: {variant}.* "
+                                                 r"\(in experts\)$"):
         use_static_moe(model)
     assert static_moe_layer(model["experts"]) is None
     assert model["experts"].config._experts_implementation == "eager"  # the model is left as it was
+
+
+def test_a_clamp_after_the_activation_is_refused_when_set():
+    """Step-3.7 clamps SiLU(gate), not gate: the same as the kernels without a limit, refused with one."""
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7Experts
+
+    def experts(limits):
+        cfg = tf.Step3p7TextConfig(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
+                                   num_hidden_layers=1, swiglu_limits=limits)
+        return Step3p7Experts(cfg, 0)
+
+    assert experts_swiglu_limit(experts([0.0])) is None
+    with pytest.raises(UnsupportedExperts, match="Step3p7Experts: .*gate Step3p7Experts._apply_gate with act_fn "
+                                                 "SiLUActivation is not the SiLU SwiGLU"):
+        experts_swiglu_limit(experts([7.0]))
 
 
 def test_set_experts_implementation_alone_is_bf16_and_refuses_at_the_first_call():

@@ -185,7 +185,7 @@ def experts_swiglu_limit(module) -> float | None:
     if getattr(module, "has_post_expert_norm", False):
         variants.append("has_post_expert_norm=True (a norm after each expert's down projection)")
     limit = None
-    if not variants:
+    if getattr(module, "has_gate", True):  # the gate is probed even next to another variant: every one is named
         gu, _ = _experts_weights(module)
         transposed = getattr(module, "is_transposed", False)
         inter = (gu.shape[2] if transposed else gu.shape[1]) // 2
@@ -291,8 +291,8 @@ def use_static_moe(model: nn.Module, *, weight_format: str = "bf16", act_format:
             (``replace_moe_blocks(..., ep_group=)`` spreads the experts of the families it knows).
         options: passed to :class:`StaticMoE` (act_group, fp8_max, device, prepare_for, ...).
 
-    Every experts module is checked before any is converted: an unsupported one raises
-    :class:`UnsupportedExperts` naming each offending module, class and variant, and the model is left as it was.
+    Every experts module is checked before any is converted: unsupported ones raise :class:`UnsupportedExperts`
+    naming each class, its variants and the modules, and the model is left as it was.
     Then each module's weights are converted (weights loaded later are picked up at the next call) and the model
     is switched to ``experts_implementation="static_moe"``. :func:`close_static_moe` gives the layers back.
     """
@@ -304,15 +304,14 @@ def use_static_moe(model: nn.Module, *, weight_format: str = "bf16", act_format:
     if not found:
         raise ValueError(f"{type(model).__name__} has no experts module that dispatches through transformers' "
                          "ExpertsInterface (classes decorated with @use_experts_implementation)")
-    refused = []
+    refused: dict[str, list[str]] = {}  # message → the modules it applies to
     for name, m in found:
         try:
             experts_swiglu_limit(m)
         except UnsupportedExperts as e:
-            refused.append(f"{name}: {e}")
+            refused.setdefault(str(e), []).append(name or "(the model)")
     if refused:
-        raise UnsupportedExperts(refused[0] if len(refused) == 1 else
-                                 f"{len(refused)} experts modules cannot run on static_moe: " + "; ".join(refused))
+        raise UnsupportedExperts("; ".join(f"{msg} (in {', '.join(names)})" for msg, names in refused.items()))
     opts = ExpertsOptions(weight_format, act_format, capacity, dict(options))
     previous = {name: m.__dict__.get(_STATE) for name, m in found}
     try:

@@ -14,6 +14,7 @@ import copy
 import importlib
 import inspect
 import pkgutil
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,7 +251,7 @@ def markdown_table(results: list[FamilyResult]) -> str:
     for r in results:
         fmt = (lambda v: "—" if v is None else f"{v:.1e}")
         tokens = "—" if r.tokens_equal is None else ("equal" if r.tokens_equal else "DIFFER")
-        detail = "" if r.status == "match" else r.detail.replace("|", "\\|")
+        detail = "" if r.status == "match" else re.sub(r" \(in [^)]*\)", "", r.detail).replace("|", "\\|")
         rows.append(f"| {r.family} | `{r.experts}` | {r.status} | {fmt(r.bf16_diff)} | {tokens} | "
                     f"{fmt(r.fp8_diff)} | {detail} |")
     return "\n".join(rows)
