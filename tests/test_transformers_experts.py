@@ -16,9 +16,16 @@ tf = pytest.importorskip("transformers", minversion="5.0", reason="the transform
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation  # noqa: E402
 
 from static_moe.integrations.transformers import (  # noqa: E402
-    EXPERTS_IMPLEMENTATION, UnsupportedExperts, close_static_moe, use_static_moe)
+    EXPERTS_IMPLEMENTATION,
+    UnsupportedExperts,
+    close_static_moe,
+    use_static_moe,
+)
 from static_moe.integrations.transformers_experts import (  # noqa: E402
-    experts_swiglu_limit, is_experts_class, static_moe_layer)
+    experts_swiglu_limit,
+    is_experts_class,
+    static_moe_layer,
+)
 from static_moe.testing.numeric import assert_equal, calc_diff  # noqa: E402
 
 H, I, E, K, T = 128, 128, 4, 2, 12

@@ -43,7 +43,8 @@ DEFAULT_CAPACITY = 128
 # The per-module state lives in the experts module's __dict__ (an _ExpertsState), so it is neither a submodule nor
 # a parameter: the model's state dict, save_pretrained and .to(dtype) never see it.
 _STATE = "_static_moe_state"
-# Module attributes that may hold the clamp of a clamped SwiGLU (DeepSeek-V4 ``limit``, GLM / HunYuan ``swiglu_limit``).
+# Module attributes that may hold the clamp of a clamped SwiGLU (DeepSeek-V4 ``limit``, GLM / HunYuan
+# ``swiglu_limit``).
 _LIMIT_ATTRS = ("limit", "swiglu_limit")
 
 
@@ -117,7 +118,8 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 # Which experts the kernels compute
 # ----------------------------------------------------------------------------------------------------------------
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """SiLU(min(gate, L)) · clamp(up, −L, L) in float32 (no clamp for L None): what the kernels compute (SPEC §1.4)."""
+    """SiLU(min(gate, L)) · clamp(up, −L, L) in float32 (no clamp for L None): what the kernels compute
+    (SPEC §1.4)."""
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return nn.functional.silu(gate) * up

@@ -48,7 +48,8 @@ OVERRIDES = dict(
     num_shared_experts=1, zero_expert_num=0, num_layers=2, mlp_layer_types=["sparse", "sparse"],
     enable_moe_block=True, top_k_experts=2, num_dense_layers=0, num_experts_per_token=2, num_expert_group=1,
     vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, mamba_n_heads=4, mamba_d_state=16,
-    mamba_chunk_size=16, linear_num_heads=2, linear_head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=32,
+    mamba_chunk_size=16, linear_num_heads=2, linear_head_dim=64,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=32,
     tie_word_embeddings=False, use_cache=False,
 )
 # What the shared recipe cannot say, per family, and why.
@@ -176,7 +177,7 @@ def dequantized_copy(model):
     in each class's own layout, and run eagerly: what static_moe computes, in transformers' code."""
     ref = copy.deepcopy(model)
     with torch.no_grad():
-        for (name, m), (_, r) in zip(experts_modules(model), experts_modules(ref)):
+        for (_, m), (_, r) in zip(experts_modules(model), experts_modules(ref)):
             w = static_moe_layer(m).expert_weights()
             gu = dequantize_weight(w["w13"], w["w13_scale"]).to(r.gate_up_proj.dtype)
             d = dequantize_weight(w["w2"], w["w2_scale"]).to(r.down_proj.dtype)
@@ -245,15 +246,18 @@ def run_family(family: str, experts: list[type], *, fp8: bool = True) -> FamilyR
                         equal)
 
 
+def _number(v: float | None) -> str:
+    return "—" if v is None else f"{v:.1e}"
+
+
 def markdown_table(results: list[FamilyResult]) -> str:
     rows = ["| family | experts class | result | bf16 calc_diff | greedy tokens | fp8 vs dequantized | detail |",
             "|---|---|---|---|---|---|---|"]
     for r in results:
-        fmt = (lambda v: "—" if v is None else f"{v:.1e}")
         tokens = "—" if r.tokens_equal is None else ("equal" if r.tokens_equal else "DIFFER")
         detail = "" if r.status == "match" else re.sub(r" \(in [^)]*\)", "", r.detail).replace("|", "\\|")
-        rows.append(f"| {r.family} | `{r.experts}` | {r.status} | {fmt(r.bf16_diff)} | {tokens} | "
-                    f"{fmt(r.fp8_diff)} | {detail} |")
+        rows.append(f"| {r.family} | `{r.experts}` | {r.status} | {_number(r.bf16_diff)} | {tokens} | "
+                    f"{_number(r.fp8_diff)} | {detail} |")
     return "\n".join(rows)
 
 
