@@ -272,3 +272,23 @@ def test_expert_parallel_and_training_are_refused_clearly():
     with pytest.raises(ValueError, match="no experts module"):
         use_static_moe(nn.Linear(2, 2))
     close_static_moe(model)
+
+
+def test_from_pretrained_with_the_static_moe_implementation(tmp_path):
+    """``experts_implementation="static_moe"`` passes transformers' own check and runs bf16 experts, converted at
+    the first call from the loaded weights; ``set_experts_implementation("eager")`` switches back."""
+    config = tf.Qwen3MoeConfig(vocab_size=128, hidden_size=H, intermediate_size=256, moe_intermediate_size=I,
+                               num_experts=E, num_experts_per_tok=K, num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=64, initializer_range=0.1)
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    model = tf.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation=EXPERTS_IMPLEMENTATION).eval()
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(ids).logits
+        layers = [static_moe_layer(m.mlp.experts) for m in model.model.layers]
+        assert all(layer is not None and layer.weight_format == "bf16" for layer in layers)
+        model.set_experts_implementation("eager")
+        eager = model(ids).logits
+    assert calc_diff(ours, eager) < 1e-4, calc_diff(ours, eager)
+    assert close_static_moe(model) == 2
