@@ -29,6 +29,8 @@ LE = "tests/test_local_experts.py"
 SW = "tests/test_swiglu_and_cast.py"
 PK = "tests/test_pack_rows.py"
 BL = "tests/test_expert_gemm_blocking.py"
+TE = "tests/test_transformers_experts.py"
+TE_FILE = "python/static_moe/integrations/transformers_experts.py"
 
 MUTANTS = [
     # ---------------------------------------------------------------- local_experts (csrc/cpu/local_experts.cpp)
@@ -158,6 +160,19 @@ MUTANTS = [
     Mutant("workspace: held-workspace flag left out of the manifest", "python/static_moe/workspace.py",
            '            "holds workspace": key in self._by_key,', '            "holds workspace": False,',
            ("tests/test_workspace.py", "-k", "middle_rank")),
+    # ---------------------------------------------------------------- transformers experts interface
+    Mutant("experts interface: interleaved gate/up rows swapped", TE_FILE,
+           "            gu = torch.cat((gu[:, 0::2], gu[:, 1::2]), dim=1)",
+           "            gu = torch.cat((gu[:, 1::2], gu[:, 0::2]), dim=1)",
+           (TE, "-k", "layouts")),
+    Mutant("experts interface: the probe clamps the gate both ways", TE_FILE,
+           "        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)",
+           "        gate, up = gate.clamp(-limit, limit), up.clamp(-limit, limit)",
+           (TE, "-k", "clamp"), why="DeepSeek-V4's clamp would no longer be recognised"),
+    Mutant("experts interface: no-expert slots passed on", TE_FILE,
+           "    ids = torch.where((ids >= layer.num_experts) | (ids < 0), torch.full_like(ids, -1), ids)",
+           "    ids = torch.where(ids < 0, torch.full_like(ids, -1), ids)",
+           (TE, "-k", "chunks")),
     # ---------------------------------------------------------------- NKI kernels
     Mutant("nki swiglu: NaN amax turned into a finite scale again", "nki_kernels/swiglu_and_cast.py",
            "    nisa.tensor_tensor(dst=s_t[0:p, :], data1=s_t[0:p, :], data2=poison[0:p, :], op=nl.add)\n", "",

@@ -5,6 +5,10 @@
 and puts a :class:`StaticMoEBlock` in its place, which keeps the model's own router. docs/transformers.md
 explains the routing conventions, dtypes and expert parallelism.
 
+Importing this module also registers "static_moe" in transformers' ExpertsInterface and offers
+:func:`use_static_moe` (``transformers_experts``): the seam that keeps each block's own code and reaches every
+family whose experts class is decorated with ``@use_experts_implementation``.
+
 Requires the optional dependency ``transformers`` (``pip install static_moe[transformers]``); importing this
 module without it raises ImportError naming the extra.
 """
@@ -24,6 +28,14 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("static_moe.integrations.transformers needs transformers>=5: "
                       "pip install 'static_moe[transformers]'") from e
+
+from .transformers_experts import (  # noqa: E402,F401  (registers "static_moe" in the ExpertsInterface)
+    EXPERTS_IMPLEMENTATION,
+    UnsupportedExperts,
+    close_static_moe,
+    experts_modules,
+    use_static_moe,
+)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,363 @@
+"""static_moe as a transformers experts implementation: ``experts_implementation="static_moe"``.
+
+transformers 5.x routes the forward of every experts class decorated with ``@use_experts_implementation``
+through ``ALL_EXPERTS_FUNCTIONS[config._experts_implementation]``: the function gets the experts module and
+``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`` and returns [T, H] in the hidden states'
+dtype. Everything around the experts — the router, shared experts, norms, zero experts, the combine rule — stays
+the model's own code. Importing this module (``static_moe.integrations.transformers`` does) registers
+:data:`EXPERTS_IMPLEMENTATION` there.
+
+Two ways in:
+
+* ``use_static_moe(model, weight_format=..., act_format=..., capacity=...)`` checks every experts module of the
+  model, converts each one's weights once into a :class:`StaticMoE` and switches the model to "static_moe". A
+  variant the kernels do not compute raises :class:`UnsupportedExperts` here, before anything is converted.
+* ``from_pretrained(..., experts_implementation="static_moe")`` or ``model.set_experts_implementation(
+  "static_moe")``: bf16 weights and activations; transformers offers no per-module hook when the implementation
+  is chosen, so each experts module is checked and converted at its first call (the refusal comes then).
+
+The converted layer is cached on the experts module (outside its parameters and state dict) and rebuilt only
+when the module's weights are replaced or modified in place; :func:`close_static_moe` gives the layers back.
+docs/transformers.md lists which families match and which are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..module import StaticMoE
+
+try:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation
+except ImportError as e:  # pragma: no cover - exercised only without the extra or with transformers 4.x
+    raise ImportError("static_moe.integrations.transformers needs transformers>=5: "
+                      "pip install 'static_moe[transformers]'") from e
+
+EXPERTS_IMPLEMENTATION = "static_moe"
+# Rows per StaticMoE call when use_static_moe is not given a capacity: larger calls (a prefill) run in chunks.
+DEFAULT_CAPACITY = 128
+
+# The per-module state lives in the experts module's __dict__ (an _ExpertsState), so it is neither a submodule nor
+# a parameter: the model's state dict, save_pretrained and .to(dtype) never see it.
+_STATE = "_static_moe_state"
+# Module attributes that may hold the clamp of a clamped SwiGLU (DeepSeek-V4 ``limit``, GLM / HunYuan
+# ``swiglu_limit``).
+_LIMIT_ATTRS = ("limit", "swiglu_limit")
+
+
+class UnsupportedExperts(ValueError):
+    """An experts module whose computation static_moe's kernels do not implement; the message names its class
+    and the variant."""
+
+
+@dataclass(frozen=True)
+class ExpertsOptions:
+    """How an experts module is converted: the formats (SPEC §1.2 pairs), the rows per call and the options
+    passed on to :class:`StaticMoE` (act_group, fp8_max, device, prepare_for, ...)."""
+
+    weight_format: str = "bf16"
+    act_format: str = "bf16"
+    capacity: int | None = None
+    options: dict = field(default_factory=dict)
+
+
+class _ExpertsState:
+    """One experts module's options, converted layer and the key of the weights it was converted from.
+
+    A deep copy or a pickle keeps the options and drops the layer (its workspace lease is this module's own): the
+    copy converts its own weights at its first call."""
+
+    def __init__(self, options: ExpertsOptions | None = None):
+        self.options = options or ExpertsOptions()
+        self.layer: StaticMoE | None = None
+        self.source: tuple | None = None
+
+    def close(self) -> bool:
+        layer, self.layer, self.source = self.layer, None, None
+        if layer is not None and not layer.closed:
+            layer.close()
+            return True
+        return False
+
+    def __deepcopy__(self, memo):
+        return _ExpertsState(self.options)
+
+    def __getstate__(self):
+        return {"options": self.options, "layer": None, "source": None}
+
+
+def _state(module) -> _ExpertsState:
+    state = module.__dict__.get(_STATE)
+    if state is None:
+        state = module.__dict__[_STATE] = _ExpertsState()
+    return state
+
+
+def is_experts_class(cls: type) -> bool:
+    """True for a class decorated with ``@use_experts_implementation``, or a subclass of one (whose own forward may
+    call the decorated one): a class of its MRO defines the decorator's dispatching wrapper (from
+    transformers.integrations.moe) as its forward."""
+    wrapper_file = use_experts_implementation.__code__.co_filename
+    for klass in getattr(cls, "__mro__", ()):
+        forward = klass.__dict__.get("forward")
+        code = getattr(forward, "__code__", None)
+        if getattr(forward, "__wrapped__", None) is not None and code is not None and code.co_filename == wrapper_file:
+            return True
+    return False
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every experts module of ``model`` that dispatches through the ExpertsInterface."""
+    return [(name, m) for name, m in model.named_modules() if is_experts_class(type(m))]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which experts the kernels compute
+# ----------------------------------------------------------------------------------------------------------------
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """SiLU(min(gate, L)) · clamp(up, −L, L) in float32 (no clamp for L None): what the kernels compute
+    (SPEC §1.4)."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return nn.functional.silu(gate) * up
+
+
+def _limit_candidates(module) -> list[float]:
+    out = []
+    for attr in _LIMIT_ATTRS:
+        v = getattr(module, attr, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and float(v) not in out:
+            out.append(float(v))
+    return out
+
+
+def _gate_limit(module, inter: int, concatenated: bool) -> tuple[bool, float | None, str]:
+    """Whether ``module._apply_gate`` is a (clamped) SwiGLU the kernels compute: (matches, swiglu_limit, detail).
+
+    The gate is probed, not read: gate and up values spanning ±4·max(L, 8) for every candidate limit L (the
+    module's ``limit`` / ``swiglu_limit``, and none), packed in the module's own layout (concatenated halves or
+    interleaved columns), in float32. It matches when its output equals :func:`_clamped_swiglu` for one candidate
+    to float32 rounding — so a clamp after the activation (Step-3.7, Ling), an alpha-GLU (gpt-oss), a softcap or
+    an activation other than SiLU is refused, whatever the code looks like."""
+    limits = _limit_candidates(module)
+    span = 4.0 * max([8.0, *limits])
+    rows = 16
+    g = torch.linspace(-span, span, rows * inter, dtype=torch.float32).reshape(rows, inter)
+    u = g.flatten()[torch.randperm(rows * inter, generator=torch.Generator().manual_seed(0))].reshape(rows, inter)
+    packed = torch.cat((g, u), dim=1) if concatenated else torch.stack((g, u), dim=2).reshape(rows, 2 * inter)
+    device = _experts_weights(module)[0].device
+    try:
+        with torch.no_grad():
+            got = module._apply_gate(packed.to(device)).float().cpu()
+    except Exception as e:  # any failure of a foreign gate on the probe means: not recognised
+        return False, None, f"it fails on a float32 probe ({type(e).__name__}: {e})"
+    if tuple(got.shape) != (rows, inter):
+        return False, None, f"it maps [R, 2I] to {list(got.shape)}, not [R, I]"
+    best = None
+    for limit in (None, *limits):
+        want = _clamped_swiglu(g, u, limit)
+        err = float((got - want).abs().max() / want.abs().max())
+        if err <= 1e-5:
+            return True, limit, ""
+        best = err if best is None else min(best, err)
+    return False, None, f"its output differs from SiLU(gate)·up by {best:.1e} (relative), with or without the clamp"
+
+
+def _experts_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
+    gu, d = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gu, torch.Tensor) and isinstance(d, torch.Tensor) and gu.dim() == 3 and d.dim() == 3):
+        raise UnsupportedExperts(f"{type(module).__name__}: expected 3-D gate_up_proj and down_proj tensors")
+    return gu, d
+
+
+def experts_swiglu_limit(module) -> float | None:
+    """The kernels' ``swiglu_limit`` for this experts module (None: no clamp), or UnsupportedExperts naming the
+    class and every variant the kernels do not compute (biases, no gate projection, a post-expert norm, a gate
+    other than the (clamped) SiLU SwiGLU)."""
+    name = type(module).__name__
+    variants = []
+    if getattr(module, "has_bias", False) or any(getattr(module, b, None) is not None
+                                                for b in ("gate_up_proj_bias", "down_proj_bias")):
+        variants.append("has_bias=True (biased projections)")
+    if not getattr(module, "has_gate", True):
+        variants.append("has_gate=False (up → activation → down, no gate projection)")
+    if getattr(module, "has_post_expert_norm", False):
+        variants.append("has_post_expert_norm=True (a norm after each expert's down projection)")
+    limit = None
+    if getattr(module, "has_gate", True):  # the gate is probed even next to another variant: every one is named
+        gu, _ = _experts_weights(module)
+        transposed = getattr(module, "is_transposed", False)
+        inter = (gu.shape[2] if transposed else gu.shape[1]) // 2
+        ok, limit, detail = _gate_limit(module, inter, getattr(module, "is_concatenated", True))
+        if not ok:
+            act = getattr(module, "act_fn", None)
+            gate = getattr(type(module)._apply_gate, "__qualname__", "_apply_gate")
+            act_name = getattr(act, "__name__", type(act).__name__)
+            variants.append(f"gate {gate}" + (f" with act_fn {act_name}" if act is not None else "")
+                            + f" is not the SiLU SwiGLU the kernels compute: {detail}")
+    if variants:
+        raise UnsupportedExperts(f"{name}: static_moe cannot run these experts: {'; '.join(variants)}")
+    return limit
+
+
+class _CanonicalExperts:
+    """A view of an experts module's weights in StaticMoE.from_module's fused layout: gate_up_proj [E, 2I, H]
+    (gate rows, then up rows) and down_proj [E, H, I]. Transposed weights are transposed back and interleaved
+    gate/up rows permuted (a copy of the float weights, dropped after conversion)."""
+
+    def __init__(self, module):
+        gu, d = _experts_weights(module)
+        gu, d = gu.detach(), d.detach()
+        if getattr(module, "is_transposed", False):  # [E, H, 2I] and [E, I, H]
+            gu, d = gu.transpose(1, 2), d.transpose(1, 2)
+        if not getattr(module, "is_concatenated", True):  # rows g0, u0, g1, u1, ...
+            gu = torch.cat((gu[:, 0::2], gu[:, 1::2]), dim=1)
+        self.gate_up_proj, self.down_proj = gu.contiguous(), d.contiguous()
+
+
+def _source_key(module) -> tuple:
+    """Identifies the weights a layer was converted from: replaced or modified in place, the key changes."""
+    return tuple((t.data_ptr(), t._version) for t in _experts_weights(module))
+
+
+def _convert(module, top_k: int) -> StaticMoE:
+    """The experts module's weights converted once into a StaticMoE layer (ep_size 1) with its options."""
+    limit = experts_swiglu_limit(module)
+    opts = _state(module).options
+    src = _CanonicalExperts(module)
+    try:
+        return StaticMoE.from_module(src, top_k=top_k, capacity=opts.capacity or DEFAULT_CAPACITY,
+                                     weight_format=opts.weight_format, act_format=opts.act_format,
+                                     swiglu_limit=limit, **opts.options)
+    except (ValueError, TypeError) as e:
+        raise UnsupportedExperts(f"{type(module).__name__}: static_moe cannot run these experts: {e}") from e
+
+
+def _layer(module, top_k: int) -> StaticMoE:
+    """The module's cached layer, converted at the first call and again only when its weights changed."""
+    state, key = _state(module), _source_key(module)
+    if state.layer is not None and not state.layer.closed and state.source == key and state.layer.top_k == top_k:
+        return state.layer
+    state.close()
+    state.layer, state.source = _convert(module, top_k), key
+    return state.layer
+
+
+def static_moe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                               top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The "static_moe" experts function: ``hidden_states`` [T, H] (bf16 / fp16 / fp32), ``top_k_index`` [T, k]
+    global expert ids (ids ≥ E, transformers' "no expert in this slot", contribute nothing), ``top_k_weights``
+    [T, k]. Returns [T, H] in the hidden states' dtype (rounded to bf16 once, SPEC §1.6). Calls with more rows
+    than the capacity run in capacity-sized chunks (tokens are independent on one rank)."""
+    if hidden_states.requires_grad:
+        raise RuntimeError(f"{type(self).__name__}: the static_moe experts are inference-only (no backward); run "
+                           "under torch.no_grad() / torch.inference_mode(), or use another experts_implementation "
+                           "to train")
+    k, h = top_k_index.shape[-1], hidden_states.shape[-1]
+    layer = _layer(self, k)
+    x = hidden_states.reshape(-1, h)
+    ids = top_k_index.reshape(-1, k)
+    ids = torch.where((ids >= layer.num_experts) | (ids < 0), torch.full_like(ids, -1), ids)
+    weights = top_k_weights.reshape(-1, k)
+    c = layer.capacity
+    outs = [layer(x[s:s + c], ids[s:s + c], weights[s:s + c]) for s in range(0, x.shape[0], c)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs) if outs else torch.zeros_like(x)
+    return out.reshape(hidden_states.shape)
+
+
+ExpertsInterface.register(EXPERTS_IMPLEMENTATION, static_moe_experts_forward)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Whole models
+# ----------------------------------------------------------------------------------------------------------------
+def _top_k_of(module) -> int | None:
+    """top_k from the experts' config (``num_experts_per_tok``), to convert before the first call; None: wait for
+    it (the first call's top_k_index says)."""
+    k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+    return k if isinstance(k, int) and not isinstance(k, bool) and k > 0 else None
+
+
+def use_static_moe(model: nn.Module, *, weight_format: str = "bf16", act_format: str = "bf16",
+                   capacity: int | None = None, ep_group=None, **options) -> nn.Module:
+    """Run every experts module of ``model`` through static_moe; returns ``model``.
+
+    Args:
+        weight_format / act_format: the experts' formats (SPEC §1.2 pairs); float weights are quantized once,
+            here.
+        capacity: rows per StaticMoE call (default :data:`DEFAULT_CAPACITY`); larger calls run in chunks.
+        ep_group: expert parallelism is not offered through the experts interface yet: anything but None raises
+            (``replace_moe_blocks(..., ep_group=)`` spreads the experts of the families it knows).
+        options: passed to :class:`StaticMoE` (act_group, fp8_max, device, prepare_for, ...).
+
+    Every experts module is checked before any is converted: unsupported ones raise :class:`UnsupportedExperts`
+    naming each class, its variants and the modules, and the model is left as it was.
+    Then each module's weights are converted (weights loaded later are picked up at the next call) and the model
+    is switched to ``experts_implementation="static_moe"``. :func:`close_static_moe` gives the layers back.
+    """
+    if ep_group is not None:
+        raise NotImplementedError("use_static_moe runs the experts on one rank (ep_size 1); for expert parallelism "
+                                  "use static_moe.integrations.transformers.replace_moe_blocks(model, capacity=..., "
+                                  "ep_group=...)")
+    found = experts_modules(model)
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no experts module that dispatches through transformers' "
+                         "ExpertsInterface (classes decorated with @use_experts_implementation)")
+    refused: dict[str, list[str]] = {}  # message → the modules it applies to
+    for name, m in found:
+        try:
+            experts_swiglu_limit(m)
+        except UnsupportedExperts as e:
+            refused.setdefault(str(e), []).append(name or "(the model)")
+    if refused:
+        raise UnsupportedExperts("; ".join(f"{msg} (in {', '.join(names)})" for msg, names in refused.items()))
+    opts = ExpertsOptions(weight_format, act_format, capacity, dict(options))
+    previous = {name: m.__dict__.get(_STATE) for name, m in found}
+    try:
+        for _, m in found:
+            m.__dict__[_STATE] = _ExpertsState(opts)
+            k = _top_k_of(m)
+            if k is not None:
+                _layer(m, k)
+    except BaseException:
+        for name, m in found:
+            m.__dict__[_STATE].close()
+            m.__dict__[_STATE] = previous[name]
+            if previous[name] is None:
+                del m.__dict__[_STATE]
+        raise
+    for old in previous.values():
+        if old is not None:
+            old.close()
+    _switch(model, found)
+    return model
+
+
+def _switch(model: nn.Module, found) -> None:
+    """Sets "static_moe" on the model (and its sub-models) and on every experts module's own config, which is what
+    the dispatching wrapper reads."""
+    if callable(getattr(model, "set_experts_implementation", None)):
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    for _, m in found:
+        if m.config._experts_implementation != EXPERTS_IMPLEMENTATION:
+            m.config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
+
+
+def close_static_moe(model: nn.Module) -> int:
+    """Give back the workspace leases of the layers ``use_static_moe`` (or a first call) converted; returns how
+    many. The options stay: a later call through "static_moe" converts the weights again."""
+    return sum(state.close() for _, m in experts_modules(model) if (state := m.__dict__.get(_STATE)) is not None)
+
+
+def static_moe_layer(module) -> StaticMoE | None:
+    """The StaticMoE layer an experts module currently runs on (None before its first conversion)."""
+    state = module.__dict__.get(_STATE)
+    return None if state is None else state.layer
+
+
+__all__ = ["ALL_EXPERTS_FUNCTIONS", "DEFAULT_CAPACITY", "EXPERTS_IMPLEMENTATION", "ExpertsOptions",
+           "UnsupportedExperts", "close_static_moe", "experts_modules", "experts_swiglu_limit", "is_experts_class",
+           "static_moe_experts_forward", "static_moe_layer", "use_static_moe"]

@@ -1,0 +1,65 @@
+"""Every family of the installed transformers whose experts class is decorated with ``@use_experts_implementation``
+(found by scanning transformers.models, not listed by hand), run on a tiny random model (static_moe.testing.
+experts_families) with eager experts and through use_static_moe: bf16 logits within calc_diff 1e-4 and the same
+greedy tokens, fp8 weights within 1e-4 of the model holding the dequantized weights; the families static_moe
+cannot compute are refused with a message naming the experts class and the variant. docs/transformers.md holds
+the measured table (``python -m static_moe.testing.experts_families``)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.0", reason="the transformers integration tests need "
+                    "transformers>=5 (pip install 'static_moe[transformers]')")
+
+from static_moe.testing.experts_families import TOLERANCE, families, run_family  # noqa: E402
+
+# The variants the kernels do not compute: {family: what the refusal must say}.
+REFUSED = {
+    "diffusion_gemma": r"DiffusionGemmaTextExperts: .*act_fn GELUTanh is not the SiLU SwiGLU",
+    "ergo": r"ErgoExperts: .*has_gate=False",
+    "gemma4": r"Gemma4TextExperts: .*act_fn GELUTanh is not the SiLU SwiGLU",
+    "gpt_oss": r"GptOssExperts: .*has_bias=True .*; gate GptOssExperts\._apply_gate .*is not the SiLU SwiGLU",
+    "minimax_m3_vl": r"MiniMaxM3VLExperts: .*gate MiniMaxM3VLExperts\._apply_gate .*is not the SiLU SwiGLU",
+    "muse_spark": r"MuseSparkExperts: .*has_post_expert_norm=True",
+    "nemotron_h": r"NemotronHExperts: .*has_gate=False",
+    "openai_privacy_filter": r"OpenAIPrivacyFilterExperts: .*has_bias=True .*; gate .*is not the SiLU SwiGLU",
+}
+# Families whose tiny model the shared recipe does not build or run eagerly: {family: why}.
+SKIPPED = {
+    "ernie4_5_vl_moe": "its text model takes multimodal position ids the recipe does not make",
+    "inkling2": "its eager model does not run on a text-only prompt from the recipe",
+    "inkling2_loop": "its eager model does not run on a text-only prompt from the recipe",
+}
+
+FAMILIES = families()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family(family):
+    torch.manual_seed(0)
+    result = run_family(family, FAMILIES[family])
+    if family in SKIPPED:
+        assert result.status == "skipped", f"{family} now builds ({result.detail}): measure it, drop it from SKIPPED"
+        pytest.skip(f"{family}: {SKIPPED[family]} ({result.detail})")
+    if family in REFUSED:
+        assert result.status == "refused", f"{family}: {result.status}: {result.detail}"
+        assert re.search(REFUSED[family], result.detail), result.detail
+        return
+    assert result.status == "match", f"{family}: {result.status}: {result.detail}"
+    assert result.bf16_diff < TOLERANCE and result.fp8_diff < TOLERANCE, result.detail
+    assert result.tokens_equal is not False, f"{family}: greedy tokens differ"
+    assert result.fp8_vs_bf16 > result.fp8_diff, f"{family}: the fp8 quantization shows no error ({result.detail})"
+
+
+def test_the_scan_finds_the_decorated_classes():
+    """The scan is the coverage: it must find the families static_moe's replace_moe_blocks knows, and every class
+    it lists must be one the decorator wrapped."""
+    from static_moe.integrations.transformers_experts import is_experts_class
+
+    assert {"qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral", "olmoe", "deepseek_v4"} <= set(FAMILIES)
+    assert all(is_experts_class(c) for classes in FAMILIES.values() for c in classes)
+    assert set(REFUSED) | set(SKIPPED) <= set(FAMILIES)
