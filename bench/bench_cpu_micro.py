@@ -2,7 +2,7 @@
 one-row, the 4-row and the 16/64-row GEMMs, each figure a ratio of two measurements taken in the same process.
 
 Builds the torch-free driver with the project's kernels (g++, -O3, the default baseline-x86-64 build of
-csrc/cpu/kernels/moe_gemm*.cpp, as setup.py compiles them) into build/micro/, runs it and prints what it measured
+csrc/cpu/kernels/expert_gemm*.cpp, as setup.py compiles them) into build/micro/, runs it and prints what it measured
 and the ratios docs/backends/cpu.md quotes:
   - one row: the fp4 decode rate alone (hot, per core, times the thread count) against the cold read-only stream on
     the same threads, and the kernel's cold weight GB/s (fp4 and fp8 weights) against that stream;

@@ -11,7 +11,7 @@ one --isa names.
     .venv/bin/python bench/bench_kernel_ab.py --rev HEAD --n 64                # one core, weights in L2
     .venv/bin/python bench/bench_kernel_ab.py --rev HEAD --isa avx512          # the fp32-FMA path
 
-The other revision must share this tree's ExpertWeight and OutRows layout (csrc/cpu/kernels/moe_gemm.h).
+The other revision must share this tree's ExpertWeight and OutRows layout (csrc/cpu/kernels/expert_gemm.h).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CUDA kernels' arithmetic, checked on the CPU (no GPU needed, only nvcc).
 
-csrc/cuda/numerics.cuh, swiglu_and_cast.cuh and the fragment / scale / epilogue code of moe_gemm.cuh are
+csrc/cuda/numerics.cuh, swiglu_and_cast.cuh and the fragment / scale / epilogue code of expert_gemm.cuh are
 __host__ __device__. tests/cuda_host/emulate.cu runs them thread by thread on the CPU, with cp.async replaced by
 copies and mma.sync by an emulation written from the PTX fragment layouts (independent of the kernel code), and
 these tests compare the results with the reference ops at SPEC §2 tolerances — bit for bit for the conversions.

@@ -21,4 +21,4 @@ def cxx(who: str) -> str:
 
 def kernel_sources(csrc: Path) -> list[Path]:
     """The expert-GEMM kernel sources (one per ISA) under a csrc/ folder, sorted."""
-    return sorted((csrc / "cpu" / "kernels").glob("moe_gemm*.cpp"))
+    return sorted((csrc / "cpu" / "kernels").glob("expert_gemm*.cpp"))

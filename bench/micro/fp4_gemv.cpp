@@ -1,5 +1,5 @@
 // Micro-benchmark of the fp4 expert GEMM's parts on this CPU (bench/bench_cpu_micro.py builds and runs it):
-// which resource binds the one-row (GEMV), 4-row and 16-row cases of csrc/cpu/kernels/moe_gemm_avx512bf16.cpp.
+// which resource binds the one-row (GEMV), 4-row and 16-row cases of csrc/cpu/kernels/expert_gemm_avx512bf16.cpp.
 //
 //   read      a read-only stream of the expert's weight bytes (vector loads, one sum per 64-byte line), cold:
 //             the bandwidth roof for weights on t threads
@@ -32,7 +32,7 @@
 
 #include <sys/mman.h>
 
-#include "cpu/kernels/moe_gemm.h"
+#include "cpu/kernels/expert_gemm.h"
 #include "micro_inputs.h"
 
 using namespace static_moe::cpu;

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/kernels/moe_gemm.h"
+#include "cpu/kernels/expert_gemm.h"
 #include "micro_inputs.h"
 
 using namespace static_moe::cpu;

@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "cpu/column_chunks.h"
-#include "cpu/kernels/moe_gemm.h"
+#include "cpu/kernels/expert_gemm.h"
 
 namespace {
 

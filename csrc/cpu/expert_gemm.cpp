@@ -1,5 +1,5 @@
 // CPU binding of expert_gemm (SPEC §1.6): checks (csrc/checks/expert_gemm.h), then the torch-free GEMM core
-// (csrc/cpu/kernels/moe_gemm.h). Torch types stay in this file and csrc/cpu/moe_gemm_binding.h.
+// (csrc/cpu/kernels/expert_gemm.h). Torch types stay in this file and csrc/cpu/expert_gemm_binding.h.
 //
 //   1. the active rows are the set bits of row_mask; only they are read (masked rows may hold NaN / 0xFF);
 //   2. they are converted once to the GEMM's operand form (float32, or bf16 where exact) and lane layout (OpenMP
@@ -18,8 +18,8 @@
 
 #include "checks/expert_gemm.h"
 #include "cpu/column_chunks.h"
-#include "cpu/kernels/moe_gemm.h"
-#include "cpu/moe_gemm_binding.h"
+#include "cpu/kernels/expert_gemm.h"
+#include "cpu/expert_gemm_binding.h"
 
 namespace {
 

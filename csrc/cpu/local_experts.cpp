@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "checks/local_experts.h"
-#include "cpu/kernels/moe_gemm.h"
-#include "cpu/moe_gemm_binding.h"
+#include "cpu/kernels/expert_gemm.h"
+#include "cpu/expert_gemm_binding.h"
 
 // The swiglu_and_cast kernel compiled exactly as csrc/cpu/swiglu_and_cast.cpp compiles it (same options, same
 // clones), so z here is bitwise the op's output: no trapping-math (lets the clamps vectorise), no FMA contraction.

@@ -1,7 +1,7 @@
 // Run-time choice of the x86 instruction set used by the CPU kernels. Torch-free.
 //
 // The default build compiles for baseline x86-64 (no -march=native). Kernels that want SIMD keep one source file
-// per instruction set, compiled under `#pragma GCC target(...)` (see csrc/cpu/kernels/moe_gemm_avx512.cpp), and
+// per instruction set, compiled under `#pragma GCC target(...)` (see csrc/cpu/kernels/expert_gemm_avx512.cpp), and
 // pick one per call with select_isa():
 //   Isa::Amx     Avx512Bf16 plus AMX-TILE + AMX-BF16 (tile dot products: 16 x 32 bf16 by 32 x 16 per instruction),
 //                as on Sapphire / Emerald / Granite Rapids, where Linux grants the process the tile data state;

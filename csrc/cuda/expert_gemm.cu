@@ -2,7 +2,7 @@
 // persistent grid from the device's SM count and the kernel's occupancy, and enqueues it. No sync, no allocation.
 #include "cuda/device_info.h"
 #include "cuda/expert_gemm.h"
-#include "cuda/moe_gemm.cuh"
+#include "cuda/expert_gemm.cuh"
 
 #include <algorithm>
 #include <cstdint>
@@ -15,9 +15,9 @@ namespace {
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
 template <WeightFmt W, int G>
-cudaError_t launch_cfg(const MoeGemmArgs& p, cudaStream_t stream) {
+cudaError_t launch_cfg(const ExpertGemmArgs& p, cudaStream_t stream) {
   using C = gemm::Cfg<W, G>;
-  const auto kernel = gemm::moe_gemm_kernel<W, G>;
+  const auto kernel = gemm::expert_gemm_kernel<W, G>;
   cudaError_t err = cudaSuccess;
   const int sms = current_sm_count(&err);
   if (err != cudaSuccess) return err;
@@ -41,7 +41,7 @@ cudaError_t launch_cfg(const MoeGemmArgs& p, cudaStream_t stream) {
 
 }  // namespace
 
-const char* moe_gemm_unsupported(const MoeGemmArgs& p) {
+const char* expert_gemm_unsupported(const ExpertGemmArgs& p) {
   if (p.k % gemm::kBK != 0) return "K must be a multiple of 128";
   if (p.n % 8 != 0) return "N must be a multiple of 8 (16-byte output rows)";
   if (p.a_group != 0 && p.a_group != 32 && p.a_group != 128) return "the activation group must be 32 or 128";
@@ -62,8 +62,8 @@ const char* moe_gemm_unsupported(const MoeGemmArgs& p) {
   return nullptr;
 }
 
-cudaError_t launch_moe_gemm(const MoeGemmArgs& p, cudaStream_t stream) {
-  if (moe_gemm_unsupported(p) != nullptr) return cudaErrorInvalidValue;
+cudaError_t launch_expert_gemm(const ExpertGemmArgs& p, cudaStream_t stream) {
+  if (expert_gemm_unsupported(p) != nullptr) return cudaErrorInvalidValue;
   switch (p.b_fmt) {
     case WeightFmt::kBf16:
       return launch_cfg<WeightFmt::kBf16, 0>(p, stream);

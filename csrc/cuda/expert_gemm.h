@@ -9,7 +9,7 @@
 //   * list mode (local_experts): a device array of tiles {expert, start, count} over "pairs" (rows of A picked
 //     through row_index, or rows start.. of A when row_index is null), with the tile count in device memory.
 //     D row of tile row i is start + i. Experts without tiles read no weights.
-// The kernel and its numerics are described in moe_gemm.cuh.
+// The kernel and its numerics are described in expert_gemm.cuh.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,7 +32,7 @@ struct GemmTile {
   int pad;
 };
 
-struct MoeGemmArgs {
+struct ExpertGemmArgs {
   // A [*, K]: bf16 (a_group = 0) or e4m3fn with float32 scales [*, K/a_group] (a_group = 32 or 128).
   // Columns contiguous; row strides in elements.
   const void* a = nullptr;
@@ -72,10 +72,10 @@ struct MoeGemmArgs {
 
 // nullptr when the kernel can run these arguments, else what is wrong (alignment, divisibility), for the binding's
 // error message. The binding's shared checks (csrc/checks/expert_gemm.h) come first; these are CUDA-only needs.
-const char* moe_gemm_unsupported(const MoeGemmArgs& args);
+const char* expert_gemm_unsupported(const ExpertGemmArgs& args);
 
 // Enqueues the GEMM on `stream`; no host synchronization, no allocation.
-cudaError_t launch_moe_gemm(const MoeGemmArgs& args, cudaStream_t stream);
+cudaError_t launch_expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace static_moe

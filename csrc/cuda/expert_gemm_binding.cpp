@@ -36,7 +36,7 @@ at::Tensor expert_gemm_cuda(const at::Tensor& a, const std::optional<at::Tensor>
   const at::Tensor mask = row_mask.contiguous();
   const cuda::WeightView w = cuda::weight_view(b, b_scale, sh.weight);
 
-  cuda::MoeGemmArgs p;
+  cuda::ExpertGemmArgs p;
   p.a = a_c.const_data_ptr();
   p.a_row_stride = a_c.stride(0);
   p.a_group = static_cast<int>(sh.group);
@@ -56,9 +56,9 @@ at::Tensor expert_gemm_cuda(const at::Tensor& a, const std::optional<at::Tensor>
   p.row_mask = static_cast<const uint8_t*>(mask.const_data_ptr());
   p.rows = sh.rows;
   p.expert = expert;
-  const char* why = cuda::moe_gemm_unsupported(p);
+  const char* why = cuda::expert_gemm_unsupported(p);
   TORCH_CHECK_VALUE(why == nullptr, op, " (CUDA): ", why ? why : "");
-  const cudaError_t err = cuda::launch_moe_gemm(p, c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = cuda::launch_expert_gemm(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
   return out;
 }

@@ -106,8 +106,8 @@ const char* local_experts_unsupported(const LocalExpertsArgs& a) {
   if (a.x_group != 0 && a.inter % a.x_group != 0) return "I must be a multiple of the activation group";
   const LocalExpertsLayout l = local_experts_layout(a.rows, a.topk, a.num_local, a.hidden, a.inter, a.x_group);
   // The workspace operands are aligned by construction (nullptr stands for them here); this checks the caller's.
-  if (const char* why = moe_gemm_unsupported(le_gemm1_args(a, l, nullptr))) return why;
-  return moe_gemm_unsupported(le_gemm2_args(a, l, nullptr));
+  if (const char* why = expert_gemm_unsupported(le_gemm1_args(a, l, nullptr))) return why;
+  return expert_gemm_unsupported(le_gemm2_args(a, l, nullptr));
 }
 
 cudaError_t launch_local_experts(const LocalExpertsArgs& a, void* workspace, int64_t workspace_bytes,
@@ -133,11 +133,11 @@ cudaError_t launch_local_experts(const LocalExpertsArgs& a, void* workspace, int
 
   if (a.num_local > 0 && a.inter > 0 && l.max_pairs > 0) {
     // 2. GEMM1: h[pair] = x[pair_row[pair]] · W13ᵀ
-    if ((err = launch_moe_gemm(le_gemm1_args(a, l, ws), stream)) != cudaSuccess) return err;
+    if ((err = launch_expert_gemm(le_gemm1_args(a, l, ws), stream)) != cudaSuccess) return err;
     // 3. z = swiglu_and_cast(h, pair weight): fp8 with x's group, or bf16 (SPEC §1.7)
     if ((err = launch_swiglu_and_cast(le_swiglu_args(a, l, ws), stream)) != cudaSuccess) return err;
     // 4. GEMM2: d[pair] = z[pair] · W2ᵀ (written over h, which is no longer needed)
-    if ((err = launch_moe_gemm(le_gemm2_args(a, l, ws), stream)) != cudaSuccess) return err;
+    if ((err = launch_expert_gemm(le_gemm2_args(a, l, ws), stream)) != cudaSuccess) return err;
   }
 
   // 5. combine (also writes the zeros of rows no local expert serves)

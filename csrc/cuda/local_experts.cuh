@@ -116,8 +116,8 @@ inline RouteArgs le_route_args(const LocalExpertsArgs& a, const LocalExpertsLayo
 }
 
 // h[pair] = x[pair_row[pair]] · W13_eᵀ over the route's tiles.
-inline MoeGemmArgs le_gemm1_args(const LocalExpertsArgs& a, const LocalExpertsLayout& l, uint8_t* ws) {
-  MoeGemmArgs g;
+inline ExpertGemmArgs le_gemm1_args(const LocalExpertsArgs& a, const LocalExpertsLayout& l, uint8_t* ws) {
+  ExpertGemmArgs g;
   g.a = a.x;
   g.a_row_stride = a.x_row_stride;
   g.a_group = a.x_group;
@@ -167,8 +167,8 @@ inline SwigluArgs le_swiglu_args(const LocalExpertsArgs& a, const LocalExpertsLa
 }
 
 // d[pair] = z[pair] · W2_eᵀ over the same tiles, written over h.
-inline MoeGemmArgs le_gemm2_args(const LocalExpertsArgs& a, const LocalExpertsLayout& l, uint8_t* ws) {
-  MoeGemmArgs g;
+inline ExpertGemmArgs le_gemm2_args(const LocalExpertsArgs& a, const LocalExpertsLayout& l, uint8_t* ws) {
+  ExpertGemmArgs g;
   g.a = ws_part<uint8_t>(ws, l.z);
   g.a_row_stride = a.inter;
   g.a_group = a.x_group;

@@ -40,7 +40,7 @@ struct LocalExpertsArgs {
   int64_t rows = 0;           // R
   int64_t topk = 0;           // k
   int64_t expert_offset = 0;  // global id of local expert 0
-  // Weights, as in MoeGemmArgs: w13 [L, 2I, H], w2 [L, H, I] (fp4: last dim halved); strides in bytes, scale
+  // Weights, as in ExpertGemmArgs: w13 [L, 2I, H], w2 [L, H, I] (fp4: last dim halved); strides in bytes, scale
   // strides in elements of the scale dtype.
   WeightFmt w_fmt = WeightFmt::kBf16;
   const void* w13 = nullptr;

@@ -1,6 +1,6 @@
 // CPU emulation of the CUDA kernels' per-thread code, for tests/test_cuda_host.py (no GPU needed).
 //
-// The stage loaders, fragment loaders, decoders, scale application and epilogue of csrc/cuda/moe_gemm.cuh are
+// The stage loaders, fragment loaders, decoders, scale application and epilogue of csrc/cuda/expert_gemm.cuh are
 // __host__ __device__: this program runs them for every thread of a CTA, and replaces the two things only a GPU
 // does (mma.sync across 32 lanes, cp.async) by an emulation written from the PTX fragment layouts, independently
 // of the kernel's own code. The Python side feeds inputs and compares the outputs with the reference ops.
@@ -26,7 +26,7 @@
 #include <algorithm>
 
 #include "cuda/local_experts.cuh"
-#include "cuda/moe_gemm.cuh"
+#include "cuda/expert_gemm.cuh"
 #include "cuda/numerics.cuh"
 #include "cuda/swiglu_and_cast.cuh"
 
@@ -117,11 +117,11 @@ void warp_mma(bool e4m3, float (*d)[4], const uint32_t (*a)[4], const uint32_t (
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The expert GEMM: the kernel's tile loop (moe_gemm_kernel) with each thread block emulated thread by thread, in
+// The expert GEMM: the kernel's tile loop (expert_gemm_kernel) with each thread block emulated thread by thread, in
 // mask mode or list mode as the arguments say. Only the block-wide glue (row scans, waits, barriers) is rewritten.
 // ---------------------------------------------------------------------------------------------------------------
 template <WeightFmt W, int G, bool kFp8Mma>
-void emulate_gemm_cfg(const MoeGemmArgs& p) {
+void emulate_gemm_cfg(const ExpertGemmArgs& p) {
   using C = gemm::Cfg<W, G>;
   using gemm::kBM;
   using gemm::kBN;
@@ -208,7 +208,7 @@ void emulate_gemm_cfg(const MoeGemmArgs& p) {
   }
 }
 
-void emulate_gemm(const MoeGemmArgs& p, bool fp8_mma) {
+void emulate_gemm(const ExpertGemmArgs& p, bool fp8_mma) {
   const int g = p.a_group;
   switch (p.b_fmt) {
     case WeightFmt::kBf16:
@@ -224,8 +224,8 @@ void emulate_gemm(const MoeGemmArgs& p, bool fp8_mma) {
   }
 }
 
-// Weight arguments of MoeGemmArgs for contiguous [L, N, K] weights (fp4: K/2 bytes per row) and scales.
-void set_weights(MoeGemmArgs& p, WeightFmt f, const uint8_t* b, const uint8_t* bs, int64_t n, int64_t k) {
+// Weight arguments of ExpertGemmArgs for contiguous [L, N, K] weights (fp4: K/2 bytes per row) and scales.
+void set_weights(ExpertGemmArgs& p, WeightFmt f, const uint8_t* b, const uint8_t* bs, int64_t n, int64_t k) {
   p.b_fmt = f;
   p.b = b;
   p.b_row_stride = f == WeightFmt::kBf16 ? 2 * k : (f == WeightFmt::kFp8 ? k : k / 2);
@@ -244,7 +244,7 @@ int cmd_gemm(const std::string& dir) {
   const std::vector<uint8_t> b = read_file(dir + "/b.bin"), bs = read_file(dir + "/b_scale.bin");
   const std::vector<uint8_t> mask = read_file(dir + "/mask.bin");
   std::vector<uint16_t> d(static_cast<size_t>(rows * n), 0x7FC0);  // NaN: every row must be written
-  MoeGemmArgs p;
+  ExpertGemmArgs p;
   p.a = a.data();
   p.a_row_stride = k;
   p.a_group = group;
@@ -468,7 +468,7 @@ int cmd_local_experts(const std::string& dir) {
   a.idx_row_stride = a.topk;
   a.topk_weights = wts.data();
   a.weights_row_stride = a.topk;
-  MoeGemmArgs w;
+  ExpertGemmArgs w;
   set_weights(w, a.w_fmt, w13.data(), w13s.data(), 2 * a.inter, a.hidden);
   a.w13 = w.b;
   a.w13_expert_stride = w.b_expert_stride;

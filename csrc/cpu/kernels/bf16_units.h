@@ -1,5 +1,5 @@
-// The exact bf16 decodes of weight units shared by the dot-product GEMMs of moe_gemm_avx512bf16.cpp (vdpbf16ps)
-// and moe_gemm_amx.cpp (AMX tiles): fp4 e2m1 units through 32-entry bf16 tables with the block's UE8M0 scale in
+// The exact bf16 decodes of weight units shared by the dot-product GEMMs of expert_gemm_avx512bf16.cpp (vdpbf16ps)
+// and expert_gemm_amx.cpp (AMX tiles): fp4 e2m1 units through 32-entry bf16 tables with the block's UE8M0 scale in
 // the exponent field, fp8 e4m3fn lines through byte tables (plain, or with a power-of-two block scale added), and
 // the lane order each decode produces, which prepare_activation gives the activations too. Both files include
 // this header AFTER their `#pragma GCC target` (it needs AVX-512 BW / VBMI); everything here has internal linkage
@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "cpu/kernels/cast.h"
-#include "cpu/kernels/moe_gemm.h"
+#include "cpu/kernels/expert_gemm.h"
 
 namespace static_moe {
 namespace cpu {

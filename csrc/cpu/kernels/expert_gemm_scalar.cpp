@@ -4,8 +4,8 @@
 #include <cstdint>
 
 #include "cpu/kernels/cast.h"
-#include "cpu/kernels/moe_gemm.h"
-#include "cpu/kernels/moe_gemm_impl.h"
+#include "cpu/kernels/expert_gemm.h"
+#include "cpu/kernels/expert_gemm_impl.h"
 
 namespace static_moe {
 namespace cpu {

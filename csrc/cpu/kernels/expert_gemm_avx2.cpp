@@ -1,5 +1,5 @@
 // AVX2 + FMA + F16C instance of the expert GEMM: 8 fp32 lanes, units of 16 k per weight row.
-//   bf16 and fp8 weights: as the AVX-512 instance (moe_gemm_avx512.cpp), 16 values per unit, NaN codes included.
+//   bf16 and fp8 weights: as the AVX-512 instance (expert_gemm_avx512.cpp), 16 values per unit, NaN codes included.
 //   fp4 weights: 8 packed bytes -> 8 dword indices; vpermps has only 8 entries, so it looks up the magnitude
 //                (low 3 bits, table already times the block's power-of-two scale) and the sign bit 3 is moved to
 //                bit 31 and xor-ed in (e2m1 is sign-magnitude, -0 included).
@@ -12,12 +12,12 @@
 #include <cstdint>
 
 #include "cpu/kernels/cast.h"
-#include "cpu/kernels/moe_gemm.h"
+#include "cpu/kernels/expert_gemm.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2")
 
-#include "cpu/kernels/moe_gemm_impl.h"
+#include "cpu/kernels/expert_gemm_impl.h"
 
 namespace static_moe {
 namespace cpu {

@@ -35,13 +35,13 @@
 #include <vector>
 
 #include "cpu/kernels/cast.h"
-#include "cpu/kernels/moe_gemm.h"
+#include "cpu/kernels/expert_gemm.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c,bmi,bmi2,amx-tile,amx-bf16")
 
 #include "cpu/kernels/bf16_units.h"
-#include "cpu/kernels/moe_gemm_impl.h"
+#include "cpu/kernels/expert_gemm_impl.h"
 
 namespace static_moe {
 namespace cpu {

@@ -101,7 +101,7 @@ __host__ __device__ inline T ld(const uint8_t* p) {
 // a_rows[i] is the A row of tile row i (i < count); rows >= count and weight rows >= N are zero-filled.
 // ---------------------------------------------------------------------------------------------------------------
 template <class C>
-__host__ __device__ inline void load_stage(uint8_t* stage, const MoeGemmArgs& p, const uint8_t* b_e,
+__host__ __device__ inline void load_stage(uint8_t* stage, const ExpertGemmArgs& p, const uint8_t* b_e,
                                            const uint8_t* bs_e, int n0, const int* a_rows, int count, int kb,
                                            int tid, int nthreads) {
   const int64_t k0 = static_cast<int64_t>(kb) * kBK;
@@ -332,7 +332,7 @@ __device__ inline void block_collect(const uint8_t* mask, int64_t rows, int lo, 
 }
 
 // Zeros the D rows whose mask byte is 0, a row per block in turn, 16 bytes per store.
-__device__ inline void zero_masked_rows(const MoeGemmArgs& p) {
+__device__ inline void zero_masked_rows(const ExpertGemmArgs& p) {
   const int64_t chunks = p.n / 8;
   for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
     if (p.row_mask[r] != 0) continue;  // block-uniform
@@ -344,7 +344,7 @@ __device__ inline void zero_masked_rows(const MoeGemmArgs& p) {
 // Persistent kernel: block b takes tiles b, b + grid, ...; tile = (m tile, n tile) with the n tile fastest, so
 // blocks running together share an m tile (its activation rows stay in L2) and split its weights between them.
 template <WeightFmt W, int G>
-__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeGemmArgs p) {
+__global__ void __launch_bounds__(kThreads) expert_gemm_kernel(const ExpertGemmArgs p) {
   using C = Cfg<W, G>;
   constexpr bool kFp8Mma = C::kActFp8 && STATIC_MOE_HAS_FP8_MMA;
   extern __shared__ __align__(16) uint8_t smem[];

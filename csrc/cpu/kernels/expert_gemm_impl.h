@@ -1,5 +1,5 @@
-// Blocking driver of the expert GEMM (see moe_gemm.h), written once over a SIMD traits class V and compiled once
-// per instruction set: moe_gemm_<isa>.cpp includes this file AFTER its `#pragma GCC target`, then defines V and
+// Blocking driver of the expert GEMM (see expert_gemm.h), written once over a SIMD traits class V and compiled once
+// per instruction set: expert_gemm_<isa>.cpp includes this file AFTER its `#pragma GCC target`, then defines V and
 // instantiates GemmKernels<V>. Everything here has internal linkage (anonymous namespace), so the AVX-512 copy of
 // a helper can never be merged with, or called instead of, the baseline copy in another translation unit.
 // Include every standard / project header this file needs BEFORE the target pragma (they must stay generic).

@@ -15,13 +15,13 @@
 // accumulator per (row, weight row) walked through K in increasing order, then a fixed horizontal sum: the
 // arithmetic of a row never depends on which or how many other rows, weight rows or threads there are (batch
 // invariance). Different ISAs use different lane counts and may differ in the last bits.
-// Avx512Bf16 (moe_gemm_avx512bf16.cpp) multiplies in bf16 with vdpbf16ps where that is exact: operands that are
+// Avx512Bf16 (expert_gemm_avx512bf16.cpp) multiplies in bf16 with vdpbf16ps where that is exact: operands that are
 // bf16 numbers anyway (bf16 weights and activations; e2m1 times a power-of-two scale; e4m3fn values, and e4m3fn
 // times a power-of-two scale), products exact in fp32, pairs summed into 16 fp32 lanes; an fp8 weight's float32
 // block scale is applied once per 128-k block sum. Other rows take the AVX-512 float32 path. vdpbf16ps treats
 // bf16 subnormals as zero: fp4 blocks with scale bytes 0 or 1 (weights below 2^-126) are decoded 2^64 larger and
 // their sums scaled back, so only results (and partial sums) below 2^-126 differ from the reference's subnormals.
-// Amx (moe_gemm_amx.cpp, chosen only by STATIC_MOE_CPU_ISA=amx) multiplies the same bf16 operands with AMX tiles:
+// Amx (expert_gemm_amx.cpp, chosen only by STATIC_MOE_CPU_ISA=amx) multiplies the same bf16 operands with AMX tiles:
 // each output one fp32 sum through K, unit by unit; fp8 weights fold per 128-k block as on the fold path.
 //
 // A operand: the GEMM reads float32 (or, on Avx512Bf16, bf16) rows in a "lane layout" that depends on the ISA and,
@@ -73,7 +73,7 @@ struct OutRows {
 //   weights; and of `group` for fp8 x); x_scale: the float32 group scales from the one covering column c0 (fp8
 //   only). Returns the form:
 //   false  float32: ((float*)row)[c] for the k columns, in the ISA's lane layout (a fixed permutation within each
-//          32-column unit for fp4 weights, see moe_gemm_impl.h): x.float() (bf16) or e4m3fn(x)·scale rounded once
+//          32-column unit for fp4 weights, see expert_gemm_impl.h): x.float() (bf16) or e4m3fn(x)·scale rounded once
 //          in fp32 (fp8), exactly as the reference
 //   true   bf16: ((uint16_t*)row)[c], the dot-product layout (Avx512Bf16 and Amx only, any weight format, in the
 //          order its decode of fp4 and fp8 weights produces within each 32- or 64-column piece, when every value
@@ -104,7 +104,7 @@ class PreparedRows {
   float* base_;
 };
 
-// The bf16-form rows of one GEMM operand interleaved for Isa::Amx's tiles (moe_gemm_amx.cpp): groups of 16 rows;
+// The bf16-form rows of one GEMM operand interleaved for Isa::Amx's tiles (expert_gemm_amx.cpp): groups of 16 rows;
 // for each group and 32-k unit, 16 words (k pairs, in the prepared lane order) × the group's rows, 1 KiB, 64-byte
 // aligned — the layout of a tile's B operand, so each tile load reads it as it is. Built once per operand (pack),
 // read by every expert_gemm_rows call over those rows, from any thread.
@@ -132,7 +132,7 @@ class TileRows {
 bool expert_gemm_rows(Isa isa, const float* const* a, const uint8_t* a_bf16, int64_t m, const ExpertWeight& w,
                       int64_t n0, int64_t n1, const OutRows& out, const TileRows* tiles = nullptr);
 
-// The same, one instruction set each (defined in moe_gemm_<isa>.cpp; dispatch in moe_gemm.cpp). The float32-only
+// The same, one instruction set each (defined in expert_gemm_<isa>.cpp; dispatch in expert_gemm_plan.cpp). The float32-only
 // instances take float32 rows.
 namespace scalar {
 void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);

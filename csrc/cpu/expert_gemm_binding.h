@@ -1,6 +1,6 @@
 // Torch-side glue shared by the CPU bindings of expert_gemm and local_experts (csrc/cpu/expert_gemm.cpp,
 // csrc/cpu/local_experts.cpp): the ISA choice as a torch error, views of weight tensors for the torch-free GEMM
-// core (csrc/cpu/kernels/moe_gemm.h).
+// core (csrc/cpu/kernels/expert_gemm.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,7 +9,7 @@
 #include <optional>
 
 #include "checks/common.h"
-#include "cpu/kernels/moe_gemm.h"
+#include "cpu/kernels/expert_gemm.h"
 #include "cpu/simd.h"
 
 namespace static_moe {

@@ -1,5 +1,5 @@
-// Instruction-set dispatch of the expert GEMM (moe_gemm.h). Compiled for baseline x86-64.
-#include "cpu/kernels/moe_gemm.h"
+// Instruction-set dispatch of the expert GEMM (expert_gemm.h). Compiled for baseline x86-64.
+#include "cpu/kernels/expert_gemm.h"
 
 #include <algorithm>
 

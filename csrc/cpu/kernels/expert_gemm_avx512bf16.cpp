@@ -35,7 +35,7 @@
 //              differ from the float32 path's q·s rounding, within the reference tolerance; a product a·q below
 //              2^-126, which vdpbf16ps flushes, needs an activation within 2^9 of the bf16 normal floor). The
 //              fold costs 12 vfmadd per 48 vdpbf16ps and a second set of accumulators.
-//   activations  rows prepared as bf16 when exact (see prepare_activation in moe_gemm.h), others float32 for the
+//   activations  rows prepared as bf16 when exact (see prepare_activation in expert_gemm.h), others float32 for the
 //            AVX-512 path; a GEMM splits its rows by form.
 // Lane layout of a 32-k unit: natural for bf16 weights; for fp4, position w holds column fp4_column(w) (the order
 // the shifts produce); for fp8, position w of the line's unit v holds column fp8_column(v, w) of the line (the
@@ -51,13 +51,13 @@
 #include <vector>
 
 #include "cpu/kernels/cast.h"
-#include "cpu/kernels/moe_gemm.h"
+#include "cpu/kernels/expert_gemm.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c,bmi,bmi2")
 
 #include "cpu/kernels/bf16_units.h"
-#include "cpu/kernels/moe_gemm_impl.h"
+#include "cpu/kernels/expert_gemm_impl.h"
 
 namespace static_moe {
 namespace cpu {

@@ -17,12 +17,12 @@
 #include <cstdint>
 
 #include "cpu/kernels/cast.h"
-#include "cpu/kernels/moe_gemm.h"
+#include "cpu/kernels/expert_gemm.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2")
 
-#include "cpu/kernels/moe_gemm_impl.h"
+#include "cpu/kernels/expert_gemm_impl.h"
 
 namespace static_moe {
 namespace cpu {
