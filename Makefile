@@ -13,7 +13,7 @@ QUIET_SATISFIED := { grep -v '^Requirement already satisfied' || true; }
 # Lint tools are pinned: a new release may format differently, and `make lint` is part of `make test`.
 LINT_DEPS := ruff==0.17.5 clang-format==23.1.3
 # C++/CUDA sources under clang-format.
-CXX_SOURCES = $(shell find csrc bench/micro tests/cuda_host tests/asan -name '*.h' -o -name '*.cpp' -o -name '*.cu' \
+CXX_SOURCES = $(shell find csrc bench/micro tests/cuda/host tests/asan -name '*.h' -o -name '*.cpp' -o -name '*.cu' \
                 -o -name '*.cuh' | sort)
 
 .PHONY: all venv build test lint format asan mutate demo bench clean

@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 SAMPLE_HZ = 4000
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reading perf's output (pure functions: tests/test_bench_smoke.py holds them to canned perf text).
+# Reading perf's output (pure functions: tests/project/test_bench_smoke.py holds them to canned perf text).
 
 PLACES = ("expert-GEMM kernels", "static_moe, other", "OpenMP runtime", "torch", "Python", "OS", "other")
 _KERNEL_SYMBOL = re.compile(r"dot_|panel|expert_gemm_rows|slow_fp4|fp8_|fp4_|tile_")  # tile_*: the amx kernel

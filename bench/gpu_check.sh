@@ -2,7 +2,7 @@
 # One-command GPU check of the CUDA backend (about 3-5 minutes on one H200):
 #   1. environment: nvidia-smi, a CUDA build of torch that sees the GPU
 #   2. build static_moe._C in place against that torch, for this GPU's architecture only (sm_90a on Hopper)
-#   3. parity tests: tests/gpu/test_cuda_parity.py (a missing CUDA kernel is a failure here, not a skip)
+#   3. parity tests: tests/cuda/gpu/test_cuda_parity.py (a missing CUDA kernel is a failure here, not a skip)
 #   4. microbenchmark: bench/bench_cuda.py --quick (table + bench/results/bench_cuda.json)
 # Every step prints a banner; the first failure stops the script with "GPU CHECK FAILED: <why>" and exit code 1.
 #
@@ -51,8 +51,8 @@ assert not missing, f"no CUDA kernel registered for {missing}"
 print("CUDA kernels registered for every op")
 EOF
 
-banner "parity tests (tests/gpu/test_cuda_parity.py)"
-STATIC_MOE_REQUIRE_CUDA=1 "$PY" -m pytest -q -x -p no:cacheprovider tests/gpu/test_cuda_parity.py \
+banner "parity tests (tests/cuda/gpu/test_cuda_parity.py)"
+STATIC_MOE_REQUIRE_CUDA=1 "$PY" -m pytest -q -x -p no:cacheprovider tests/cuda/gpu/test_cuda_parity.py \
   || fail "CUDA parity tests failed"
 
 banner "microbenchmark (bench/bench_cuda.py ${BENCH_ARGS---quick})"

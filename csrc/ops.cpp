@@ -68,7 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
      py::arg("x"), py::arg("x_scale"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("w13"),
      py::arg("w13_scale"), py::arg("w2"), py::arg("w2_scale"), py::arg("expert_offset"), py::arg("swiglu_limit"),
      py::arg("fp8_max"), py::arg("op") = "local_experts", py::arg("weight_layout") = "eoi");
-  // Test hooks: the CPU kernels' exact float32 -> e4m3fn / bf16 casts, elementwise (tests/test_swiglu_and_cast.py
+  // Test hooks: the CPU kernels' exact float32 -> e4m3fn / bf16 casts, elementwise (tests/ops/test_swiglu_and_cast.py
   // compares them with torch's casts bit for bit).
   m.def("_cast_e4m3fn", [](const at::Tensor& x) {
     TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "_cast_e4m3fn: x must be a CPU float32 tensor");

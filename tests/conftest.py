@@ -1,7 +1,7 @@
 """Shared test fixtures: a deterministic seed per test id, a CUDA skip helper, and the hypothesis profile.
 
 Every test starts with torch's global RNG seeded from its node id, so a failure reproduces alone
-(``pytest tests/test_x.py::test_y[case]``) and cases do not depend on run order. Hypothesis runs derandomized
+(``pytest tests/ops/test_x.py::test_y[case]``) and cases do not depend on run order. Hypothesis runs derandomized
 (fixed example sequence per test) with no deadline; set ``STATIC_MOE_HYPOTHESIS_RANDOM=1`` to explore new examples.
 """
 

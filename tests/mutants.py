@@ -24,12 +24,12 @@ class Mutant:
     why: str = ""
 
 
-EG = "tests/test_expert_gemm.py"
-LE = "tests/test_local_experts.py"
-SW = "tests/test_swiglu_and_cast.py"
-PK = "tests/test_pack_rows.py"
-BL = "tests/test_expert_gemm_blocking.py"
-TE = "tests/test_transformers_experts.py"
+EG = "tests/ops/test_expert_gemm.py"
+LE = "tests/ops/test_local_experts.py"
+SW = "tests/ops/test_swiglu_and_cast.py"
+PK = "tests/ops/test_pack_rows.py"
+BL = "tests/ops/test_expert_gemm_blocking.py"
+TE = "tests/integrations/test_transformers_experts.py"
 TE_FILE = "python/static_moe/integrations/transformers_experts.py"
 
 MUTANTS = [
@@ -67,7 +67,7 @@ MUTANTS = [
            (EG, "-k", "test_matches_reference"), why="every output within the loose bound; ~50 % of bits change"),
     Mutant("cast: e4m3fn ties round half up", "csrc/cpu/kernels/cast.h",
            "  const uint32_t rounded = a + 0x7FFFFu + ((a >> 20) & 1u);", "  const uint32_t rounded = a + 0x80000u;",
-           ("tests/test_formats.py", "-k", "e4m3fn_encode")),
+           ("tests/formats/test_formats.py", "-k", "e4m3fn_encode")),
     # ---------------------------------------------------------------- expert GEMM, per ISA level
     Mutant("scalar: fp4 decode drops the sign of even k", "csrc/cpu/kernels/expert_gemm_scalar.cpp",
            "    lo = kE2m1[q & 0xF] * *s;", "    lo = kE2m1[q & 0x7] * *s;",
@@ -81,7 +81,7 @@ MUTANTS = [
     Mutant("avx512: fp8 NaN codes given the exponent of a finite fp16 number", "csrc/cpu/kernels/expert_gemm_avx512.cpp",
            "t = _mm512_mask_add_epi16(t, nan, t, _mm512_set1_epi16(0x4000));",
            "t = _mm512_mask_add_epi16(t, nan, t, _mm512_set1_epi16(0x3C00));",
-           ("tests/test_expert_gemm_codes.py", "-k", "weight_code and avx512 and not avx512bf16"),
+           ("tests/ops/test_expert_gemm_codes.py", "-k", "weight_code and avx512 and not avx512bf16"),
            why="0x3F80 + 0x3C00 = 0x7B80: 61440, finite, where NaN is due"),
     Mutant("avx512bf16: fp4 table entry -6 reads -5", "csrc/cpu/kernels/bf16_units.h",
            "0xC0C0,\n    0x0000", "0xC0A0,\n    0x0000",
@@ -107,14 +107,14 @@ MUTANTS = [
     Mutant("avx512bf16: fp8 activation codes 0x01-0x07 (subnormal) decoded as normal ones",
            "csrc/cpu/kernels/expert_gemm_avx512bf16.cpp",
            "_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8))", "_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(1))",
-           ("tests/test_expert_gemm_codes.py", "-k", "activation_code and avx512bf16")),
+           ("tests/ops/test_expert_gemm_codes.py", "-k", "activation_code and avx512bf16")),
     Mutant("avx512bf16: fp8 pow2 range one exponent too low", "csrc/cpu/kernels/bf16_units.h",
            "constexpr uint32_t kFp8Pow2Low = 10;", "constexpr uint32_t kFp8Pow2Low = 9;",
-           ("tests/test_expert_gemm_codes.py", "-k", "few_row_paths and avx512bf16"),
+           ("tests/ops/test_expert_gemm_codes.py", "-k", "few_row_paths and avx512bf16"),
            why="2^-118 makes the subnormal codes bf16 subnormals, which vdpbf16ps reads as zero"),
     Mutant("avx512bf16: fp8 NaN code scaled like a number", "csrc/cpu/kernels/bf16_units.h",
            "const bool keep = v == 0 || c == 0x7F;", "const bool keep = v == 0;",
-           ("tests/test_expert_gemm_codes.py", "-k", "avx512bf16")),
+           ("tests/ops/test_expert_gemm_codes.py", "-k", "avx512bf16")),
     Mutant("amx: fp4 weight rows with scale bytes 0, 1 or 253 taken by the tiles", "csrc/cpu/kernels/expert_gemm_amx.cpp",
            "static_cast<unsigned>(rows_fast<1>(&s, w.k / kFp4WeightBlock))", "static_cast<unsigned>(true)",
            (EG, "-k", "extreme_scale_bytes_bitwise and amx"),
@@ -124,7 +124,7 @@ MUTANTS = [
            (EG, "-k", "test_matches_reference and amx")),
     Mutant("amx: a second pass over the rows (past 80) writes the first pass's outputs", "csrc/cpu/kernels/expert_gemm_amx.cpp",
            "const int64_t r0 = (g0 + g) * kTile;", "const int64_t r0 = g * kTile;",
-           ("tests/test_expert_gemm_blocking.py", "-k", "past_one_tile_pass and amx")),
+           ("tests/ops/test_expert_gemm_blocking.py", "-k", "past_one_tile_pass and amx")),
     Mutant("all ISAs: second chunk of fp8 weight scales read from the first", "csrc/cpu/kernels/expert_gemm_impl.h",
            "V::fp8_scales(static_cast<const float*>(r.s) + kc / kFp8WeightBlock,",
            "V::fp8_scales(static_cast<const float*>(r.s),",
@@ -151,15 +151,15 @@ MUTANTS = [
     # ---------------------------------------------------------------- forward (python/static_moe/ops/forward.py)
     Mutant("forward: shared expert output dropped", "python/static_moe/ops/forward.py",
            "            out = out + shared_output.float()", "            out = out + 0 * shared_output.float()",
-           ("tests/test_forward.py", "-k", "s1_matches_reference")),
+           ("tests/ops/test_forward.py", "-k", "s1_matches_reference")),
     # ---------------------------------------------------------------- workspace (python/static_moe/workspace.py)
     Mutant("workspace: manifest compared on the first and last rank only", "python/static_moe/workspace.py",
            "        values = [m[key] for m in manifests]",
            "        values = [m[key] for m in (manifests[0], manifests[-1])]",
-           ("tests/test_workspace.py", "-k", "middle_rank"), why="only rank 1 of 3 differs"),
+           ("tests/layer/test_workspace.py", "-k", "middle_rank"), why="only rank 1 of 3 differs"),
     Mutant("workspace: held-workspace flag left out of the manifest", "python/static_moe/workspace.py",
            '            "holds workspace": key in self._by_key,', '            "holds workspace": False,',
-           ("tests/test_workspace.py", "-k", "middle_rank")),
+           ("tests/layer/test_workspace.py", "-k", "middle_rank")),
     # ---------------------------------------------------------------- transformers experts interface
     Mutant("experts interface: interleaved gate/up rows swapped", TE_FILE,
            "            gu = torch.cat((gu[:, 0::2], gu[:, 1::2]), dim=1)",
@@ -176,11 +176,11 @@ MUTANTS = [
     # ---------------------------------------------------------------- NKI kernels
     Mutant("nki swiglu: NaN amax turned into a finite scale again", "nki_kernels/swiglu_and_cast.py",
            "    nisa.tensor_tensor(dst=s_t[0:p, :], data1=s_t[0:p, :], data2=poison[0:p, :], op=nl.add)\n", "",
-           ("tests/test_nki_swiglu_and_cast.py", "-k", "nonfinite")),
+           ("tests/nki/test_nki_swiglu_and_cast.py", "-k", "nonfinite")),
     Mutant("nki local_experts: kernel ignores fp8_max", "nki_kernels/local_experts.py",
            '"fp8" if fp8 else "bf16", group if fp8 else 128, fp8_max)',
            '"fp8" if fp8 else "bf16", group if fp8 else 128, 240.0)',
-           ("tests/test_nki_local_experts.py", "-k", "trn3")),
+           ("tests/nki/test_nki_local_experts.py", "-k", "trn3")),
     # ---------------------------------------------------------------- NKI interpreter
     Mutant("interpreter: float -> int rounds half up", "tools/nki_interpreter/isa.py",
            "        v = np.where(np.isnan(v), 0.0, np.rint(v))",
@@ -193,5 +193,5 @@ MUTANTS = [
     Mutant("interpreter: max reduction drops NaN", "tools/nki_interpreter/isa.py",
            '"maximum": np.maximum, "minimum": np.minimum,\n          "logical_and"',
            '"maximum": np.fmax, "minimum": np.minimum,\n          "logical_and"',
-           ("tests/test_nki_swiglu_and_cast.py", "-k", "nonfinite")),
+           ("tests/nki/test_nki_swiglu_and_cast.py", "-k", "nonfinite")),
 ]

@@ -21,7 +21,7 @@ constexpr int64_t kMinColumnChunk = 128;
 
 // Chunk boundaries [0, b1, …, n] for `threads` threads: each chunk half of one thread's share of the columns left,
 // rounded down to a multiple of 128 and held to [128, 512]. A column's bits do not depend on where its chunk starts
-// (tests/test_expert_gemm.py::test_invariance_across_column_chunkings).
+// (tests/ops/test_expert_gemm.py::test_invariance_across_column_chunkings).
 inline std::vector<int64_t> column_chunk_bounds(int64_t n, int threads) {
   std::vector<int64_t> bounds{0};
   while (bounds.back() < n) {

@@ -1,5 +1,5 @@
 // The CUDA expert GEMM (SPEC §1.6), device side: tile configuration, per-thread stage loaders and fragment code
-// (__host__ __device__, so tests/cuda_host/ runs them on the CPU against the reference), and the kernel.
+// (__host__ __device__, so tests/cuda/host/ runs them on the CPU against the reference), and the kernel.
 //
 // Shape of the work: decode MoE, so A has few rows per expert (1..128) and the weights dominate the bytes. The
 // kernel streams each weight tile through shared memory once per tile of 32 rows and is built to be bound by

@@ -1,5 +1,5 @@
 // Per-row pieces of the local_experts route and combine kernels (local_experts.cu), __host__ __device__ so that
-// tests/cuda_host/ runs the same code on the CPU.
+// tests/cuda/host/ runs the same code on the CPU.
 #pragma once
 
 #include <climits>
@@ -101,7 +101,7 @@ __host__ __device__ inline void combine_row(const uint16_t* d, int64_t hidden, c
 
 // ---------------------------------------------------------------------------------------------------------------
 // Argument wiring of the five stages over the workspace (ws = nullptr leaves the workspace pointers null, for
-// checking the caller's operands only). Host code; the emulation in tests/cuda_host/ uses it too.
+// checking the caller's operands only). Host code; the emulation in tests/cuda/host/ uses it too.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T>
 inline T* ws_part(uint8_t* ws, int64_t offset) {

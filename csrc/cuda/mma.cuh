@@ -6,7 +6,7 @@
 //   m16n8k32 e4m3: A regs {(g, 4t..4t+3), (g+8, 4t..4t+3), (g, 4t+16..4t+19), (g+8, 4t+16..4t+19)};
 //                  B regs {(k 4t..4t+3, n g), (k 4t+16..4t+19, n g)}; byte 0 = lowest k.
 //   C/D (both):    {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)} as (row, col), fp32.
-// tests/cuda_host/ emulates exactly these layouts on the CPU.
+// tests/cuda/host/ emulates exactly these layouts on the CPU.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +22,7 @@ namespace cuda {
 #endif
 
 // ---------------------------------------------------------------------------------------------------------------
-// cp.async (global -> shared, asynchronous; sm_80+). On the host (the CPU emulation in tests/cuda_host/) the same
+// cp.async (global -> shared, asynchronous; sm_80+). On the host (the CPU emulation in tests/cuda/host/) the same
 // calls are plain copies, so the stage loaders are shared code.
 // ---------------------------------------------------------------------------------------------------------------
 

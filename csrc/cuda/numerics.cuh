@@ -1,7 +1,7 @@
 // Exact number-format conversions used by the CUDA kernels (SPEC §1), torch-free.
 //
-// Every function here is __host__ __device__, so tests/cuda_host/ runs the very same code on the CPU and checks it
-// bit for bit against torch (tests/test_cuda_host.py), even where no GPU is present.
+// Every function here is __host__ __device__, so tests/cuda/host/ runs the very same code on the CPU and checks it
+// bit for bit against torch (tests/cuda/test_cuda_host.py), even where no GPU is present.
 //
 //   e4m3fn pair     -> bf16 pair   exact (every e4m3 value is a bf16 value), via the fp16 route of cuda_fp8.h
 //   e2m1 nibble     -> bf16        exact, from the bits (no table)

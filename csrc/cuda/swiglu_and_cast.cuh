@@ -1,4 +1,4 @@
-// Element math of swiglu_and_cast (SPEC §1.4-1.5), __host__ __device__ so tests/cuda_host/ checks it on the CPU:
+// Element math of swiglu_and_cast (SPEC §1.4-1.5), __host__ __device__ so tests/cuda/host/ checks it on the CPU:
 //
 //   g = gate, u = up (fp32); with a limit L: g = min(g, L), u = clamp(u, -L, L)
 //   v = ((g · sigmoid(g)) · u) · w            (the reference's rounding order; sigmoid = 1 / (1 + exp(-g)))

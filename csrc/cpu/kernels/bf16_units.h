@@ -62,7 +62,7 @@ constexpr int fp4_column(int w) { return 4 * (w % 8) + w / 8; }
 //     chunk is decoded into the panel: 16 rows 164-171 with vpsrlvw there, 172-177 with this (same runs).
 // Intel SDM, VPSRLVW (AVX512BW): each word of the first source shifted right, zeros in, by the count in the same
 // word of the second; VPMULTISHIFTQB: control byte j of a qword selects the 8 bits from bit offset (ctrl & 63) of
-// the same qword. The blocking tests (tests/test_expert_gemm_blocking.py) hold the two decodes to the same bits.
+// the same qword. The blocking tests (tests/ops/test_expert_gemm_blocking.py) hold the two decodes to the same bits.
 struct Fp4Shifts {
   alignas(64) uint16_t c[32];
   constexpr Fp4Shifts() : c() {
@@ -208,7 +208,7 @@ struct Fp8Decoder {
     const __m512i c = _mm512_loadu_si512(p);
     // Intel SDM, VPERMI2B (zmm): in each index byte bit 6 picks the table and bits 5:0 the byte; bit 7, the sign,
     // is ignored. The lane order (fp8_column) and every code's value are checked against torch's float8_e4m3fn
-    // cast by tests/test_expert_gemm_codes.py.
+    // cast by tests/ops/test_expert_gemm_codes.py.
     const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
     // | c & 0x80: the sign bit (e4m3fn and bf16 are both sign-magnitude)
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c,

@@ -1,5 +1,5 @@
 // Exact scalar conversions between float32 and the narrow formats of SPEC §1, torch-free and branch-light so that
-// loops over them auto-vectorise. Each matches torch's own conversion bit for bit (tests/test_swiglu_and_cast.py
+// loops over them auto-vectorise. Each matches torch's own conversion bit for bit (tests/ops/test_swiglu_and_cast.py
 // sweeps them against torch over many floats through the kernels that use them):
 //   float -> float8_e4m3fn   round-to-nearest-even; saturating like torch's cast: |x| > 464 (the midpoint above
 //                            448) and inf give +-448 (0x7E), NaN gives 0x7F with the input's sign

@@ -33,7 +33,7 @@ from .numeric import calc_diff
 
 VOCAB, PROMPT, STEPS = 128, 6, 4
 # calc_diff bound of a match: bf16 static_moe against the eager model, fp8 against the eager model holding the
-# dequantized weights (the bound of tests/test_transformers.py).
+# dequantized weights (the bound of tests/integrations/test_transformers.py).
 TOLERANCE = 1e-4
 # The same small shapes for every family; a key is passed only when the family's config has it. Attention and
 # MLA sizes keep every projection tiny; first_k_dense_replace / decoder_sparse_step / mlp_only_layers make every

@@ -195,3 +195,15 @@ def poisoned_swiglu_input(where: str, value: float, rows=5, inter=256, seed=0):
         else:
             bad_gu[r, c + (inter if where == "up" else 0)] = value
     return bad_gu, bad_w, gate_up, w
+
+
+def as_padding(a: torch.Tensor, a_scale: torch.Tensor | None, rows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Copies of activations A ``[R, K]`` and their scales ``[R, K/g]`` (or None) whose ``rows`` (a bool mask or
+    an index over R) hold what a gathered buffer's padding rows hold (SPEC §1.8): 0xFF in every byte, which is NaN
+    in bf16, e4m3fn and fp32. A kernel that reads such a row where it must not shows it in its output."""
+    a = a.clone()
+    a.view(torch.uint8)[rows] = 0xFF
+    if a_scale is not None:
+        a_scale = a_scale.clone()
+        a_scale.view(torch.uint8)[rows] = 0xFF
+    return a, a_scale

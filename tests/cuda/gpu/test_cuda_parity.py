@@ -7,7 +7,7 @@ tests skip too, unless STATIC_MOE_REQUIRE_CUDA=1 (bench/gpu_check.sh sets it), w
 STATIC_MOE_PARITY_DEVICE=cpu runs the same parity cases against the CPU backend instead: a self-check of this file
 on machines without a GPU (the GPU-only tests still skip).
 
-Run: ``python -m pytest -q tests/gpu/test_cuda_parity.py`` (bench/gpu_check.sh does, after building).
+Run: ``python -m pytest -q tests/cuda/gpu/test_cuda_parity.py`` (bench/gpu_check.sh does, after building).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def assert_close_no_pow2(out, ref, what):
     """fp8 out without power-of-two scales: the scale is amax / fp8_max itself and inherits the last-bit rounding
     of silu, which differs between any two exp implementations (GPU expf vs torch's CPU sigmoid), so scales are held
     to 2^-20 relative instead of bitwise; values within one fp8 step; >= 99.9 % bytes equal (the rule the CPU
-    kernel's tests apply, tests/test_swiglu_and_cast.py)."""
+    kernel's tests apply, tests/ops/test_swiglu_and_cast.py)."""
     (q, s), (rq, rs) = out, ref
     assert q.dtype == rq.dtype and q.shape == rq.shape and s.shape == rs.shape, what
     assert bool(((s - rs).abs() <= 2.0**-20 * rs.abs()).all()), f"{what}: scales differ beyond 2^-20 relative"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import static_moe
 from static_moe import reference
 from static_moe.formats import quantize_activation
-from static_moe.testing.generators import FORMAT_PAIRS, FP8_SCALE_KINDS, random_weight
+from static_moe.testing.generators import FORMAT_PAIRS, FP8_SCALE_KINDS, as_padding, random_weight
 from static_moe.testing.numeric import (assert_equal, assert_gemm_bitwise, assert_gemm_close,
                                         assert_rejected_untouched)
 
@@ -25,16 +25,6 @@ def _activations(rows, k, act, group, gen, scale=1.0, pow2=True):
     if act == "bf16":
         return x.to(torch.bfloat16), None
     return quantize_activation(x, group, pow2_scale=pow2)
-
-
-def _poison_rows(a, a_scale, rows):
-    """Fill rows of A with 0xFF bytes (bf16 / fp8 NaN) and their scales with NaN: what padding looks like."""
-    a = a.clone()
-    a.view(torch.uint8)[rows] = 0xFF
-    if a_scale is not None:
-        a_scale = a_scale.clone()
-        a_scale[rows] = float("nan")
-    return a, a_scale
 
 
 def _poison_other_experts(b, b_scale, keep):
@@ -85,7 +75,7 @@ def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p
     b, b_s = random_weight(num_experts, n, k, wf, gen, fp8_scales)
     mask = torch.rand(rows, generator=gen) < mask_p
     ref = reference.expert_gemm(a, a_s, b, b_s, mask, expert)
-    a, a_s = _poison_rows(a, a_s, ~mask)
+    a, a_s = as_padding(a, a_s, ~mask)
     b, b_s = _poison_other_experts(b, b_s, expert)
     out = static_moe.expert_gemm(a, a_s, b, b_s, mask, expert)
     what = f"{cpu_isa} {act}x{wf} g={group} R={rows} K={k} N={n} e={expert}/{num_experts} fp8 scales {fp8_scales}"

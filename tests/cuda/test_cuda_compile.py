@@ -19,40 +19,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from static_moe.testing.toolchain import find_cuda_include, find_nvcc
+
+ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 KERNELS = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
 BINDINGS = sorted(p.name for p in CUDA_DIR.glob("*.cpp"))
 ARCHS = ["90a", "80"]
-
-
-def find_nvcc() -> str | None:
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        home = os.environ.get(var)
-        if home and (Path(home) / "bin" / "nvcc").exists():
-            return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
-
-
-def find_cuda_include(nvcc: str) -> Path | None:
-    """The directory holding cuda_runtime_api.h (nvcc on PATH may be a wrapper script outside the toolkit)."""
-    candidates = []
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidates.append(Path(os.environ[var]) / "include")
-    candidates += [Path(nvcc).resolve().parents[1] / "include", Path("/usr/local/cuda/include")]
-    try:  # ask nvcc where its toolkit is (works through wrapper scripts)
-        out = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", "/dev/null", "-o", "/dev/null"],
-                             capture_output=True, text=True, timeout=60).stderr
-        for line in out.splitlines():
-            if line.startswith("#$ TOP="):
-                candidates.insert(0, Path(line.split("=", 1)[1].strip()) / "include")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    for c in candidates:
-        if (c / "cuda_runtime_api.h").exists():
-            return c
-    return None
 
 
 NVCC = find_nvcc()

@@ -23,7 +23,7 @@ from static_moe.formats import dequantize_weight, quantize_weight
 from static_moe.nki import dispatch, shim
 from static_moe.nki_kernels.expert_gemm import expert_gemm_kernel
 from static_moe.reference import expert_gemm as ref_expert_gemm
-from static_moe.testing.generators import FORMAT_PAIRS, make_activations
+from static_moe.testing.generators import FORMAT_PAIRS, as_padding, make_activations
 from static_moe.testing.numeric import assert_equal, assert_gemm_bitwise, assert_gemm_close
 
 # Our interpreter accumulates matmuls in fp32 in k order and rounds like the reference, so its results are the
@@ -41,20 +41,10 @@ def _weights(num_local, n, k, fmt, seed, scale=1.0):
     return quantize_weight(torch.randn(num_local, n, k, generator=g) * scale / k**0.5, fmt)
 
 
-def _poison_rows(a, a_scale, mask):
-    """Masked rows become what a gathered buffer's padding holds: 0xFF bytes (NaN in bf16 / e4m3fn / fp32)."""
-    a = a.clone()
-    a.view(torch.uint8)[~mask] = 0xFF
-    if a_scale is not None:
-        a_scale = a_scale.clone()
-        a_scale.view(torch.uint8)[~mask] = 0xFF
-    return a, a_scale
-
-
 def _run_and_check(act, wfmt, group, rows, k, n, mask, skip, seed, scale=1.0, what=""):
     b, b_s = _weights(3, n, k, wfmt, seed, scale)
     a, a_s = make_activations(rows, k, act, group=group, seed=seed + 1, scale=scale)
-    a, a_s = _poison_rows(a, a_s, mask)
+    a, a_s = as_padding(a, a_s, ~mask)
     ref = ref_expert_gemm(a, a_s, b, b_s, mask, 2)
     out = dispatch.expert_gemm(a, a_s, b, b_s, mask, 2, skip_unrouted=skip)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
@@ -235,7 +225,7 @@ def _run_eio(target, act, wfmt, group, rows, k, n, mask, skip, seed, scale=1.0, 
     b, b_s = _weights(3, n, k, wfmt, seed, scale)
     be, bse = _prepared(b, b_s, target)
     a, a_s = make_activations(rows, k, act, group=group, seed=seed + 1, scale=scale)
-    a, a_s = _poison_rows(a, a_s, mask)
+    a, a_s = as_padding(a, a_s, ~mask)
     ref = ref_expert_gemm(a, a_s, be, bse, mask, 2, weight_layout="eio")  # the same prepared bytes
     with interpreter.target(target):
         out = _eio(a, a_s, be, bse, mask, 2, skip)
@@ -295,7 +285,7 @@ def test_trn3_mx_path_falls_back_exactly_for_non_pow2_activation_scales(wfmt, gr
     odd = a_s.clone()
     odd[rows // 2] *= 1.37  # a masked row: does not count
     for scales, mx in ((odd, True), (a_s * torch.where(torch.arange(rows) == rows - 1, 1.37, 1.0)[:, None], False)):
-        aa, ss = _poison_rows(a, scales, mask) if not mx else (a, scales)
+        aa, ss = as_padding(a, scales, ~mask) if not mx else (a, scales)
         ref = ref_expert_gemm(aa, ss, be, bse, mask, 1, weight_layout="eio")
         with interpreter.target("trn3"):
             out = _eio(aa, ss, be, bse, mask, 1)
@@ -322,7 +312,7 @@ def test_eio_packed_weights_at_decode_rows_take_the_group_path(target, act, wfmt
     a, a_s = make_activations(rows, k, act, group=32, seed=12)
     mask = torch.ones(rows, dtype=torch.bool)
     mask[rows // 2] = rows == 1
-    a, a_s = _poison_rows(a, a_s, mask)
+    a, a_s = as_padding(a, a_s, ~mask)
     ref = ref_expert_gemm(a, a_s, be, bse, mask, 1, weight_layout="eio")
     with interpreter.target(target):
         out = _eio(a, a_s, be, bse, mask, 1)

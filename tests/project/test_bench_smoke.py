@@ -21,7 +21,7 @@ from static_moe.testing.generators import (FORMAT_PAIRS, MODEL_SHAPES, make_acti
 from static_moe.testing.machine import MachineLimits
 from static_moe.testing.numeric import calc_diff
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
 """The CUDA kernels' arithmetic, checked on the CPU (no GPU needed, only nvcc).
 
 csrc/cuda/numerics.cuh, swiglu_and_cast.cuh and the fragment / scale / epilogue code of expert_gemm.cuh are
-__host__ __device__. tests/cuda_host/emulate.cu runs them thread by thread on the CPU, with cp.async replaced by
+__host__ __device__. tests/cuda/host/emulate.cu runs them thread by thread on the CPU, with cp.async replaced by
 copies and mma.sync by an emulation written from the PTX fragment layouts (independent of the kernel code), and
 these tests compare the results with the reference ops at SPEC §2 tolerances — bit for bit for the conversions.
-What this cannot see: the GPU-only glue (pipeline waits, block scans, the route kernel); tests/gpu/ covers those.
+What this cannot see: the GPU-only glue (pipeline waits, block scans, the route kernel); tests/cuda/gpu/ covers those.
 """
 
 from __future__ import annotations
@@ -20,16 +20,10 @@ import torch
 
 from static_moe import formats, reference
 from static_moe.testing.generators import make_activations
+from static_moe.testing.toolchain import find_nvcc
 from static_moe.testing.numeric import assert_equal, assert_gemm_close, assert_swiglu_close
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def find_nvcc() -> str | None:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 NVCC = find_nvcc()
@@ -40,7 +34,7 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_H
 def emulator(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cuda_host") / "emulate"
     cmd = [NVCC, "-std=c++17", "-O2", "-arch=sm_80", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror",
-           "-I", str(ROOT / "csrc"), str(ROOT / "tests" / "cuda_host" / "emulate.cu"), "-o", str(out)]
+           "-I", str(ROOT / "csrc"), str(ROOT / "tests" / "cuda" / "host" / "emulate.cu"), "-o", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, f"building the emulator failed:\n{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
     return out

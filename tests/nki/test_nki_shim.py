@@ -17,7 +17,7 @@ import torch
 from nki_interpreter import isa as nisa
 from nki_interpreter import language as nl
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def _run(code: str, cwd: Path, pythonpath: list[str]) -> subprocess.CompletedProcess:

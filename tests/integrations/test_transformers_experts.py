@@ -1,6 +1,6 @@
 """static_moe through transformers' ExpertsInterface: the flags of ``@use_experts_implementation`` (transposed,
 interleaved), the SwiGLU clamp, the refusals, conversion once per module, and on small experts classes built here;
-tests/test_transformers_experts_families.py runs every family of the installed transformers."""
+tests/integrations/test_transformers_experts_families.py runs every family of the installed transformers."""
 
 from __future__ import annotations
 

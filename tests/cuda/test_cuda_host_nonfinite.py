@@ -1,5 +1,5 @@
 """swiglu_and_cast's contract for non-finite inputs (SPEC §1.5) on the CUDA kernel's row code, run on the CPU by
-the emulator of tests/cuda_host (see test_cuda_host.py): a NaN / inf v dequantizes to NaN, the rest of its group
+the emulator of tests/cuda/host (see test_cuda_host.py): a NaN / inf v dequantizes to NaN, the rest of its group
 to NaN or ±0, every other group bitwise as without it — the same check as the CPU, reference and NKI tests."""
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "python" / "static_moe"
-KERNELS = Path(__file__).resolve().parents[1] / "nki_kernels"  # static_moe.nki_kernels (setup.py's package_dir)
+PACKAGE = Path(__file__).resolve().parents[2] / "python" / "static_moe"
+KERNELS = Path(__file__).resolve().parents[2] / "nki_kernels"  # static_moe.nki_kernels (setup.py's package_dir)
 REFERENCE = "static_moe.reference"
 NOT_PRODUCTION = ("reference", "testing", "demo.py")  # first path part under static_moe/
 

@@ -1,4 +1,4 @@
-// CPU emulation of the CUDA kernels' per-thread code, for tests/test_cuda_host.py (no GPU needed).
+// CPU emulation of the CUDA kernels' per-thread code, for tests/cuda/test_cuda_host.py (no GPU needed).
 //
 // The stage loaders, fragment loaders, decoders, scale application and epilogue of csrc/cuda/expert_gemm.cuh are
 // __host__ __device__: this program runs them for every thread of a CTA, and replaces the two things only a GPU
