@@ -112,7 +112,7 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     # The demo checks its own output against the executable spec, so it imports the reference; no production
-    # module does (tests/test_package_boundaries.py).
+    # module does (tests/project/test_package_boundaries.py).
     from . import reference
     from .module import StaticMoE
     from .ops.forward import PHASE_PREFIX, PHASES

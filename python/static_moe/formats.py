@@ -2,7 +2,7 @@
 
 Everything here runs on whatever device its inputs live on and is exact where the SPEC says so: power-of-two
 scales come from the float's bits, e4m3fn casts are torch's round-to-nearest-even, and e2m1 rounding is done
-with explicit tie-to-even thresholds (checked bit for bit against ml_dtypes in tests/test_formats.py).
+with explicit tie-to-even thresholds (checked bit for bit against ml_dtypes in tests/formats/test_formats.py).
 
 Layouts (all "EOI": [experts, out, in] as nn.Linear stores weights):
     fp8 weight  float8_e4m3fn [..., N, K]      scales float32 [..., N, K/128]
