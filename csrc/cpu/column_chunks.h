@@ -11,11 +11,8 @@ namespace cpu {
 
 // Columns are handed out in chunks, first come first served, so a thread that streams faster does more of them.
 // Chunks start at 512 columns (fewer chunk starts, each a prefetch run-in) and shrink towards 128 as the columns
-// left run out, so that the threads finish close together. With eight chunks of 512 (V4-Flash gate/up on two
-// threads) the one that finished first waited up to a chunk at the loop's end; bench/bench_profile.py put 20 % of
-// a one-row call's thread time (16 rows: 9 %) in the OpenMP runtime, 13 % (6 %) with these chunks. Measured
-// (two threads, weights from DRAM, N = K = 4096, the two schedules alternating in one process, best of 21-31):
-// 1 / 4 / 16 rows 0.92-0.97 / 0.91-0.97 / 0.96-1.02 of the time of eight chunks of 512.
+// left run out, so that the threads finish close together: with chunks of one size, the thread that finished first
+// would wait up to a whole chunk at the loop's end.
 constexpr int64_t kColumnChunk = 512;
 constexpr int64_t kMinColumnChunk = 128;
 

@@ -4,8 +4,9 @@
 //   1. the active rows are the set bits of row_mask; only they are read (masked rows may hold NaN / 0xFF);
 //   2. they are converted once to the GEMM's operand form (float32, or bf16 where exact) and lane layout (OpenMP
 //      over rows);
-//   3. the expert's N weight rows are cut in chunks of columns that the OpenMP threads take as they go, so each
-//      weight byte is streamed once, by one thread, and decoded on the fly for every active row;
+//   3. the GEMM is planned once (kernel and path per row form, csrc/cpu/kernels/expert_gemm_plan.h); the expert's N
+//      weight rows are cut in chunks of columns that the OpenMP threads take as they go, each running the plan, so
+//      each weight byte is streamed once, by one thread, and decoded on the fly for every active row;
 //   4. masked rows stay exact zeros.
 #include <ATen/ATen.h>
 #include <omp.h>
@@ -19,6 +20,7 @@
 #include "checks/expert_gemm.h"
 #include "cpu/column_chunks.h"
 #include "cpu/kernels/expert_gemm.h"
+#include "cpu/kernels/expert_gemm_plan.h"
 #include "cpu/expert_gemm_binding.h"
 
 namespace {
@@ -73,8 +75,9 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
                                         a32.row(i));
   }
 
-  cpu::TileRows tiles;  // Isa::Amx: the bf16 rows in its tiles' layout, once for every chunk
-  if (isa == cpu::Isa::Amx) tiles.pack(a_rows.data(), a_bf16.data(), m, K);
+  const cpu::ExpertGemmPlan plan = cpu::plan_expert_gemm(isa, w.format, a_bf16.data(), m);
+  cpu::TileRows tiles;  // the bf16 rows in the AMX tiles' layout, once for every chunk
+  if (plan.uses_tiles()) tiles.pack(a_rows.data(), a_bf16.data(), m, K);
 
   cpu::OutRows o;
   o.kind = cpu::OutKind::StoreBf16;
@@ -87,7 +90,7 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   int bad_scale = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(| : bad_scale)
   for (int64_t c = 0; c < chunks; ++c) {
-    if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w, bounds[c], bounds[c + 1], o, &tiles))
+    if (!cpu::run_expert_gemm(plan, a_rows.data(), a_bf16.data(), w, bounds[c], bounds[c + 1], o, &tiles))
       bad_scale = 1;
   }
   TORCH_CHECK_VALUE(!bad_scale, op, ": b_scale of expert ", expert,

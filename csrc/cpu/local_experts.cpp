@@ -5,7 +5,8 @@
 //             row's top-k weights whose id is e's global id; rows / slots naming other ids are never read further
 //   prepare   every routed row of x -> the GEMM operand form (float32, or bf16 where exact) and lane layout, once
 //             (OpenMP over rows)
-//   per expert e with rows, in increasing e (experts without rows: no work, no weight reads):
+//   per expert e with rows, in increasing e (experts without rows: no work, no weight reads), each of its two
+//   GEMMs planned once (csrc/cpu/kernels/expert_gemm_plan.h) and the plan run on every chunk:
 //     for each chunk [i0, i1) of intermediate columns (whole 128-column groups), by whichever thread takes it:
 //       GEMM1  gate rows [i0, i1) and up rows [I+i0, I+i1) of W13_e -> h = bf16 [m, gate | up]  (thread-local)
 //       SwiGLU + cast of h with w (kernel of csrc/cpu/kernels/swiglu_and_cast.h; an fp8 group never straddles
@@ -28,6 +29,7 @@
 
 #include "checks/local_experts.h"
 #include "cpu/kernels/expert_gemm.h"
+#include "cpu/kernels/expert_gemm_plan.h"
 #include "cpu/expert_gemm_binding.h"
 
 // The swiglu_and_cast kernel compiled exactly as csrc/cpu/swiglu_and_cast.cpp compiles it (same options, same
@@ -175,8 +177,7 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
     std::vector<const float*> a_rows(M);
     std::vector<uint8_t> a_bf16(M);
     std::vector<void*> out_rows(M);
-    cpu::TileRows tiles;  // Isa::Amx: this expert's GEMM operand in its tiles' layout (each thread packs its own)
-    const bool amx = isa == cpu::Isa::Amx;
+    cpu::TileRows tiles;  // this expert's GEMM operand in the AMX tiles' layout (each thread packs its own)
 
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < n_routed; ++p) {
@@ -195,7 +196,8 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         a_rows[i] = xf.row(rt.slot_of[rt.rows[b + i]]);
         a_bf16[i] = xf_bf16[rt.slot_of[rt.rows[b + i]]];
       }
-      if (amx) tiles.pack(a_rows.data(), a_bf16.data(), m, H);
+      const cpu::ExpertGemmPlan plan1 = cpu::plan_expert_gemm(isa, wf, a_bf16.data(), m);
+      if (plan1.uses_tiles()) tiles.pack(a_rows.data(), a_bf16.data(), m, H);
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t c = 0; c < n_inter_chunks; ++c) {
         const int64_t i0 = c * kInterChunk, i1 = std::min(I, i0 + kInterChunk), It = i1 - i0;
@@ -204,9 +206,9 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         o.kind = cpu::OutKind::StoreBf16;
         o.rows = out_rows.data();
         o.col0 = i0;  // gate rows [i0, i1) -> h[i][0, It)
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w1, i0, i1, o, &tiles)) bad13 = 1;
+        if (!cpu::run_expert_gemm(plan1, a_rows.data(), a_bf16.data(), w1, i0, i1, o, &tiles)) bad13 = 1;
         o.col0 = I + i0 - It;  // up rows [I+i0, I+i1) -> h[i][It, 2It)
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w1, I + i0, I + i1, o, &tiles)) bad13 = 1;
+        if (!cpu::run_expert_gemm(plan1, a_rows.data(), a_bf16.data(), w1, I + i0, I + i1, o, &tiles)) bad13 = 1;
 
         cpu::SwigluParams sp;
         sp.rows = m;
@@ -238,7 +240,8 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         for (int64_t c = 1; c < n_inter_chunks; ++c) mixed_z |= zfe_bf16[i * n_inter_chunks + c] != a_bf16[i];
         out_rows[i] = acc_base + rt.rows[b + i] * H;
       }
-      if (amx && !mixed_z) tiles.pack(a_rows.data(), a_bf16.data(), m, I);
+      const cpu::ExpertGemmPlan plan2 = cpu::plan_expert_gemm(isa, wf, a_bf16.data(), m);
+      if (plan2.uses_tiles() && !mixed_z) tiles.pack(a_rows.data(), a_bf16.data(), m, I);
       cpu::OutRows o;
       o.kind = cpu::OutKind::AddBf16ToF32;
       o.rows = out_rows.data();
@@ -246,8 +249,8 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t c = 0; c < n_hidden_chunks; ++c) {
         if (mixed_z) continue;  // never happens (see zf_bf16); reported below rather than computed wrongly
-        if (!cpu::expert_gemm_rows(isa, a_rows.data(), a_bf16.data(), m, w2e, c * kHiddenChunk,
-                                   std::min(H, (c + 1) * kHiddenChunk), o, &tiles)) {
+        if (!cpu::run_expert_gemm(plan2, a_rows.data(), a_bf16.data(), w2e, c * kHiddenChunk,
+                                  std::min(H, (c + 1) * kHiddenChunk), o, &tiles)) {
           bad2 = 1;
         }
       }

@@ -85,9 +85,9 @@ inline bool select_isa(Isa* isa, const char** error) {
   const char* env = std::getenv("STATIC_MOE_CPU_ISA");
   // Amx is never the default: a row's bits may not depend on how many rows a call has (batch invariance), so one
   // kernel must serve every row count (TDPBF16PS sums a unit in an order no vdpbf16ps kernel reproduces:
-  // bench/micro/amx_tiles.cpp), and on both AMX hosts measured (docs/backends/cpu.md) the tiles ran local_experts
-  // at decode sizes, one or two rows per expert, 1.4-2.6x slower than avx512bf16 (expert_gemm 2.1-4.6x faster at
-  // 16 and 64 rows). STATIC_MOE_CPU_ISA=amx chooses it for batches that are large per expert.
+  // bench/micro/amx_tiles.cpp), and the tiles are slower than avx512bf16 at decode sizes, one or two rows per
+  // expert, and faster from 16 rows per expert (docs/backends/cpu.md). STATIC_MOE_CPU_ISA=amx chooses it for
+  // batches that are large per expert.
   *isa = best == Isa::Amx ? Isa::Avx512Bf16 : best;
   if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return true;
   Isa want;

@@ -54,12 +54,10 @@ constexpr int fp4_column(int w) { return 4 * (w % 8) + w / 8; }
 
 // Two ways to the same 32 vpermw indices from the broadcast bytes (the low 5 bits of each word: the column's nibble
 // and, as bit 4, the next nibble's low bit, which the doubled table ignores), so both decodes give the same words:
-//   vpsrlvw by 4L for the words of lane L, where the weights go straight into vdpbf16ps: this core does not issue
-//     vpmultishiftqb alongside vdpbf16ps (bench/micro/issue_rates.cpp: interleaved, a pair takes 2 cycles, with
-//     vpsrlvw 1.2-1.4; a 4 × 4 fp4 block from L1 21.1 -> 17.3 cycles per unit, bf16 weights 16.5). Measured
-//     (bench/micro, one core, weights in L2): one row 67 -> 77 GFLOP/s, four rows 147 -> 166-169.
+//   vpsrlvw by 4L for the words of lane L, where the weights go straight into vdpbf16ps: vpmultishiftqb does not
+//     issue alongside vdpbf16ps, vpsrlvw does (bench/micro/issue_rates.cpp measures both).
 //   vpmultishiftqb (AVX512_VBMI: each index byte takes the 8 bits at its own offset within its qword), where a
-//     chunk is decoded into the panel: 16 rows 164-171 with vpsrlvw there, 172-177 with this (same runs).
+//     chunk is decoded into the panel, apart from the products.
 // Intel SDM, VPSRLVW (AVX512BW): each word of the first source shifted right, zeros in, by the count in the same
 // word of the second; VPMULTISHIFTQB: control byte j of a qword selects the 8 bits from bit offset (ctrl & 63) of
 // the same qword. The blocking tests (tests/ops/test_expert_gemm_blocking.py) hold the two decodes to the same bits.
@@ -97,8 +95,7 @@ inline __m512i fp4_panel_unit(const uint8_t* row, int64_t k0, __m512i lut) {
 // The fast path's 32-entry tables for every scale byte b in [2, 252]: kE2m1Bf16 with (b - 127) << 7 added to the
 // exponent field of its non-zero entries (16 KiB; the few bytes a checkpoint uses stay in L1). vpermw reads the
 // block's table straight from memory, so a unit's decode is one load, one index instruction and one vpermw, with no
-// per-unit scale broadcast and add (one row, hot, one core: 1.06 -> 0.98 ns per 32 weights; the same tables, so the
-// same bits).
+// per-unit scale broadcast and add.
 struct Fp4Tables {
   alignas(64) uint16_t v[256][32];
   constexpr Fp4Tables() : v() {
@@ -193,10 +190,7 @@ inline const Fp8Bytes& fp8_scaled_bytes(const float* scale_row, int64_t k0) {
 constexpr int fp8_column(int v, int w) { return 16 * (w / 8) + 8 * v + w % 8; }
 
 // The four halves of one Fp8Bytes, in registers: on the fold path loaded once per block of weight rows, on the
-// pow2 path once per 1×128 block of a row. Measured (bench/micro, one row, one core) against the earlier decode of
-// each 32 codes by two vpermt2w over 16-bit tables and a blend: 40 -> 68 GFLOP/s hot, 17 -> 24 GB/s from DRAM;
-// two cores read at the stream's rate with either; 16 and 64 rows (the panel path, one decode per chunk for all
-// rows) unchanged.
+// pow2 path once per 1×128 block of a row.
 struct Fp8Decoder {
   __m512i lo0, lo1, hi0, hi1;
   explicit Fp8Decoder(const Fp8Bytes& t = kFp8Bytes)

@@ -6,9 +6,10 @@
 // float32 1×128 scales, or fp4 e2m1 (two per byte, low nibble = even k) with UE8M0 1×32 scales. It is decoded on
 // the fly, one unit (a few dozen k of one weight row) at a time, straight into registers, and used there by a block
 // of up to MR activation rows × NR weight rows of accumulators (more rows: the NR weight rows, still in L1, are
-// decoded again per row block, or, on Avx512Bf16 with fp4 / fp8 weights, decoded once per 512-k chunk into a bf16
-// panel in L1 that every row block reads) — never a whole weight tensor. The next NR weight rows and their scales are
-// prefetched one block ahead, so one core keeps enough DRAM reads in flight.
+// decoded again per row block, or decoded once per 512-k chunk into a panel in L1 that every row block reads) —
+// never a whole weight tensor. Which kernel, blocking and path a call takes is decided once, by plan_expert_gemm
+// (expert_gemm_plan.h). The next NR weight rows and their scales are prefetched one block ahead, so one core keeps
+// enough DRAM reads in flight.
 //
 // Numerics: every operand is decoded to float32 exactly as formats.py dequantizes it (fp8: q·s rounded once in
 // fp32; fp4: e2m1 · 2^(b-127), exact), so products are those of the reference. Each output is one W-lane fp32
@@ -81,14 +82,14 @@ struct OutRows {
 //          e4m3fn(x)·scale is a normal bf16 number — the float32 value itself)
 // The form depends only on the row's own values, so a row's arithmetic never depends on other rows; when a row is
 // prepared in pieces, every piece must come back with the same form. Rows of one GEMM may mix both forms (pass
-// the flags to expert_gemm_rows).
+// the flags to plan_expert_gemm and run_expert_gemm, or to expert_gemm_rows).
 bool prepare_activation(Isa isa, WeightFormat wf, ActFormat af, const void* x, const float* x_scale, int64_t group,
                         int64_t c0, int64_t k, float* row);
 
 // Room for `rows` prepared rows of k columns. Each row starts on a 64-byte line (a vector load never straddles two
 // lines) and rows are k + 16 floats apart, one line more than k: with a stride of k floats (a multiple of 4 KiB at
 // model sizes) the MR rows of a GEMM block would sit in one L1 set at every column, and evict each other and the
-// streamed weight lines (measured: ~30% of the bf16 dot-product rate at 16+ rows).
+// streamed weight lines.
 class PreparedRows {
  public:
   PreparedRows(int64_t rows, int64_t k)
@@ -107,7 +108,7 @@ class PreparedRows {
 // The bf16-form rows of one GEMM operand interleaved for Isa::Amx's tiles (expert_gemm_amx.cpp): groups of 16 rows;
 // for each group and 32-k unit, 16 words (k pairs, in the prepared lane order) × the group's rows, 1 KiB, 64-byte
 // aligned — the layout of a tile's B operand, so each tile load reads it as it is. Built once per operand (pack),
-// read by every expert_gemm_rows call over those rows, from any thread.
+// read by every run of the GEMM over those rows, from any thread.
 class TileRows {
  public:
   // Packs the rows a[i] with a_bf16[i] != 0 (all rows where a_bf16 is null), in order, k columns each (a
@@ -129,32 +130,10 @@ class TileRows {
 // callers split [0, N) across threads. Returns false if an fp4 UE8M0 scale byte it read was 255 (NaN); the outputs
 // are then meaningless. Isa::Amx reads the bf16-form rows from `tiles` (packed from the same a, a_bf16, m and w.k)
 // where given, and packs them itself where not (correct, but a cost per call).
+// This is plan_expert_gemm then run_expert_gemm (expert_gemm_plan.h) in one call; a caller that runs many column
+// ranges over the same rows makes the plan once and runs it on each.
 bool expert_gemm_rows(Isa isa, const float* const* a, const uint8_t* a_bf16, int64_t m, const ExpertWeight& w,
                       int64_t n0, int64_t n1, const OutRows& out, const TileRows* tiles = nullptr);
-
-// The same, one instruction set each (defined in expert_gemm_<isa>.cpp; dispatch in expert_gemm_plan.cpp). The float32-only
-// instances take float32 rows.
-namespace scalar {
-void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);
-bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&);
-}  // namespace scalar
-namespace avx2 {
-void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);
-bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&);
-}  // namespace avx2
-namespace avx512 {
-void prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, float*);
-bool expert_gemm_rows(const float* const*, int64_t, const ExpertWeight&, int64_t, int64_t, const OutRows&);
-}  // namespace avx512
-namespace avx512bf16 {
-bool prepare_activation(WeightFormat, ActFormat, const void*, const float*, int64_t, int64_t, int64_t, float*);
-bool expert_gemm_rows(const float* const*, const uint8_t*, int64_t, const ExpertWeight&, int64_t, int64_t,
-                      const OutRows&);
-}  // namespace avx512bf16
-namespace amx {  // prepare_activation: avx512bf16's (the same lane layout)
-bool expert_gemm_rows(const float* const*, const uint8_t*, int64_t, const ExpertWeight&, int64_t, int64_t,
-                      const OutRows&, const TileRows*);
-}  // namespace amx
 
 }  // namespace cpu
 }  // namespace static_moe

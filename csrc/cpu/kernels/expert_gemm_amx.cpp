@@ -1,5 +1,6 @@
-// AMX instance of the expert GEMM (Isa::Amx): the bf16 products of the avx512bf16 path (the same exact decodes,
-// bf16_units.h, and the same prepared activation rows), multiplied by the tile unit instead of vdpbf16ps.
+// AMX instance of the expert GEMM (Isa::Amx, GemmKernel::Tiles): the bf16 products of the avx512bf16 path (the same
+// exact decodes, bf16_units.h, and the same prepared activation rows), multiplied by the tile unit instead of
+// vdpbf16ps.
 //
 //   tiles   A: 16 weight rows × one 32-k unit, decoded to bf16 into a 1 KiB buffer (bf16 weights: loaded straight
 //           from the weight rows, stride = row stride); B: the unit's 16 k pairs × up to 16 activation rows of one
@@ -36,6 +37,7 @@
 
 #include "cpu/kernels/cast.h"
 #include "cpu/kernels/expert_gemm.h"
+#include "cpu/kernels/expert_gemm_plan.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c,bmi,bmi2,amx-tile,amx-bf16")
@@ -66,11 +68,8 @@ static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
 // The tile layout of a pass: one weight block × NG (1 … 5) groups of activation rows. tmm0 A (nr weight rows);
 // tmm1 / tmm2 B of a full group / of the last; tmm3 + g C(g). last: the last group's rows (its B and C tiles are
 // 4·last bytes wide). One weight block at a time: TDPBF16PS into the C tile the previous one wrote issues as fast
-// as into another (on the 2026-12-03 AMX host, 5.1-5.3 ns either way for a 16 × 16 × 32 product,
-// bench/micro/amx_tiles.cpp), and two or three blocks at once (up to 48 weight streams and A buffers) were slower
-// from DRAM: with one, bench_kernel_ab --isa amx --cold, two threads, N = K = 4096, time now / before: 1, 4, 16
-// rows (three blocks before) fp8 0.65-0.75, bf16 0.88-1.0, fp4 0.92-0.97; 24, 32 rows (two before) fp8 0.85-0.89,
-// bf16 0.89-1.03, fp4 0.97-1.03 (weights in L3, one core: 1.02-1.09 for fp4 and fp8 there, bf16 0.92).
+// as into another (bench/micro/amx_tiles.cpp), so a second block in flight would only add weight streams and
+// A buffers.
 inline TileConfig tile_config(int ng, int nr, int last) {
   TileConfig c;
   auto set = [&](int t, int rows, int colsb) {
@@ -190,8 +189,8 @@ struct Block {
 // fp8 weights (Fold): per 128-k block the C tiles sum the block alone, and each (weight row, row) folds it in with
 // the row's scale, acc = fma(block, s, acc), as the avx512bf16 fold path and the reference's per-block sum do: the
 // scale is applied once per block, not per weight. Every fp8 row, power-of-two scales too: one path for all rows
-// (no block split by kind of scales), and decoding with the scale's own byte tables (avx512bf16's pow2 path) gained
-// nothing here (V4-Flash w13, 16 rows, two threads: 2.45 ms with them, 2.50 ms on the fold, runs minutes apart).
+// (no block split by kind of scales); decoding with the scale's own byte tables (avx512bf16's pow2 path) gains
+// nothing measurable on the tiles.
 template <int NG>
 inline void fold_block(const ExpertWeight& w, const Block& blk, int64_t kb, const float (*c)[kTile][kTile],
                        float (*acc)[kTile][kTile]) {
@@ -295,10 +294,11 @@ void tile_blocks(const TileRows& t, const ExpertWeight& w, const std::vector<Blo
   }
 }
 
-// The t.rows() bf16 rows (prepared rows a, outputs through out) × weight rows [n0, n1).
+// The t.rows() bf16 rows (prepared rows a, outputs through out) × weight rows [n0, n1); the weight rows the tiles
+// leave go to `fallback` (the avx512bf16 kernel's plan for these rows).
 template <WeightFormat F>
-bool tile_gemm(const float* const* a, const TileRows& t, const ExpertWeight& w, int64_t n0, int64_t n1,
-               const OutRows& out) {
+bool tile_gemm(const RowsPlan& fallback, const float* const* a, const TileRows& t, const ExpertWeight& w, int64_t n0,
+               int64_t n1, const OutRows& out) {
   const int64_t m = t.rows();
   // The weight blocks with rows for the tiles; a block's other rows are left for the avx512bf16 kernel below.
   std::vector<Block> blocks;
@@ -316,14 +316,13 @@ bool tile_gemm(const float* const* a, const TileRows& t, const ExpertWeight& w, 
   if (all) return true;
   // Rows the tiles do not take, in runs of consecutive weight rows: the avx512bf16 kernel, for all rows (its
   // bits, whatever the neighbours).
-  std::vector<uint8_t> ones(static_cast<size_t>(m), 1);
   bool ok = true;
   int64_t run = -1;
   for (int64_t n = n0; n <= n1; ++n) {
     const bool taken = n < n1 && !(left[(n - n0) / kTile] >> ((n - n0) % kTile) & 1u);
     if (!taken && n < n1 && run < 0) run = n;
     if ((taken || n == n1) && run >= 0) {
-      ok = avx512bf16::expert_gemm_rows(a, ones.data(), m, w, run, n, out) && ok;
+      ok = avx512bf16::run(fallback.path, a, m, w, run, n, out) && ok;
       run = -1;
     }
   }
@@ -334,27 +333,19 @@ bool tile_gemm(const float* const* a, const TileRows& t, const ExpertWeight& w, 
 
 namespace amx {
 
-bool expert_gemm_rows(const float* const* a, const uint8_t* a_bf16, int64_t m, const ExpertWeight& w, int64_t n0,
-                      int64_t n1, const OutRows& out, const TileRows* tiles) {
-  if (m <= 0 || n1 <= n0) return true;
-  // float32 rows take the AVX-512 float32 path, as on avx512bf16; the bf16 rows (tiles: those rows, packed) the tiles.
-  auto on_tiles = [&](const float* const* r, int64_t n, const OutRows& o) {
-    TileRows own;
-    if (tiles == nullptr) {
-      own.pack(r, nullptr, n, w.k);
-      tiles = &own;
-    }
-    switch (w.format) {
-      case WeightFormat::Fp4: return tile_gemm<WeightFormat::Fp4>(r, *tiles, w, n0, n1, o);
-      case WeightFormat::Fp8: return tile_gemm<WeightFormat::Fp8>(r, *tiles, w, n0, n1, o);
-      case WeightFormat::Bf16: break;
-    }
-    return tile_gemm<WeightFormat::Bf16>(r, *tiles, w, n0, n1, o);
-  };
-  return by_row_form(
-      a, a_bf16, m, out,
-      [&](const float* const* r, int64_t n, const OutRows& o) { return avx512::expert_gemm_rows(r, n, w, n0, n1, o); },
-      on_tiles);
+bool run(const RowsPlan& fallback, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+         const OutRows& out, const TileRows* tiles) {
+  TileRows own;
+  if (tiles == nullptr) {
+    own.pack(a, nullptr, m, w.k);
+    tiles = &own;
+  }
+  switch (w.format) {
+    case WeightFormat::Fp4: return tile_gemm<WeightFormat::Fp4>(fallback, a, *tiles, w, n0, n1, out);
+    case WeightFormat::Fp8: return tile_gemm<WeightFormat::Fp8>(fallback, a, *tiles, w, n0, n1, out);
+    case WeightFormat::Bf16: break;
+  }
+  return tile_gemm<WeightFormat::Bf16>(fallback, a, *tiles, w, n0, n1, out);
 }
 
 }  // namespace amx

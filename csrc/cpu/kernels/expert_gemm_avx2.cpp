@@ -13,6 +13,7 @@
 
 #include "cpu/kernels/cast.h"
 #include "cpu/kernels/expert_gemm.h"
+#include "cpu/kernels/expert_gemm_plan.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2")
@@ -24,6 +25,7 @@ namespace cpu {
 namespace {
 
 struct V256 {
+  static constexpr Isa kIsa = Isa::Avx2;
   using vec = __m256;
   static constexpr int W = 8;
   static constexpr int kMR = 4;
@@ -100,9 +102,9 @@ void prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
   prepare_activation_impl<V256::W>(wf, af, x, x_scale, group, k, out);
 }
 
-bool expert_gemm_rows(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                      const OutRows& out) {
-  return GemmKernels<V256>::run(a, m, w, n0, n1, out);
+bool run(RowPath path, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+         const OutRows& out) {
+  return GemmKernels<V256>::run(path, a, m, w, n0, n1, out);
 }
 
 }  // namespace avx2

@@ -18,6 +18,7 @@
 
 #include "cpu/kernels/cast.h"
 #include "cpu/kernels/expert_gemm.h"
+#include "cpu/kernels/expert_gemm_plan.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2")
@@ -29,6 +30,7 @@ namespace cpu {
 namespace {
 
 struct V512 {
+  static constexpr Isa kIsa = Isa::Avx512;
   using vec = __m512;
   static constexpr int W = 16;
   static constexpr int kMR = 4;
@@ -103,9 +105,9 @@ void prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
   prepare_activation_impl<V512::W>(wf, af, x, x_scale, group, k, out);
 }
 
-bool expert_gemm_rows(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                      const OutRows& out) {
-  return GemmKernels<V512>::run(a, m, w, n0, n1, out);
+bool run(RowPath path, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+         const OutRows& out) {
+  return GemmKernels<V512>::run(path, a, m, w, n0, n1, out);
 }
 
 }  // namespace avx512

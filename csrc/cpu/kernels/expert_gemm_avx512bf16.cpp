@@ -36,7 +36,8 @@
 //              2^-126, which vdpbf16ps flushes, needs an activation within 2^9 of the bf16 normal floor). The
 //              fold costs 12 vfmadd per 48 vdpbf16ps and a second set of accumulators.
 //   activations  rows prepared as bf16 when exact (see prepare_activation in expert_gemm.h), others float32 for the
-//            AVX-512 path; a GEMM splits its rows by form.
+//            AVX-512 path: run_expert_gemm splits a GEMM's rows by form (expert_gemm_plan.h), and this kernel
+//            (GemmKernel::Dot) reads the bf16 ones.
 // Lane layout of a 32-k unit: natural for bf16 weights; for fp4, position w holds column fp4_column(w) (the order
 // the shifts produce); for fp8, position w of the line's unit v holds column fp8_column(v, w) of the line (the
 // order the byte unpacks produce); activations are permuted the same way.
@@ -52,6 +53,7 @@
 
 #include "cpu/kernels/cast.h"
 #include "cpu/kernels/expert_gemm.h"
+#include "cpu/kernels/expert_gemm_plan.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c,bmi,bmi2")
@@ -64,28 +66,24 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kChunk = 512;   // k per prepared chunk of fp4 scales (16 blocks)
-// Blocking: MR activation rows × NR weight rows of accumulators (24 of the 32 zmm registers). Each decoded weight
-// unit serves MR rows, so a larger MR spends less decode per vdpbf16ps: 6 × 4 ran ~6% faster than 4 × 6 at 16 and
-// 64 rows (fp4, V4-Flash w13, one thread, same run).
+// Blocking: MR activation rows × NR weight rows of accumulators, 6 × 4 = 24 of the 32 zmm registers. Each decoded
+// weight unit serves MR rows, so a larger MR spends less decode per vdpbf16ps.
 constexpr int kMR = 6;            // activation rows per block
 constexpr int kNR = 4;            // weight rows per block
 constexpr int kNR1 = 4;           // weight rows per block when there is one activation row
 // fp8 weights keep two accumulators per (row, weight row) (the running sum and the 128-k block's): a smaller
-// block, so that both sets stay in the 32 zmm registers next to the decode table.
+// block, 4 × 3 × 2 = 24 zmm, so that both sets stay in the 32 zmm registers next to the decode table.
 constexpr int kMRFp8 = 4;
 constexpr int kNRFp8 = 3;
-// fp4 with more than kMR rows (the decoded-panel path, dot_panel_fp4): blocks of 4 rows × kNRPanel weight rows read
-// the panel; 4 beat 6 at 16 rows (4 + 4 + 4 + 4 against 6 + 6 + 4: +4 %) and tied at 64 (one thread, weights in L2).
-// fp8 with more than kMRFp8 rows takes panels of kNRPanel weight rows on the pow2 path and of kNRFp8 on the fold.
-// 6 weight rows (24 accumulators) against 4 (16; pow2 fp8: 3, 12), bench_kernel_ab, N = K = 4096, AMD Zen 5 (two
-// vdpbf16ps a cycle): fp4 16 / 64 rows 0.97-1.00 / 0.87-0.90 of the time on one core from L3, 0.96 / 0.90 on two
-// from DRAM; pow2 fp8 0.88 / 0.76-0.78 on one core (a 12-accumulator block has as many chains as the two pipes
-// times the 6-cycle latency, no slack).
+static_assert(kMR == kDotBlockRows && kMRFp8 == kDotFp8BlockRows,
+              "plan_expert_gemm takes the panel (RowPath::Panel) above these row counts");
+// The decoded-panel path (RowPath::Panel): blocks of kMRPanel rows × kNRPanel weight rows (4 × 6 = 24
+// accumulators) read the panel of fp4 weights (dot_panel_fp4) and of fp8 weights on the pow2 path; the fold path's
+// panels hold kNRFp8 weight rows (two accumulators per output).
 constexpr int kMRPanel = 4;
 constexpr int kNRPanel = 6;
-// Software prefetches of the next weight rows go to L2 (prefetcht1), not L1: one row streams DRAM bytes at ~20 GB/s
-// per core and L2 keeps more misses in flight; measured (bench/micro, one row, cold, N = K = 4096): 10-15 % more
-// GB/s than prefetcht0 on one and on two threads (fp8 weights: 5-10 %); the same at 4 and 16 rows.
+// Software prefetches of the next weight rows go to L2 (prefetcht1), not L1: L2 keeps more misses in flight, and
+// one core streaming a weight row needs many in flight to reach DRAM bandwidth.
 constexpr int kStreamHint = 2;
 
 // fp4 scale bytes below kFp4LowByte make bf16 subnormals (e2m1 · 2^(b-127) < 2^-126), which vdpbf16ps reads as
@@ -140,11 +138,9 @@ inline __m512i decode(const uint8_t* row, int64_t k0, const uint8_t* scale_row) 
 
 // The MR activation units at k0 into av, each loaded once for all the weight rows of a block. The empty asm makes
 // each value opaque to the compiler, so it stays in a register: with 24 accumulators live (the fp8 panel's running
-// and block sums) GCC otherwise folds the load back into every vdpbf16ps, 12 + 3 loads per 12 products, and this
-// core issues one zmm load per cycle (bench/micro/issue_rates.cpp: 12 vdpbf16ps with 15 loads take 15 cycles, with
-// 7 loads 12). Measured in the fp8 panel (bench/micro, one core, weights in L2): 16 / 64 rows 117-126 -> 139-160
-// GFLOP/s, the same bits; the fp4 panel (16 accumulators) ran as fast either way. dot_block keeps its loads folded
-// into the products: held there, four rows ran ~10 % slower (fp4 and bf16 weights, same runs).
+// and block sums) GCC otherwise folds the load back into every vdpbf16ps, 12 + 3 loads per 12 products, where the
+// core issues one zmm load per cycle (bench/micro/issue_rates.cpp) — the loads, not the products, would bound the
+// block. The same bits either way. dot_block keeps its loads folded into the products, which suits it better.
 template <int MR>
 __attribute__((always_inline)) inline void load_units(const uint16_t* const* ap, int64_t k0, __m512i (&av)[MR]) {
   for (int i = 0; i < MR; ++i) {
@@ -340,9 +336,7 @@ void dot_block_fp8(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, 
         for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl, 0, kStreamHint);
       }
       // Pow2: the line's activation units held in registers, since each weight row's tables take four loads per
-      // line. Against the fold path (bench_kernel_ab): 4 rows, one core, weights in L3, 1.12 -> 0.86-0.98 of its
-      // time; one row, two cores from DRAM, 1.08-1.20 -> 0.98-1.08 (from L3 1.2-1.4: the tables' loads, which
-      // DRAM's latency hides).
+      // line.
       __m512i av0[MR], av1[MR];
       if constexpr (Pow2) {
         load_units<MR>(ap, kl, av0);
@@ -408,9 +402,7 @@ void dot_row_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, 
 // in memory between chunks (fp32 stores and loads are exact). Every accumulator sees exactly dot_block's sequence of
 // vdpbf16ps (units in increasing k, the same operands; slow chunks through the same slow_fp4_chunk), so the bits
 // are dot_block's: which path a row takes depends on the row count, and the result must not (batch invariance).
-// Measured (bench/micro/fp4_gemv.cpp, one core, weights in L2): at 16 and 64 rows the re-decodes made fp4 22-25 %
-// slower than bf16 weights (no decode); with the panel 3-8 %. The panel (bf16, [unit][weight row][32]) serves fp8
-// weights the same way (dot_panel_fp8).
+// The panel (bf16, [unit][weight row][32]) serves fp8 weights the same way (dot_panel_fp8).
 struct alignas(64) Acc {  // an accumulator parked in memory (a struct: std::vector keeps its alignment)
   __m512 v;
 };
@@ -450,7 +442,7 @@ inline void panel_rows_slow(const uint16_t* const* ap, const uint8_t* const* rq,
 }
 
 // One block of R rows (R = the runtime r, 1 <= r <= MR) of a chunk, fast or slow. Written out rather than through
-// with_rows: with the lambda, fp4 at 16 and 64 rows ran ~30 % slower (bench_kernel_ab, 2026-12-01).
+// with_rows: GCC compiles the lambda form of this loop to slower code.
 template <int NR, int MR>
 inline void panel_block(int r, bool fast, const uint16_t* const* ap, const WeightPanel<NR>& p, const uint8_t* const* rq,
                         const Fp4Chunk* ch, int64_t kc, int64_t kend, Acc* accm) {
@@ -466,10 +458,7 @@ inline void panel_block(int r, bool fast, const uint16_t* const* ap, const Weigh
 
 // A panel's prefetch of the next NR weight rows' chunk [kc, kend): their scale lines when the chunk starts, then
 // their weight lines spread over the chunk's row blocks (prefetch_next_rows: block b of nb asks for rows
-// [b·NR/nb, (b+1)·NR/nb)). Against all of them asked at the chunk's start (bench_kernel_ab, N = K = 4096, AMD Zen 4,
-// 2026-12-02, several runs): 16 rows 0.94-0.99 of the time for fp4 (6 rows, 24 weight lines a chunk) and 0.92-0.95
-// for fold-path fp8 (3 rows, 24 lines), one core from L3 or DRAM and two from DRAM; 64 rows 0.97-1.00; the pow2
-// path (6 rows, 48 lines) 0.99-1.01 on one core, 1.01-1.04 on two. docs/backends/cpu.md has the history.
+// [b·NR/nb, (b+1)·NR/nb)), so that the chunk's requests do not all leave at once while its first block runs.
 template <WeightFormat F, typename S, int NR>
 inline void prefetch_next_scales(const ExpertWeight& w, const WeightRows<S, NR>& rows, int64_t kc) {
   constexpr int64_t block = F == WeightFormat::Fp4 ? kFp4WeightBlock : kFp8WeightBlock;  // k per scale
@@ -573,9 +562,7 @@ inline void panel_block_fp8(int r, const uint16_t* const* ap, const WeightPanel<
 
 // All m rows × the NR weight rows from n, the fold path or (Pow2) the pow2 path: each 1×128 block decoded with its
 // scale's tables, so that the panel holds scaled bf16 weights that the rows read as fp4's (panel_rows), with the
-// same sequence as dot_block_fp8<MR, NR, true>. accm: room for m · NR accumulators. Measured (bench_kernel_ab,
-// N = K = 4096, pow2 scales on this path against the fold path, same process): 16 / 64 rows 0.88-0.90 / 0.81-0.83
-// of the fold path's time on one core from L3 or DRAM, 0.89-1.00 / 0.79-0.82 on two from DRAM.
+// same sequence as dot_block_fp8<MR, NR, true>. accm: room for m · NR accumulators.
 template <int NR, bool Pow2>
 void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                    bool prefetch, Acc* accm) {
@@ -612,102 +599,101 @@ void dot_panel_fp8(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
   emit_panel<NR>(out, m, n, accm);
 }
 
-// The NR weight rows from n for all m rows: the one-row kernel, the decoded panel (accm, where Panel) or blocks of
-// MR rows. All three give a row the same bits.
-template <WeightFormat F, int NR, int MR, bool Panel, bool Pow2>
+// The NR weight rows from n for all m rows on path P: the one-row kernel, the decoded panel (accm: room for m · NR
+// accumulators) or blocks of MR rows. All three give a row the same bits.
+template <WeightFormat F, int NR, int MR, RowPath P, bool Pow2>
 inline void dot_columns(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                         bool prefetch, uint32_t& bad, Acc* accm) {
-  if (m == 1) return dot_any_block<F, 1, NR, Pow2>(a, 0, w, n, out, prefetch, bad);
-  if constexpr (Panel) {
-    if (accm != nullptr) {
-      if constexpr (F == WeightFormat::Fp8) {
-        dot_panel_fp8<NR, Pow2>(a, m, w, n, out, prefetch, accm);
-      } else {
-        dot_panel_fp4<NR>(a, m, w, n, out, prefetch, bad, accm);
-      }
-      return;
+  if constexpr (P == RowPath::OneRow) {
+    dot_any_block<F, 1, NR, Pow2>(a, 0, w, n, out, prefetch, bad);
+  } else if constexpr (P == RowPath::Panel) {
+    static_assert(F != WeightFormat::Bf16, "bf16 weights need no decode, so no panel");
+    if constexpr (F == WeightFormat::Fp8) {
+      dot_panel_fp8<NR, Pow2>(a, m, w, n, out, prefetch, accm);
+    } else {
+      dot_panel_fp4<NR>(a, m, w, n, out, prefetch, bad, accm);
     }
+  } else {
+    dot_row_blocks<F, NR, MR, Pow2>(a, m, w, n, out, prefetch, bad);
   }
-  dot_row_blocks<F, NR, MR, Pow2>(a, m, w, n, out, prefetch, bad);
 }
 
 // The NR fp8 weight rows from n. Each weight row's own scales choose its path, so that a row's bits never depend on
 // how rows are blocked: all powers of two, the pow2 path for the NR rows; a panel's rows otherwise as two fold-sized
 // halves, each by its own rows' kinds (the fold keeps two sums per accumulator, so its panel has half the rows);
-// rows of both kinds (rare: a checkpoint's scales are all powers of two or mostly not) one by one.
-template <int NR, int MR, bool Panel>
+// rows of both kinds (rare: a checkpoint's scales are all powers of two or mostly not) one by one, without a panel.
+template <int NR, int MR, RowPath P>
 void dot_fp8_rows(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                   bool prefetch, uint32_t& bad, Acc* park) {
   constexpr auto F = WeightFormat::Fp8;
+  constexpr RowPath one = P == RowPath::Panel ? RowPath::Blocks : P;  // the path of a single weight row
   const unsigned pow2 = fp8_pow2_rows<NR>(w, n);
   if (pow2 == (1u << NR) - 1) {
-    dot_columns<F, NR, MR, Panel, true>(a, m, w, n, out, prefetch, bad, park);
+    dot_columns<F, NR, MR, P, true>(a, m, w, n, out, prefetch, bad, park);
   } else if constexpr (NR == kNRPanel) {
     static_assert(kNRPanel == 2 * kNRFp8, "a panel's weight rows are two fold panels'");
-    dot_fp8_rows<kNRFp8, MR, Panel>(a, m, w, n, out, true, bad, park);
-    dot_fp8_rows<kNRFp8, MR, Panel>(a, m, w, n + kNRFp8, out, prefetch, bad, park);
+    dot_fp8_rows<kNRFp8, MR, P>(a, m, w, n, out, true, bad, park);
+    dot_fp8_rows<kNRFp8, MR, P>(a, m, w, n + kNRFp8, out, prefetch, bad, park);
   } else if (pow2 == 0) {
-    dot_columns<F, NR, MR, Panel, false>(a, m, w, n, out, prefetch, bad, park);
+    dot_columns<F, NR, MR, P, false>(a, m, w, n, out, prefetch, bad, park);
   } else {
     for (int j = 0; j < NR; ++j) {
       if (pow2 >> j & 1u) {
-        dot_columns<F, 1, MR, false, true>(a, m, w, n + j, out, false, bad, nullptr);
+        dot_columns<F, 1, MR, one, true>(a, m, w, n + j, out, false, bad, nullptr);
       } else {
-        dot_columns<F, 1, MR, false, false>(a, m, w, n + j, out, false, bad, nullptr);
+        dot_columns<F, 1, MR, one, false>(a, m, w, n + j, out, false, bad, nullptr);
       }
     }
   }
 }
 
-// Groups of NR weight rows from n while whole groups fit below n1 (n ends after the last).
-template <WeightFormat F, int NR, int MR = 4>  // MR: rows per block (narrow tail blocks: 4)
+// Groups of NR weight rows from n while whole groups fit below n1 (n ends after the last), on path P with blocks
+// of MR rows.
+template <WeightFormat F, int NR, int MR, RowPath P>
 void dot_column_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t& n, int64_t n1,
                        const OutRows& out, uint32_t& bad) {
-  // fp4 and fp8 with more rows than one block: the decoded-panel path (same bits as dot_row_blocks, less decode)
-  constexpr bool panel = F == WeightFormat::Fp4   ? NR == kNRPanel && MR == kMR
-                         : F == WeightFormat::Fp8 ? (NR == kNRPanel || NR == kNRFp8) && MR == kMRFp8
-                                                  : false;
-  std::vector<Acc> accm(panel && m > MR && n + NR <= n1 ? m * NR : 0);
+  std::vector<Acc> accm(P == RowPath::Panel && n + NR <= n1 ? m * NR : 0);
   Acc* const park = accm.empty() ? nullptr : accm.data();
   for (; n + NR <= n1; n += NR) {
     const bool prefetch = n + 2 * NR <= n1;
     if constexpr (F == WeightFormat::Fp8) {
-      dot_fp8_rows<NR, MR, panel>(a, m, w, n, out, prefetch, bad, park);
+      dot_fp8_rows<NR, MR, P>(a, m, w, n, out, prefetch, bad, park);
     } else {
-      dot_columns<F, NR, MR, panel, false>(a, m, w, n, out, prefetch, bad, park);
+      dot_columns<F, NR, MR, P, false>(a, m, w, n, out, prefetch, bad, park);
     }
   }
 }
 
-template <WeightFormat F>
-bool dot_run(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1, const OutRows& out) {
+// Weight rows [n0, n1) for the m rows on path P: the widest blocks first (OneRow: kNR1 weight rows; Panel: the
+// panels, kNRPanel weight rows, and for fp8 the fold path's kNRFp8), then narrower blocks for the tail (blocks of 4
+// rows), so that few weight rows never run as a single latency-bound chain.
+template <WeightFormat F, RowPath P>
+bool dot_path(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1, const OutRows& out) {
   static_assert(kChunk % 128 == 0, "a chunk holds whole cache lines of fp4 rows");
+  constexpr RowPath tail = P == RowPath::OneRow ? RowPath::OneRow : RowPath::Blocks;
   uint32_t bad = 0;
   int64_t n = n0;
-  if (m == 1) dot_column_blocks<F, kNR1>(a, m, w, n, n1, out, bad);
+  if constexpr (P == RowPath::OneRow) dot_column_blocks<F, kNR1, 4, P>(a, m, w, n, n1, out, bad);
   if constexpr (F == WeightFormat::Fp8) {
-    if (m > kMRFp8) dot_column_blocks<F, kNRPanel, kMRFp8>(a, m, w, n, n1, out, bad);
-    dot_column_blocks<F, kNRFp8, kMRFp8>(a, m, w, n, n1, out, bad);
+    if constexpr (P == RowPath::Panel) dot_column_blocks<F, kNRPanel, kMRFp8, P>(a, m, w, n, n1, out, bad);
+    dot_column_blocks<F, kNRFp8, kMRFp8, P>(a, m, w, n, n1, out, bad);
   } else {
-    if constexpr (F == WeightFormat::Fp4) {
-      if (m > kMR) dot_column_blocks<F, kNRPanel, kMR>(a, m, w, n, n1, out, bad);
-    }
-    dot_column_blocks<F, kNR, kMR>(a, m, w, n, n1, out, bad);
+    if constexpr (P == RowPath::Panel) dot_column_blocks<F, kNRPanel, kMR, P>(a, m, w, n, n1, out, bad);
+    dot_column_blocks<F, kNR, kMR, tail>(a, m, w, n, n1, out, bad);
   }
-  dot_column_blocks<F, 2>(a, m, w, n, n1, out, bad);
-  dot_column_blocks<F, 1>(a, m, w, n, n1, out, bad);
+  dot_column_blocks<F, 2, 4, tail>(a, m, w, n, n1, out, bad);
+  dot_column_blocks<F, 1, 4, tail>(a, m, w, n, n1, out, bad);
   return bad == 0;
 }
 
-bool dot_gemm(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1, const OutRows& out) {
-  if (m <= 0 || n1 <= n0) return true;
-  const uint16_t* const* ab = reinterpret_cast<const uint16_t* const*>(a);  // rows hold bf16 (see prepare)
-  switch (w.format) {
-    case WeightFormat::Fp4: return dot_run<WeightFormat::Fp4>(ab, m, w, n0, n1, out);
-    case WeightFormat::Fp8: return dot_run<WeightFormat::Fp8>(ab, m, w, n0, n1, out);
-    case WeightFormat::Bf16: break;
+template <WeightFormat F>
+bool dot_format(RowPath path, const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+                const OutRows& out) {
+  if (path == RowPath::OneRow) return dot_path<F, RowPath::OneRow>(a, m, w, n0, n1, out);
+  if constexpr (F != WeightFormat::Bf16) {
+    if (path == RowPath::Panel) return dot_path<F, RowPath::Panel>(a, m, w, n0, n1, out);
   }
-  return dot_run<WeightFormat::Bf16>(ab, m, w, n0, n1, out);
+  return dot_path<F, RowPath::Blocks>(a, m, w, n0, n1, out);
 }
 
 // 16 e4m3fn codes -> their float32 values, exactly as e4m3fn_to_float (NaN codes 0x7F / 0xFF -> a NaN with the
@@ -804,12 +790,15 @@ bool prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
   return true;
 }
 
-bool expert_gemm_rows(const float* const* a, const uint8_t* a_bf16, int64_t m, const ExpertWeight& w, int64_t n0,
-                      int64_t n1, const OutRows& out) {
-  return by_row_form(
-      a, a_bf16, m, out,
-      [&](const float* const* r, int64_t n, const OutRows& o) { return avx512::expert_gemm_rows(r, n, w, n0, n1, o); },
-      [&](const float* const* r, int64_t n, const OutRows& o) { return dot_gemm(r, n, w, n0, n1, o); });
+bool run(RowPath path, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+         const OutRows& out) {
+  const uint16_t* const* ab = reinterpret_cast<const uint16_t* const*>(a);  // rows hold bf16 (see prepare)
+  switch (w.format) {
+    case WeightFormat::Fp4: return dot_format<WeightFormat::Fp4>(path, ab, m, w, n0, n1, out);
+    case WeightFormat::Fp8: return dot_format<WeightFormat::Fp8>(path, ab, m, w, n0, n1, out);
+    case WeightFormat::Bf16: break;
+  }
+  return dot_format<WeightFormat::Bf16>(path, ab, m, w, n0, n1, out);
 }
 
 }  // namespace avx512bf16

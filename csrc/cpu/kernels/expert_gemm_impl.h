@@ -1,7 +1,8 @@
-// Blocking driver of the expert GEMM (see expert_gemm.h), written once over a SIMD traits class V and compiled once
-// per instruction set: expert_gemm_<isa>.cpp includes this file AFTER its `#pragma GCC target`, then defines V and
-// instantiates GemmKernels<V>. Everything here has internal linkage (anonymous namespace), so the AVX-512 copy of
-// a helper can never be merged with, or called instead of, the baseline copy in another translation unit.
+// The Float32 kernel of the expert GEMM (see expert_gemm.h; expert_gemm_plan.h picks it and its RowPath), written
+// once over a SIMD traits class V and compiled once per instruction set: expert_gemm_<isa>.cpp includes this file
+// AFTER its `#pragma GCC target`, then defines V and instantiates GemmKernels<V>. Everything here has internal
+// linkage (anonymous namespace), so the AVX-512 copy of a helper can never be merged with, or called instead of, the
+// baseline copy in another translation unit.
 // Include every standard / project header this file needs BEFORE the target pragma (they must stay generic).
 //
 // V provides (W = lanes; a "unit" is U = 2W consecutive k of one weight row, decoded into two vectors lo, hi):
@@ -11,9 +12,9 @@
 //     ISA's decode_fp8 expects) or
 //     fp4_scales(src, nb, out, bad) (out = 2^(b-127), bad |= any b == 255), one chunk per kScaleChunk k of a row,
 //     so the per-unit work is vector-only (no scalar scale decode in the hot loop)
-//   kMR, kNR (blocking: MR activation rows × NR weight rows of accumulators), kNR1 (NR when there is one row),
-//   kPanelMR, kPanelNR (the blocking of rows read from a decoded panel when there are more than kMR rows; NR = 0:
-//   no panel)
+//   kIsa (the instruction set it is compiled for), kMR, kNR (blocking: MR activation rows × NR weight rows of
+//   accumulators), kNR1 (NR when there is one row), kPanelMR, kPanelNR (the blocking of rows read from a decoded
+//   panel on RowPath::Panel; NR = 0: no panel)
 // Lane layout of a unit: lanes 0..W-1 then W..2W-1 hold k0+0..W-1, k0+W..2W-1 (bf16, fp8), or the even columns
 // k0+0,2,..,2W-2 then the odd ones k0+1,3,..,2W-1 (fp4: what a nibble split of W packed bytes gives).
 #pragma once
@@ -42,30 +43,6 @@ inline void emit_output(const OutRows& out, int64_t i, int64_t n, float c) {
   } else {
     static_cast<float*>(out.rows[i])[n - out.col0] += bf16_to_float(h);
   }
-}
-
-// The m rows of one GEMM by the form prepare_activation gave each (a_bf16[i]; a_bf16 = nullptr: all float32), each
-// form through its own kernel, f32(rows, count, out) or bf16(rows, count, out), over the rows of that form in order
-// with their outputs: a row's arithmetic depends on its own form only. Returns both kernels' result.
-template <class F32, class Bf16>
-bool by_row_form(const float* const* a, const uint8_t* a_bf16, int64_t m, const OutRows& out, F32&& f32, Bf16&& bf16) {
-  int64_t n_bf16 = 0;
-  if (a_bf16 != nullptr)
-    for (int64_t i = 0; i < m; ++i) n_bf16 += a_bf16[i] != 0;
-  if (n_bf16 == 0) return f32(a, m, out);
-  if (n_bf16 == m) return bf16(a, m, out);
-  std::vector<const float*> rows[2];
-  std::vector<void*> outs[2];
-  for (int64_t i = 0; i < m; ++i) {
-    rows[a_bf16[i] != 0].push_back(a[i]);
-    outs[a_bf16[i] != 0].push_back(out.rows[i]);
-  }
-  OutRows o32 = out, o16 = out;
-  o32.rows = outs[0].data();
-  o16.rows = outs[1].data();
-  const bool ok32 = f32(rows[0].data(), static_cast<int64_t>(rows[0].size()), o32);
-  const bool ok16 = bf16(rows[1].data(), static_cast<int64_t>(rows[1].size()), o16);
-  return ok32 && ok16;
 }
 
 // Activation values -> float32 in the lane layout of W-lane units (see above; W = 1: natural order).
@@ -105,6 +82,8 @@ struct GemmKernels {
   using vec = typename V::vec;
   static constexpr int W = V::W;
   static constexpr int U = 2 * W;
+  static_assert(V::kMR == kFloat32BlockRows, "plan_expert_gemm compares the row count with this block");
+  static_assert((V::kPanelNR > 0) == float32_has_panel(V::kIsa), "plan_expert_gemm knows which kernels have a panel");
 
   // Rows of one expert weight, resolved once per block of NR weight rows.
   struct RowPtrs {
@@ -166,9 +145,8 @@ struct GemmKernels {
   // Few rows: decode each unit of NR weight rows into registers and use it at once for all MR rows. With
   // `prefetch` (set when the next NR weight rows are in the caller's range), their same lines are requested one
   // block ahead: one core alone does not keep enough DRAM reads in flight to stream the weights at full bandwidth.
-  // The weight lines go to L2 (prefetcht1), as in the avx512bf16 kernel: on the Intel host of 2026-12-03 (avx512,
-  // two cores, weights from DRAM, bench_kernel_ab) one row took 0.90 of prefetcht0's time with fp4 weights, 16 and
-  // 64 rows 0.87-0.96 (fp8 at 64 rows 1.08); the scales' small stream stays on prefetcht0.
+  // The weight lines go to L2 (prefetcht1), as in the avx512bf16 kernel: L2 keeps more misses in flight than L1;
+  // the scales' small stream stays on prefetcht0.
   template <WeightFormat F, int MR, int NR>
   static void fused_block(const float* const* a, int64_t i0, const ExpertWeight& w, int64_t n, const OutRows& out,
                           bool prefetch, uint32_t& bad_out) {
@@ -220,9 +198,8 @@ struct GemmKernels {
       for (int j = 0; j < NR; ++j) emit(out, i0 + i, n + j, V::reduce(acc[i][j]));
   }
 
-  // NR weight rows from n for all m rows: blocks of MR rows, each decoding the NR rows' units again (from L1). Where
-  // a V has a panel (panel_rows below: one decode per chunk, 0.44-0.83 of this one's time at 16 and 64 rows on
-  // avx512), only the column tails narrower than kPanelNR come here with more than kMR rows.
+  // NR weight rows from n for all m rows: blocks of MR rows, each decoding the NR rows' units again (from L1). On
+  // RowPath::Panel (panel_rows below: one decode per chunk) only the column tails narrower than kPanelNR come here.
   template <WeightFormat F, int NR>
   static void row_blocks(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                          bool prefetch, uint32_t& bad) {
@@ -309,13 +286,14 @@ struct GemmKernels {
       for (int j = 0; j < NR; ++j) emit(out, i, n + j, V::reduce(V::load(park + (i * NR + j) * W)));
   }
 
-  // Blocks of NR weight rows from n while they fit before n1 (advances n).
-  template <WeightFormat F, int NR>
+  // Blocks of NR weight rows from n while they fit before n1 (advances n): one row (OneRow) or blocks of MR rows.
+  template <WeightFormat F, int NR, RowPath P>
   static void column_blocks(const float* const* a, int64_t m, const ExpertWeight& w, int64_t& n, int64_t n1,
                             const OutRows& out, uint32_t& bad) {
+    static_assert(P == RowPath::OneRow || P == RowPath::Blocks, "panels go through panel_rows");
     for (; n + NR <= n1; n += NR) {
       const bool prefetch = n + 2 * NR <= n1;
-      if (m == 1) {
+      if constexpr (P == RowPath::OneRow) {
         fused_block<F, 1, NR>(a, 0, w, n, out, prefetch, bad);
       } else {
         row_blocks<F, NR>(a, m, w, n, out, prefetch, bad);
@@ -323,34 +301,45 @@ struct GemmKernels {
     }
   }
 
-  template <WeightFormat F>
-  static bool run_format(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                         const OutRows& out) {
+  // Weight rows [n0, n1) for the m rows on path P: the widest blocks first (Panel: kPanelNR weight rows read from a
+  // panel; OneRow: kNR1, so that one row keeps enough FMA chains in flight), then narrower blocks for the tail, so
+  // that few weight rows never run as a single latency-bound chain.
+  template <WeightFormat F, RowPath P>
+  static bool run_path(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+                       const OutRows& out) {
+    constexpr RowPath tail = P == RowPath::OneRow ? RowPath::OneRow : RowPath::Blocks;
     uint32_t bad = 0;
     int64_t n = n0;
-    if constexpr (V::kPanelNR > 0) {
-      if (m > V::kMR) {
-        constexpr int NR = V::kPanelNR;
-        std::vector<float> park(static_cast<size_t>(m) * NR * W);
-        for (; n + NR <= n1; n += NR) panel_rows<F, NR>(a, m, w, n, out, n + 2 * NR <= n1, park.data(), bad);
-      }
+    if constexpr (P == RowPath::Panel) {
+      constexpr int NR = V::kPanelNR;
+      static_assert(NR > 0, "this V has no panel");
+      std::vector<float> park(static_cast<size_t>(m) * NR * W);
+      for (; n + NR <= n1; n += NR) panel_rows<F, NR>(a, m, w, n, out, n + 2 * NR <= n1, park.data(), bad);
     }
-    // One row: more weight rows per block keep enough FMA chains in flight. Tails: narrower blocks, so that few
-    // weight rows run as a single latency-bound chain.
-    if (m == 1) column_blocks<F, V::kNR1>(a, m, w, n, n1, out, bad);
-    column_blocks<F, V::kNR>(a, m, w, n, n1, out, bad);
-    column_blocks<F, 2>(a, m, w, n, n1, out, bad);
-    column_blocks<F, 1>(a, m, w, n, n1, out, bad);
+    if constexpr (P == RowPath::OneRow) column_blocks<F, V::kNR1, tail>(a, m, w, n, n1, out, bad);
+    column_blocks<F, V::kNR, tail>(a, m, w, n, n1, out, bad);
+    column_blocks<F, 2, tail>(a, m, w, n, n1, out, bad);
+    column_blocks<F, 1, tail>(a, m, w, n, n1, out, bad);
     return bad == 0;
   }
 
-  static bool run(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+  template <WeightFormat F>
+  static bool run_format(RowPath path, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0,
+                         int64_t n1, const OutRows& out) {
+    if (path == RowPath::OneRow) return run_path<F, RowPath::OneRow>(a, m, w, n0, n1, out);
+    if constexpr (V::kPanelNR > 0) {
+      if (path == RowPath::Panel) return run_path<F, RowPath::Panel>(a, m, w, n0, n1, out);
+    }
+    return run_path<F, RowPath::Blocks>(a, m, w, n0, n1, out);
+  }
+
+  // The plan's path (expert_gemm_plan.h) over m > 0 rows and weight rows n0 < n1.
+  static bool run(RowPath path, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
                   const OutRows& out) {
-    if (m <= 0 || n1 <= n0) return true;
     switch (w.format) {
-      case WeightFormat::Bf16: return run_format<WeightFormat::Bf16>(a, m, w, n0, n1, out);
-      case WeightFormat::Fp8: return run_format<WeightFormat::Fp8>(a, m, w, n0, n1, out);
-      case WeightFormat::Fp4: return run_format<WeightFormat::Fp4>(a, m, w, n0, n1, out);
+      case WeightFormat::Bf16: return run_format<WeightFormat::Bf16>(path, a, m, w, n0, n1, out);
+      case WeightFormat::Fp8: return run_format<WeightFormat::Fp8>(path, a, m, w, n0, n1, out);
+      case WeightFormat::Fp4: return run_format<WeightFormat::Fp4>(path, a, m, w, n0, n1, out);
     }
     return true;
   }

@@ -5,6 +5,7 @@
 
 #include "cpu/kernels/cast.h"
 #include "cpu/kernels/expert_gemm.h"
+#include "cpu/kernels/expert_gemm_plan.h"
 #include "cpu/kernels/expert_gemm_impl.h"
 
 namespace static_moe {
@@ -15,6 +16,7 @@ constexpr float kE2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.
                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 struct V1 {
+  static constexpr Isa kIsa = Isa::Scalar;
   using vec = float;
   static constexpr int W = 1;
   static constexpr int kMR = 4;
@@ -66,9 +68,9 @@ void prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
   prepare_activation_impl<1>(wf, af, x, x_scale, group, k, out);
 }
 
-bool expert_gemm_rows(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
-                      const OutRows& out) {
-  return GemmKernels<V1>::run(a, m, w, n0, n1, out);
+bool run(RowPath path, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+         const OutRows& out) {
+  return GemmKernels<V1>::run(path, a, m, w, n0, n1, out);
 }
 
 }  // namespace scalar
