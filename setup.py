@@ -25,9 +25,11 @@ def _check_build_environment() -> None:
         try:
             import wheel  # noqa: F401
         except ImportError:
-            raise SystemExit(f"static_moe: setuptools {setuptools.__version__} needs the 'wheel' package to build; "
-                             "install the build requirements first (pip install 'setuptools>=70.1' ninja "
-                             "torch==2.13.0), or drop --no-build-isolation") from None
+            raise SystemExit(
+                f"static_moe: setuptools {setuptools.__version__} needs the 'wheel' package to build; "
+                "install the build requirements first (pip install 'setuptools>=70.1' ninja "
+                "torch==2.13.0), or drop --no-build-isolation"
+            ) from None
 
 
 _check_build_environment()
@@ -35,9 +37,11 @@ try:
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 except ImportError:
-    raise SystemExit("static_moe: the build needs torch (the extension compiles against it): pip install . "
-                     "installs it from pyproject.toml's build requirements; with --no-build-isolation install "
-                     "torch==2.13.0 first") from None
+    raise SystemExit(
+        "static_moe: the build needs torch (the extension compiles against it): pip install . "
+        "installs it from pyproject.toml's build requirements; with --no-build-isolation install "
+        "torch==2.13.0 first"
+    ) from None
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,14 +63,19 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
-cpu_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
-                   + glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.cpp")))
+cpu_sources = _rel(
+    glob.glob(os.path.join(ROOT, "csrc", "*.cpp"))
+    + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
+    + glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.cpp"))
+)
 cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
 link_flags = ["-fopenmp"]
 define_macros = []
 
 if _want_cuda():
-    cuda_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
+    cuda_sources = _rel(
+        glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp"))
+    )
     arch = os.environ.get("STATIC_MOE_CUDA_ARCH", "90a;80")
     gencode = []
     for a in arch.split(";"):
@@ -93,8 +102,16 @@ setup(
     name="static_moe",
     version=_version(),
     description="Static-shape expert-parallel MoE decode ops for NKI, CUDA and CPU",
-    packages=["static_moe", "static_moe.reference", "static_moe.ops", "static_moe.testing", "static_moe.nki",
-              "static_moe.nki_kernels", "static_moe.integrations", "static_moe.loaders"],
+    packages=[
+        "static_moe",
+        "static_moe.reference",
+        "static_moe.ops",
+        "static_moe.testing",
+        "static_moe.nki",
+        "static_moe.nki_kernels",
+        "static_moe.integrations",
+        "static_moe.loaders",
+    ],
     package_dir={"static_moe": "python/static_moe", "static_moe.nki_kernels": "nki_kernels"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

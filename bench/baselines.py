@@ -67,8 +67,19 @@ def seed_dense_expert_gemm(a, a_scale, b, b_scale, row_mask, expert: int) -> tor
     return torch.where(row_mask[:, None], d, torch.zeros((), dtype=d.dtype)).to(torch.bfloat16)
 
 
-def seed_dense_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset: int,
-                             swiglu_limit=None, fp8_max: float = FP8_E4M3FN_MAX) -> torch.Tensor:
+def seed_dense_local_experts(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    expert_offset: int,
+    swiglu_limit=None,
+    fp8_max: float = FP8_E4M3FN_MAX,
+) -> torch.Tensor:
     """float32 [R, H]: every local expert over every row (the SPEC §1.7 maths with weight 0 on unrouted rows),
     weights dequantized to fp32 on every call."""
     fp8_act = x.dtype == torch.float8_e4m3fn
@@ -135,8 +146,7 @@ def scaled_mm_unavailable_reason() -> str | None:
     try:
         w = torch.ones(16, 32).to(torch.float8_e4m3fn)
         a = torch.ones(2, 32).to(torch.float8_e4m3fn)
-        out = torch._scaled_mm(w, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 2),
-                               out_dtype=torch.bfloat16)
+        out = torch._scaled_mm(w, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 2), out_dtype=torch.bfloat16)
     except (RuntimeError, ValueError, NotImplementedError) as e:
         return f"torch._scaled_mm with row-wise scales fails on the CPU in torch {torch.__version__}: {e}"
     if not torch.equal(out.float(), torch.full((16, 2), 32.0)):

@@ -66,30 +66,45 @@ def ratios(rows: list[dict], threads: int) -> list[tuple[str, float]]:
     read = v.get(("read_cold", threads, 0))
     dec = v.get(("decode_hot", 1, 0))
     if read and dec:
-        out.append((f"one row: fp4 decode alone ({dec:.1f} GB/s per core, hot) × {threads} threads / cold read stream "
-                    f"({read:.1f} GB/s)", dec * threads / read))
+        out.append(
+            (
+                f"one row: fp4 decode alone ({dec:.1f} GB/s per core, hot) × {threads} threads / cold read stream "
+                f"({read:.1f} GB/s)",
+                dec * threads / read,
+            )
+        )
     for fmt in ("fp4", "fp8"):
         got = v.get((f"kernel_{fmt}_cold", threads, 1))
         if read and got:
-            out.append((f"one row: {fmt} kernel cold weight GB/s ({got:.1f}) / cold read stream, {threads} threads",
-                        got / read))
+            out.append(
+                (
+                    f"one row: {fmt} kernel cold weight GB/s ({got:.1f}) / cold read stream, {threads} threads",
+                    got / read,
+                )
+            )
     peak = v.get(("dpbf16_peak", 1, 0))
     for m in (4, 16, 64):
         for fmt in ("fp4", "fp8", "bf16w"):
             g = v.get((f"kernel_{fmt}_hot", 1, m))
             if peak and g:
-                out.append((f"{m} rows: {fmt} kernel hot ({g:.0f} GFLOP/s) / vdpbf16ps peak of one core "
-                            f"({peak:.0f})", g / peak))
+                out.append(
+                    (
+                        f"{m} rows: {fmt} kernel hot ({g:.0f} GFLOP/s) / vdpbf16ps peak of one core ({peak:.0f})",
+                        g / peak,
+                    )
+                )
     d1, d2 = v.get(("decode_hot_ns_per_unit", 1, 0)), v.get(("decode_v2_hot_ns_per_unit", 1, 0))
     if d1 and d2:
-        out.append(("decode alone: the kernel's one-block decode / the 64-weight candidate (v2), time per 32 weights",
-                    d1 / d2))
+        out.append(
+            ("decode alone: the kernel's one-block decode / the 64-weight candidate (v2), time per 32 weights", d1 / d2)
+        )
     return out
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--n", type=int, default=4096, help="weight rows of the expert (V4-Flash w13: 4096)")
     p.add_argument("--k", type=int, default=4096, help="K (V4-Flash hidden: 4096)")
     p.add_argument("--reps", type=int, default=7, help="runs per figure; the best is kept")

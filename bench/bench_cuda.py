@@ -38,8 +38,14 @@ from static_moe.testing.numeric import calc_diff  # noqa: E402
 DEVICE = "cuda"
 EP = 8
 NATIVE = {"v4_flash": ("fp8", "fp4", 128), "v3": ("fp8", "fp8", 128), "qwen3_30b_a3b": ("bf16", "bf16", 0)}
-ALL_PAIRS = [("bf16", "bf16", 0), ("bf16", "fp8", 0), ("bf16", "fp4", 0), ("fp8", "fp8", 128), ("fp8", "fp4", 128),
-             ("fp8", "fp4", 32)]
+ALL_PAIRS = [
+    ("bf16", "bf16", 0),
+    ("bf16", "fp8", 0),
+    ("bf16", "fp4", 0),
+    ("fp8", "fp8", 128),
+    ("fp8", "fp4", 128),
+    ("fp8", "fp4", 32),
+]
 REPEATS = 5
 
 
@@ -80,12 +86,12 @@ def measure_gpu() -> dict:
     a = torch.empty(n, dtype=torch.uint8, device=DEVICE)
     b = torch.empty_like(a)
     copy_s = time_eager(lambda: b.copy_(a), 10)
-    del a, b
+    a = b = None  # free the buffers before the matmul's (a `del` would leave the lambda's names unbound)
     m = 8192
     x = torch.randn(m, m, dtype=torch.bfloat16, device=DEVICE)
     y = torch.randn(m, m, dtype=torch.bfloat16, device=DEVICE)
     mm_s = time_eager(lambda: x @ y, 5)
-    del x, y
+    x = y = None
     torch.cuda.empty_cache()
     return {"copy_GBps": 2 * n / copy_s / 1e9, "bf16_TFLOPs": 2 * m**3 / mm_s / 1e12}
 
@@ -198,10 +204,22 @@ def bench_local_experts(model, act, wf, group, tokens, limits, check=True):
     bytes_ = experts * weight_bytes_per_expert(c) + c["x"].numel() * c["x"].element_size() + R * H * 4
     flops = 2 * pairs * (2 * I * H + H * I)
     t_bytes, t_flops = bytes_ / (limits["copy_GBps"] * 1e9), flops / (limits["bf16_TFLOPs"] * 1e12)
-    return dict(op="local_experts", model=model, fmt=f"{act}x{wf}" + (f"/g{group}" if group else ""), tokens=tokens,
-                rows=R, pairs=pairs, experts=experts, op_us=op_s * 1e6, torch_cached_us=base_s * 1e6,
-                speedup=base_s / op_s, GBps=bytes_ / op_s / 1e9, roofline=max(t_bytes, t_flops) / op_s,
-                bound="bytes" if t_bytes >= t_flops else "flops", calc_diff_vs_torch_cached=diff)
+    return dict(
+        op="local_experts",
+        model=model,
+        fmt=f"{act}x{wf}" + (f"/g{group}" if group else ""),
+        tokens=tokens,
+        rows=R,
+        pairs=pairs,
+        experts=experts,
+        op_us=op_s * 1e6,
+        torch_cached_us=base_s * 1e6,
+        speedup=base_s / op_s,
+        GBps=bytes_ / op_s / 1e9,
+        roofline=max(t_bytes, t_flops) / op_s,
+        bound="bytes" if t_bytes >= t_flops else "flops",
+        calc_diff_vs_torch_cached=diff,
+    )
 
 
 def bench_expert_gemm(act, wf, group, m_rows, limits, n=4096, k=4096, rows=256):
@@ -220,15 +238,40 @@ def bench_expert_gemm(act, wf, group, m_rows, limits, n=4096, k=4096, rows=256):
     bytes_ = wbytes + m_rows * k * a.element_size() + rows * n * 2
     flops = 2 * m_rows * n * k
     t_bytes, t_flops = bytes_ / (limits["copy_GBps"] * 1e9), flops / (limits["bf16_TFLOPs"] * 1e12)
-    return dict(op="expert_gemm", model="v4_flash w13", fmt=f"{act}x{wf}" + (f"/g{group}" if group else ""),
-                tokens=m_rows, rows=rows, pairs=m_rows, experts=1, op_us=op_s * 1e6, torch_cached_us=base_s * 1e6,
-                speedup=base_s / op_s, GBps=bytes_ / op_s / 1e9, roofline=max(t_bytes, t_flops) / op_s,
-                bound="bytes" if t_bytes >= t_flops else "flops", calc_diff_vs_torch_cached=float("nan"))
+    return dict(
+        op="expert_gemm",
+        model="v4_flash w13",
+        fmt=f"{act}x{wf}" + (f"/g{group}" if group else ""),
+        tokens=m_rows,
+        rows=rows,
+        pairs=m_rows,
+        experts=1,
+        op_us=op_s * 1e6,
+        torch_cached_us=base_s * 1e6,
+        speedup=base_s / op_s,
+        GBps=bytes_ / op_s / 1e9,
+        roofline=max(t_bytes, t_flops) / op_s,
+        bound="bytes" if t_bytes >= t_flops else "flops",
+        calc_diff_vs_torch_cached=float("nan"),
+    )
 
 
 def print_table(rows):
-    cols = [("op", 13), ("model", 14), ("fmt", 14), ("tokens", 6), ("rows", 5), ("pairs", 5), ("experts", 7),
-            ("op_us", 9), ("torch_cached_us", 15), ("speedup", 7), ("GBps", 7), ("roofline", 8), ("bound", 5)]
+    cols = [
+        ("op", 13),
+        ("model", 14),
+        ("fmt", 14),
+        ("tokens", 6),
+        ("rows", 5),
+        ("pairs", 5),
+        ("experts", 7),
+        ("op_us", 9),
+        ("torch_cached_us", 15),
+        ("speedup", 7),
+        ("GBps", 7),
+        ("roofline", 8),
+        ("bound", 5),
+    ]
     print(" ".join(f"{c:>{w}}" for c, w in cols))
     for r in rows:
         cells = []
@@ -258,8 +301,12 @@ def main() -> int:
     prop = torch.cuda.get_device_properties(0)
     t0 = time.time()
     limits = measure_gpu()
-    print(f"device: {prop.name} (sm_{prop.major}{prop.minor}, {prop.multi_processor_count} SMs), torch {torch.__version__}")
-    print(f"measured: copy {limits['copy_GBps']:.0f} GB/s (read+write), bf16 matmul {limits['bf16_TFLOPs']:.0f} TFLOP/s")
+    print(
+        f"device: {prop.name} (sm_{prop.major}{prop.minor}, {prop.multi_processor_count} SMs), torch {torch.__version__}"
+    )
+    print(
+        f"measured: copy {limits['copy_GBps']:.0f} GB/s (read+write), bf16 matmul {limits['bf16_TFLOPs']:.0f} TFLOP/s"
+    )
     print(f"EP size {EP} assumed: L = E/{EP} local experts, rows = {EP} x tokens per rank\n")
 
     tokens = (1, 16, 128) if args.quick else (1, 4, 16, 64, 128)
@@ -272,16 +319,20 @@ def main() -> int:
         if (act, wf, group) != NATIVE["v4_flash"]:
             results.append(bench_local_experts("v4_flash", act, wf, group, 16, limits))
             torch.cuda.empty_cache()
-    for act, wf, group in (ALL_PAIRS if not args.quick else [("fp8", "fp4", 128), ("fp8", "fp8", 128),
-                                                             ("bf16", "bf16", 0)]):
-        for m in ((1, 32, 128) if args.quick else (1, 8, 32, 128)):
+    for act, wf, group in (
+        ALL_PAIRS if not args.quick else [("fp8", "fp4", 128), ("fp8", "fp8", 128), ("bf16", "bf16", 0)]
+    ):
+        for m in (1, 32, 128) if args.quick else (1, 8, 32, 128):
             results.append(bench_expert_gemm(act, wf, group, m, limits))
             torch.cuda.empty_cache()
     print_table(results)
     bad = [r for r in results if r["op"] == "local_experts" and not r["calc_diff_vs_torch_cached"] < 5e-3]
     for r in bad:
-        print(f"SANITY FAILURE: {r['model']} {r['fmt']} T={r['tokens']}: calc_diff vs torch_cached "
-              f"{r['calc_diff_vs_torch_cached']:.3g} >= 5e-3", file=sys.stderr)
+        print(
+            f"SANITY FAILURE: {r['model']} {r['fmt']} T={r['tokens']}: calc_diff vs torch_cached "
+            f"{r['calc_diff_vs_torch_cached']:.3g} >= 5e-3",
+            file=sys.stderr,
+        )
 
     fn, why = deep_gemm_masked()
     deep = {}
@@ -297,8 +348,18 @@ def main() -> int:
                 print(f"DeepGEMM call failed ({type(e).__name__}: {e}); not compared")
                 break
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"device": prop.name, "torch": torch.__version__, "limits": limits,
-                                     "results": results, "deep_gemm_us": deep}, indent=1))
+    args.json.write_text(
+        json.dumps(
+            {
+                "device": prop.name,
+                "torch": torch.__version__,
+                "limits": limits,
+                "results": results,
+                "deep_gemm_us": deep,
+            },
+            indent=1,
+        )
+    )
     print(f"\nwrote {args.json} ({time.time() - t0:.0f} s)")
     return 1 if bad else 0
 

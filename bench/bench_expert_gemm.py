@@ -15,15 +15,23 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-
 import baselines as B
+import torch
 from harness.checks import check_baseline, check_op, check_point
 from harness.cli import add_common_args, finish, parse_pairs, resolve_args, start
 from harness.costs import cost_expert_gemm, roofline
 from harness.report import Report, progress
-from harness.timing import (bf16_matmul, measure_with, stream_fraction, time_baseline, time_fastest_variant, time_fn,
-                            timing_dict, weight_stream)
+from harness.timing import (
+    bf16_matmul,
+    measure_with,
+    stream_fraction,
+    time_baseline,
+    time_fastest_variant,
+    time_fn,
+    timing_dict,
+    weight_stream,
+)
+
 from static_moe import reference
 from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES, gen, make_activations, random_weight
 from static_moe.testing.machine import bf16_dot_products
@@ -35,16 +43,24 @@ GEMMS = {"w13": lambda s: (2 * s.intermediate, s.hidden), "w2": lambda s: (s.hid
 PEAK_MIN_TOKENS = 16  # from here a point is compute-bound and is timed with the bf16 matmul (run_all's target)
 
 
-def expert_weight(n: int, k: int, fmt: str, seed: int,
-                  fp8_scales: str = "pow2") -> tuple[torch.Tensor, torch.Tensor | None]:
+def expert_weight(
+    n: int, k: int, fmt: str, seed: int, fp8_scales: str = "pow2"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One expert's weight [1, N, K] in ``fmt`` (+ scales), drawn N(0, 1/K). fp8: scales of the kind ``fp8_scales``
     (fp8_scales_of_kind: "pow2", as quantize_weight gives, or "float", as DeepSeek-V3's scale_inv)."""
     return random_weight(1, n, k, fmt, gen(seed), fp8_scales)
 
 
-def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
-        pairs: list[tuple[str, str]] | None = None, gemms: tuple[str, ...] = ("w13",),
-        fp8_scales: str = "pow2", isa: str | None = None) -> list[dict]:
+def run(
+    report: Report,
+    shapes: list[str],
+    tokens: list[int],
+    quick: bool,
+    pairs: list[tuple[str, str]] | None = None,
+    gemms: tuple[str, ...] = ("w13",),
+    fp8_scales: str = "pow2",
+    isa: str | None = None,
+) -> list[dict]:
     """Append one record per (shape, gemm, pair, tokens) to ``report``. isa: the op forced to that CPU instruction
     set (STATIC_MOE_CPU_ISA, read by every call; the baselines are torch's), a series of its own."""
     pairs = pairs or list(FORMAT_PAIRS)
@@ -81,14 +97,31 @@ def _run(report, shapes, tokens, pairs, gemms, fp8_scales, isa) -> list[dict]:
                     for t in tokens:
                         a, a_s = make_activations(t, k, act_fmt, GROUP, seed=t)
                         mask = torch.ones(t, dtype=torch.bool)
-                        rec = _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cached, smm,
-                                             smm_reason, int4, int4_reason, check=(t == t_check))
+                        rec = _measure_point(
+                            shape_key,
+                            gemm,
+                            act_fmt,
+                            w_fmt,
+                            t,
+                            a,
+                            a_s,
+                            b,
+                            b_s,
+                            mask,
+                            cached,
+                            smm,
+                            smm_reason,
+                            int4,
+                            int4_reason,
+                            check=(t == t_check),
+                        )
                         cost = cost_expert_gemm(act_fmt, w_fmt, t, t, n, k, GROUP)
                         rec.update(roofline(cost, report.limits, rec["op"].get("median_s"), bf16_dot_products(act_fmt)))
                         mm = rec.get("bf16_matmul")
                         if mm and rec["op"].get("median_s"):  # the op's FLOP/s over the matmul's, same rounds
-                            rec["bf16_matmul_fraction"] = ((cost.flops / rec["op"]["median_s"])
-                                                           / (mm["flops"] / mm["median_s"]))
+                            rec["bf16_matmul_fraction"] = (cost.flops / rec["op"]["median_s"]) / (
+                                mm["flops"] / mm["median_s"]
+                            )
                         rec.update(rows=t, rows_active=t, rows_per_expert=float(t), experts="1/1", n=n, k=k)
                         if w_fmt == "fp8":
                             rec["fp8_scales"] = fp8_scales
@@ -103,8 +136,9 @@ def _run(report, shapes, tokens, pairs, gemms, fp8_scales, isa) -> list[dict]:
     return records
 
 
-def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cached, smm, smm_reason, int4,
-                   int4_reason, check):
+def _measure_point(
+    shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cached, smm, smm_reason, int4, int4_reason, check
+):
     op_args = (a, a_s, b, b_s, mask, 0)
     # The op, a read-only stream over its weight bytes and (fp4) torch_int4pack in the same rounds: the T = 1
     # bandwidth target and the int4pack target are ratios between them (harness.timing.time_interleaved).
@@ -122,9 +156,12 @@ def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cac
     timing, outs["seed_dense"] = time_fn(lambda: B.seed_dense_expert_gemm(*op_args), cold=True)
     base["seed_dense"] = timing_dict(timing)
     base["torch_cached"], outs["torch_cached"] = time_fastest_variant(
-        cached, lambda c: c.expert_gemm(a, a_s, mask, 0), cold=True)
+        cached, lambda c: c.expert_gemm(a, a_s, mask, 0), cold=True
+    )
     if w_fmt == "fp8":
-        time_baseline(base, outs, "torch_scaled_mm", smm, smm_reason, lambda m: m.expert_gemm(a, a_s, mask, 0), cold=True)
+        time_baseline(
+            base, outs, "torch_scaled_mm", smm, smm_reason, lambda m: m.expert_gemm(a, a_s, mask, 0), cold=True
+        )
     if w_fmt == "fp4":
         if int4 is None:
             base["torch_int4pack"] = {"available": False, "reason": int4_reason}
@@ -139,19 +176,37 @@ def _measure_point(shape_key, gemm, act_fmt, w_fmt, t, a, a_s, b, b_s, mask, cac
     if out is not None:
         for name, o in outs.items():
             base[name]["calc_diff_vs_op"] = calc_diff(o, out)
-    return {"bench": BENCH, "shape": shape_key, "gemm": gemm, "fmt": f"{act_fmt}×{w_fmt} {gemm}", "act": act_fmt,
-            "weight": w_fmt, "tokens": t, "op": op, "baselines": base, "weight_stream": stream,
-            "weight_stream_fraction": stream_fraction(stream, op),
-            **({"bf16_matmul": {**peak, "flops": peak_flops}} if peak else {})}
+    return {
+        "bench": BENCH,
+        "shape": shape_key,
+        "gemm": gemm,
+        "fmt": f"{act_fmt}×{w_fmt} {gemm}",
+        "act": act_fmt,
+        "weight": w_fmt,
+        "tokens": t,
+        "op": op,
+        "baselines": base,
+        "weight_stream": stream,
+        "weight_stream_fraction": stream_fraction(stream, op),
+        **({"bf16_matmul": {**peak, "flops": peak_flops}} if peak else {}),
+    }
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_common_args(p)
-    p.add_argument("--pairs", nargs="+", default=None, help="act×weight pairs as actxweight, e.g. fp8xfp4 (default: all)")
+    p.add_argument(
+        "--pairs", nargs="+", default=None, help="act×weight pairs as actxweight, e.g. fp8xfp4 (default: all)"
+    )
     p.add_argument("--gemm", choices=["w13", "w2", "both"], default="w13", help="gate/up (w13), down (w2) or both")
-    p.add_argument("--fp8-scales", choices=["pow2", "float"], default="pow2",
-                   help="fp8 weight scales: powers of two (default; the CPU kernel's pow2 path) or float (fold path)")
+    p.add_argument(
+        "--fp8-scales",
+        choices=["pow2", "float"],
+        default="pow2",
+        help="fp8 weight scales: powers of two (default; the CPU kernel's pow2 path) or float (fold path)",
+    )
     args = p.parse_args(argv)
     shapes, tokens = resolve_args(args)
     report = start(args, BENCH)

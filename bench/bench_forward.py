@@ -38,9 +38,8 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-
 import baselines as B
+import torch
 from harness.checks import check_baseline, check_op, check_point
 from harness.cli import add_common_args, finish, parse_pairs, resolve_args, start
 from harness.costs import Cost, cost_forward, roofline
@@ -48,6 +47,7 @@ from harness.report import Report, json_default, progress
 from harness.routing import routing_stats
 from harness.timing import flush_caches, measure, time_fastest_variant, time_fn
 from harness.workload import bench_weights, local_experts_for
+
 from static_moe.testing.generators import SlicedRouting, sliced_routing
 from static_moe.testing.machine import bf16_dot_products
 from static_moe.testing.profiling import quiet_stderr
@@ -58,26 +58,47 @@ EP_SIZES = (1, 2)
 GROUP = 128
 
 
-def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
-        pairs: list[tuple[str, str]] = DEFAULT_PAIRS, ep_sizes: tuple[int, ...] = EP_SIZES,
-        swiglu_limit: float | None = None) -> list[dict]:
+def run(
+    report: Report,
+    shapes: list[str],
+    tokens: list[int],
+    quick: bool,
+    pairs: list[tuple[str, str]] = DEFAULT_PAIRS,
+    ep_sizes: tuple[int, ...] = EP_SIZES,
+    swiglu_limit: float | None = None,
+) -> list[dict]:
     """Spawn S rank processes per EP size; append one record per (S, shape, pair, tokens) to ``report``."""
     import torch.multiprocessing as mp
 
     records = []
     for s in ep_sizes:
-        cfg = {"shapes": shapes, "tokens": tokens, "quick": quick, "pairs": pairs, "ep_size": s,
-               "threads": report.limits.threads, "swiglu_limit": swiglu_limit}
-        print(f"[{BENCH}] S={s}: {s} rank process(es) over gloo, {max(1, report.limits.threads // s)} thread(s) "
-              "each", flush=True)
+        cfg = {
+            "shapes": shapes,
+            "tokens": tokens,
+            "quick": quick,
+            "pairs": pairs,
+            "ep_size": s,
+            "threads": report.limits.threads,
+            "swiglu_limit": swiglu_limit,
+        }
+        print(
+            f"[{BENCH}] S={s}: {s} rank process(es) over gloo, {max(1, report.limits.threads // s)} thread(s) each",
+            flush=True,
+        )
         with tempfile.TemporaryDirectory(prefix="static_moe_bench_") as tmp:
             out_path = Path(tmp) / "records.json"
             mp.spawn(_worker, args=(s, cfg, str(Path(tmp) / "store"), str(out_path)), nprocs=s, join=True)
             got = json.loads(out_path.read_text())
         for rec in got:
             cost = Cost(**rec.pop("cost"))
-            rec.update(roofline(cost, report.limits, rec["op"].get("median_s") if rec["op"]["available"] else None,
-                                bf16_dot_products(rec["act"])))
+            rec.update(
+                roofline(
+                    cost,
+                    report.limits,
+                    rec["op"].get("median_s") if rec["op"]["available"] else None,
+                    bf16_dot_products(rec["act"]),
+                )
+            )
             records.append(report.add(rec))
             progress(rec)
     return records
@@ -91,8 +112,9 @@ def _worker(rank: int, s: int, cfg: dict, store_path: str, out_path: str) -> Non
 
     threads = max(1, cfg["threads"] // s)
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=s,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=s, timeout=timedelta(seconds=600)
+    )
     records = []
     try:
         for shape_key in cfg["shapes"]:
@@ -109,8 +131,13 @@ def _rank_inputs(shape, act_fmt: str, tokens: int, rank: int, routing: SlicedRou
 
     x, xs = make_activations(tokens, shape.hidden, act_fmt, GROUP, seed=1000 * rank + tokens)
     shared = (torch.randn(tokens, shape.hidden, generator=gen(2000 * rank + tokens)) * 0.1).to(torch.bfloat16)
-    return {"x": x, "x_scale": xs, "topk_idx": routing.topk_idx[rank], "topk_weights": routing.topk_weights[rank],
-            "shared": shared}
+    return {
+        "x": x,
+        "x_scale": xs,
+        "topk_idx": routing.topk_idx[rank],
+        "topk_weights": routing.topk_weights[rank],
+        "shared": shared,
+    }
 
 
 def _rank_weights(num_local: int, shape, w_fmt: str, rank: int) -> dict:
@@ -127,16 +154,33 @@ def _run_shape(rank: int, s: int, shape_key: str, cfg: dict, threads: int) -> li
     t_check = check_point(cfg["tokens"])
     records = []
     if rank == 0:
-        print(f"[{BENCH}] S={s} {shape.name}: H={shape.hidden} I={shape.intermediate} k={shape.topk}; local "
-              f"experts scaled to {num_local} per rank ({s * num_local} of {shape.num_experts} kept)", flush=True)
+        print(
+            f"[{BENCH}] S={s} {shape.name}: H={shape.hidden} I={shape.intermediate} k={shape.topk}; local "
+            f"experts scaled to {num_local} per rank ({s * num_local} of {shape.num_experts} kept)",
+            flush=True,
+        )
     for w_fmt in dict.fromkeys(w for _, w in pairs):
         w = _rank_weights(num_local, shape, w_fmt, rank)
-        cached = {dt: B.TorchCached(w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], dtype=dt)
-                  for dt in (torch.float32, torch.bfloat16)}
+        cached = {
+            dt: B.TorchCached(w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], dtype=dt)
+            for dt in (torch.float32, torch.bfloat16)
+        }
         for act_fmt in [a for a, wf in pairs if wf == w_fmt]:
             for t in cfg["tokens"]:
-                rec = _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, cached,
-                                    cfg["swiglu_limit"], check=(t == t_check))
+                rec = _measure_step(
+                    rank,
+                    s,
+                    shape_key,
+                    shape,
+                    num_local,
+                    act_fmt,
+                    w_fmt,
+                    t,
+                    w,
+                    cached,
+                    cfg["swiglu_limit"],
+                    check=(t == t_check),
+                )
                 if rank == 0:
                     rec["threads_per_rank"] = threads
                     records.append(rec)
@@ -172,8 +216,23 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
     timer = {"cold": True, "before": barrier, "reduce": slowest}
 
     # --- the op, on a leased workspace -----------------------------------------------------------------------
-    op_args = (x, xs, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], shared, num_experts, cap, limit,
-               gname, rank, s)
+    op_args = (
+        x,
+        xs,
+        idx,
+        tw,
+        w["w13"],
+        w["w13_scale"],
+        w["w2"],
+        w["w2_scale"],
+        shared,
+        num_experts,
+        cap,
+        limit,
+        gname,
+        rank,
+        s,
+    )
     lease, ws_note = _lease_workspace(op_args, group)
     try:
         op, out = measure(lambda: torch.ops.static_moe.forward(*op_args), **timer)
@@ -213,8 +272,19 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
     if s > 1 and phases is not None:
         gathered = fc.wait_tensor(fc.all_gather_into_tensor(reference.pack_rows(parts, cap), s, gname))
         g = [reference.unpack_rows(gathered, off, n, p.dtype, list(p.shape[1:])) for (off, n), p in zip(spans, parts)]
-        le_args = (g[0], g[1] if xs is not None else None, g[-2], g[-1], w["w13"], w["w13_scale"], w["w2"],
-                   w["w2_scale"], rank * num_local, limit, 448.0)
+        le_args = (
+            g[0],
+            g[1] if xs is not None else None,
+            g[-2],
+            g[-1],
+            w["w13"],
+            w["w13_scale"],
+            w["w2"],
+            w["w2_scale"],
+            rank * num_local,
+            limit,
+            448.0,
+        )
         alone = _alone_and_concurrent(lambda: torch.ops.static_moe.local_experts(*le_args), rank, s, barrier)
     if phases is not None:
         per_rank = [None] * s
@@ -229,8 +299,9 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
         outs = [None] * s
         dist.all_gather_object(outs, (out, cached_out), group=group)
         if rank == 0:
-            _check_against_reference(op, base, outs, shape, shape_key, s, num_local, act_fmt, w_fmt, t, routing,
-                                     num_experts, cap, limit)
+            _check_against_reference(
+                op, base, outs, shape, shape_key, s, num_local, act_fmt, w_fmt, t, routing, num_experts, cap, limit
+            )
         dist.barrier(group)
 
     if rank != 0:
@@ -238,27 +309,45 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
     gathered_idx = torch.cat(routing.topk_idx)  # C = T: no padded rows
     stats = [routing_stats(gathered_idx, r * num_local, num_local) for r in range(s)]
     row_bytes = sum(part_nbytes(p) for p in parts)
-    cost = cost_forward(act_fmt, w_fmt, t, cap, s, row_bytes, width, shape.hidden, shape.intermediate, shape.topk,
-                          stats, GROUP)
+    cost = cost_forward(
+        act_fmt, w_fmt, t, cap, s, row_bytes, width, shape.hidden, shape.intermediate, shape.topk, stats, GROUP
+    )
     touched = sum(st.experts_touched for st in stats)
     pairs = sum(st.pairs for st in stats)
-    rec = {"bench": BENCH, "ep_size": s, "shape": shape_key, "fmt": f"{act_fmt}×{w_fmt}", "act": act_fmt,
-           "weight": w_fmt, "tokens": t, "capacity": cap, "rows": s * cap, "op": op, "baselines": base,
-           "cost": {"bytes": cost.bytes, "flops": cost.flops, "read_bytes": cost.read_bytes}, "pairs": pairs, "experts_touched": touched,
-           "experts_real": routing.touched_real, "experts": f"{touched}/{routing.touched_real}",
-           "rows_per_expert": pairs / max(touched, 1), "local_experts": num_local,
-           "local_experts_real": shape.num_experts // s}
+    rec = {
+        "bench": BENCH,
+        "ep_size": s,
+        "shape": shape_key,
+        "fmt": f"{act_fmt}×{w_fmt}",
+        "act": act_fmt,
+        "weight": w_fmt,
+        "tokens": t,
+        "capacity": cap,
+        "rows": s * cap,
+        "op": op,
+        "baselines": base,
+        "cost": {"bytes": cost.bytes, "flops": cost.flops, "read_bytes": cost.read_bytes},
+        "pairs": pairs,
+        "experts_touched": touched,
+        "experts_real": routing.touched_real,
+        "experts": f"{touched}/{routing.touched_real}",
+        "rows_per_expert": pairs / max(touched, 1),
+        "local_experts": num_local,
+        "local_experts_real": shape.num_experts // s,
+    }
     if coll is not None:
         rec.update(collective_s=coll.median_s, collective_samples_s=coll.samples_s)
     if "phases_s" in op:
         # The collectives' share of a step, from the op's own phases (their time includes waiting for the slower
         # rank), the largest over ranks; and a rank's local experts inside the step against the same call alone.
-        rec["collective_share"] = max((ph["all_gather"] + ph["reduce_scatter"]) / max(sum(ph.values()), 1e-12)
-                                      for ph in op["phases_s"])
+        rec["collective_share"] = max(
+            (ph["all_gather"] + ph["reduce_scatter"]) / max(sum(ph.values()), 1e-12) for ph in op["phases_s"]
+        )
         if "local_experts_alone_s" in op:
             alone_s, conc_s = op["local_experts_alone_s"], op["local_experts_concurrent_s"]
             rec["local_experts_in_step_vs_alone"] = max(
-                ph["local_experts"] / a for ph, a in zip(op["phases_s"], alone_s) if a)
+                ph["local_experts"] / a for ph, a in zip(op["phases_s"], alone_s) if a
+            )
             # The same ratio with no op around the call: both ranks' local_experts at once, against alone. When it
             # matches the in-step ratio, the op adds nothing; the ranks slow each other by running at the same time.
             rec["local_experts_concurrent_vs_alone"] = max(c / a for c, a in zip(conc_s, alone_s) if a)
@@ -266,18 +355,26 @@ def _measure_step(rank, s, shape_key, shape, num_local, act_fmt, w_fmt, t, w, ca
             # execution (shared caches or bandwidth would raise it); the wall ratio above it is then CPU time the
             # host did not give the rank (cpu_share: CPU seconds / (wall seconds × threads), lowest over ranks).
             rec["local_experts_cpu_concurrent_vs_alone"] = max(
-                c / a for c, a in zip(op["local_experts_concurrent_cpu_s"], op["local_experts_alone_cpu_s"]) if a)
+                c / a for c, a in zip(op["local_experts_concurrent_cpu_s"], op["local_experts_alone_cpu_s"]) if a
+            )
             rec["local_experts_cpu_share"] = {
-                k: min(c / (wl * torch.get_num_threads()) for c, wl in zip(op[f"local_experts_{k}_cpu_s"], op[f"local_experts_{k}_s"])
-                       if wl)
-                for k in ("alone", "concurrent")}
+                k: min(
+                    c / (wl * torch.get_num_threads())
+                    for c, wl in zip(op[f"local_experts_{k}_cpu_s"], op[f"local_experts_{k}_s"])
+                    if wl
+                )
+                for k in ("alone", "concurrent")
+            }
             if rank == 0:
-                print(f"[{BENCH}] S={s} {shape_key} {act_fmt}×{w_fmt} T={t}: local_experts in step / alone "
-                      f"×{rec['local_experts_in_step_vs_alone']:.2f}, both ranks at once / alone (wall) "
-                      f"×{rec['local_experts_concurrent_vs_alone']:.2f}, (CPU time) "
-                      f"×{rec['local_experts_cpu_concurrent_vs_alone']:.2f}; CPU share alone "
-                      f"{rec['local_experts_cpu_share']['alone']:.0%}, at once "
-                      f"{rec['local_experts_cpu_share']['concurrent']:.0%}", flush=True)
+                print(
+                    f"[{BENCH}] S={s} {shape_key} {act_fmt}×{w_fmt} T={t}: local_experts in step / alone "
+                    f"×{rec['local_experts_in_step_vs_alone']:.2f}, both ranks at once / alone (wall) "
+                    f"×{rec['local_experts_concurrent_vs_alone']:.2f}, (CPU time) "
+                    f"×{rec['local_experts_cpu_concurrent_vs_alone']:.2f}; CPU share alone "
+                    f"{rec['local_experts_cpu_share']['alone']:.0%}, at once "
+                    f"{rec['local_experts_cpu_share']['concurrent']:.0%}",
+                    flush=True,
+                )
     return rec
 
 
@@ -342,7 +439,7 @@ def _phases(call, barrier, n: int = PROFILED_CALLS) -> dict[str, float]:
     seen = {p: 0 for p in PHASES}
     for ev in sorted(prof.events(), key=lambda e: e.time_range.start):
         if ev.name.startswith(PHASE_PREFIX):
-            ph = ev.name[len(PHASE_PREFIX):]
+            ph = ev.name[len(PHASE_PREFIX) :]
             if ph in got and seen[ph] < n:  # one range per phase per call, in call order
                 got[ph][seen[ph]] = ev.time_range.elapsed_us() * 1e-6
                 seen[ph] += 1
@@ -365,8 +462,9 @@ def _lease_workspace(op_args, group):
         return None, f"none ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
 
 
-def _check_against_reference(op, base, outs, shape, shape_key, s, num_local, act_fmt, w_fmt, t, routing,
-                             num_experts, cap, limit) -> None:
+def _check_against_reference(
+    op, base, outs, shape, shape_key, s, num_local, act_fmt, w_fmt, t, routing, num_experts, cap, limit
+) -> None:
     """On rank 0: rebuild every rank's inputs and weights, run reference.forward_simulated, compare."""
     from static_moe import reference
     from static_moe.testing.numeric import assert_gemm_close
@@ -374,21 +472,34 @@ def _check_against_reference(op, base, outs, shape, shape_key, s, num_local, act
     ins = [_rank_inputs(shape, act_fmt, t, r, routing) for r in range(s)]
     ws = [_rank_weights(num_local, shape, w_fmt, r) for r in range(s)]
     refs = reference.forward_simulated(
-        [i["x"] for i in ins], [i["x_scale"] for i in ins], [i["topk_idx"] for i in ins],
-        [i["topk_weights"] for i in ins], [w["w13"] for w in ws], [w["w13_scale"] for w in ws],
-        [w["w2"] for w in ws], [w["w2_scale"] for w in ws], [i["shared"] for i in ins], num_experts, cap, limit)
+        [i["x"] for i in ins],
+        [i["x_scale"] for i in ins],
+        [i["topk_idx"] for i in ins],
+        [i["topk_weights"] for i in ins],
+        [w["w13"] for w in ws],
+        [w["w13_scale"] for w in ws],
+        [w["w2"] for w in ws],
+        [w["w2_scale"] for w in ws],
+        [i["shared"] for i in ins],
+        num_experts,
+        cap,
+        limit,
+    )
     what = f"{BENCH} S={s} {shape_key} {act_fmt}x{w_fmt} T={t}"
     ref = torch.cat(refs)
     cached = torch.cat([o[1] for o in outs])
     base["torch_cached"]["calc_diff_vs_reference"] = check_baseline(
-        "torch_cached", cached, ref, B.CHECK_TOLERANCE["torch_cached"], what)
+        "torch_cached", cached, ref, B.CHECK_TOLERANCE["torch_cached"], what
+    )
     if op["available"]:
         got = torch.cat([o[0] for o in outs])
         op["parity"] = check_op(got, ref, lambda o, r: assert_gemm_close(o, r, what))
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_common_args(p)
     p.add_argument("--pairs", nargs="+", default=None, help="act×weight pairs as actxweight (default: fp8xfp4)")
     p.add_argument("--ep", type=int, nargs="+", default=list(EP_SIZES), help="EP sizes (default: 1 2)")
@@ -396,8 +507,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     shapes, tokens = resolve_args(args)
     report = start(args, BENCH)
-    run(report, shapes, tokens, args.quick, parse_pairs(args.pairs, DEFAULT_PAIRS), tuple(args.ep),
-        args.swiglu_limit)
+    run(report, shapes, tokens, args.quick, parse_pairs(args.pairs, DEFAULT_PAIRS), tuple(args.ep), args.swiglu_limit)
     finish(report, args, BENCH, [BENCH])
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-
 import baselines as B
 import bench_expert_gemm as EG
+import torch
 from harness.timing import time_interleaved
 from harness.workload import bench_weights, local_experts_for
+
 from static_moe.testing.generators import MODEL_SHAPES, make_activations, sliced_routing
 
 
@@ -28,6 +28,7 @@ def _with_isa(isa: str, fn):
     def call():
         os.environ["STATIC_MOE_CPU_ISA"] = isa
         return fn()
+
     return call
 
 
@@ -48,13 +49,16 @@ def expert_gemm_points(shape_key: str, w_fmts: list[str], tokens: list[int], isa
     print(f"[expert_gemm] {shape.name} w13: N={n} K={k}", flush=True)
     for w_fmt in w_fmts:
         b, b_s = EG.expert_weight(n, k, w_fmt, seed=1)
-        int4 = B.TorchInt4Pack(b, b_s, None, None) if w_fmt == "fp4" and B.int4pack_unavailable_reason() is None \
-            else None
+        int4 = (
+            B.TorchInt4Pack(b, b_s, None, None) if w_fmt == "fp4" and B.int4pack_unavailable_reason() is None else None
+        )
         for t in tokens:
             a, a_s = make_activations(t, k, "bf16", EG.GROUP, seed=t)
             mask = torch.ones(t, dtype=torch.bool)
-            fns = {isa: _with_isa(isa, lambda: torch.ops.static_moe.expert_gemm(a, a_s, b, b_s, mask, 0, "eoi"))
-                   for isa in isas}
+            fns = {
+                isa: _with_isa(isa, lambda: torch.ops.static_moe.expert_gemm(a, a_s, b, b_s, mask, 0, "eoi"))
+                for isa in isas
+            }
             if int4 is not None:
                 fns["torch_int4pack"] = lambda: int4.expert_gemm(a, a_s, mask, 0)
             wd = torch.randn(n, k).to(torch.bfloat16)
@@ -83,8 +87,9 @@ def local_experts_points(shape_key: str, w_fmts: list[str], tokens: list[int], i
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--isas", nargs=2, default=["avx512bf16", "amx"], help="the two STATIC_MOE_CPU_ISA values")
     p.add_argument("--shape", default="v4_flash", choices=sorted(MODEL_SHAPES))
     p.add_argument("--weights", nargs="+", default=["fp4", "fp8", "bf16"])

@@ -31,8 +31,9 @@ MICRO = ROOT / "bench" / "micro"
 
 def _export(rev: str, dest: Path) -> Path:
     """The csrc/ tree of `rev` under dest; returns its csrc folder."""
-    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
-                         text=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True, text=True
+    ).stdout.strip()
     tree = dest / sha
     if not (tree / "csrc").is_dir():
         tree.mkdir(parents=True, exist_ok=True)
@@ -55,38 +56,83 @@ def build(rev: str, out_dir: Path) -> Path:
     jobs = []
     for src in sources:
         obj = objs / (src.stem + ".o")
-        jobs.append((obj, subprocess.Popen([cxx, *flags, "-Dstatic_moe=static_moe_b", f"-I{other}", "-c", str(src),
-                                            "-o", str(obj)])))
+        jobs.append(
+            (
+                obj,
+                subprocess.Popen(
+                    [cxx, *flags, "-Dstatic_moe=static_moe_b", f"-I{other}", "-c", str(src), "-o", str(obj)]
+                ),
+            )
+        )
     for obj, proc in jobs:
         if proc.wait() != 0:
             raise SystemExit(f"bench_kernel_ab: compiling {obj.name} of {rev} failed")
     binary = out_dir / f"kernel_ab_{other.parent.name}"
     ours = [str(p) for p in native.kernel_sources(ROOT / "csrc")]
-    subprocess.run([cxx, *flags, f"-I{ROOT / 'csrc'}", str(MICRO / "kernel_ab.cpp"), *ours,
-                    *sorted(str(o) for o in objs.glob("*.o")), "-o", str(binary)], check=True)
+    subprocess.run(
+        [
+            cxx,
+            *flags,
+            f"-I{ROOT / 'csrc'}",
+            str(MICRO / "kernel_ab.cpp"),
+            *ours,
+            *sorted(str(o) for o in objs.glob("*.o")),
+            "-o",
+            str(binary),
+        ],
+        check=True,
+    )
     return binary
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rev", default="HEAD", help="the git revision to compare this tree with (default HEAD)")
     p.add_argument("--n", type=int, default=4096, help="weight rows (V4-Flash w13: 4096)")
     p.add_argument("--k", type=int, default=4096, help="K (V4-Flash hidden: 4096)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--cold", action="store_true", help="rewrite twice the L3 (at least 128 MiB) before every call: weights from DRAM")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="rewrite twice the L3 (at least 128 MiB) before every call: weights from DRAM",
+    )
     p.add_argument("--rounds", type=int, default=10, help="alternations; each build keeps its best")
-    p.add_argument("--isa", default="avx512bf16", choices=["avx512bf16", "amx", "avx512", "avx2", "scalar"],
-                   help="the kernel path both builds run (default avx512bf16)")
-    p.add_argument("--weights", nargs="+", choices=["fp4", "fp8", "fp8p2", "bf16"],
-                   help="weight formats to time (default all; fp8: float32 scales, fp8p2: power-of-two ones)")
+    p.add_argument(
+        "--isa",
+        default="avx512bf16",
+        choices=["avx512bf16", "amx", "avx512", "avx2", "scalar"],
+        help="the kernel path both builds run (default avx512bf16)",
+    )
+    p.add_argument(
+        "--weights",
+        nargs="+",
+        choices=["fp4", "fp8", "fp8p2", "bf16"],
+        help="weight formats to time (default all; fp8: float32 scales, fp8p2: power-of-two ones)",
+    )
     args = p.parse_args(argv)
     binary = build(args.rev, ROOT / "build" / "ab")
-    out = subprocess.run([str(binary), str(args.n), str(args.k), str(args.threads), str(int(args.cold)),
-                          str(args.rounds), args.isa, ",".join(args.weights or [])], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            str(binary),
+            str(args.n),
+            str(args.k),
+            str(args.threads),
+            str(int(args.cold)),
+            str(args.rounds),
+            args.isa,
+            ",".join(args.weights or []),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     where = "from DRAM" if args.cold else "warm"
-    print(f"this tree (a) vs {args.rev} (b), {args.isa}: N={args.n} K={args.k}, {args.threads} thread(s), "
-          f"weights {where}, best of {args.rounds} alternate rounds")
+    print(
+        f"this tree (a) vs {args.rev} (b), {args.isa}: N={args.n} K={args.k}, {args.threads} thread(s), "
+        f"weights {where}, best of {args.rounds} alternate rounds"
+    )
     print(f"  {'weights':<8}{'rows':>5}{'a GFLOP/s':>12}{'b GFLOP/s':>12}{'time a / b':>12}")
     for line in out.stdout.splitlines():
         fmt, m, ga, gb, ratio = line.split()

@@ -13,17 +13,24 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 import baselines as B
+import torch
 from harness.checks import check_baseline, check_op, check_point
 from harness.cli import add_common_args, finish, parse_pairs, resolve_args, start
 from harness.costs import cost_local_experts, roofline
 from harness.report import Report, progress
 from harness.routing import routing_stats
-from harness.timing import (measure_with, stream_fraction, time_baseline, time_fastest_variant, time_fn, timing_dict,
-                            weight_stream)
+from harness.timing import (
+    measure_with,
+    stream_fraction,
+    time_baseline,
+    time_fastest_variant,
+    time_fn,
+    timing_dict,
+    weight_stream,
+)
 from harness.workload import bench_weights, local_experts_for
+
 from static_moe import reference
 from static_moe.testing.generators import MODEL_SHAPES, make_activations, sliced_routing
 from static_moe.testing.machine import bf16_dot_products
@@ -35,8 +42,14 @@ DEFAULT_PAIRS = [("bf16", "bf16"), ("fp8", "fp8"), ("fp8", "fp4")]
 GROUP = 128  # fp8 activation group
 
 
-def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
-        pairs: list[tuple[str, str]] = DEFAULT_PAIRS, swiglu_limit: float | None = None) -> list[dict]:
+def run(
+    report: Report,
+    shapes: list[str],
+    tokens: list[int],
+    quick: bool,
+    pairs: list[tuple[str, str]] = DEFAULT_PAIRS,
+    swiglu_limit: float | None = None,
+) -> list[dict]:
     """Append one record per (shape, pair, tokens) to ``report``."""
     records = []
     smm_reason = B.scaled_mm_unavailable_reason()
@@ -46,8 +59,11 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
         shape = MODEL_SHAPES[shape_key]
         hid, inter = shape.hidden, shape.intermediate
         num_local = local_experts_for(shape_key, quick)
-        print(f"[{BENCH}] {shape.name}: H={hid} I={inter} k={shape.topk}; local experts scaled to {num_local} of "
-              f"{shape.num_experts} (EP 1), rows per expert kept real", flush=True)
+        print(
+            f"[{BENCH}] {shape.name}: H={hid} I={inter} k={shape.topk}; local experts scaled to {num_local} of "
+            f"{shape.num_experts} (EP 1), rows per expert kept real",
+            flush=True,
+        )
         for w_fmt in dict.fromkeys(w for _, w in pairs):
             w = bench_weights(num_local, hid, inter, w_fmt, seed=1)
             args_w = (w["w13"], w["w13_scale"], w["w2"], w["w2_scale"])
@@ -60,24 +76,57 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
                     idx, tw = routing.topk_idx[0], routing.topk_weights[0]
                     x, xs = make_activations(t, hid, act_fmt, GROUP, seed=t)
                     stats = routing_stats(idx, 0, num_local)
-                    rec = _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached, smm,
-                                         smm_reason, int4, int4_reason, swiglu_limit, check=(t == t_check))
-                    cost = cost_local_experts(act_fmt, w_fmt, t, stats.rows_active, shape.topk, hid, inter,
-                                                stats.experts_touched, stats.pairs, GROUP)
+                    rec = _measure_point(
+                        shape_key,
+                        act_fmt,
+                        w_fmt,
+                        t,
+                        x,
+                        xs,
+                        idx,
+                        tw,
+                        args_w,
+                        cached,
+                        smm,
+                        smm_reason,
+                        int4,
+                        int4_reason,
+                        swiglu_limit,
+                        check=(t == t_check),
+                    )
+                    cost = cost_local_experts(
+                        act_fmt,
+                        w_fmt,
+                        t,
+                        stats.rows_active,
+                        shape.topk,
+                        hid,
+                        inter,
+                        stats.experts_touched,
+                        stats.pairs,
+                        GROUP,
+                    )
                     rec.update(roofline(cost, report.limits, rec["op"].get("median_s"), bf16_dot_products(act_fmt)))
-                    rec.update(rows=t, rows_active=stats.rows_active, pairs=stats.pairs,
-                               experts_touched=stats.experts_touched, experts_real=routing.touched_real,
-                               experts=f"{stats.experts_touched}/{routing.touched_real}",
-                               rows_per_expert=stats.pairs / max(stats.experts_touched, 1),
-                               local_experts=num_local, local_experts_real=shape.num_experts)
+                    rec.update(
+                        rows=t,
+                        rows_active=stats.rows_active,
+                        pairs=stats.pairs,
+                        experts_touched=stats.experts_touched,
+                        experts_real=routing.touched_real,
+                        experts=f"{stats.experts_touched}/{routing.touched_real}",
+                        rows_per_expert=stats.pairs / max(stats.experts_touched, 1),
+                        local_experts=num_local,
+                        local_experts_real=shape.num_experts,
+                    )
                     records.append(report.add(rec))
                     progress(rec)
             del cached, smm, int4, w
     return records
 
 
-def _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached, smm, smm_reason, int4, int4_reason,
-                   limit, check):
+def _measure_point(
+    shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached, smm, smm_reason, int4, int4_reason, limit, check
+):
     op_args = (x, xs, idx, tw, *args_w, 0, limit, 448.0)
     # The op, a read-only stream over the weight bytes of the experts it runs and (fp4) torch_int4pack in the same
     # rounds (harness.timing.time_interleaved): the targets compare them.
@@ -93,9 +142,18 @@ def _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached,
     base["seed_dense"] = timing_dict(timing)
     outs = {"seed_dense": seed_out}
     base["torch_cached"], outs["torch_cached"] = time_fastest_variant(
-        cached, lambda c: c.local_experts(x, xs, idx, tw, 0, limit), cold=True)
+        cached, lambda c: c.local_experts(x, xs, idx, tw, 0, limit), cold=True
+    )
     if w_fmt == "fp8":
-        time_baseline(base, outs, "torch_scaled_mm", smm, smm_reason, lambda m: m.local_experts(x, xs, idx, tw, 0, limit), cold=True)
+        time_baseline(
+            base,
+            outs,
+            "torch_scaled_mm",
+            smm,
+            smm_reason,
+            lambda m: m.local_experts(x, xs, idx, tw, 0, limit),
+            cold=True,
+        )
     if w_fmt == "fp4":
         if int4 is None:
             base["torch_int4pack"] = {"available": False, "reason": int4_reason}
@@ -110,16 +168,31 @@ def _measure_point(shape_key, act_fmt, w_fmt, t, x, xs, idx, tw, args_w, cached,
     if out is not None:  # free cross-check at every point: the outputs are the warm-up calls'
         for name, o in outs.items():
             base[name]["calc_diff_vs_op"] = calc_diff(o, out)
-    return {"bench": BENCH, "shape": shape_key, "fmt": f"{act_fmt}×{w_fmt}", "act": act_fmt, "weight": w_fmt,
-            "tokens": t, "op": op, "baselines": base, "weight_stream": stream,
-            "weight_stream_fraction": stream_fraction(stream, op)}
+    return {
+        "bench": BENCH,
+        "shape": shape_key,
+        "fmt": f"{act_fmt}×{w_fmt}",
+        "act": act_fmt,
+        "weight": w_fmt,
+        "tokens": t,
+        "op": op,
+        "baselines": base,
+        "weight_stream": stream,
+        "weight_stream_fraction": stream_fraction(stream, op),
+    }
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_common_args(p)
-    p.add_argument("--pairs", nargs="+", default=None,
-                   help="act×weight pairs as actxweight, e.g. fp8xfp4, or 'all' (default: bf16xbf16 fp8xfp8 fp8xfp4)")
+    p.add_argument(
+        "--pairs",
+        nargs="+",
+        default=None,
+        help="act×weight pairs as actxweight, e.g. fp8xfp4, or 'all' (default: bf16xbf16 fp8xfp8 fp8xfp4)",
+    )
     p.add_argument("--swiglu-limit", type=float, default=None)
     args = p.parse_args(argv)
     shapes, tokens = resolve_args(args)

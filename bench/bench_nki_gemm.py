@@ -95,8 +95,15 @@ def _finish(rec: dict, ideal_bytes: int) -> dict:
     parts = {k: rec[k] for k in COMPONENTS}
     t = max(parts.values())
     ideal = interpreter.TRN2.hbm_roofline(ideal_bytes)
-    return {**rec, "time_s": t, "serial_s": sum(parts.values()), "bound": max(parts, key=parts.get)[:-2],
-            "ideal_bytes": ideal_bytes, "ideal_s": ideal, "fraction": ideal / t if t else float("nan")}
+    return {
+        **rec,
+        "time_s": t,
+        "serial_s": sum(parts.values()),
+        "bound": max(parts, key=parts.get)[:-2],
+        "ideal_bytes": ideal_bytes,
+        "ideal_s": ideal,
+        "fraction": ideal / t if t else float("nan"),
+    }
 
 
 # --------------------------------------------------------------------------------------------- expert_gemm
@@ -119,9 +126,14 @@ def measure_expert_gemm(shape, act, wfmt, tokens, which: str) -> dict:
     b, b_s = _weights(1, n, k, wfmt)
     a, a_s = make_activations(tokens, k, act, group=GROUP, seed=1)
     none = torch.zeros(tokens, dtype=torch.bool)
-    return {(variant, routed): _profile(expert_gemm_kernel, a, a_s, b, b_s, msk, 0, skip)
-            for variant, routed, msk, skip in (("skip", True, _gemm_mask(shape, tokens), True),
-                                               ("static", False, none, False), ("skip", False, none, True))}
+    return {
+        (variant, routed): _profile(expert_gemm_kernel, a, a_s, b, b_s, msk, 0, skip)
+        for variant, routed, msk, skip in (
+            ("skip", True, _gemm_mask(shape, tokens), True),
+            ("static", False, none, False),
+            ("skip", False, none, True),
+        )
+    }
 
 
 def rows_expert_gemm(shape, act, wfmt, tokens, which: str, recs: dict) -> list[dict]:
@@ -131,8 +143,15 @@ def rows_expert_gemm(shape, act, wfmt, tokens, which: str, recs: dict) -> list[d
     rows = []
     for (variant, routed), rec in recs.items():
         ideal = fixed + (_act_bytes(m, k, act) + _weight_bytes(n, k, wfmt) if routed else 0)
-        rows.append({"kernel": f"expert_gemm[{which}]", "variant": variant, "routed": f"{m if routed else 0} rows",
-                     "shape": f"K={k} N={n}", **_finish(rec, ideal)})
+        rows.append(
+            {
+                "kernel": f"expert_gemm[{which}]",
+                "variant": variant,
+                "routed": f"{m if routed else 0} rows",
+                "shape": f"K={k} N={n}",
+                **_finish(rec, ideal),
+            }
+        )
     return rows
 
 
@@ -217,8 +236,11 @@ def measure_local_experts(shape, act, wfmt, rows, chunk_rows: int) -> dict:
     the current target (``layout_for``)."""
     target = "trn3" if nisa_target_is_trn3() else "trn2"
     kw = {"skip_unrouted": True, "chunk_rows": chunk_rows, "weight_layout": layout_for(shape, wfmt, target)}
-    run = lambda L, routed: _profile(local_experts_kernel,  # noqa: E731
-                                     *_le_args(shape, act, wfmt, rows, L, routed, target=target), **kw)
+    run = lambda L, routed: _profile(
+        local_experts_kernel,  # noqa: E731
+        *_le_args(shape, act, wfmt, rows, L, routed, target=target),
+        **kw,
+    )
     return {"k10": run(1, []), "k20": run(2, []), "k11": run(1, [0])}
 
 
@@ -234,12 +256,18 @@ def row_local_experts(shape, act, wfmt, tokens, ep, r: dict, target: str, seed=0
     n_routed = int((counts > 0).sum())
     m = chunk_for(shape, act, wfmt, target, rows)
     n = int(sum(-(-int(c) // m) for c in counts))
-    rec = _combine([(1, r["k10"]), (n_local - 1, r["k20"]), (-(n_local - 1), r["k10"]), (n, r["k11"]),
-                    (-n, r["k10"])])
+    rec = _combine([(1, r["k10"]), (n_local - 1, r["k20"]), (-(n_local - 1), r["k10"]), (n, r["k11"]), (-n, r["k10"])])
     ideal = _le_ideal(shape, act, wfmt, rows, real, n_routed)
-    return {"kernel": "local_experts", "ep": ep, "rows": rows, "chunk_rows": m, "items": n,
-            "shape": f"H={shape.hidden} I={shape.intermediate} L={n_local}",
-            "routed": f"{n_routed}/{n_local} experts", **_finish(rec, ideal)}
+    return {
+        "kernel": "local_experts",
+        "ep": ep,
+        "rows": rows,
+        "chunk_rows": m,
+        "items": n,
+        "shape": f"H={shape.hidden} I={shape.intermediate} L={n_local}",
+        "routed": f"{n_routed}/{n_local} experts",
+        **_finish(rec, ideal),
+    }
 
 
 def check_extrapolation(shape, act, wfmt, rows=16) -> str:
@@ -247,18 +275,29 @@ def check_extrapolation(shape, act, wfmt, rows=16) -> str:
     m = chunk_for(shape, act, wfmt, "trn2", rows)
     r = measure_local_experts(shape, act, wfmt, rows, m)
     pred = _combine([(1, r["k10"]), (3, r["k20"]), (-3, r["k10"]), (2, r["k11"]), (-2, r["k10"])])
-    meas = _profile(local_experts_kernel, *_le_args(shape, act, wfmt, rows, 4, [1, 3], target="trn2"),
-                    skip_unrouted=True, chunk_rows=m, weight_layout=layout_for(shape, wfmt, "trn2"))
+    meas = _profile(
+        local_experts_kernel,
+        *_le_args(shape, act, wfmt, rows, 4, [1, 3], target="trn2"),
+        skip_unrouted=True,
+        chunk_rows=m,
+        weight_layout=layout_for(shape, wfmt, "trn2"),
+    )
     err = max(abs(pred[c] - meas[c]) / max(meas[c], 1e-12) for c in COMPONENTS + ("hbm_bytes",) if meas[c] > 0)
     t_p, t_m = max(pred[c] for c in COMPONENTS), max(meas[c] for c in COMPONENTS)
-    return (f"  4 experts, 2 routed, R={rows}: measured {t_m * 1e6:9.2f} µs, extrapolated {t_p * 1e6:9.2f} µs "
-            f"({(t_p - t_m) / t_m:+.2%}), max component error {err:.2e}")
+    return (
+        f"  4 experts, 2 routed, R={rows}: measured {t_m * 1e6:9.2f} µs, extrapolated {t_p * 1e6:9.2f} µs "
+        f"({(t_p - t_m) / t_m:+.2%}), max component error {err:.2e}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------- targets
 TARGETS = (  # (target, activation × weight, floor of the roofline fraction)
-    ("trn2", ("bf16", "bf16"), 0.90), ("trn2", ("fp8", "fp8"), 0.80), ("trn3", ("fp8", "fp8"), 0.80),
-    ("trn3", ("fp8", "fp4"), 0.80), ("trn2", ("fp8", "fp4"), 0.35))
+    ("trn2", ("bf16", "bf16"), 0.90),
+    ("trn2", ("fp8", "fp8"), 0.80),
+    ("trn3", ("fp8", "fp8"), 0.80),
+    ("trn3", ("fp8", "fp4"), 0.80),
+    ("trn2", ("fp8", "fp4"), 0.35),
+)
 
 
 def targets_summary(rows: list[dict]) -> str:
@@ -272,27 +311,33 @@ def targets_summary(rows: list[dict]) -> str:
             continue
         worst = min(sel, key=lambda r: r["fraction"])
         ok = "met" if worst["fraction"] >= floor else "NOT met"
-        lines.append(f"  {tgt} {a}×{w} ≥ {floor:.0%}: worst {worst['fraction']:.1%} ({worst['model']} "
-                     f"T={worst['tokens']} "
-                     f"EP={worst['ep']}, bound {worst['bound']}, {worst['time_s'] * 1e6:.1f} µs vs ideal "
-                     f"{worst['ideal_s'] * 1e6:.1f} µs) — {ok}")
+        lines.append(
+            f"  {tgt} {a}×{w} ≥ {floor:.0%}: worst {worst['fraction']:.1%} ({worst['model']} "
+            f"T={worst['tokens']} "
+            f"EP={worst['ep']}, bound {worst['bound']}, {worst['time_s'] * 1e6:.1f} µs vs ideal "
+            f"{worst['ideal_s'] * 1e6:.1f} µs) — {ok}"
+        )
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------- main
 def table(rows: list[dict]) -> str:
     """expert_gemm rows (variants) and local_experts rows."""
-    head = (f"{'model':<14} {'kernel':<19} {'act×w':<10} {'tgt':<4} {'T':>4} {'EP':>2} {'R':>5} {'M':>4} "
-            f"{'items':>5} {'touched':<16} {'est µs':>9} {'serial µs':>10} {'bound':>6} "
-            f"{'ideal µs':>9} {'fraction':>8} {'HBM MiB':>8}")
+    head = (
+        f"{'model':<14} {'kernel':<19} {'act×w':<10} {'tgt':<4} {'T':>4} {'EP':>2} {'R':>5} {'M':>4} "
+        f"{'items':>5} {'touched':<16} {'est µs':>9} {'serial µs':>10} {'bound':>6} "
+        f"{'ideal µs':>9} {'fraction':>8} {'HBM MiB':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         t = f"{'~' if r.get('interpolated') else ''}{r['tokens']}"
-        lines.append(f"{r['model']:<14} {r['kernel']:<19} {r['pair']:<10} {r['target']:<4} {t:>4} {r.get('ep', 1):>2} "
-                     f"{r.get('rows', r['tokens']):>5} {r.get('chunk_rows', ''):>4} {r.get('items', ''):>5} "
-                     f"{r['routed']:<16} {r['time_s'] * 1e6:>9.1f} {r['serial_s'] * 1e6:>10.1f} "
-                     f"{r['bound']:>6} {r['ideal_s'] * 1e6:>9.1f} {r['fraction']:>8.1%} "
-                     f"{r['hbm_bytes'] / 2**20:>8.2f}")
+        lines.append(
+            f"{r['model']:<14} {r['kernel']:<19} {r['pair']:<10} {r['target']:<4} {t:>4} {r.get('ep', 1):>2} "
+            f"{r.get('rows', r['tokens']):>5} {r.get('chunk_rows', ''):>4} {r.get('items', ''):>5} "
+            f"{r['routed']:<16} {r['time_s'] * 1e6:>9.1f} {r['serial_s'] * 1e6:>10.1f} "
+            f"{r['bound']:>6} {r['ideal_s'] * 1e6:>9.1f} {r['fraction']:>8.1%} "
+            f"{r['hbm_bytes'] / 2**20:>8.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -308,12 +353,14 @@ def _local_experts_rows(models, pairs, targets, tokens, eps, t0) -> list[dict]:
                     for t in tokens:
                         n_rows = ep * t
                         with interpreter.target(tgt):
-                            rec = measure_local_experts(shape, act, wfmt, n_rows,
-                                                        chunk_for(shape, act, wfmt, tgt, n_rows))
+                            rec = measure_local_experts(
+                                shape, act, wfmt, n_rows, chunk_for(shape, act, wfmt, tgt, n_rows)
+                            )
                         row = row_local_experts(shape, act, wfmt, t, ep, rec, tgt)
                         model = shape.name.replace("DeepSeek-", "")
-                        row.update(model=model, pair=f"{act}×{wfmt}", tokens=t, target=tgt,
-                                   layout=layout_for(shape, wfmt, tgt))
+                        row.update(
+                            model=model, pair=f"{act}×{wfmt}", tokens=t, target=tgt, layout=layout_for(shape, wfmt, tgt)
+                        )
                         rows.append(row)
                         print(table([row]).split("\n", 2)[2], f"   [{time.time() - t0:.0f}s]", flush=True)
     return rows
@@ -335,8 +382,13 @@ def _expert_gemm_rows(models, pairs, tokens, measured, t0) -> list[dict]:
                     mark = True
                 for which in ("gemm1", "gemm2"):
                     for r in rows_expert_gemm(shape, act, wfmt, t, which, recs[which]):
-                        r.update(model=shape.name.replace("DeepSeek-", ""), pair=f"{act}×{wfmt}", tokens=t,
-                                 interpolated=mark, target="trn2")
+                        r.update(
+                            model=shape.name.replace("DeepSeek-", ""),
+                            pair=f"{act}×{wfmt}",
+                            tokens=t,
+                            interpolated=mark,
+                            target="trn2",
+                        )
                         rows.append(r)
                         print(table([r]).split("\n", 2)[2], f"   [{time.time() - t0:.0f}s]", flush=True)
     return rows
@@ -360,8 +412,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "nki_gemm.json")
     args = ap.parse_args(argv)
     if shim.real_nki_available():
-        print("a real nki is importable: run with STATIC_MOE_NKI=interpreter (the estimates come from the "
-              "interpreter's cost model)", file=sys.stderr)
+        print(
+            "a real nki is importable: run with STATIC_MOE_NKI=interpreter (the estimates come from the "
+            "interpreter's cost model)",
+            file=sys.stderr,
+        )
         return 1
     models = args.models.split(",")
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -370,15 +425,18 @@ def main(argv=None) -> int:
     targets = args.targets.split(",")
     kernels = args.kernels.split(",")
     m = interpreter.TRN2
-    print(f"NKI local experts — estimated time on one NeuronCore (interpreter cost model: "
-          f"DMA {m.dma_bandwidth / 1e9:.0f} GB/s + {m.dma_fixed * 1e6:.1f} µs per DMA over {m.dma_queues} queues, "
-          f"+{m.dge_fixed * 1e6:.1f} µs per runtime-descriptor (DGE) DMA over {m.dge_instances} DGEs; TensorE "
-          f"max(N, 64) cycles per matmul at 2.4 GHz; VectorE 0.96 GHz (2N for two-input ops), ScalarE/GpSimd "
-          f"1.2 GHz (GpSimd 32 bit/partition/cycle), {m.instr_fixed_cycles} cycles per instruction) vs the ideal "
-          f"HBM time at {m.hbm_bandwidth_per_core / 1e9:.0f} GB/s per core (trn3 rows: the same model, run on the "
-          f"trn3 target's instructions). 'est' = overlapped estimate (max of engines, DMA, DGE, loop), "
-          f"'serial' = their sum, 'bound' = the binding one; M = rows per work item, items = Σ_e ⌈C_e/M⌉. "
-          f"fp8 activations with 1×{GROUP} scales, fp8_max {FP8_MAX:g}, swiglu limit {LIMIT:g}.", flush=True)
+    print(
+        f"NKI local experts — estimated time on one NeuronCore (interpreter cost model: "
+        f"DMA {m.dma_bandwidth / 1e9:.0f} GB/s + {m.dma_fixed * 1e6:.1f} µs per DMA over {m.dma_queues} queues, "
+        f"+{m.dge_fixed * 1e6:.1f} µs per runtime-descriptor (DGE) DMA over {m.dge_instances} DGEs; TensorE "
+        f"max(N, 64) cycles per matmul at 2.4 GHz; VectorE 0.96 GHz (2N for two-input ops), ScalarE/GpSimd "
+        f"1.2 GHz (GpSimd 32 bit/partition/cycle), {m.instr_fixed_cycles} cycles per instruction) vs the ideal "
+        f"HBM time at {m.hbm_bandwidth_per_core / 1e9:.0f} GB/s per core (trn3 rows: the same model, run on the "
+        f"trn3 target's instructions). 'est' = overlapped estimate (max of engines, DMA, DGE, loop), "
+        f"'serial' = their sum, 'bound' = the binding one; M = rows per work item, items = Σ_e ⌈C_e/M⌉. "
+        f"fp8 activations with 1×{GROUP} scales, fp8_max {FP8_MAX:g}, swiglu limit {LIMIT:g}.",
+        flush=True,
+    )
     t0 = time.time()
     if args.check:
         print("extrapolation check (V4-Flash dims, fp8×fp4, trn2):")

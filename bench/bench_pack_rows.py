@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from harness.checks import check_op
 from harness.cli import add_common_args, finish, resolve_args, start
 from harness.costs import cost_pack_rows, cost_unpack_rows, roofline
 from harness.report import Report, progress
 from harness.timing import measure, time_fn, timing_dict
+
 from static_moe import reference
 from static_moe.reference.pack_rows import pack_layout, part_nbytes
 from static_moe.testing.generators import MODEL_SHAPES, make_activations, make_routing
@@ -29,8 +29,9 @@ GROUP = 128
 GATHER_RANKS = 2  # the unpack benchmark reads the gathered buffer of this many ranks
 
 
-def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
-        act_formats: tuple[str, ...] = ("bf16", "fp8")) -> list[dict]:
+def run(
+    report: Report, shapes: list[str], tokens: list[int], quick: bool, act_formats: tuple[str, ...] = ("bf16", "fp8")
+) -> list[dict]:
     """Append a pack and an unpack record per (shape, activation format, tokens) to ``report``."""
     records = []
     for shape_key in shapes:
@@ -47,8 +48,16 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
                 timing, ref = time_fn(lambda: reference.pack_rows(parts, t))
                 if out is not None:
                     op["parity"] = _bitwise(out, ref, f"pack_rows {shape_key} {act_fmt} T={t}")
-                rec = {"bench": BENCH_PACK, "shape": shape_key, "fmt": act_fmt, "act": act_fmt, "tokens": t,
-                       "rows": t, "op": op, "baselines": {"torch_ref": timing_dict(timing)}}
+                rec = {
+                    "bench": BENCH_PACK,
+                    "shape": shape_key,
+                    "fmt": act_fmt,
+                    "act": act_fmt,
+                    "tokens": t,
+                    "rows": t,
+                    "op": op,
+                    "baselines": {"torch_ref": timing_dict(timing)},
+                }
                 rec.update(roofline(cost_pack_rows(row_bytes, t, t, width), report.limits, op.get("median_s")))
                 records.append(report.add(rec))
                 progress(rec)
@@ -61,8 +70,16 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
                 if out is not None:
                     op["parity"] = _bitwise(out, ref_u, f"unpack_rows {shape_key} {act_fmt} T={t}")
                 rows = GATHER_RANKS * t
-                rec = {"bench": BENCH_UNPACK, "shape": shape_key, "fmt": act_fmt, "act": act_fmt, "tokens": t,
-                       "rows": rows, "op": op, "baselines": {"torch_ref": timing_dict(timing)}}
+                rec = {
+                    "bench": BENCH_UNPACK,
+                    "shape": shape_key,
+                    "fmt": act_fmt,
+                    "act": act_fmt,
+                    "tokens": t,
+                    "rows": rows,
+                    "op": op,
+                    "baselines": {"torch_ref": timing_dict(timing)},
+                }
                 rec.update(roofline(cost_unpack_rows(rows, nbytes), report.limits, op.get("median_s")))
                 records.append(report.add(rec))
                 progress(rec)
@@ -74,7 +91,9 @@ def _bitwise(out: torch.Tensor, ref: torch.Tensor, what: str) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_common_args(p)
     p.add_argument("--act", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"], help="activation formats")
     args = p.parse_args(argv)

@@ -110,8 +110,17 @@ def places(samples: list[Sample]) -> dict[str, tuple[int, int]]:
 
 
 CLASSES = ("vdpbf16ps / tdpbf16ps", "decode", "load", "store", "fold (vfmadd)", "prefetch", "other")
-_DECODE = ("vpermw", "vpermb", "vpermi2b", "vpermt2b", "vpmultishiftqb", "vpsrlvw", "vpternlogd", "vpunpcklbw",
-           "vpunpckhbw")
+_DECODE = (
+    "vpermw",
+    "vpermb",
+    "vpermi2b",
+    "vpermt2b",
+    "vpmultishiftqb",
+    "vpsrlvw",
+    "vpternlogd",
+    "vpunpcklbw",
+    "vpunpckhbw",
+)
 _MOVES = ("vmov", "vbroadcast", "vpbroadcast")
 _ANNOTATE_LINE = re.compile(r"^\s*([0-9.]+)\s*:\s*[0-9a-f]+:\s+(\S+)\s*(.*)$")
 
@@ -162,13 +171,14 @@ def classes(rows: list[tuple[float, str, str]]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------------------
 # The profiled process: one benchmark point, its calls logged on the clock of the samples.
 
+
 def _point(args):
     """(the call to profile, a label) for the point the arguments name, built as the benchmarks build it."""
-    import torch
-
     import bench_expert_gemm as EG
     import bench_local_experts as LE
+    import torch
     from harness.workload import bench_weights, local_experts_for
+
     from static_moe.testing.generators import MODEL_SHAPES, make_activations, sliced_routing
 
     act_fmt, w_fmt = args.pair.split("x")
@@ -184,8 +194,19 @@ def _point(args):
     w = bench_weights(num_local, shape.hidden, shape.intermediate, w_fmt, seed=1)
     routing = sliced_routing(shape, [t], num_local, seed=t)
     x, xs = make_activations(t, shape.hidden, act_fmt, LE.GROUP, seed=t)
-    op_args = (x, xs, routing.topk_idx[0], routing.topk_weights[0], w["w13"], w["w13_scale"], w["w2"],
-               w["w2_scale"], 0, None, 448.0)
+    op_args = (
+        x,
+        xs,
+        routing.topk_idx[0],
+        routing.topk_weights[0],
+        w["w13"],
+        w["w13_scale"],
+        w["w2"],
+        w["w2_scale"],
+        0,
+        None,
+        448.0,
+    )
     return (lambda: torch.ops.static_moe.local_experts(*op_args)), f"{num_local} local experts"
 
 
@@ -194,9 +215,9 @@ def child(args) -> None:
     (start, end) on CLOCK_MONOTONIC, the clock perf stamps the samples with (``-k``), to ``<args.windows>/<pid>``.
     With copies, all start calling once every copy is set up and warm."""
     import torch
+    from harness.timing import flush_caches, pin_threads
 
     import static_moe  # noqa: F401  registers the ops
-    from harness.timing import flush_caches, pin_threads
 
     pin_threads(args.threads)
     call, label = _point(args)
@@ -219,19 +240,25 @@ def child(args) -> None:
         windows.append((t0, clock()))
     (folder / str(os.getpid())).write_text("".join(f"{t0} {t1}\n" for t0, t1 in windows))
     times = [(t1 - t0) / 1e6 for t0, t1 in windows]
-    print(f"{label}, pid {os.getpid()}, threads {torch.get_num_threads()}: {len(times)} calls, median "
-          f"{statistics.median(times):.3f} ms under the profiler", flush=True)
+    print(
+        f"{label}, pid {os.getpid()}, threads {torch.get_num_threads()}: {len(times)} calls, median "
+        f"{statistics.median(times):.3f} ms under the profiler",
+        flush=True,
+    )
 
 
 def launch(args, argv: list[str]) -> None:
     """Start ``args.copies`` profiled processes at once and wait for them (perf follows them all)."""
-    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--child", "--windows", args.windows], cwd=HERE)
-             for _ in range(args.copies)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, *argv, "--child", "--windows", args.windows], cwd=HERE)
+        for _ in range(args.copies)
+    ]
     if any(p.wait() != 0 for p in procs):
         raise SystemExit("bench_profile: a profiled process failed")
 
 
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def unavailable_reason() -> str | None:
     """Why ``perf record`` cannot run here, or None."""
@@ -245,8 +272,9 @@ def unavailable_reason() -> str | None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("op", choices=("expert_gemm", "local_experts"))
     p.add_argument("--shape", default="v4_flash", choices=("v4_flash", "v3", "qwen3_30b_a3b"))
     p.add_argument("--pair", default="bf16xfp4", help="activation × weight formats, e.g. fp8xfp4")
@@ -258,8 +286,12 @@ def main(argv=None) -> None:
     p.add_argument("--seconds", type=float, default=4.0, help="how long to call the op")
     p.add_argument("--top", type=int, default=8, help="symbols and instructions to list")
     p.add_argument("--perf-data", help="keep perf's recording here (for perf report / annotate of your own)")
-    p.add_argument("--copies", type=int, default=1,
-                   help="processes running the point at once (forward at S = 2: two ranks of --threads 1 each)")
+    p.add_argument(
+        "--copies",
+        type=int,
+        default=1,
+        help="processes running the point at once (forward at S = 2: two ranks of --threads 1 each)",
+    )
     p.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--windows", help=argparse.SUPPRESS)
@@ -268,7 +300,7 @@ def main(argv=None) -> None:
         return child(args)
     raw = list(argv if argv is not None else sys.argv[1:])
     if args.launch:  # the point's own arguments, for the copies
-        return launch(args, raw[:raw.index("--launch")])
+        return launch(args, raw[: raw.index("--launch")])
     reason = unavailable_reason()
     if reason is not None:
         print(f"bench_profile: cannot profile: {reason}", file=sys.stderr)
@@ -276,45 +308,77 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data, wins = os.path.join(tmp, "perf.data"), os.path.join(tmp, "windows")
         os.mkdir(wins)
-        cmd = ["perf", "record", "-q", "-e", "cpu-clock", "-F", str(SAMPLE_HZ), "-k", "CLOCK_MONOTONIC", "-o", data,
-               "--", sys.executable, __file__, *raw, "--launch", "--windows", wins]
+        cmd = [
+            "perf",
+            "record",
+            "-q",
+            "-e",
+            "cpu-clock",
+            "-F",
+            str(SAMPLE_HZ),
+            "-k",
+            "CLOCK_MONOTONIC",
+            "-o",
+            data,
+            "--",
+            sys.executable,
+            __file__,
+            *raw,
+            "--launch",
+            "--windows",
+            wins,
+        ]
         fp8_w = args.pair.split("x")[-1] == "fp8"
-        print(f"{args.op} {args.shape} {args.pair} T={args.tokens}{f' ({args.fp8_scales} scales)' if fp8_w else ''}"
-              f", weights {'hot' if args.hot else 'cold (caches flushed before each call)'}"
-              f"{f', {args.copies} processes at once' if args.copies > 1 else ''}", flush=True)
+        print(
+            f"{args.op} {args.shape} {args.pair} T={args.tokens}{f' ({args.fp8_scales} scales)' if fp8_w else ''}"
+            f", weights {'hot' if args.hot else 'cold (caches flushed before each call)'}"
+            f"{f', {args.copies} processes at once' if args.copies > 1 else ''}",
+            flush=True,
+        )
         subprocess.run(cmd, check=True, cwd=HERE)
         if args.perf_data:
             shutil.copyfile(data, args.perf_data)
-        windows = {int(f.name): [(int(a) / 1e9, int(b) / 1e9) for a, b in (ln.split() for ln in
-                                                                             f.read_text().splitlines())]
-                   for f in Path(wins).iterdir() if f.name.isdigit()}
-        script = subprocess.run(["perf", "script", "-i", data, "-F", "pid,tid,time,ip,sym,dso", "--ns"], check=True,
-                                capture_output=True, text=True).stdout
+        windows = {
+            int(f.name): [(int(a) / 1e9, int(b) / 1e9) for a, b in (ln.split() for ln in f.read_text().splitlines())]
+            for f in Path(wins).iterdir()
+            if f.name.isdigit()
+        }
+        script = subprocess.run(
+            ["perf", "script", "-i", data, "-F", "pid,tid,time,ip,sym,dso", "--ns"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         samples = in_windows(parse_script(script), windows)
         if not samples:
             raise SystemExit("bench_profile: no samples inside the calls")
         calls = sum(len(ws) for ws in windows.values())
         per_call_ms = 1e3 / SAMPLE_HZ / calls  # thread-milliseconds of one sample, per call
         shares = places(samples)
-        print(f"samples inside the calls: {len(samples)} ({len(samples) * per_call_ms:.3f} thread-ms per call); by "
-              f"place, thread-ms per call on the main thread + the others:")
+        print(
+            f"samples inside the calls: {len(samples)} ({len(samples) * per_call_ms:.3f} thread-ms per call); by "
+            f"place, thread-ms per call on the main thread + the others:"
+        )
         for name, (main, other) in shares.items():
             if main + other:
-                print(f"  {name:<22} {100 * (main + other) / len(samples):5.1f} %  {main * per_call_ms:7.3f} + "
-                      f"{other * per_call_ms:.3f}")
+                print(
+                    f"  {name:<22} {100 * (main + other) / len(samples):5.1f} %  {main * per_call_ms:7.3f} + "
+                    f"{other * per_call_ms:.3f}"
+                )
         symbols: dict[tuple[str, str], int] = {}
         for _, _, _, dso, sym in samples:
             symbols[(dso, sym)] = symbols.get((dso, sym), 0) + 1
         top = sorted(symbols.items(), key=lambda kv: -kv[1])
         print("hottest symbols:")
-        for (dso, sym), n in top[:args.top]:
+        for (dso, sym), n in top[: args.top]:
             print(f"  {100 * n / len(samples):5.1f} %  {dso[:24]:<24} {sym[:100]}")
         kernels = [(key, n) for key, n in top if place_of(*key) == PLACES[0]]
         if not kernels:
             return
         (_, sym), n = kernels[0]
-        ann = subprocess.run(["perf", "annotate", "-i", data, "--stdio", "-s", sym], capture_output=True,
-                             text=True).stdout
+        ann = subprocess.run(
+            ["perf", "annotate", "-i", data, "--stdio", "-s", sym], capture_output=True, text=True
+        ).stdout
         ins = parse_annotate(ann)
         by_class = classes(ins)
         total = sum(by_class.values()) or 1.0
@@ -323,7 +387,7 @@ def main(argv=None) -> None:
             if v:
                 print(f"  {name:<22} {100 * v / total:5.1f} %")
         print("  hottest instructions:")
-        for ipct, mnem, ops in sorted(ins, reverse=True)[:args.top]:
+        for ipct, mnem, ops in sorted(ins, reverse=True)[: args.top]:
             print(f"    {ipct:5.1f} %  {mnem} {ops[:70]}")
 
 

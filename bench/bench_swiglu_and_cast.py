@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from harness.checks import check_op
 from harness.cli import add_common_args, finish, resolve_args, start
 from harness.costs import cost_swiglu_and_cast, roofline
 from harness.report import Report, progress
 from harness.timing import measure, time_fn, timing_dict
+
 from static_moe import reference
 from static_moe.testing.generators import MODEL_SHAPES, gen
 from static_moe.testing.numeric import assert_swiglu_close
@@ -26,8 +26,14 @@ BENCH = "swiglu_and_cast"
 GROUP = 128
 
 
-def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
-        out_formats: tuple[str, ...] = ("fp8", "bf16"), swiglu_limit: float | None = None) -> list[dict]:
+def run(
+    report: Report,
+    shapes: list[str],
+    tokens: list[int],
+    quick: bool,
+    out_formats: tuple[str, ...] = ("fp8", "bf16"),
+    swiglu_limit: float | None = None,
+) -> list[dict]:
     """Append one record per (shape, output format, tokens) to ``report``."""
     records = []
     for shape_key in shapes:
@@ -45,17 +51,27 @@ def run(report: Report, shapes: list[str], tokens: list[int], quick: bool,
                 if out is not None:
                     what = f"swiglu_and_cast {shape_key} {out_fmt} T={t}"
                     op["parity"] = check_op(out, ref, lambda o, r: assert_swiglu_close(o, r, what))
-                rec = {"bench": BENCH, "shape": shape_key, "fmt": f"bf16→{out_fmt}", "tokens": t, "rows": rows,
-                       "op": op, "baselines": {"torch_ref": timing_dict(timing)}}
-                rec.update(roofline(cost_swiglu_and_cast(rows, inter, 2, out_fmt, GROUP), report.limits,
-                                      op.get("median_s")))
+                rec = {
+                    "bench": BENCH,
+                    "shape": shape_key,
+                    "fmt": f"bf16→{out_fmt}",
+                    "tokens": t,
+                    "rows": rows,
+                    "op": op,
+                    "baselines": {"torch_ref": timing_dict(timing)},
+                }
+                rec.update(
+                    roofline(cost_swiglu_and_cast(rows, inter, 2, out_fmt, GROUP), report.limits, op.get("median_s"))
+                )
                 records.append(report.add(rec))
                 progress(rec)
     return records
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_common_args(p)
     p.add_argument("--out-format", nargs="+", choices=["fp8", "bf16"], default=["fp8", "bf16"])
     p.add_argument("--swiglu-limit", type=float, default=None)

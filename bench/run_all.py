@@ -33,12 +33,18 @@ from harness.hosts import HOSTS_DIR, host_summary, this_host, write_host_json
 from harness.report import Report
 from harness.results_doc import DOC, update_results_doc
 from harness.workload import local_experts_for
+
 from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES
 from static_moe.testing.machine import cpu_isa_available, measure_machine
 
 SECTIONS = ("pack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward")
-PLOTTED = {"pack_rows": ["pack_rows", "unpack_rows"], "swiglu_and_cast": ["swiglu_and_cast"],
-           "expert_gemm": ["expert_gemm"], "local_experts": ["local_experts"], "forward": ["forward"]}
+PLOTTED = {
+    "pack_rows": ["pack_rows", "unpack_rows"],
+    "swiglu_and_cast": ["swiglu_and_cast"],
+    "expert_gemm": ["expert_gemm"],
+    "local_experts": ["local_experts"],
+    "forward": ["forward"],
+}
 
 # The roofline targets: roofline fraction and speed-up over torch_cached, on V4-Flash shapes, tokens per rank 1–16.
 TARGET_SHAPE = "v4_flash"
@@ -61,16 +67,29 @@ def run_section(name: str, report: Report, shapes, tokens, quick: bool) -> None:
         bench_expert_gemm.run(report, shapes, tokens, quick)
         # fp8 weights with float scales (DeepSeek-V3's scale_inv): the CPU kernel's fold path, at the compute-bound
         # points where it differs from the pow2 path the pass above times
-        bench_expert_gemm.run(report, shapes, [t for t in tokens if t >= BF16_PEAK_MIN_TOKENS], quick,
-                              [p for p in FORMAT_PAIRS if p[1] == "fp8"], fp8_scales="float")
+        bench_expert_gemm.run(
+            report,
+            shapes,
+            [t for t in tokens if t >= BF16_PEAK_MIN_TOKENS],
+            quick,
+            [p for p in FORMAT_PAIRS if p[1] == "fp8"],
+            fp8_scales="float",
+        )
         # The opt-in AMX kernel (STATIC_MOE_CPU_ISA=amx, csrc/cpu/kernels/moe_gemm_amx.cpp) where this host has
         # it, at compute-bound points: a series of its own beside the default path's, its own target lines.
         if cpu_isa_available("amx"):
             amx_shapes = [sh for sh in shapes if sh in INT4_SHAPES]
             amx_tokens = [t for t in tokens if t in AMX_TOKENS]
             bench_expert_gemm.run(report, amx_shapes, amx_tokens, quick, AMX_PAIRS, isa="amx")
-            bench_expert_gemm.run(report, amx_shapes, amx_tokens, quick, [p for p in AMX_PAIRS if p[1] == "fp8"],
-                                  fp8_scales="float", isa="amx")
+            bench_expert_gemm.run(
+                report,
+                amx_shapes,
+                amx_tokens,
+                quick,
+                [p for p in AMX_PAIRS if p[1] == "fp8"],
+                fp8_scales="float",
+                isa="amx",
+            )
     elif name == "local_experts":
         bench_local_experts.run(report, shapes, tokens, quick)
     elif name == "forward":
@@ -81,26 +100,50 @@ def roofline_targets(report: Report) -> list[dict]:
     """The roofline targets against what this run measured (a report, never an assertion)."""
     out = []
     for bench, w_fmt, min_frac, min_speedup in ROOFLINE_TARGETS:
-        recs = [r for r in report.records if r["bench"] == bench and r.get("weight") == w_fmt and r.get("isa") is None
-                and r.get("shape") == TARGET_SHAPE and r["tokens"] in TARGET_TOKENS and r["op"].get("available")]
+        recs = [
+            r
+            for r in report.records
+            if r["bench"] == bench
+            and r.get("weight") == w_fmt
+            and r.get("isa") is None
+            and r.get("shape") == TARGET_SHAPE
+            and r["tokens"] in TARGET_TOKENS
+            and r["op"].get("available")
+        ]
         if not recs:
             continue
         worst_frac = min(recs, key=lambda r: r["roofline_fraction"] or 0.0)
         worst_sp = min(recs, key=lambda r: r["speedup"].get("torch_cached") or 0.0)
-        out.append({
-            "what": f"{bench} {w_fmt} weights, {MODEL_SHAPES[TARGET_SHAPE].name}, T 1–16",
-            "roofline_fraction_min": worst_frac["roofline_fraction"], "at_roofline": _at(worst_frac),
-            "roofline_fraction_bf16_peak_min": min(r["roofline_fraction_bf16_peak"] or 0.0 for r in recs),
-            "roofline_target": min_frac, "speedup_cached_min": worst_sp["speedup"].get("torch_cached"),
-            "at_speedup": _at(worst_sp), "speedup_target": min_speedup,
-        })
-    recs = [r for r in report.records if r["bench"] == "forward" and r.get("ep_size") == 2
-            and r["op"].get("available") and r["speedup"].get("torch_cached")]
+        out.append(
+            {
+                "what": f"{bench} {w_fmt} weights, {MODEL_SHAPES[TARGET_SHAPE].name}, T 1–16",
+                "roofline_fraction_min": worst_frac["roofline_fraction"],
+                "at_roofline": _at(worst_frac),
+                "roofline_fraction_bf16_peak_min": min(r["roofline_fraction_bf16_peak"] or 0.0 for r in recs),
+                "roofline_target": min_frac,
+                "speedup_cached_min": worst_sp["speedup"].get("torch_cached"),
+                "at_speedup": _at(worst_sp),
+                "speedup_target": min_speedup,
+            }
+        )
+    recs = [
+        r
+        for r in report.records
+        if r["bench"] == "forward"
+        and r.get("ep_size") == 2
+        and r["op"].get("available")
+        and r["speedup"].get("torch_cached")
+    ]
     if recs:
         worst = min(recs, key=lambda r: r["speedup"]["torch_cached"])
-        out.append({"what": "forward S=2 vs torch_cached composed, every shape and T",
-                    "speedup_cached_min": worst["speedup"]["torch_cached"], "at_speedup": _at(worst),
-                    "speedup_target": FORWARD_TARGET})
+        out.append(
+            {
+                "what": "forward S=2 vs torch_cached composed, every shape and T",
+                "speedup_cached_min": worst["speedup"]["torch_cached"],
+                "at_speedup": _at(worst),
+                "speedup_target": FORWARD_TARGET,
+            }
+        )
     return out
 
 
@@ -129,64 +172,131 @@ def same_round_targets(report: Report) -> list[dict]:
             out.append({"what": what, "min": value(worst), "at": _at(worst), "target": target, "unit": unit})
 
     int4 = [r for r in ok if _int4_point(r)]
-    add("expert_gemm fp4 vs torch_int4pack (aten._weight_int4pack_mm_for_cpu), V4-Flash and V3, T 1/4/16/64",
-        int4, lambda r: r["speedup"]["torch_int4pack"], INT4_TARGET, "×")
+    add(
+        "expert_gemm fp4 vs torch_int4pack (aten._weight_int4pack_mm_for_cpu), V4-Flash and V3, T 1/4/16/64",
+        int4,
+        lambda r: r["speedup"]["torch_int4pack"],
+        INT4_TARGET,
+        "×",
+    )
     # At one row both ops are bound by reading their weights, so the most a kernel can gain on int4pack there is
     # int4pack's time over a plain read of the kernel's own bytes, timed in the same rounds
     # (speedup / weight_stream_fraction = t_int4pack / t_stream): below 2, the 2× target asks the kernel to read
     # faster than torch.sum reads the same bytes.
-    add("  the same at T=1: t_int4pack / t_stream, the ×int4pack of a kernel reading its weights at the same-round "
+    add(
+        "  the same at T=1: t_int4pack / t_stream, the ×int4pack of a kernel reading its weights at the same-round "
         "stream's rate (information; below 2× the target is past a plain read)",
         [r for r in int4 if r["tokens"] == 1 and r.get("weight_stream_fraction")],
-        lambda r: r["speedup"]["torch_int4pack"] / r["weight_stream_fraction"], None, "×")
-    add("local_experts fp4 vs torch_int4pack (information)",
+        lambda r: r["speedup"]["torch_int4pack"] / r["weight_stream_fraction"],
+        None,
+        "×",
+    )
+    add(
+        "local_experts fp4 vs torch_int4pack (information)",
         [r for r in ok if r["bench"] == "local_experts" and r["speedup"].get("torch_int4pack")],
-        lambda r: r["speedup"]["torch_int4pack"], None, "×")
+        lambda r: r["speedup"]["torch_int4pack"],
+        None,
+        "×",
+    )
     one_row = [r for r in ok if _one_row(r)]
-    add("one row per expert (expert_gemm T=1, local_experts at 1 row/expert): a read-only stream over the same weight "
+    add(
+        "one row per expert (expert_gemm T=1, local_experts at 1 row/expert): a read-only stream over the same weight "
         "bytes, timed in the same rounds, vs the op",
-        one_row, lambda r: r["weight_stream_fraction"], READ_BW_TARGET, "%")
+        one_row,
+        lambda r: r["weight_stream_fraction"],
+        READ_BW_TARGET,
+        "%",
+    )
     if lim.read_bandwidth:
-        add(f"  the same, weight bytes / time vs the run's best read-only stream ({lim.read_bandwidth / 1e9:.1f} GB/s, "
+        add(
+            f"  the same, weight bytes / time vs the run's best read-only stream ({lim.read_bandwidth / 1e9:.1f} GB/s, "
             "measured at the start and end of the run)",
             [r for r in ok if r["bench"] == "expert_gemm" and r["tokens"] == 1 and r.get("read_bytes")],
-            lambda r: r["read_bytes"] / r["op"]["median_s"] / lim.read_bandwidth, None, "%")
+            lambda r: r["read_bytes"] / r["op"]["median_s"] / lim.read_bandwidth,
+            None,
+            "%",
+        )
     peak_recs = [r for r in ok if r["bench"] == "expert_gemm" and r.get("bf16_matmul_fraction")]
-    add(f"expert_gemm T>={BF16_PEAK_MIN_TOKENS}, fp4/fp8 weights (fp8: power-of-two scales), bf16 or pow2 fp8 "
+    add(
+        f"expert_gemm T>={BF16_PEAK_MIN_TOKENS}, fp4/fp8 weights (fp8: power-of-two scales), bf16 or pow2 fp8 "
         "activations: FLOP/s vs torch's bf16 matmul timed in the same rounds",
         [r for r in peak_recs if r.get("fp8_scales", "pow2") == "pow2"],
-        lambda r: r["bf16_matmul_fraction"], BF16_PEAK_TARGET, "%")
-    add("  the same, fp8 weights with float scales (the fold path)",
+        lambda r: r["bf16_matmul_fraction"],
+        BF16_PEAK_TARGET,
+        "%",
+    )
+    add(
+        "  the same, fp8 weights with float scales (the fold path)",
         [r for r in peak_recs if r.get("fp8_scales") == "float"],
-        lambda r: r["bf16_matmul_fraction"], BF16_PEAK_TARGET, "%")
+        lambda r: r["bf16_matmul_fraction"],
+        BF16_PEAK_TARGET,
+        "%",
+    )
     amx = [r for r in every if r.get("isa") == "amx" and r.get("bf16_matmul_fraction")]
-    add("  the same, the opt-in amx kernel (STATIC_MOE_CPU_ISA=amx), fp4 and pow2-scaled fp8 weights (information)",
-        [r for r in amx if r.get("fp8_scales", "pow2") == "pow2"], lambda r: r["bf16_matmul_fraction"], None, "%")
-    add("  the same, the amx kernel, fp8 weights with float scales (information)",
-        [r for r in amx if r.get("fp8_scales") == "float"], lambda r: r["bf16_matmul_fraction"], None, "%")
-    add("  the amx kernel's fp4 expert_gemm vs torch_int4pack, T 16/64 (information)",
+    add(
+        "  the same, the opt-in amx kernel (STATIC_MOE_CPU_ISA=amx), fp4 and pow2-scaled fp8 weights (information)",
+        [r for r in amx if r.get("fp8_scales", "pow2") == "pow2"],
+        lambda r: r["bf16_matmul_fraction"],
+        None,
+        "%",
+    )
+    add(
+        "  the same, the amx kernel, fp8 weights with float scales (information)",
+        [r for r in amx if r.get("fp8_scales") == "float"],
+        lambda r: r["bf16_matmul_fraction"],
+        None,
+        "%",
+    )
+    add(
+        "  the amx kernel's fp4 expert_gemm vs torch_int4pack, T 16/64 (information)",
         [r for r in every if r.get("isa") == "amx" and r["speedup"].get("torch_int4pack")],
-        lambda r: r["speedup"]["torch_int4pack"], None, "×")
+        lambda r: r["speedup"]["torch_int4pack"],
+        None,
+        "×",
+    )
     if lim.bf16_flops:
-        add(f"  the same, vs the run's best bf16 matmul ({lim.bf16_flops / 1e9:.0f} GFLOP/s, measured at the start and "
+        add(
+            f"  the same, vs the run's best bf16 matmul ({lim.bf16_flops / 1e9:.0f} GFLOP/s, measured at the start and "
             "end of the run)",
-            [r for r in ok if r["bench"] == "expert_gemm" and r["tokens"] >= BF16_PEAK_MIN_TOKENS
-             and r.get("weight") in ("fp4", "fp8") and r.get("compute_peak") == "bf16"],
-            lambda r: r["flops"] / r["op"]["median_s"] / lim.bf16_flops, None, "%")
+            [
+                r
+                for r in ok
+                if r["bench"] == "expert_gemm"
+                and r["tokens"] >= BF16_PEAK_MIN_TOKENS
+                and r.get("weight") in ("fp4", "fp8")
+                and r.get("compute_peak") == "bf16"
+            ],
+            lambda r: r["flops"] / r["op"]["median_s"] / lim.bf16_flops,
+            None,
+            "%",
+        )
     fwd2 = [r for r in ok if r["bench"] == "forward" and r.get("ep_size") == 2]
-    add("forward S=2: collectives' share of a step, from the op's phases (information)",
+    add(
+        "forward S=2: collectives' share of a step, from the op's phases (information)",
         [r for r in fwd2 if r.get("collective_share") is not None],
-        lambda r: -r["collective_share"], None, "-%")  # min of the negation: the largest share
-    add("forward S=2: a rank's local experts in the step vs alone, same threads (≤ 1: not slowed by the other rank)",
+        lambda r: -r["collective_share"],
+        None,
+        "-%",
+    )  # min of the negation: the largest share
+    add(
+        "forward S=2: a rank's local experts in the step vs alone, same threads (≤ 1: not slowed by the other rank)",
         [r for r in fwd2 if r.get("local_experts_in_step_vs_alone")],
-        lambda r: -r["local_experts_in_step_vs_alone"], None, "-×")
+        lambda r: -r["local_experts_in_step_vs_alone"],
+        None,
+        "-×",
+    )
     return out
 
 
 def _int4_point(r: dict) -> bool:
     """A point of the int4pack target: expert_gemm, fp4 weights, V4-Flash or V3, T 1/4/16/64, int4pack timed."""
-    return (r["bench"] == "expert_gemm" and r.get("weight") == "fp4" and r["shape"] in INT4_SHAPES
-            and r["tokens"] in INT4_TOKENS and bool(r["speedup"].get("torch_int4pack")))
+    return (
+        r["bench"] == "expert_gemm"
+        and r.get("weight") == "fp4"
+        and r["shape"] in INT4_SHAPES
+        and r["tokens"] in INT4_TOKENS
+        and bool(r["speedup"].get("torch_int4pack"))
+    )
 
 
 def _one_row(r: dict) -> bool:
@@ -194,7 +304,8 @@ def _one_row(r: dict) -> bool:
     ≤ 1 row per expert."""
     return bool(r.get("weight_stream_fraction")) and (
         (r["bench"] == "expert_gemm" and r["tokens"] == 1)
-        or (r["bench"] == "local_experts" and r.get("rows_per_expert", 2.0) <= 1.0))
+        or (r["bench"] == "local_experts" and r.get("rows_per_expert", 2.0) <= 1.0)
+    )
 
 
 def _span(values) -> list[float] | None:
@@ -216,33 +327,53 @@ def summary_ranges(report: Report) -> dict:
     ok = [r for r in every if r.get("isa") is None]
     shapes = [r for r in ok if r.get("shape") in INT4_SHAPES]
     int4 = [r for r in ok if _int4_point(r)]
-    amx = [r for r in every if r.get("isa") == "amx" and r.get("shape") in INT4_SHAPES
-           and r["speedup"].get("torch_int4pack")]
+    amx = [
+        r
+        for r in every
+        if r.get("isa") == "amx" and r.get("shape") in INT4_SHAPES and r["speedup"].get("torch_int4pack")
+    ]
     return {
         "shapes": list(INT4_SHAPES),
-        "int4pack": {str(t): _span(r["speedup"]["torch_int4pack"] for r in int4 if r["tokens"] == t)
-                     for t in INT4_TOKENS},
-        "read_ceiling": _span(r["speedup"]["torch_int4pack"] / r["weight_stream_fraction"] for r in int4
-                              if r["tokens"] == 1 and r.get("weight_stream_fraction")),
-        "amx_int4pack": {str(t): _span(r["speedup"]["torch_int4pack"] for r in amx if r["tokens"] == t)
-                         for t in AMX_TOKENS},
+        "int4pack": {
+            str(t): _span(r["speedup"]["torch_int4pack"] for r in int4 if r["tokens"] == t) for t in INT4_TOKENS
+        },
+        "read_ceiling": _span(
+            r["speedup"]["torch_int4pack"] / r["weight_stream_fraction"]
+            for r in int4
+            if r["tokens"] == 1 and r.get("weight_stream_fraction")
+        ),
+        "amx_int4pack": {
+            str(t): _span(r["speedup"]["torch_int4pack"] for r in amx if r["tokens"] == t) for t in AMX_TOKENS
+        },
         "one_row_read": _span(r["weight_stream_fraction"] for r in shapes if _one_row(r)),
-        "bf16_matmul": _span(r["bf16_matmul_fraction"] for r in shapes if r["bench"] == "expert_gemm"
-                             and r.get("bf16_matmul_fraction") and r.get("fp8_scales", "pow2") == "pow2"),
-        "forward_in_step": _span(r["local_experts_in_step_vs_alone"] for r in ok if r["bench"] == "forward"
-                                 and r.get("ep_size") == 2 and r.get("local_experts_in_step_vs_alone")),
+        "bf16_matmul": _span(
+            r["bf16_matmul_fraction"]
+            for r in shapes
+            if r["bench"] == "expert_gemm" and r.get("bf16_matmul_fraction") and r.get("fp8_scales", "pow2") == "pow2"
+        ),
+        "forward_in_step": _span(
+            r["local_experts_in_step_vs_alone"]
+            for r in ok
+            if r["bench"] == "forward" and r.get("ep_size") == 2 and r.get("local_experts_in_step_vs_alone")
+        ),
     }
 
 
 def print_same_round_targets(rows: list[dict]) -> None:
     if not rows:
         return
-    print("\nTargets against torch_int4pack, the read-only stream and the bf16 matmul (measured minimum over the "
-          "points named, ratios of calls timed in the same rounds of this run):")
+    print(
+        "\nTargets against torch_int4pack, the read-only stream and the bf16 matmul (measured minimum over the "
+        "points named, ratios of calls timed in the same rounds of this run):"
+    )
     for t in rows:
         v = t["min"]
-        shown = {"×": f"{v:.2f}×", "%": f"{100 * v:.0f}%", "-%": f"{-100 * v:.0f}% (largest)",
-                 "-×": f"{-v:.2f}× (largest)"}[t["unit"]]
+        shown = {
+            "×": f"{v:.2f}×",
+            "%": f"{100 * v:.0f}%",
+            "-%": f"{-100 * v:.0f}% (largest)",
+            "-×": f"{-v:.2f}× (largest)",
+        }[t["unit"]]
         if t["target"] is None:
             verdict = ""
         else:
@@ -258,43 +389,66 @@ def _at(r: dict) -> str:
 def print_roofline_targets(rows: list[dict]) -> None:
     if not rows:
         return
-    print("\nTargets for the roofline fraction and the speed-up over torch_cached (measured minimum over the points "
-          "named):")
+    print(
+        "\nTargets for the roofline fraction and the speed-up over torch_cached (measured minimum over the points "
+        "named):"
+    )
     for t in rows:
         parts = []
         if "roofline_fraction_min" in t:
             f = t["roofline_fraction_min"] or 0.0
-            parts.append(f"roofline {100 * f:.1f}% (target ≥ {100 * t['roofline_target']:.0f}%: "
-                         f"{'met' if f >= t['roofline_target'] else 'NOT met'}, worst at {t['at_roofline']}; "
-                         f"{100 * t['roofline_fraction_bf16_peak_min']:.1f}% with the bf16 matmul peak)")
+            parts.append(
+                f"roofline {100 * f:.1f}% (target ≥ {100 * t['roofline_target']:.0f}%: "
+                f"{'met' if f >= t['roofline_target'] else 'NOT met'}, worst at {t['at_roofline']}; "
+                f"{100 * t['roofline_fraction_bf16_peak_min']:.1f}% with the bf16 matmul peak)"
+            )
         sp = t["speedup_cached_min"] or 0.0
-        parts.append(f"×torch_cached {sp:.2f} (target ≥ {t['speedup_target']:.0f}×: "
-                     f"{'met' if sp >= t['speedup_target'] else 'NOT met'}, worst at {t['at_speedup']})")
+        parts.append(
+            f"×torch_cached {sp:.2f} (target ≥ {t['speedup_target']:.0f}×: "
+            f"{'met' if sp >= t['speedup_target'] else 'NOT met'}, worst at {t['at_speedup']})"
+        )
         print(f"  {t['what']}: " + "; ".join(parts))
 
 
 def _publish_paths(args) -> tuple[Path | None, Path | None]:
     """Where this run's host summary goes and which markdown file's results table it re-renders (None: nowhere).
     Only a full run — what `make bench` runs — replaces the committed summary of its host kind by default."""
-    full = (not args.quick and list(args.only) == list(SECTIONS) and args.shape in (None, ["all"])
-            and args.tokens in (None, list(DEFAULT_TOKENS)))
+    full = (
+        not args.quick
+        and list(args.only) == list(SECTIONS)
+        and args.shape in (None, ["all"])
+        and args.tokens in (None, list(DEFAULT_TOKENS))
+    )
     hosts_dir = args.hosts_dir or (HOSTS_DIR if full or args.table_only else None)
     default_dir = hosts_dir is not None and hosts_dir.resolve() == HOSTS_DIR.resolve()
     return hosts_dir, args.results_doc or (DOC if default_dir else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_common_args(p)
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="benchmarks to run")
-    p.add_argument("--hosts-dir", type=Path, default=None,
-                   help=f"write the host's summary <host-id>.json here (default: {HOSTS_DIR.relative_to(DOC.parents[1])} "
-                        "on a full run, nowhere on a partial one)")
-    p.add_argument("--results-doc", type=Path, default=None,
-                   help=f"render the results table of this markdown file from every summary in the hosts dir (default: "
-                        f"{DOC.relative_to(DOC.parents[1])} when the summary goes to the default hosts dir)")
-    p.add_argument("--table-only", action="store_true",
-                   help="only re-render the results table from the summaries already there, and exit")
+    p.add_argument(
+        "--hosts-dir",
+        type=Path,
+        default=None,
+        help=f"write the host's summary <host-id>.json here (default: {HOSTS_DIR.relative_to(DOC.parents[1])} "
+        "on a full run, nowhere on a partial one)",
+    )
+    p.add_argument(
+        "--results-doc",
+        type=Path,
+        default=None,
+        help=f"render the results table of this markdown file from every summary in the hosts dir (default: "
+        f"{DOC.relative_to(DOC.parents[1])} when the summary goes to the default hosts dir)",
+    )
+    p.add_argument(
+        "--table-only",
+        action="store_true",
+        help="only re-render the results table from the summaries already there, and exit",
+    )
     return p
 
 
@@ -310,9 +464,12 @@ def main(argv=None) -> None:
     report.meta["host"] = this_host()
     scale = {s: (local_experts_for(s, args.quick), MODEL_SHAPES[s].num_experts) for s in shapes}
     report.meta.update(shapes=shapes, tokens=tokens, local_experts_scale=scale)
-    print("scale: local experts kept per rank (H, I, k unscaled): "
-          + ", ".join(f"{MODEL_SHAPES[s].name} {kept} of {full}" for s, (kept, full) in scale.items())
-          + "; forward keeps at least ceil(k / S)", flush=True)
+    print(
+        "scale: local experts kept per rank (H, I, k unscaled): "
+        + ", ".join(f"{MODEL_SHAPES[s].name} {kept} of {full}" for s, (kept, full) in scale.items())
+        + "; forward keeps at least ceil(k / S)",
+        flush=True,
+    )
     elapsed = {}
     for name in args.only:
         t0 = time.perf_counter()
@@ -324,8 +481,10 @@ def main(argv=None) -> None:
 
     print()
     print(report.header())
-    print("scale: " + ", ".join(f"{MODEL_SHAPES[s].name}: {kept}/{full} local experts" for s, (kept, full) in
-                                scale.items()))
+    print(
+        "scale: "
+        + ", ".join(f"{MODEL_SHAPES[s].name}: {kept}/{full} local experts" for s, (kept, full) in scale.items())
+    )
     for name in args.only:
         recs = [r for r in report.records if r["bench"] in PLOTTED[name]]
         if recs:
@@ -345,8 +504,9 @@ def main(argv=None) -> None:
     if hosts_dir is None:
         print("a partial run: no host summary written (--hosts-dir DIR writes one)")
     else:
-        summary = host_summary(report, report.meta["host"], {"roofline": rows, "same_round": rows2},
-                               summary_ranges(report))
+        summary = host_summary(
+            report, report.meta["host"], {"roofline": rows, "same_round": rows2}, summary_ranges(report)
+        )
         print(f"wrote {write_host_json(summary, hosts_dir)}")
         if results_doc is not None:
             print(f"updated {update_results_doc(results_doc, hosts_dir)} (results table)")

@@ -34,44 +34,55 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "static_moe C++ extension: op registrations for the CPU (and, when built, CUDA) backends";
   // Per-op metadata checks, called by the Python fake kernels so traced graphs reject bad shapes too
   // (they read sizes / dtypes / devices only, so FakeTensors work).
-  m.def("check_pack_rows", [](const std::vector<at::Tensor>& parts, int64_t capacity) {
-    return static_moe::checks::check_pack_rows(parts, capacity).width;
-  }, "pack_rows argument checks; returns the packed row width W");
-  m.def("check_unpack_rows", [](const at::Tensor& packed, int64_t offset, int64_t nbytes, at::ScalarType dtype,
-                                std::vector<int64_t> row_shape) {
-    static_moe::checks::check_unpack_rows(packed, offset, nbytes, dtype, row_shape);
-  }, "unpack_rows argument checks");
-  m.def("check_swiglu_and_cast", [](const at::Tensor& gate_up, std::optional<at::Tensor> row_weight,
-                                    std::optional<double> swiglu_limit, std::string out_format, int64_t group_size,
-                                    double fp8_max, bool pow2_scale) {
-    static_moe::checks::check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max,
-                                              pow2_scale);
-  }, "swiglu_and_cast argument checks");
-  m.def("check_expert_gemm", [](const at::Tensor& a, std::optional<at::Tensor> a_scale, const at::Tensor& b,
-                                std::optional<at::Tensor> b_scale, const at::Tensor& row_mask, int64_t expert,
-                                const std::string& weight_layout) {
-    static_moe::checks::check_expert_gemm(
-        a, a_scale, b, b_scale, row_mask, expert,
-        static_moe::checks::parse_weight_layout(weight_layout, "expert_gemm"));
-  }, "expert_gemm argument checks", py::arg("a"), py::arg("a_scale"), py::arg("b"), py::arg("b_scale"),
-     py::arg("row_mask"), py::arg("expert"), py::arg("weight_layout") = "eoi");
-  m.def("check_local_experts", [](const at::Tensor& x, std::optional<at::Tensor> x_scale, const at::Tensor& topk_idx,
-                                  const at::Tensor& topk_weights, const at::Tensor& w13,
-                                  std::optional<at::Tensor> w13_scale, const at::Tensor& w2,
-                                  std::optional<at::Tensor> w2_scale, int64_t expert_offset,
-                                  std::optional<double> swiglu_limit, double fp8_max, const std::string& op,
-                                  const std::string& weight_layout) {
-    static_moe::checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
-                                            expert_offset, swiglu_limit, fp8_max, op.c_str(),
-                                            static_moe::checks::parse_weight_layout(weight_layout, op.c_str()));
-  }, "local_experts argument checks; op names the op in the messages (forward runs them too)",
-     py::arg("x"), py::arg("x_scale"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("w13"),
-     py::arg("w13_scale"), py::arg("w2"), py::arg("w2_scale"), py::arg("expert_offset"), py::arg("swiglu_limit"),
-     py::arg("fp8_max"), py::arg("op") = "local_experts", py::arg("weight_layout") = "eoi");
+  m.def(
+      "check_pack_rows",
+      [](const std::vector<at::Tensor>& parts, int64_t capacity) {
+        return static_moe::checks::check_pack_rows(parts, capacity).width;
+      },
+      "pack_rows argument checks; returns the packed row width W");
+  m.def(
+      "check_unpack_rows",
+      [](const at::Tensor& packed, int64_t offset, int64_t nbytes, at::ScalarType dtype,
+         std::vector<int64_t> row_shape) {
+        static_moe::checks::check_unpack_rows(packed, offset, nbytes, dtype, row_shape);
+      },
+      "unpack_rows argument checks");
+  m.def(
+      "check_swiglu_and_cast",
+      [](const at::Tensor& gate_up, std::optional<at::Tensor> row_weight, std::optional<double> swiglu_limit,
+         std::string out_format, int64_t group_size, double fp8_max, bool pow2_scale) {
+        static_moe::checks::check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max,
+                                                  pow2_scale);
+      },
+      "swiglu_and_cast argument checks");
+  m.def(
+      "check_expert_gemm",
+      [](const at::Tensor& a, std::optional<at::Tensor> a_scale, const at::Tensor& b, std::optional<at::Tensor> b_scale,
+         const at::Tensor& row_mask, int64_t expert, const std::string& weight_layout) {
+        static_moe::checks::check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert,
+                                              static_moe::checks::parse_weight_layout(weight_layout, "expert_gemm"));
+      },
+      "expert_gemm argument checks", py::arg("a"), py::arg("a_scale"), py::arg("b"), py::arg("b_scale"),
+      py::arg("row_mask"), py::arg("expert"), py::arg("weight_layout") = "eoi");
+  m.def(
+      "check_local_experts",
+      [](const at::Tensor& x, std::optional<at::Tensor> x_scale, const at::Tensor& topk_idx,
+         const at::Tensor& topk_weights, const at::Tensor& w13, std::optional<at::Tensor> w13_scale,
+         const at::Tensor& w2, std::optional<at::Tensor> w2_scale, int64_t expert_offset,
+         std::optional<double> swiglu_limit, double fp8_max, const std::string& op, const std::string& weight_layout) {
+        static_moe::checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
+                                                expert_offset, swiglu_limit, fp8_max, op.c_str(),
+                                                static_moe::checks::parse_weight_layout(weight_layout, op.c_str()));
+      },
+      "local_experts argument checks; op names the op in the messages (forward runs them too)", py::arg("x"),
+      py::arg("x_scale"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("w13"), py::arg("w13_scale"),
+      py::arg("w2"), py::arg("w2_scale"), py::arg("expert_offset"), py::arg("swiglu_limit"), py::arg("fp8_max"),
+      py::arg("op") = "local_experts", py::arg("weight_layout") = "eoi");
   // Test hooks: the CPU kernels' exact float32 -> e4m3fn / bf16 casts, elementwise (tests/ops/test_swiglu_and_cast.py
   // compares them with torch's casts bit for bit).
   m.def("_cast_e4m3fn", [](const at::Tensor& x) {
-    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "_cast_e4m3fn: x must be a CPU float32 tensor");
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                      "_cast_e4m3fn: x must be a CPU float32 tensor");
     const at::Tensor c = x.contiguous();
     at::Tensor out = at::empty(c.sizes(), c.options().dtype(at::kFloat8_e4m3fn));
     const float* src = c.const_data_ptr<float>();
@@ -80,7 +91,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   });
   m.def("_cast_bf16", [](const at::Tensor& x) {
-    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "_cast_bf16: x must be a CPU float32 tensor");
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                      "_cast_bf16: x must be a CPU float32 tensor");
     const at::Tensor c = x.contiguous();
     at::Tensor out = at::empty(c.sizes(), c.options().dtype(at::kBFloat16));
     const float* src = c.const_data_ptr<float>();

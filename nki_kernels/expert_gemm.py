@@ -113,10 +113,9 @@ def expert_rows(t, e, row0: int, nblk: int, dtype=None):
     _, _, c = t.shape
     if isinstance(e, int):
         v = t if dtype is None else t.view(dtype)
-        v = v[e, row0:row0 + nblk * P, :]
+        v = v[e, row0 : row0 + nblk * P, :]
         return v.reshape((nblk, P, c)).permute((1, 0, 2))
-    return t.ap(pattern=[[c, P], [P * c, nblk], [1, c]], offset=row0 * c, scalar_offset=e, indirect_dim=0,
-                dtype=dtype)
+    return t.ap(pattern=[[c, P], [P * c, nblk], [1, c]], offset=row0 * c, scalar_offset=e, indirect_dim=0, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,8 +179,14 @@ def load_weight_blocks(w_nat, b, b_scale, e, row0: int, nblk: int, fmt: str, k: 
         s_i32 = nl.ndarray((P, nblk * nsc), dtype=nl.int32, buffer=nl.sbuf, name="w_s_bits")
         scale = ue8m0_to_scale(s_i32, s_raw.reshape((P, nblk * nsc)), 6)
         decode_e2m1_pairs(even, odd, words)
-        fold_scales(w_nat.reshape((P, nblk * k)), even.view(nl.float8_e4m3), odd.view(nl.float8_e4m3), scale, 32,
-                    vector_blocks=nblk * nsc // FP4_FOLD_VECTOR_SHARE)
+        fold_scales(
+            w_nat.reshape((P, nblk * k)),
+            even.view(nl.float8_e4m3),
+            odd.view(nl.float8_e4m3),
+            scale,
+            32,
+            vector_blocks=nblk * nsc // FP4_FOLD_VECTOR_SHARE,
+        )
 
 
 def transpose_blocks(dst_kmajor, src, ncols: int, nkb: int, evac_engines=None):
@@ -199,8 +204,10 @@ def transpose_blocks(dst_kmajor, src, ncols: int, nkb: int, evac_engines=None):
         pt = nl.ndarray((P, TRANSPOSES_PER_BANK, P), dtype=src.dtype, buffer=nl.psum, name="t_psum")
         for j in range(g):
             kb = g0 + j
-            nisa.nc_transpose(dst=pt[:, j, :ncols], data=src[:ncols, kb * P:(kb + 1) * P])
-        nisa.tensor_copy(dst=dst_kmajor[:, g0:g0 + g, :ncols], src=pt[:, :g, :ncols], engine=engines[i % len(engines)])
+            nisa.nc_transpose(dst=pt[:, j, :ncols], data=src[:ncols, kb * P : (kb + 1) * P])
+        nisa.tensor_copy(
+            dst=dst_kmajor[:, g0 : g0 + g, :ncols], src=pt[:, :g, :ncols], engine=engines[i % len(engines)]
+        )
 
 
 def weight_evac_engines(fmt: str):
@@ -238,7 +245,7 @@ def load_row_mask_tiles(row_mask, r: int):
     for r0 in range(0, r, P):
         rt = min(P, r - r0)
         t = nl.ndarray((rt, 1), dtype=nl.uint8, buffer=nl.sbuf, name="row_mask")
-        nisa.dma_copy(dst=t, src=m2[r0:r0 + rt, :])
+        nisa.dma_copy(dst=t, src=m2[r0 : r0 + rt, :])
         tiles.append(t)
     return tiles
 
@@ -252,8 +259,12 @@ def gemm_ws(out_psum, wT, aT, nkb: int, r: int):
     for m0 in range(0, r, MOVING_MAX):
         mr = min(MOVING_MAX, r - m0)
         for kb in range(nkb):
-            nisa.nc_matmul(dst=out_psum[:, m0:m0 + mr], stationary=wT[:, kb, :], moving=aT[:, kb, m0:m0 + mr],
-                           accumulate=kb != 0)
+            nisa.nc_matmul(
+                dst=out_psum[:, m0 : m0 + mr],
+                stationary=wT[:, kb, :],
+                moving=aT[:, kb, m0 : m0 + mr],
+                accumulate=kb != 0,
+            )
 
 
 def _row_count(mask_tiles, name: str):
@@ -380,8 +391,9 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
 
     out = nl.ndarray((r, n), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="out")
     masks = load_row_mask_tiles(row_mask, r)
-    act = load_act_operand(plan.korder if plan is not None else "natural", a, a_scale, masks,
-                           kp=None if plan is None else plan.kp)
+    act = load_act_operand(
+        plan.korder if plan is not None else "natural", a, a_scale, masks, kp=None if plan is None else plan.kp
+    )
 
     out_rows = []
     for r0 in range(0, r, P):
@@ -423,8 +435,7 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         plan_q = replace(plan, path="quad_grp" if grp else "quad_bf16", korder="quad_grp" if grp else "quad")
 
         def body_quad(_i):
-            body_eio(plan_q, load_act_operand(plan_q.korder, a, a_scale, masks, name="act_q", split=True,
-                                              kp=plan_q.kp))
+            body_eio(plan_q, load_act_operand(plan_q.korder, a, a_scale, masks, name="act_q", split=True, kp=plan_q.kp))
 
         nl.fori_loop(0, trips[1], body_quad)
     elif skip_unrouted:
@@ -433,5 +444,5 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         body()
 
     for t, rows in enumerate(out_rows):
-        nisa.dma_copy(dst=out[t * P:t * P + rows.shape[0], :], src=rows)
+        nisa.dma_copy(dst=out[t * P : t * P + rows.shape[0], :], src=rows)
     return out

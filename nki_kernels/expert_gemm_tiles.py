@@ -218,8 +218,10 @@ def weight_plan(w, act_fmt: str, rows: int | None = None) -> WeightPlan:
         path, korder, k, eb = "fp8_block", "natural", rows, 1
     else:
         k, eb = 4 * rows, (4 if fmt == "fp8_mx" else 2)
-        assert fmt == "fp4" or trn3, "the fp8 MX weight form (uint32) exists on trn3 only; prepare trn2 weights " \
-                                     "with layouts.prepare_weight(..., 'trn2')"
+        assert fmt == "fp4" or trn3, (
+            "the fp8 MX weight form (uint32) exists on trn3 only; prepare trn2 weights "
+            "with layouts.prepare_weight(..., 'trn2')"
+        )
         if trn3 and act_fmt == "fp8":
             path, korder = "mx", "mx"
         elif n_rows is not None and n_rows <= GROUP_PATH_MAX_ROWS[fmt]:
@@ -279,18 +281,28 @@ class WeightRing:
     def __init__(self, plan: WeightPlan, name: str = "w"):
         self.plan = plan
         raw_dtype = {"bf16": nl.bfloat16, "fp8": nl.uint8, "fp8_mx": nl.uint32, "fp4": nl.uint16}[plan.fmt]
-        self.raw = [nl.ndarray((P, plan.nrb, plan.ncols), dtype=raw_dtype, buffer=nl.sbuf, name=f"{name}_slab{i}")
-                    for i in range(WEIGHT_BUFS)]
+        self.raw = [
+            nl.ndarray((P, plan.nrb, plan.ncols), dtype=raw_dtype, buffer=nl.sbuf, name=f"{name}_slab{i}")
+            for i in range(WEIGHT_BUFS)
+        ]
         self.scale = []
         if plan.path == "fp8_block":
-            self.scale = [nl.ndarray((P, plan.ncols // P, plan.k // P), dtype=nl.float32, buffer=nl.sbuf,
-                                     name=f"{name}_scale{i}") for i in range(WEIGHT_BUFS)]
+            self.scale = [
+                nl.ndarray((P, plan.ncols // P, plan.k // P), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_scale{i}")
+                for i in range(WEIGHT_BUFS)
+            ]
         elif plan.path == "quad_grp":  # transposed 2^(b - 121) per (n, group), bf16
-            self.scale = [nl.ndarray((P, plan.ncols // P, plan.ngroups), dtype=nl.bfloat16, buffer=nl.sbuf,
-                                     name=f"{name}_grp_scale{i}") for i in range(WEIGHT_BUFS)]
+            self.scale = [
+                nl.ndarray(
+                    (P, plan.ncols // P, plan.ngroups), dtype=nl.bfloat16, buffer=nl.sbuf, name=f"{name}_grp_scale{i}"
+                )
+                for i in range(WEIGHT_BUFS)
+            ]
         elif plan.path in ("mx", "quad_bf16"):
-            self.scale = [nl.ndarray((P, plan.nrb, plan.ncols), dtype=nl.uint8, buffer=nl.sbuf,
-                                     name=f"{name}_e8m0_{i}") for i in range(WEIGHT_BUFS)]
+            self.scale = [
+                nl.ndarray((P, plan.nrb, plan.ncols), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_e8m0_{i}")
+                for i in range(WEIGHT_BUFS)
+            ]
         self.turn = 0
 
 
@@ -347,9 +359,11 @@ def load_weight_slab(ring: WeightRing, w, w_scale, e, n0: int) -> WeightSlab:
     else:  # packed K not a multiple of 512: the last block's missing rows are zeros (weight 0: adds nothing)
         nisa.memset(dst=raw[:, nrb - 1, :], value=0, engine=nisa.engine.gpsimd)
         if nrb > 1:
-            nisa.dma_copy(dst=raw[:, :nrb - 1, :], src=_hbm_rows(w, e, 0, nrb - 1, n0, plan.ncols, dtype=raw.dtype))
-        nisa.dma_copy(dst=raw[:last, nrb - 1, :], src=_hbm_ap(w, e, [[plan.n, last], [1, plan.ncols]],
-                                                             P * (nrb - 1) * plan.n + n0, dtype=raw.dtype))
+            nisa.dma_copy(dst=raw[:, : nrb - 1, :], src=_hbm_rows(w, e, 0, nrb - 1, n0, plan.ncols, dtype=raw.dtype))
+        nisa.dma_copy(
+            dst=raw[:last, nrb - 1, :],
+            src=_hbm_ap(w, e, [[plan.n, last], [1, plan.ncols]], P * (nrb - 1) * plan.n + n0, dtype=raw.dtype),
+        )
     if plan.path == "bf16":
         return WeightSlab(plan, n0, raw, None)
     if plan.path == "fp8_block":
@@ -369,22 +383,29 @@ def load_weight_slab(ring: WeightRing, w, w_scale, e, n0: int) -> WeightSlab:
         # 32c + 8i … 32c + 8i + 7), columns n0 …; rows 4 … 31 of each quadrant are not read
         for c in range(4):
             if full:
-                nisa.dma_copy(dst=sc[32 * c:32 * c + 4, :full, :],
-                              src=_hbm_ap(w_scale, e, [[n, 4], [16 * n, full], [1, plan.ncols]], 4 * c * n + n0))
+                nisa.dma_copy(
+                    dst=sc[32 * c : 32 * c + 4, :full, :],
+                    src=_hbm_ap(w_scale, e, [[n, 4], [16 * n, full], [1, plan.ncols]], 4 * c * n + n0),
+                )
             if full < nmb and 32 * c < last:
-                nisa.dma_copy(dst=sc[32 * c:32 * c + 4, nmb - 1, :],
-                              src=_hbm_ap(w_scale, e, [[n, 4], [1, plan.ncols]], (16 * full + 4 * c) * n + n0))
+                nisa.dma_copy(
+                    dst=sc[32 * c : 32 * c + 4, nmb - 1, :],
+                    src=_hbm_ap(w_scale, e, [[n, 4], [1, plan.ncols]], (16 * full + 4 * c) * n + n0),
+                )
         x4 = nl.float4_e2m1fn_x4 if plan.fmt == "fp4" else nl.float8_e4m3fn_x4
         return WeightSlab(plan, n0, raw.view(x4), sc)
     if plan.path == "quad_grp":
         return WeightSlab(plan, n0, _byte_planes(raw, plan), _grp_scales(ring.scale[i], w_scale, e, n0, plan))
     # quad_bf16: data partition p of block mb uses UE8M0 row 16·mb + p // 8: replicate each row over 8 partitions
     if full:
-        nisa.dma_copy(dst=sc[:, :full, :], src=_hbm_ap(w_scale, e, [[n, 16], [0, 8], [16 * n, full], [1, plan.ncols]],
-                                                      n0))
+        nisa.dma_copy(
+            dst=sc[:, :full, :], src=_hbm_ap(w_scale, e, [[n, 16], [0, 8], [16 * n, full], [1, plan.ncols]], n0)
+        )
     if full < nmb:
-        nisa.dma_copy(dst=sc[:last, nmb - 1, :], src=_hbm_ap(w_scale, e, [[n, last // 8], [0, 8], [1, plan.ncols]],
-                                                            16 * full * n + n0))
+        nisa.dma_copy(
+            dst=sc[:last, nmb - 1, :],
+            src=_hbm_ap(w_scale, e, [[n, last // 8], [0, 8], [1, plan.ncols]], 16 * full * n + n0),
+        )
     return WeightSlab(plan, n0, _decode_quad(raw, sc, plan), None)
 
 
@@ -395,8 +416,15 @@ def _fold_scale_bf16(sc, plan: WeightPlan):
     p, nmb, nc = sc.shape
     bits = nl.ndarray((p, nmb, nc), dtype=nl.uint16, buffer=nl.sbuf, name="w_fold_bits")
     # b·128 + 6·128 in fp32 is exact (< 2^16) and lands as the uint16 bit pattern: one ScalarE op, off VectorE
-    nisa.tensor_scalar(dst=bits, data=sc, op0=nl.multiply, operand0=128.0, op1=nl.add,
-                       operand1=float(FOLD_EXTRA_LOG2 * 128), engine=nisa.engine.scalar)
+    nisa.tensor_scalar(
+        dst=bits,
+        data=sc,
+        op0=nl.multiply,
+        operand0=128.0,
+        op1=nl.add,
+        operand1=float(FOLD_EXTRA_LOG2 * 128),
+        engine=nisa.engine.scalar,
+    )
     return bits.view(nl.bfloat16)
 
 
@@ -450,9 +478,16 @@ def _grp_scales(dst, w_scale, e, n0: int, plan: WeightPlan):
             nisa.dma_copy(dst=rows[:have, :], src=_hbm_ap(w_scale, e, [[plan.n, have], [1, nc]], g0 * plan.n + n0))
         for jj in range(nc // P):
             pt = nl.ndarray((P, gk), dtype=nl.bfloat16, buffer=nl.psum, name="grp_psum")
-            nisa.nc_transpose(dst=pt, data=rows[:, jj * P:(jj + 1) * P])
-            nisa.tensor_scalar(dst=bits[:, jj, g0:g0 + gk], data=pt, op0=nl.multiply, operand0=128.0, op1=nl.add,
-                               operand1=float(x * 128), engine=nisa.engine.scalar)
+            nisa.nc_transpose(dst=pt, data=rows[:, jj * P : (jj + 1) * P])
+            nisa.tensor_scalar(
+                dst=bits[:, jj, g0 : g0 + gk],
+                data=pt,
+                op0=nl.multiply,
+                operand0=128.0,
+                op1=nl.add,
+                operand1=float(x * 128),
+                engine=nisa.engine.scalar,
+            )
     return dst
 
 
@@ -475,8 +510,12 @@ def group_operand(op: ActOperand) -> ActOperand:
         if dst is None:
             dst = nl.ndarray((P, nkc, 16, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="act_grp_lo")
             lo = dst
-        nisa.tensor_tensor(dst=dst, data1=src.reshape((P, nkc, 1, r)).broadcast(2, 16),
-                           data2=ind.reshape((P, 1, 16, 1)).broadcast(1, nkc).broadcast(3, r), op=nl.multiply)
+        nisa.tensor_tensor(
+            dst=dst,
+            data1=src.reshape((P, nkc, 1, r)).broadcast(2, 16),
+            data2=ind.reshape((P, 1, 16, 1)).broadcast(1, nkc).broadcast(3, r),
+            op=nl.multiply,
+        )
     return ActOperand("quad_grp", aG, None, None, r, lo if op.aT_lo is not None else None)
 
 
@@ -497,19 +536,33 @@ def _grp_block(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
             mb = b0 + q
             for jp in range(4):
                 c = 4 * mb + jp
-                nisa.nc_matmul(dst=ps[:, q, :, :], stationary=slab.stat[jp][:, mb, cols],
-                               moving=act.aT[:, c, :, m0:m0 + mr], accumulate=jp != 0)
+                nisa.nc_matmul(
+                    dst=ps[:, q, :, :],
+                    stationary=slab.stat[jp][:, mb, cols],
+                    moving=act.aT[:, c, :, m0 : m0 + mr],
+                    accumulate=jp != 0,
+                )
                 if act.aT_lo is not None:
-                    nisa.nc_matmul(dst=ps[:, q, :, :], stationary=slab.stat[jp][:, mb, cols],
-                                   moving=act.aT_lo[:, c, :, m0:m0 + mr], accumulate=True)
+                    nisa.nc_matmul(
+                        dst=ps[:, q, :, :],
+                        stationary=slab.stat[jp][:, mb, cols],
+                        moving=act.aT_lo[:, c, :, m0 : m0 + mr],
+                        accumulate=True,
+                    )
         g0 = 16 * b0
-        s = slab.scale[:, j, g0:g0 + 16 * nb].reshape((P, 16 * nb, 1)).broadcast(2, mr)
+        s = slab.scale[:, j, g0 : g0 + 16 * nb].reshape((P, 16 * nb, 1)).broadcast(2, mr)
         psv = ps[:, :nb, :, :].reshape((P, 16 * nb, mr))
         if plan.fmt == "fp4":
-            nisa.tensor_tensor(dst=scaled[:, g0:g0 + 16 * nb, :], data1=psv, data2=s, op=nl.multiply)
+            nisa.tensor_tensor(dst=scaled[:, g0 : g0 + 16 * nb, :], data1=psv, data2=s, op=nl.multiply)
         else:  # fp8 MX: (psum · 2^-6) · scale, one instruction
-            nisa.scalar_tensor_tensor(dst=scaled[:, g0:g0 + 16 * nb, :], data=psv, op0=nl.multiply,
-                                      operand0=float(2.0 ** -FOLD_EXTRA_LOG2), op1=nl.multiply, operand1=s)
+            nisa.scalar_tensor_tensor(
+                dst=scaled[:, g0 : g0 + 16 * nb, :],
+                data=psv,
+                op0=nl.multiply,
+                operand0=float(2.0**-FOLD_EXTRA_LOG2),
+                op1=nl.multiply,
+                operand1=s,
+            )
     tree_sum(dst, scaled)
 
 
@@ -532,8 +585,7 @@ def decode_e2m1_nibbles(lo, hi, words, m1c):
     p, f = words.shape
     sign = nl.ndarray((p, f), dtype=nl.uint32, buffer=nl.sbuf, name="w_sign")
     nisa.tensor_scalar(dst=lo, data=words, op0=nl.left_shift, operand0=2, op1=nl.bitwise_and, operand1=m1c)
-    nisa.tensor_scalar(dst=sign, data=words, op0=nl.left_shift, operand0=4, op1=nl.bitwise_and,
-                       operand1=_M_80808080)
+    nisa.tensor_scalar(dst=sign, data=words, op0=nl.left_shift, operand0=4, op1=nl.bitwise_and, operand1=_M_80808080)
     nisa.tensor_tensor(dst=lo, data1=lo, data2=sign, op=nl.add, engine=nisa.engine.gpsimd)
     nisa.tensor_scalar(dst=hi, data=words, op0=nl.right_shift, operand0=2, op1=nl.bitwise_and, operand1=m1c)
     nisa.tensor_scalar(dst=sign, data=words, op0=nl.bitwise_and, operand0=_M_80808080)
@@ -564,31 +616,37 @@ def gemm_block(dst, slab: WeightSlab, j: int, act, r: int, out_engine=None):
     for m0 in range(0, r, MOVING_MAX):
         mr = min(MOVING_MAX, r - m0)
         if plan.path == "fp8_block":
-            _fp8_block_evac(dst[:, m0:m0 + mr], slab, j, act, m0, mr)
+            _fp8_block_evac(dst[:, m0 : m0 + mr], slab, j, act, m0, mr)
             continue
         if plan.path == "quad_grp":
-            _grp_block(dst[:, m0:m0 + mr], slab, j, act, m0, mr)
+            _grp_block(dst[:, m0 : m0 + mr], slab, j, act, m0, mr)
             continue
         ps = nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.psum, name="gemm_psum")
         if plan.path == "mx":
             for mb in range(plan.nkc):
-                nisa.nc_matmul_mx(dst=ps, stationary=slab.stat[:, mb, cols], moving=act.x4[:, mb, m0:m0 + mr],
-                                  stationary_scale=slab.scale[:, mb, cols], moving_scale=act.sc[:, mb, m0:m0 + mr],
-                                  accumulate=mb != 0)
+                nisa.nc_matmul_mx(
+                    dst=ps,
+                    stationary=slab.stat[:, mb, cols],
+                    moving=act.x4[:, mb, m0 : m0 + mr],
+                    stationary_scale=slab.scale[:, mb, cols],
+                    moving_scale=act.sc[:, mb, m0 : m0 + mr],
+                    accumulate=mb != 0,
+                )
         else:
             for c in range(plan.nkc):
                 if plan.path == "bf16":
                     st = slab.stat[:, c, cols]
                 else:  # quad: block c = (mb, plane)
                     st = slab.stat[c % 4][:, c // 4, cols]
-                nisa.nc_matmul(dst=ps, stationary=st, moving=act.aT[:, c, m0:m0 + mr], accumulate=c != 0)
+                nisa.nc_matmul(dst=ps, stationary=st, moving=act.aT[:, c, m0 : m0 + mr], accumulate=c != 0)
                 if act.aT_lo is not None:
-                    nisa.nc_matmul(dst=ps, stationary=st, moving=act.aT_lo[:, c, m0:m0 + mr], accumulate=True)
+                    nisa.nc_matmul(dst=ps, stationary=st, moving=act.aT_lo[:, c, m0 : m0 + mr], accumulate=True)
         if plan.path == "quad_bf16" and plan.fmt == "fp8_mx":
-            nisa.tensor_scalar(dst=dst[:, m0:m0 + mr], data=ps, op0=nl.multiply,
-                               operand0=float(2.0 ** -FOLD_EXTRA_LOG2), engine=eng)
+            nisa.tensor_scalar(
+                dst=dst[:, m0 : m0 + mr], data=ps, op0=nl.multiply, operand0=float(2.0**-FOLD_EXTRA_LOG2), engine=eng
+            )
         else:
-            nisa.tensor_copy(dst=dst[:, m0:m0 + mr], src=ps, engine=eng)
+            nisa.tensor_copy(dst=dst[:, m0 : m0 + mr], src=ps, engine=eng)
 
 
 def slab_cols(j: int) -> slice:
@@ -616,27 +674,35 @@ def _fp8_block_evac(dst, slab: WeightSlab, j: int, act, m0: int, mr: int):
     if few or whole:
         scaled = nl.ndarray((P, nkb, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_scaled")
     if not (few or whole):
-        acc = dst if dst.dtype == nl.float32 else nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf,
-                                                               name="fp8_acc")
+        acc = dst if dst.dtype == nl.float32 else nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_acc")
     for b0 in range(0, nkb, per_bank):
         nb = min(per_bank, nkb - b0)
         ps = nl.ndarray((P, per_bank, mr), dtype=nl.float32, buffer=nl.psum, name="fp8_kb_psum")
         for q in range(nb):
             kb = b0 + q
-            nisa.nc_matmul(dst=ps[:, q, :], stationary=slab.stat[:, kb, cols], moving=act.aT[:, kb, m0:m0 + mr],
-                           accumulate=False)
+            nisa.nc_matmul(
+                dst=ps[:, q, :], stationary=slab.stat[:, kb, cols], moving=act.aT[:, kb, m0 : m0 + mr], accumulate=False
+            )
             if act.aT_lo is not None:
-                nisa.nc_matmul(dst=ps[:, q, :], stationary=slab.stat[:, kb, cols],
-                               moving=act.aT_lo[:, kb, m0:m0 + mr], accumulate=True)
+                nisa.nc_matmul(
+                    dst=ps[:, q, :],
+                    stationary=slab.stat[:, kb, cols],
+                    moving=act.aT_lo[:, kb, m0 : m0 + mr],
+                    accumulate=True,
+                )
         if few:
-            s = slab.scale[:, j, b0:b0 + nb].reshape((P, nb, 1)).broadcast(2, mr)
-            nisa.tensor_tensor(dst=scaled[:, b0:b0 + nb, :], data1=ps[:, :nb, :], data2=s, op=nl.multiply)
+            s = slab.scale[:, j, b0 : b0 + nb].reshape((P, nb, 1)).broadcast(2, mr)
+            nisa.tensor_tensor(dst=scaled[:, b0 : b0 + nb, :], data1=ps[:, :nb, :], data2=s, op=nl.multiply)
             continue
-        bank = scaled[:, b0:b0 + nb, :] if whole else nl.ndarray((P, nb, mr), dtype=nl.float32, buffer=nl.sbuf,
-                                                                  name="fp8_bank")
+        bank = (
+            scaled[:, b0 : b0 + nb, :]
+            if whole
+            else nl.ndarray((P, nb, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_bank")
+        )
         for q in range(nb):
-            nisa.activation(dst=bank[:, q, :], op=nl.copy, data=ps[:, q, :],
-                            scale=slab.scale[:, j, b0 + q:b0 + q + 1])
+            nisa.activation(
+                dst=bank[:, q, :], op=nl.copy, data=ps[:, q, :], scale=slab.scale[:, j, b0 + q : b0 + q + 1]
+            )
         if whole:
             continue
         part = acc if b0 == 0 else nl.ndarray((P, mr), dtype=nl.float32, buffer=nl.sbuf, name="fp8_part")
@@ -662,8 +728,9 @@ def tree_sum(dst, x):
         return
     while n > 2:
         h = n // 2
-        nisa.tensor_tensor(dst=x[:, 0:h, :], data1=x[:, 0:h, :], data2=x[:, n - h:n, :], op=nl.add,
-                           engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(
+            dst=x[:, 0:h, :], data1=x[:, 0:h, :], data2=x[:, n - h : n, :], op=nl.add, engine=nisa.engine.gpsimd
+        )
         n -= h
     nisa.tensor_tensor(dst=dst, data1=x[:, 0, :], data2=x[:, 1, :], op=nl.add, engine=nisa.engine.gpsimd)
 
@@ -720,12 +787,12 @@ def load_act_rows(a, a_scale, r0: int, rt: int, mask=None, korder: str = "natura
         return gather_rows(a, r0, rt, mask, nl.bfloat16, "a_rows")
     g = k // a_scale.shape[1]
     s_raw = nl.ndarray((rt, k // g), dtype=nl.float32, buffer=nl.sbuf, name="a_s")
-    nisa.dma_copy(dst=s_raw, src=a_scale[r0:r0 + rt, :])
+    nisa.dma_copy(dst=s_raw, src=a_scale[r0 : r0 + rt, :])
     if korder == "mx":  # masked rows: zero bytes straight from the DMA; their scale bytes are replaced below
         raw = gather_rows(a, r0, rt, mask, nl.uint8, "a_bytes")
         return fp8_rows_to_mx(raw, s_raw, mask, bytes_masked=True)
     raw = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="a_bytes")
-    nisa.dma_copy(dst=raw, src=a.view(nl.uint8)[r0:r0 + rt, :])
+    nisa.dma_copy(dst=raw, src=a.view(nl.uint8)[r0 : r0 + rt, :])
     return fp8_rows_to_bf16(raw, s_raw, mask, split)
 
 
@@ -745,8 +812,11 @@ def gather_rows(a, r0: int, rt: int, mask, dtype, name: str):
     off = nl.ndarray((rt, 1), dtype=nl.int32, buffer=nl.sbuf, name=f"{name}_oob")
     nisa.tensor_scalar(dst=off, data=mask, op0=nl.multiply, operand0=float(-r), op1=nl.add, operand1=float(r))
     nisa.tensor_tensor(dst=idx, data1=idx, data2=off, op=nl.add)  # masked rows: index ≥ R (skipped)
-    nisa.dma_copy(dst=dst, src=a.ap(pattern=[[k, rt], [1, k]], offset=0, vector_offset=idx, indirect_dim=0,
-                                    dtype=dtype), oob_mode=nisa.oob_mode.skip)
+    nisa.dma_copy(
+        dst=dst,
+        src=a.ap(pattern=[[k, rt], [1, k]], offset=0, vector_offset=idx, indirect_dim=0, dtype=dtype),
+        oob_mode=nisa.oob_mode.skip,
+    )
     return dst
 
 
@@ -762,7 +832,7 @@ def non_pow2_scale_count(a_scale, mask_tiles, psum_cnt):
     for t, r0 in enumerate(range(0, r, P)):
         rt = min(P, r - r0)
         s = nl.ndarray((rt, ng), dtype=nl.float32, buffer=nl.sbuf, name="pow2_s")
-        nisa.dma_copy(dst=s, src=a_scale[r0:r0 + rt, :])
+        nisa.dma_copy(dst=s, src=a_scale[r0 : r0 + rt, :])
         mant = nl.ndarray((rt, ng), dtype=nl.int32, buffer=nl.sbuf, name="pow2_mant")
         nisa.tensor_scalar(dst=mant, data=s.view(nl.int32), op0=nl.bitwise_and, operand0=0x7FFFFF)
         bad = nl.ndarray((rt, ng), dtype=nl.float32, buffer=nl.sbuf, name="pow2_bad")
@@ -826,8 +896,9 @@ def fp8_rows_to_mx(raw, s_raw, mask=None, bytes_masked: bool = False):
     rt, k = raw.shape
     g = k // s_raw.shape[1]
     e8 = nl.ndarray((rt, k // g), dtype=nl.int32, buffer=nl.sbuf, name="a_e8_i32")
-    nisa.tensor_scalar(dst=e8, data=s_raw.view(nl.int32), op0=nl.right_shift, operand0=23, op1=nl.bitwise_and,
-                       operand1=0xFF)
+    nisa.tensor_scalar(
+        dst=e8, data=s_raw.view(nl.int32), op0=nl.right_shift, operand0=23, op1=nl.bitwise_and, operand1=0xFF
+    )
     e8b = nl.ndarray((rt, k // 32), dtype=nl.uint8, buffer=nl.sbuf, name="a_e8")
     if g == 32:
         nisa.tensor_copy(dst=e8b, src=e8)
@@ -871,17 +942,17 @@ def act_rows_into_operand(op: ActOperand, rows, r0: int):
         rt, k = raw.shape
         nmb = k // (4 * P)
         words = raw.view(nl.uint32).reshape((rt, nmb, P))
-        nisa.dma_transpose(dst=op.x4.view(nl.uint32)[:, :, r0:r0 + rt], src=words)
+        nisa.dma_transpose(dst=op.x4.view(nl.uint32)[:, :, r0 : r0 + rt], src=words)
         # row layout [rt, mb, 128 slots], slot 32c + i = group 16mb + 4c + i
         slots = nl.ndarray((rt, nmb, P), dtype=nl.bfloat16, buffer=nl.sbuf, name="a_e8_slots")
         nisa.memset(dst=slots, value=0.0)
         e4 = e8.reshape((rt, nmb, 4, 4))
         for c in range(4):
-            nisa.tensor_copy(dst=slots[:, :, 32 * c:32 * c + 4], src=e4[:, :, c, :])
+            nisa.tensor_copy(dst=slots[:, :, 32 * c : 32 * c + 4], src=e4[:, :, c, :])
         for mb in range(nmb):
             pt = nl.ndarray((P, rt), dtype=nl.bfloat16, buffer=nl.psum, name="a_e8_psum")
             nisa.nc_transpose(dst=pt, data=slots[:, mb, :])
-            nisa.tensor_copy(dst=op.sc[:, mb, r0:r0 + rt], src=pt)
+            nisa.tensor_copy(dst=op.sc[:, mb, r0 : r0 + rt], src=pt)
         return
     parts = rows if isinstance(rows, tuple) else (rows,)
     assert len(parts) == (2 if op.aT_lo is not None else 1), "split operands take (hi, lo) row pairs"
@@ -891,7 +962,7 @@ def act_rows_into_operand(op: ActOperand, rows, r0: int):
         rt, k = a_nat.shape
         nkb = k // P
         if op.korder == "natural":
-            blk = [a_nat[:, c * P:(c + 1) * P] for c in range(nkb)]
+            blk = [a_nat[:, c * P : (c + 1) * P] for c in range(nkb)]
         else:
             q = a_nat.reshape((rt, k // (4 * P), P, 4))
             blk = [q[:, c // 4, :, c % 4] for c in range(nkb)]
@@ -900,11 +971,12 @@ def act_rows_into_operand(op: ActOperand, rows, r0: int):
             pt = nl.ndarray((P, TRANSPOSES_PER_BANK, P), dtype=nl.bfloat16, buffer=nl.psum, name="aT_psum")
             for i in range(g):
                 nisa.nc_transpose(dst=pt[:, i, :rt], data=blk[g0 + i])
-            nisa.tensor_copy(dst=aT[:, g0:g0 + g, r0:r0 + rt], src=pt[:, :g, :rt], engine=nisa.engine.vector)
+            nisa.tensor_copy(dst=aT[:, g0 : g0 + g, r0 : r0 + rt], src=pt[:, :g, :rt], engine=nisa.engine.vector)
 
 
-def load_act_operand(korder: str, a, a_scale, mask_tiles=None, name: str = "act", split: bool = False,
-                     kp: int | None = None) -> ActOperand:
+def load_act_operand(
+    korder: str, a, a_scale, mask_tiles=None, name: str = "act", split: bool = False, kp: int | None = None
+) -> ActOperand:
     """All rows of an HBM activation ``a [R, K]`` as a moving operand (masked rows exact zeros).
 
     Args:
@@ -965,8 +1037,9 @@ def fold_scales(dst, even_vals, odd_vals, scale, block: int, vector_blocks: int 
         v3 = vals.reshape((p, nb, half))
         for b0, b1, eng in ((0, vector_blocks, nisa.engine.vector), (vector_blocks, nb, nisa.engine.gpsimd)):
             if b1 > b0:
-                nisa.tensor_tensor(dst=d4[:, b0:b1, :, j], data1=v3[:, b0:b1, :], data2=sb[:, b0:b1, :],
-                                   op=nl.multiply, engine=eng)
+                nisa.tensor_tensor(
+                    dst=d4[:, b0:b1, :, j], data1=v3[:, b0:b1, :], data2=sb[:, b0:b1, :], op=nl.multiply, engine=eng
+                )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -981,5 +1054,5 @@ def rows_from_kmajor(rows_tiles, src_T, col0: int, r: int, engine=None):
         r0 = t * P
         rt = min(P, r - r0)
         pt = nl.ndarray((rt, P), dtype=src_T.dtype, buffer=nl.psum, name="rows_psum")
-        nisa.nc_transpose(dst=pt, data=src_T[:, r0:r0 + rt])
-        nisa.tensor_copy(dst=dst[:, col0:col0 + P], src=pt, engine=eng)
+        nisa.nc_transpose(dst=pt, data=src_T[:, r0 : r0 + rt])
+        nisa.tensor_copy(dst=dst[:, col0 : col0 + P], src=pt, engine=eng)

@@ -128,9 +128,23 @@ def chunk_cap(weight_path: str) -> int:
     return 32 if weight_path == "fp8_block" else MAX_CHUNK
 
 
-def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                         swiglu_limit=None, fp8_max=240.0, skip_unrouted=True, chunk_rows=None, weight_layout="eoi",
-                         num_experts=None):
+def local_experts_kernel(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    expert_offset,
+    swiglu_limit=None,
+    fp8_max=240.0,
+    skip_unrouted=True,
+    chunk_rows=None,
+    weight_layout="eoi",
+    num_experts=None,
+):
     """Fused local experts (SPEC §1.7) on one NeuronCore, over each expert's routed rows only.
 
     Dimensions:
@@ -204,7 +218,8 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
         group = h // x_scale.shape[1]
         e4m3fn_native = nisa.get_nc_version() == nisa.nc_version.gen4
         assert fp8_max <= 240.0 or e4m3fn_native, (
-            f"fp8_max={fp8_max} needs float8_e4m3fn on chip (trn3); on trn2 quantize z with fp8_max <= 240")
+            f"fp8_max={fp8_max} needs float8_e4m3fn on chip (trn3); on trn2 quantize z with fp8_max <= 240"
+        )
     else:
         group = None
     if chunk_rows is None:
@@ -234,8 +249,9 @@ def local_experts_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2,
 
         def body(_i):
             e_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_expert")
-            nisa.dma_copy(dst=e_sb, src=item_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=counter,
-                                                       indirect_dim=0))
+            nisa.dma_copy(
+                dst=e_sb, src=item_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=counter, indirect_dim=0)
+            )
             meta = table.ap(pattern=[[2, m], [1, 2]], offset=0, scalar_offset=counter, indirect_dim=0)
             _item(out, x_rows, meta, e_sb, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group)
             nisa.tensor_scalar(dst=counter, data=counter, op0=nl.add, operand0=1)
@@ -272,9 +288,9 @@ def _routing_tiles(topk_idx, topk_weights, expert_offset: int, n_local: int, r: 
     for r0 in range(0, r, P):
         rt = min(P, r - r0)
         idx = nl.ndarray((rt, k), dtype=nl.int32, buffer=nl.sbuf, name="topk_idx")
-        nisa.dma_copy(dst=idx, src=topk_idx[r0:r0 + rt, :])
+        nisa.dma_copy(dst=idx, src=topk_idx[r0 : r0 + rt, :])
         w_raw = nl.ndarray((rt, k), dtype=nl.float32, buffer=nl.sbuf, name="topk_w")
-        nisa.dma_copy(dst=w_raw, src=topk_weights[r0:r0 + rt, :])
+        nisa.dma_copy(dst=w_raw, src=topk_weights[r0 : r0 + rt, :])
         valid = nl.ndarray((rt, k), dtype=nl.uint8, buffer=nl.sbuf, name="slot_valid")
         nisa.tensor_scalar(dst=valid, data=idx, op0=nl.greater_equal, operand0=0.0)
         w = nl.ndarray((rt, k), dtype=nl.float32, buffer=nl.sbuf, name="topk_w_clean")
@@ -287,12 +303,13 @@ def _routing_tiles(topk_idx, topk_weights, expert_offset: int, n_local: int, r: 
         eq = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="slot_eq")
         for j in range(k):
             dst_eq = hits if j == 0 else eq
-            nisa.tensor_scalar(dst=dst_eq, data=ids[:rt], op0=nl.equal, operand0=idx_f[:, j:j + 1])
+            nisa.tensor_scalar(dst=dst_eq, data=ids[:rt], op0=nl.equal, operand0=idx_f[:, j : j + 1])
             if j == 0:
                 nisa.tensor_scalar(dst=w_all, data=hits, op0=nl.multiply, operand0=w[:, 0:1])
             else:
-                nisa.scalar_tensor_tensor(dst=w_all, data=eq, op0=nl.multiply, operand0=w[:, j:j + 1], op1=nl.add,
-                                          operand1=w_all)
+                nisa.scalar_tensor_tensor(
+                    dst=w_all, data=eq, op0=nl.multiply, operand0=w[:, j : j + 1], op1=nl.add, operand1=w_all
+                )
                 nisa.tensor_tensor(dst=hits, data1=hits, data2=eq, op=nl.add)
         hit = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="hit01")
         nisa.tensor_scalar(dst=hit, data=hits, op0=nl.minimum, operand0=1.0)  # duplicates count once
@@ -325,8 +342,12 @@ def _work_list(tiles, ids, r: int, n_local: int, m: int, n_max: int, skip_unrout
     cnt_ps = nl.ndarray((1, n_local), dtype=nl.float32, buffer=nl.psum, name="expert_rows")
     for t, tl in enumerate(tiles):
         for c0, c in _col_chunks(n_local):
-            nisa.nc_matmul(dst=cnt_ps[:, c0:c0 + c], stationary=ones_col[:tl.rt], moving=tl.hit[:, c0:c0 + c],
-                           accumulate=t != 0)
+            nisa.nc_matmul(
+                dst=cnt_ps[:, c0 : c0 + c],
+                stationary=ones_col[: tl.rt],
+                moving=tl.hit[:, c0 : c0 + c],
+                accumulate=t != 0,
+            )
     # ---- n_e = ⌈C_e / M⌉ (int32: (C + M − 1) >> log2 M); static variant: ⌈R / M⌉ for every expert
     n_f = nl.ndarray((1, n_local), dtype=nl.float32, buffer=nl.sbuf, name="expert_items")
     if skip_unrouted:
@@ -351,7 +372,7 @@ def _work_list(tiles, ids, r: int, n_local: int, m: int, n_max: int, skip_unrout
         fill = nl.ndarray((ni, m, 2), dtype=nl.float32, buffer=nl.sbuf, name="table_fill")
         nisa.memset(dst=fill, value=float(r))
         nisa.memset(dst=fill[:, :, 1], value=0.0)
-        nisa.dma_copy(dst=table[i0:i0 + ni], src=fill)
+        nisa.dma_copy(dst=table[i0 : i0 + ni], src=fill)
     flat = table.reshape((n_max * m, 2))
     big = float(n_max * m)  # an address past the table: the DMA skips it
 
@@ -369,19 +390,20 @@ def _work_list(tiles, ids, r: int, n_local: int, m: int, n_max: int, skip_unrout
         addr = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="hit_addr")
         for c0, c in _col_chunks(n_local):
             ps = nl.ndarray((rt, c), dtype=nl.float32, buffer=nl.psum, name="hit_addr_psum")
-            nisa.nc_matmul(dst=ps, stationary=ones_row[:, :rt], moving=mbase[:, c0:c0 + c], accumulate=False)
+            nisa.nc_matmul(dst=ps, stationary=ones_row[:, :rt], moving=mbase[:, c0 : c0 + c], accumulate=False)
             for t2 in range(t):
                 prev = tiles[t2]
-                nisa.nc_matmul(dst=ps, stationary=ones_sq[:prev.rt, :rt], moving=prev.hit[:, c0:c0 + c],
-                               accumulate=True)
-            nisa.nc_matmul(dst=ps, stationary=tri[:rt, :rt], moving=tl.hit[:, c0:c0 + c], accumulate=True)
-            nisa.tensor_copy(dst=addr[:, c0:c0 + c], src=ps)
+                nisa.nc_matmul(
+                    dst=ps, stationary=ones_sq[: prev.rt, :rt], moving=prev.hit[:, c0 : c0 + c], accumulate=True
+                )
+            nisa.nc_matmul(dst=ps, stationary=tri[:rt, :rt], moving=tl.hit[:, c0 : c0 + c], accumulate=True)
+            nisa.tensor_copy(dst=addr[:, c0 : c0 + c], src=ps)
         # one scatter per top-k slot j: (row id, w_all[r, e_j]) to addr[r, e_j]; non-local slots → past the end
         rowid = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="row_id")
         nisa.iota(dst=rowid, pattern=[[0, 1]], offset=tl.r0, channel_multiplier=1)
         for j in range(k):
             eq = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="slot_onehot")
-            nisa.tensor_scalar(dst=eq, data=ids[:rt], op0=nl.equal, operand0=tl.idx_f[:, j:j + 1])
+            nisa.tensor_scalar(dst=eq, data=ids[:rt], op0=nl.equal, operand0=tl.idx_f[:, j : j + 1])
             prod = nl.ndarray((rt, n_local), dtype=nl.float32, buffer=nl.sbuf, name="slot_prod")
             a_j = nl.ndarray((rt, 1), dtype=nl.float32, buffer=nl.sbuf, name="slot_addr")
             nisa.tensor_tensor(dst=prod, data1=eq, data2=addr, op=nl.multiply)
@@ -397,8 +419,11 @@ def _work_list(tiles, ids, r: int, n_local: int, m: int, n_max: int, skip_unrout
             nisa.tensor_copy(dst=val[:, 0:1], src=rowid)
             nisa.tensor_tensor(dst=prod, data1=eq, data2=tl.w_all, op=nl.multiply)
             nisa.tensor_reduce(dst=val[:, 1:2], op=nl.add, data=prod, axis=(1,))
-            nisa.dma_copy(dst=flat.ap(pattern=[[2, rt], [1, 2]], offset=0, vector_offset=a_i, indirect_dim=0),
-                          src=val, oob_mode=nisa.oob_mode.skip)
+            nisa.dma_copy(
+                dst=flat.ap(pattern=[[2, rt], [1, 2]], offset=0, vector_offset=a_i, indirect_dim=0),
+                src=val,
+                oob_mode=nisa.oob_mode.skip,
+            )
     if not skip_unrouted:
         return table, None, None
 
@@ -409,8 +434,8 @@ def _work_list(tiles, ids, r: int, n_local: int, m: int, n_max: int, skip_unrout
         end_bc = nl.ndarray((ni, n_local), dtype=nl.float32, buffer=nl.sbuf, name="end_bcast")
         for c0, c in _col_chunks(n_local):
             ps = nl.ndarray((ni, c), dtype=nl.float32, buffer=nl.psum, name="end_bcast_psum")
-            nisa.nc_matmul(dst=ps, stationary=ones_row[:, :ni], moving=end[:, c0:c0 + c], accumulate=False)
-            nisa.tensor_copy(dst=end_bc[:, c0:c0 + c], src=ps)
+            nisa.nc_matmul(dst=ps, stationary=ones_row[:, :ni], moving=end[:, c0 : c0 + c], accumulate=False)
+            nisa.tensor_copy(dst=end_bc[:, c0 : c0 + c], src=ps)
         item = nl.ndarray((ni, 1), dtype=nl.float32, buffer=nl.sbuf, name="item_index")
         nisa.iota(dst=item, pattern=[[0, 1]], offset=i0, channel_multiplier=1)
         before = nl.ndarray((ni, n_local), dtype=nl.float32, buffer=nl.sbuf, name="expert_before")
@@ -419,10 +444,10 @@ def _work_list(tiles, ids, r: int, n_local: int, m: int, n_max: int, skip_unrout
         nisa.tensor_reduce(dst=e_f, op=nl.add, data=before, axis=(1,))
         e_i = nl.ndarray((ni, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_expert_i32")
         nisa.tensor_copy(dst=e_i, src=e_f)
-        nisa.dma_copy(dst=item_expert[i0:i0 + ni, :], src=e_i)
+        nisa.dma_copy(dst=item_expert[i0 : i0 + ni, :], src=e_i)
     # ---- N = end_{L−1} → register
     n_items = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="n_items")
-    nisa.tensor_copy(dst=n_items, src=end[:, n_local - 1:n_local])
+    nisa.tensor_copy(dst=n_items, src=end[:, n_local - 1 : n_local])
     n_reg = nisa.register_alloc(0)
     nisa.register_load(n_reg, n_items)
     return table, item_expert, n_reg
@@ -500,10 +525,10 @@ def _x_rows_source(x, x_scale, tiles, r: int, h: int, korder: str):
     for tl in tiles:
         r0, rt = tl.r0, tl.rt
         raw = nl.ndarray((rt, h), dtype=nl.uint8, buffer=nl.sbuf, name="x_bytes")
-        nisa.dma_copy(dst=raw, src=x.view(nl.uint8)[r0:r0 + rt, :])
+        nisa.dma_copy(dst=raw, src=x.view(nl.uint8)[r0 : r0 + rt, :])
         s_raw = nl.ndarray((rt, h // g), dtype=nl.float32, buffer=nl.sbuf, name="x_s")
-        nisa.dma_copy(dst=s_raw, src=x_scale[r0:r0 + rt, :])
-        nisa.dma_copy(dst=xs[r0:r0 + rt, :], src=fp8_rows_to_bf16(raw, s_raw, tl.routed))
+        nisa.dma_copy(dst=s_raw, src=x_scale[r0 : r0 + rt, :])
+        nisa.dma_copy(dst=xs[r0 : r0 + rt, :], src=fp8_rows_to_bf16(raw, s_raw, tl.routed))
     return xs, None
 
 
@@ -513,15 +538,18 @@ def _zero_rows(out, r: int, h: int):
     nisa.memset(dst=z, value=0.0)
     for r0 in range(0, r, P):
         rt = min(P, r - r0)
-        nisa.dma_copy(dst=out[r0:r0 + rt, :], src=z[:rt])
+        nisa.dma_copy(dst=out[r0 : r0 + rt, :], src=z[:rt])
 
 
 def _gather(dst, src, rid, m: int):
     """``dst[p] = src[rid[p]]`` for p < M (an HBM row gather, ``.ap(vector_offset=...)``); pad rows (id R) are
     out of range and skipped, so dst keeps what it held there."""
     c = src.shape[1]
-    nisa.dma_copy(dst=dst, src=src.ap(pattern=[[c, m], [1, c]], offset=0, vector_offset=rid, indirect_dim=0),
-                  oob_mode=nisa.oob_mode.skip)
+    nisa.dma_copy(
+        dst=dst,
+        src=src.ap(pattern=[[c, m], [1, c]], offset=0, vector_offset=rid, indirect_dim=0),
+        oob_mode=nisa.oob_mode.skip,
+    )
 
 
 class _ItemBuffers:
@@ -589,19 +617,30 @@ def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8
     hr = bufs.h_rows
     for c0 in range(0, inter, cols):
         c = min(cols, inter - c0)
-        res = swiglu_cast_tile(hr[:, c0:c0 + c], hr[:, inter + c0:inter + c0 + c], w_e, swiglu_limit,
-                               "fp8" if fp8 else "bf16", group if fp8 else 128, fp8_max)
+        res = swiglu_cast_tile(
+            hr[:, c0 : c0 + c],
+            hr[:, inter + c0 : inter + c0 + c],
+            w_e,
+            swiglu_limit,
+            "fp8" if fp8 else "bf16",
+            group if fp8 else 128,
+            fp8_max,
+        )
         if not fp8:
-            nisa.tensor_copy(dst=bufs.z[:, c0:c0 + c], src=res)
+            nisa.tensor_copy(dst=bufs.z[:, c0 : c0 + c], src=res)
             continue
         q, s = res
         gc = c // group
         if g2.korder == "mx":  # the bytes as they are (e4m3 and e4m3fn codes agree below 256) + pow2 scales
-            nisa.tensor_copy(dst=bufs.zq[:, c0:c0 + c], src=q.view(nl.uint8))
-            nisa.tensor_copy(dst=bufs.zs[:, c0 // group:c0 // group + gc], src=s)
+            nisa.tensor_copy(dst=bufs.zq[:, c0 : c0 + c], src=q.view(nl.uint8))
+            nisa.tensor_copy(dst=bufs.zs[:, c0 // group : c0 // group + gc], src=s)
         else:  # dequantize exactly: q has ≤ 4 significant bits, s is a power of two
-            nisa.tensor_tensor(dst=bufs.z[:, c0:c0 + c].reshape((m, gc, group)), data1=q.reshape((m, gc, group)),
-                               data2=s.reshape((m, gc, 1)).broadcast(2, group), op=nl.multiply)
+            nisa.tensor_tensor(
+                dst=bufs.z[:, c0 : c0 + c].reshape((m, gc, group)),
+                data1=q.reshape((m, gc, group)),
+                data2=s.reshape((m, gc, 1)).broadcast(2, group),
+                op=nl.multiply,
+            )
     if g2.korder == "mx":
         act_rows_into_operand(bufs.op2, fp8_rows_to_mx(bufs.zq, bufs.zs), 0)
     else:

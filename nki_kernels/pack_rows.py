@@ -74,15 +74,15 @@ def pack_rows(parts, capacity):
             if fill is None:
                 fill = nl.ndarray((pmax, width), dtype=nl.uint8, buffer=nl.sbuf, name="fill")
                 nisa.memset(dst=fill.view(nl.int32), value=PAD_WORD)
-            nisa.dma_copy(dst=packed[r0:r0 + p, :], src=fill[0:p, :])
+            nisa.dma_copy(dst=packed[r0 : r0 + p, :], src=fill[0:p, :])
             continue
         # ---- a tile with valid rows: 0xFF background, then every part's span
         valid = min(p, rows - r0)
         tile = nl.ndarray((pmax, width), dtype=nl.uint8, buffer=nl.sbuf, name="stage")
         nisa.memset(dst=tile[0:p, :].view(nl.int32), value=PAD_WORD)
         for b, (off, n) in zip(byte_parts, spans):
-            nisa.dma_copy(dst=tile[0:valid, off:off + n], src=b[r0:r0 + valid, :])
-        nisa.dma_copy(dst=packed[r0:r0 + p, :], src=tile[0:p, :])
+            nisa.dma_copy(dst=tile[0:valid, off : off + n], src=b[r0 : r0 + valid, :])
+        nisa.dma_copy(dst=packed[r0 : r0 + p, :], src=tile[0:p, :])
     return packed
 
 
@@ -115,7 +115,8 @@ def unpack_rows(packed, offset, nbytes, dtype, row_shape):
     out = nl.ndarray((rows,) + row_shape, dtype=dtype, buffer=nl.shared_hbm, name="unpacked")
     out_bytes = _byte_rows(out)
     assert out_bytes.shape[1] == nbytes, (
-        f"nbytes={nbytes} does not match row_shape {row_shape} of the given dtype ({out_bytes.shape[1]} bytes)")
+        f"nbytes={nbytes} does not match row_shape {row_shape} of the given dtype ({out_bytes.shape[1]} bytes)"
+    )
     assert 0 <= offset and offset + nbytes <= width, f"span [{offset}, {offset + nbytes}) outside W={width}"
-    nisa.dma_copy(dst=out_bytes, src=packed[:, offset:offset + nbytes])
+    nisa.dma_copy(dst=out_bytes, src=packed[:, offset : offset + nbytes])
     return out

@@ -29,8 +29,15 @@ def _blocks_per_partition(rows: int, n_groups: int, group_size: int) -> int:
     return max(m for m in range(1, n_groups + 1) if n_groups % m == 0 and m * group_size <= MAX_PARTITION_COLS)
 
 
-def swiglu_and_cast(gate_up, row_weight=None, swiglu_limit=None, out_format="fp8", group_size=128,
-                    fp8_max=FP8_E4M3_TRN2_MAX, pow2_scale=True):
+def swiglu_and_cast(
+    gate_up,
+    row_weight=None,
+    swiglu_limit=None,
+    out_format="fp8",
+    group_size=128,
+    fp8_max=FP8_E4M3_TRN2_MAX,
+    pow2_scale=True,
+):
     """SwiGLU with clamp and per-row routing weight, then a cast to bf16 or to fp8 with 1×g scales.
 
     Dimensions:
@@ -93,7 +100,8 @@ def swiglu_and_cast(gate_up, row_weight=None, swiglu_limit=None, out_format="fp8
         assert inter % group_size == 0, f"I={inter} must be a multiple of group_size={group_size}"
         e4m3fn_native = nisa.get_nc_version() == nisa.nc_version.gen4  # trn3: OCP e4m3fn on chip
         assert fp8_max <= FP8_E4M3_TRN2_MAX or (fp8_max <= FP8_E4M3FN_MAX and e4m3fn_native), (
-            f"fp8_max={fp8_max} needs float8_e4m3fn on chip (trn3); trn2's float8_e4m3 tops out at 240")
+            f"fp8_max={fp8_max} needs float8_e4m3fn on chip (trn3); trn2's float8_e4m3 tops out at 240"
+        )
         block = group_size
     else:
         block = next(c for c in (128, 64, 32, 16, 8, 4, 2, 1) if inter % c == 0)  # column block, no scales
@@ -115,22 +123,23 @@ def swiglu_and_cast(gate_up, row_weight=None, swiglu_limit=None, out_format="fp8
         p = nr * bpr
         # ---- load: partition (r, b) holds columns [b·cols, (b+1)·cols) of row r, for gate and for up
         gu = nl.ndarray((pmax, 2, cols), dtype=gate_up.dtype, buffer=nl.sbuf, name="gu")
-        nisa.dma_copy(dst=gu[0:p, 0, :], src=gate_up[r0:r0 + nr, 0:inter])
-        nisa.dma_copy(dst=gu[0:p, 1, :], src=gate_up[r0:r0 + nr, inter:two_i])
+        nisa.dma_copy(dst=gu[0:p, 0, :], src=gate_up[r0 : r0 + nr, 0:inter])
+        nisa.dma_copy(dst=gu[0:p, 1, :], src=gate_up[r0 : r0 + nr, inter:two_i])
         g_in, u_in = gu[0:p, 0, :], gu[0:p, 1, :]
         if row_weight is not None:
             # w[r] repeated over the row's B partitions: a stride-0 HBM access pattern
             w = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf, name="w")
             nisa.dma_copy(dst=w[0:p, :], src=row_weight.ap(pattern=[[1, nr], [0, bpr]], offset=r0))
-        res = swiglu_cast_tile(g_in, u_in, w[0:p, :] if row_weight is not None else None, swiglu_limit,
-                               out_format, group_size, fp8_max)
+        res = swiglu_cast_tile(
+            g_in, u_in, w[0:p, :] if row_weight is not None else None, swiglu_limit, out_format, group_size, fp8_max
+        )
         if not fp8:
-            nisa.dma_copy(dst=out[r0:r0 + nr, :], src=res)
+            nisa.dma_copy(dst=out[r0 : r0 + nr, :], src=res)
             continue
         q, s_t = res
         # ---- store: fp8 as bytes (e4m3 == e4m3fn encoding for |x| <= 240), scales as fp32
-        nisa.dma_copy(dst=q_out[r0:r0 + nr, :].view(nl.uint8), src=q.view(nl.uint8))
-        nisa.dma_copy(dst=s_out[r0:r0 + nr, :], src=s_t)
+        nisa.dma_copy(dst=q_out[r0 : r0 + nr, :].view(nl.uint8), src=q.view(nl.uint8))
+        nisa.dma_copy(dst=s_out[r0 : r0 + nr, :], src=s_t)
     if fp8:
         return q_out, s_out
     return out
@@ -194,8 +203,9 @@ def swiglu_cast_tile(g_in, u_in, w, swiglu_limit, out_format, group_size, fp8_ma
     bu = bump[0:p, :]
     nisa.tensor_scalar(dst=bu, data=bits, op0=nl.bitwise_and, operand0=0x7FFFFF)
     # [mantissa(amax) > mantissa(fp8_max)] + 127 - exponent(fp8_max); exact in fp32 (< 2^24)
-    nisa.tensor_scalar(dst=bu, data=bu, op0=nl.greater, operand0=float(max_mant), op1=nl.add,
-                       operand1=float(127 - max_exp))
+    nisa.tensor_scalar(
+        dst=bu, data=bu, op0=nl.greater, operand0=float(max_mant), op1=nl.add, operand1=float(127 - max_exp)
+    )
     nisa.tensor_tensor(dst=ex, data1=ex, data2=bu, op=nl.add)  # biased exponent of s
     s_t = nl.ndarray((p, m), dtype=nl.float32, buffer=nl.sbuf, name="scale")
     nisa.tensor_scalar(dst=s_t[0:p, :].view(nl.int32), data=ex, op0=nl.left_shift, operand0=23)
@@ -215,6 +225,7 @@ def swiglu_cast_tile(g_in, u_in, w, swiglu_limit, out_format, group_size, fp8_ma
         nisa.tensor_scalar(dst=q[0:p, :], data=av, op0=nl.multiply, operand0=inv[0:p, :])
     else:
         inv3 = inv[0:p, :].reshape((p, m, 1)).broadcast(2, group_size)
-        nisa.tensor_tensor(dst=q[0:p, :].reshape((p, m, group_size)), data1=av.reshape((p, m, group_size)),
-                           data2=inv3, op=nl.multiply)
+        nisa.tensor_tensor(
+            dst=q[0:p, :].reshape((p, m, group_size)), data1=av.reshape((p, m, group_size)), data2=inv3, op=nl.multiply
+        )
     return q, s_t

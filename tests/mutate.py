@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,8 +30,13 @@ NATIVE = (".cpp", ".h", ".cu", ".cuh")
 
 
 def tracked_files(repo: Path) -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=repo, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return [f for f in out.splitlines() if (repo / f).is_file()]
 
 
@@ -84,9 +88,24 @@ def build(src: Path, env: dict) -> tuple[bool, str]:
 def asan(src: Path, env: dict, timeout: float) -> tuple[int, str]:
     exe = src / "build" / "asan" / "pack_rows_asan"
     exe.parent.mkdir(parents=True, exist_ok=True)
-    rc, out, _ = run([os.environ.get("CXX", "g++"), "-std=c++17", "-O1", "-g", "-fsanitize=address",
-                      "-fno-omit-frame-pointer", "-fopenmp", "-Icsrc", "tests/asan/pack_rows_asan.cpp", "-o", str(exe)],
-                     src, env, timeout)
+    rc, out, _ = run(
+        [
+            os.environ.get("CXX", "g++"),
+            "-std=c++17",
+            "-O1",
+            "-g",
+            "-fsanitize=address",
+            "-fno-omit-frame-pointer",
+            "-fopenmp",
+            "-Icsrc",
+            "tests/asan/pack_rows_asan.cpp",
+            "-o",
+            str(exe),
+        ],
+        src,
+        env,
+        timeout,
+    )
     if rc != 0:
         return -1, out
     rc, out2, _ = run([str(exe)], src, {**env, "ASAN_OPTIONS": "detect_leaks=0"}, timeout)
@@ -98,9 +117,18 @@ def pytest(src: Path, env: dict, args: tuple[str, ...], timeout: float) -> tuple
 
 
 def check_imports_scratch(src: Path, env: dict) -> None:
-    rc, out, _ = run([sys.executable, "-c", "import static_moe, static_moe.nki_kernels, nki_interpreter; "
-                      "print(static_moe.__file__); print(static_moe.nki_kernels.__file__); "
-                      "print(nki_interpreter.__file__)"], src, env, 300)
+    rc, out, _ = run(
+        [
+            sys.executable,
+            "-c",
+            "import static_moe, static_moe.nki_kernels, nki_interpreter; "
+            "print(static_moe.__file__); print(static_moe.nki_kernels.__file__); "
+            "print(nki_interpreter.__file__)",
+        ],
+        src,
+        env,
+        300,
+    )
     paths = out.split()
     if rc != 0 or not all(Path(p).resolve().is_relative_to(src.resolve()) for p in paths[-3:]):
         sys.exit(f"mutate: the scratch copy does not import its own package (got {out.strip()!r})")
@@ -191,8 +219,10 @@ def main() -> int:
             if status == "survived" and m.asan:
                 rc, out = asan(src, env, a.timeout)
                 if rc > 0:
-                    line = next((ln for ln in out.splitlines() if "ERROR: AddressSanitizer" in ln or "FAIL" in ln),
-                                out.strip().splitlines()[-1] if out.strip() else "")
+                    line = next(
+                        (ln for ln in out.splitlines() if "ERROR: AddressSanitizer" in ln or "FAIL" in ln),
+                        out.strip().splitlines()[-1] if out.strip() else "",
+                    )
                     status, detail = "killed", "ASan: " + line.strip()[:180]
                 elif rc < 0:
                     status, detail = "error", "ASan driver did not build"
@@ -205,13 +235,19 @@ def main() -> int:
         build(src, env)  # leave the scratch build unmutated for the next run
 
     killed = sum(r["status"] == "killed" for r in results)
-    summary = {"killed": killed, "total": len(results), "survived": [r["name"] for r in results
-                                                                      if r["status"] == "survived"],
-               "errors": [r["name"] for r in results if r["status"] == "error"], "results": results,
-               "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    summary = {
+        "killed": killed,
+        "total": len(results),
+        "survived": [r["name"] for r in results if r["status"] == "survived"],
+        "errors": [r["name"] for r in results if r["status"] == "error"],
+        "results": results,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
     (a.scratch / "last_result.json").write_text(json.dumps(summary, indent=1))
-    print(f"\nmutate: {killed} of {len(results)} mutants killed; survived: {summary['survived'] or 'none'}; "
-          f"errors: {summary['errors'] or 'none'} (written to {a.scratch / 'last_result.json'})")
+    print(
+        f"\nmutate: {killed} of {len(results)} mutants killed; survived: {summary['survived'] or 'none'}; "
+        f"errors: {summary['errors'] or 'none'} (written to {a.scratch / 'last_result.json'})"
+    )
     return 0 if killed == len(results) else 1
 
 

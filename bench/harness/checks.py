@@ -3,7 +3,7 @@ op (reported in the table, not raised)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -15,8 +15,9 @@ def check_baseline(name: str, out: torch.Tensor, ref: torch.Tensor, tolerance: f
 
     d = calc_diff(out.float(), ref.float())
     if not d <= tolerance:  # NaN fails too
-        raise AssertionError(f"baseline {name} disagrees with static_moe.reference on {what}: calc_diff {d:.3e} "
-                             f"> {tolerance:.0e}")
+        raise AssertionError(
+            f"baseline {name} disagrees with static_moe.reference on {what}: calc_diff {d:.3e} > {tolerance:.0e}"
+        )
     return d
 
 

@@ -19,13 +19,26 @@ QUICK_TOKENS = (1, 4)
 
 def add_common_args(p) -> None:
     """--shape, --tokens, --quick, --threads, --out, --no-plots."""
-    p.add_argument("--shape", nargs="+", choices=[*MODEL_SHAPES, "all"], default=None,
-                   help="model shapes (default: all; with --quick: qwen3_30b_a3b)")
-    p.add_argument("--tokens", type=int, nargs="+", default=None,
-                   help=f"tokens per rank (default: {' '.join(map(str, DEFAULT_TOKENS))}; with --quick: "
-                        f"{' '.join(map(str, QUICK_TOKENS))})")
-    p.add_argument("--quick", action="store_true",
-                   help=f"a tiny run for development: {QUICK_LOCAL_EXPERTS} local experts, few tokens, one shape")
+    p.add_argument(
+        "--shape",
+        nargs="+",
+        choices=[*MODEL_SHAPES, "all"],
+        default=None,
+        help="model shapes (default: all; with --quick: qwen3_30b_a3b)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"tokens per rank (default: {' '.join(map(str, DEFAULT_TOKENS))}; with --quick: "
+        f"{' '.join(map(str, QUICK_TOKENS))})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a tiny run for development: {QUICK_LOCAL_EXPERTS} local experts, few tokens, one shape",
+    )
     p.add_argument("--threads", type=int, default=None, help="threads to pin (default: $OMP_NUM_THREADS or 2)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for JSON and PNGs")
     p.add_argument("--no-plots", action="store_true")

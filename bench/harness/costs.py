@@ -27,7 +27,7 @@ class Cost:
     flops: float = 0.0
     read_bytes: float = 0.0
 
-    def __add__(self, other: "Cost") -> "Cost":
+    def __add__(self, other: Cost) -> Cost:
         return Cost(self.bytes + other.bytes, self.flops + other.flops, self.read_bytes + other.read_bytes)
 
 
@@ -51,16 +51,27 @@ def act_bytes(fmt: str, rows: int, k: int, group: int = 128) -> int:
     raise ValueError(f"unknown activation format {fmt!r}")
 
 
-def cost_expert_gemm(act_fmt: str, w_fmt: str, rows_total: int, rows_active: int, n: int, k: int,
-                     group: int = 128) -> Cost:
+def cost_expert_gemm(
+    act_fmt: str, w_fmt: str, rows_total: int, rows_active: int, n: int, k: int, group: int = 128
+) -> Cost:
     """One expert's weight, the active rows of A, the mask, and the whole bf16 [R, N] output (zeros too)."""
     w = weight_bytes(w_fmt, n, k)
     moved = w + act_bytes(act_fmt, rows_active, k, group) + rows_total + 2 * rows_total * n
     return Cost(moved, 2.0 * rows_active * n * k, w)
 
 
-def cost_local_experts(act_fmt: str, w_fmt: str, rows_total: int, rows_active: int, topk: int, hidden: int,
-                       inter: int, experts_touched: int, pairs: int, group: int = 128) -> Cost:
+def cost_local_experts(
+    act_fmt: str,
+    w_fmt: str,
+    rows_total: int,
+    rows_active: int,
+    topk: int,
+    hidden: int,
+    inter: int,
+    experts_touched: int,
+    pairs: int,
+    group: int = 128,
+) -> Cost:
     """Weights (w13 and w2, scales included) of the touched experts; the routed rows of x; the routing of every
     row; the fp32 [R, H] result. FLOPs: each (row, expert) pair does GEMM1 (2I×H) and GEMM2 (H×I)."""
     w = experts_touched * (weight_bytes(w_fmt, 2 * inter, hidden) + weight_bytes(w_fmt, hidden, inter))
@@ -84,9 +95,21 @@ def cost_unpack_rows(rows: int, nbytes: int) -> Cost:
     return Cost(2 * rows * nbytes)
 
 
-def cost_forward(act_fmt: str, w_fmt: str, tokens: int, capacity: int, ep_size: int, row_bytes: int, width: int,
-                 hidden: int, inter: int, topk: int, rank_stats: list[RoutingStats], group: int = 128,
-                 shared: bool = True) -> Cost:
+def cost_forward(
+    act_fmt: str,
+    w_fmt: str,
+    tokens: int,
+    capacity: int,
+    ep_size: int,
+    row_bytes: int,
+    width: int,
+    hidden: int,
+    inter: int,
+    topk: int,
+    rank_stats: list[RoutingStats],
+    group: int = 128,
+    shared: bool = True,
+) -> Cost:
     """The whole step summed over the S ranks sharing this machine (SPEC §0): per rank, pack (parts in, [C, W]
     out), the gathered [S·C, W] written, local experts over the S·C gathered rows (its touched experts'
     weights, routed rows, routing, fp32 acc out), the reduce-scatter's [S·C, H] fp32 in and [C, H] out, and the
@@ -97,8 +120,9 @@ def cost_forward(act_fmt: str, w_fmt: str, tokens: int, capacity: int, ep_size: 
     for st in rank_stats:
         total += cost_pack_rows(row_bytes, tokens, capacity, width)
         total += Cost(rows * width)
-        total += cost_local_experts(act_fmt, w_fmt, rows, st.rows_active, topk, hidden, inter, st.experts_touched,
-                                    st.pairs, group)
+        total += cost_local_experts(
+            act_fmt, w_fmt, rows, st.rows_active, topk, hidden, inter, st.experts_touched, st.pairs, group
+        )
         total += Cost(4 * rows * hidden + 4 * capacity * hidden)
         total += Cost(4 * tokens * hidden + (2 * tokens * hidden if shared else 0) + 2 * tokens * hidden)
     return total

@@ -15,7 +15,6 @@ from static_moe.testing.machine import MachineLimits
 
 from .costs import Cost, roofline
 
-
 BASELINES = ("seed_dense", "torch_cached", "torch_scaled_mm", "torch_int4pack", "torch_ref")
 
 
@@ -44,46 +43,77 @@ class Report:
         for r in self.records:
             op = r.get("op", {})
             t = op.get("median_s") if op.get("available", True) else None
-            r.update(roofline(Cost(r["bytes"], r["flops"], r.get("read_bytes", 0.0)), self.limits, t,
-                              r.get("compute_peak") == "bf16"))
+            r.update(
+                roofline(
+                    Cost(r["bytes"], r["flops"], r.get("read_bytes", 0.0)),
+                    self.limits,
+                    t,
+                    r.get("compute_peak") == "bf16",
+                )
+            )
 
     def header(self) -> str:
         m = self.limits
         cpu = f"{self.meta.get('cpu', '?')} ({self.meta.get('cpu_capability', '?')})  " if self.meta else ""
-        return (f"{cpu}threads={m.threads}  bandwidth={m.bandwidth / 1e9:.1f} GB/s (triad, 3×{m.triad_array_bytes >> 20} "
-                f"MiB arrays, LLC {m.llc_bytes >> 20} MiB)  read-only={m.read_bandwidth / 1e9:.1f} GB/s (sum over "
-                f"{m.read_array_bytes >> 20} MiB: the weights' roof)  fp32 peak={m.flops / 1e9:.1f} GFLOP/s "
-                f"(matmul n={m.matmul_n}; bf16 matmul {m.bf16_flops / 1e9:.0f} GFLOP/s: the roof where the kernel "
-                f"uses bf16 dot products)")
+        return (
+            f"{cpu}threads={m.threads}  bandwidth={m.bandwidth / 1e9:.1f} GB/s (triad, 3×{m.triad_array_bytes >> 20} "
+            f"MiB arrays, LLC {m.llc_bytes >> 20} MiB)  read-only={m.read_bandwidth / 1e9:.1f} GB/s (sum over "
+            f"{m.read_array_bytes >> 20} MiB: the weights' roof)  fp32 peak={m.flops / 1e9:.1f} GFLOP/s "
+            f"(matmul n={m.matmul_n}; bf16 matmul {m.bf16_flops / 1e9:.0f} GFLOP/s: the roof where the kernel "
+            f"uses bf16 dot products)"
+        )
 
     def table(self, records: list[dict] | None = None) -> str:
         recs = self.records if records is None else records
-        cols = ["bench", "shape", "fmt", "T", "rows/e", "experts", "median", "coll", "MB", "GFLOP", "t_mem", "t_flop",
-                "bound", "roof%", "roof%bf16", "×seed", "×cached", "×scaled", "×int4", "×ref"]
+        cols = [
+            "bench",
+            "shape",
+            "fmt",
+            "T",
+            "rows/e",
+            "experts",
+            "median",
+            "coll",
+            "MB",
+            "GFLOP",
+            "t_mem",
+            "t_flop",
+            "bound",
+            "roof%",
+            "roof%bf16",
+            "×seed",
+            "×cached",
+            "×scaled",
+            "×int4",
+            "×ref",
+        ]
         rows = [cols]
         for r in recs:
             op = r.get("op", {})
             ok = op.get("available", True)
             sp = r.get("speedup", {})
-            rows.append([
-                r["bench"] + (f" S={r['ep_size']}" if "ep_size" in r else ""),
-                r.get("shape", ""),
-                r.get("fmt", ""),
-                str(r.get("tokens", "")),
-                _fmt_num(r.get("rows_per_expert"), "{:.1f}"),
-                r.get("experts", ""),
-                _fmt_time(op.get("median_s")) if ok else "n/a",
-                _fmt_time(r.get("collective_s")),
-                f"{r['bytes'] / 1e6:.2f}",
-                f"{r['flops'] / 1e9:.3f}" if r["flops"] else "—",
-                _fmt_time(r["t_mem_s"]),
-                _fmt_time(r["t_compute_s"]) if r["flops"] else "—",
-                r["bound"][:3],
-                _fmt_num(r.get("roofline_fraction") and 100 * r["roofline_fraction"], "{:.0f}%"),
-                _fmt_num(r.get("roofline_fraction_bf16_peak") and 100 * r["roofline_fraction_bf16_peak"], "{:.0f}%")
-                if r["flops"] else "—",
-                *(_fmt_speedup(sp, r, name) for name in BASELINES),
-            ])
+            rows.append(
+                [
+                    r["bench"] + (f" S={r['ep_size']}" if "ep_size" in r else ""),
+                    r.get("shape", ""),
+                    r.get("fmt", ""),
+                    str(r.get("tokens", "")),
+                    _fmt_num(r.get("rows_per_expert"), "{:.1f}"),
+                    r.get("experts", ""),
+                    _fmt_time(op.get("median_s")) if ok else "n/a",
+                    _fmt_time(r.get("collective_s")),
+                    f"{r['bytes'] / 1e6:.2f}",
+                    f"{r['flops'] / 1e9:.3f}" if r["flops"] else "—",
+                    _fmt_time(r["t_mem_s"]),
+                    _fmt_time(r["t_compute_s"]) if r["flops"] else "—",
+                    r["bound"][:3],
+                    _fmt_num(r.get("roofline_fraction") and 100 * r["roofline_fraction"], "{:.0f}%"),
+                    _fmt_num(r.get("roofline_fraction_bf16_peak") and 100 * r["roofline_fraction_bf16_peak"], "{:.0f}%")
+                    if r["flops"]
+                    else "—",
+                    *(_fmt_speedup(sp, r, name) for name in BASELINES),
+                ]
+            )
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(cols))]
         lines = ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
         lines.insert(1, "-" * len(lines[0]))
@@ -117,7 +147,6 @@ class Report:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
         from matplotlib.ticker import FuncFormatter, NullFormatter
 
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,12 +179,17 @@ class Report:
                 pts = [(r["tokens"], r["roofline_fraction"]) for r in rs if r.get("roofline_fraction")]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=lab, color=colors[lab])
-            ax.set(xlabel="tokens per rank", ylabel="fraction of roofline", title=f"{bench} — {MODEL_SHAPES[shape].name}")
+            ax.set(
+                xlabel="tokens per rank", ylabel="fraction of roofline", title=f"{bench} — {MODEL_SHAPES[shape].name}"
+            )
             ax.axhline(1.0, color="grey", lw=0.5)
             style(ax, log_y=False)
             ax.set_ylim(0, max(1.05, ax.get_ylim()[1]))
-        fig.suptitle(f"{bench}: roofline fraction (compute limit: the peak of the units the kernel uses; "
-                     f"{self.limits.threads} threads{self._on_host()})", fontsize=10)
+        fig.suptitle(
+            f"{bench}: roofline fraction (compute limit: the peak of the units the kernel uses; "
+            f"{self.limits.threads} threads{self._on_host()})",
+            fontsize=10,
+        )
         fig.tight_layout()
         paths.append(out_dir / f"{bench}_roofline.png")
         fig.savefig(paths[-1], dpi=90)
@@ -163,8 +197,9 @@ class Report:
 
         names = [n for n in BASELINES if any((r.get("speedup") or {}).get(n) for r in recs)]
         if names:
-            fig, axes = plt.subplots(len(shapes), len(names), figsize=(max(6.0, 4.5 * len(names)), 3.5 * len(shapes)),
-                                     squeeze=False)
+            fig, axes = plt.subplots(
+                len(shapes), len(names), figsize=(max(6.0, 4.5 * len(names)), 3.5 * len(shapes)), squeeze=False
+            )
             for i, shape in enumerate(shapes):
                 for j, name in enumerate(names):
                     ax = axes[i][j]
@@ -175,8 +210,10 @@ class Report:
                     ax.axhline(1.0, color="grey", lw=0.5)
                     ax.set(xlabel="tokens per rank", ylabel=f"speed-up vs {name}", title=MODEL_SHAPES[shape].name)
                     style(ax, log_y=True)
-            fig.suptitle(f"{bench}: speed-up of static_moe over the baselines ({self.limits.threads} threads"
-                         f"{self._on_host()})", fontsize=10)
+            fig.suptitle(
+                f"{bench}: speed-up of static_moe over the baselines ({self.limits.threads} threads{self._on_host()})",
+                fontsize=10,
+            )
             fig.tight_layout()
             paths.append(out_dir / f"{bench}_speedup.png")
             fig.savefig(paths[-1], dpi=90)
@@ -190,9 +227,15 @@ class Report:
 
 
 def machine_meta(threads: int) -> dict:
-    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "cpu": _cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": threads,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def _cpu_model() -> str:
@@ -212,7 +255,6 @@ def _group(records: list[dict], key) -> dict[str, list[dict]]:
     for rs in out.values():
         rs.sort(key=lambda r: r["tokens"])
     return out
-
 
 
 def _fmt_time(s: float | None) -> str:
@@ -247,7 +289,6 @@ def json_default(o):
     return str(o)
 
 
-
 def progress(rec: dict) -> None:
     """One line per measured point, while the run goes."""
     op = rec["op"]
@@ -261,6 +302,10 @@ def progress(rec: dict) -> None:
         extra += f" collectives {100 * rec['collective_share']:.0f}% of the step"
     if rec.get("local_experts_in_step_vs_alone"):
         extra += f"; local_experts in step / alone ×{rec['local_experts_in_step_vs_alone']:.2f}"
-    print(f"  {rec['bench']} {rec.get('shape', '')} {rec.get('fmt', '')} T={rec['tokens']}: op {t} roof "
-          f"{_fmt_num(frac and 100 * frac, '{:.0f}%')} {sp}" + (f" parity {op['parity']}" if "parity" in op else "")
-          + extra, flush=True)
+    print(
+        f"  {rec['bench']} {rec.get('shape', '')} {rec.get('fmt', '')} T={rec['tokens']}: op {t} roof "
+        f"{_fmt_num(frac and 100 * frac, '{:.0f}%')} {sp}"
+        + (f" parity {op['parity']}" if "parity" in op else "")
+        + extra,
+        flush=True,
+    )

@@ -10,8 +10,9 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -48,9 +49,16 @@ def flush_caches() -> None:
     _FLUSH[0].add_(1.0)
 
 
-def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = MIN_REPEAT, cold: bool = False,
-            min_sample_s: float = 2e-3, before: Callable[[], None] | None = None,
-            reduce: Callable[[list[float]], list[float]] | None = None) -> tuple[Timing, Any]:
+def time_fn(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 1,
+    repeat: int = MIN_REPEAT,
+    cold: bool = False,
+    min_sample_s: float = 2e-3,
+    before: Callable[[], None] | None = None,
+    reduce: Callable[[list[float]], list[float]] | None = None,
+) -> tuple[Timing, Any]:
     """Time ``fn()`` on the calling thread: ``warmup`` untimed calls (at least 1; the first one's result is
     returned, for correctness checks at no extra cost), then ``max(repeat, 5)`` samples, median taken.
 
@@ -92,8 +100,9 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = MIN_REPEAT,
     return Timing(statistics.median(samples), samples, inner, warmup), result
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = MIN_REPEAT,
-                     warm: dict[str, Any] | None = None) -> tuple[dict[str, Timing], dict]:
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], *, repeat: int = MIN_REPEAT, warm: dict[str, Any] | None = None
+) -> tuple[dict[str, Timing], dict]:
     """Time several cold calls in the same rounds: one warm-up each (its output returned, for the checks; a name in
     ``warm`` has had it, and that is its output), then ``max(repeat, 5)`` rounds, each flushing the caches before
     every call and timing each of ``fns`` once, in order. On a shared host the load comes and goes; timed in
@@ -132,7 +141,7 @@ def weight_stream(tensors: list[torch.Tensor | None]) -> Callable[[], Any]:
         f = t.contiguous().view(-1).view(torch.uint8)
         head = min((-f.data_ptr()) % 8, f.numel())
         body = (f.numel() - head) // 8 * 8
-        parts.append((f[:head], f[head:head + body].view(torch.int64), f[head + body:]))
+        parts.append((f[:head], f[head : head + body].view(torch.int64), f[head + body :]))
 
     def stream():
         total = 0
@@ -201,8 +210,9 @@ def timing_dict(t: Timing) -> dict:
     return {"median_s": t.median_s, "samples_s": t.samples_s, "inner": t.inner}
 
 
-def time_baseline(base: dict, outs: dict, name: str, impl, reason: str | None, call: Callable[[Any], Any],
-                  **timer) -> None:
+def time_baseline(
+    base: dict, outs: dict, name: str, impl, reason: str | None, call: Callable[[Any], Any], **timer
+) -> None:
     """Time an optional baseline: ``call(impl)`` with :func:`time_fn` into ``base[name]`` (timing dict) and
     ``outs[name]`` (its output, for the parity check), or, where ``impl`` is None (the baseline cannot run here),
     ``base[name] = {"available": False, "reason": reason}`` and no output."""
@@ -223,6 +233,9 @@ def time_fastest_variant(variants: dict, call: Callable[[Any], Any], **timer) ->
         timing, out = time_fn(lambda v=v: call(v), **timer)
         timed[str(key).replace("torch.", "")] = (timing, out)
     best = min(timed, key=lambda name: timed[name][0].median_s)
-    entry = {**timing_dict(timed[best][0]), "variant": best,
-             **{f"{name}_median_s": t.median_s for name, (t, _) in timed.items()}}
+    entry = {
+        **timing_dict(timed[best][0]),
+        "variant": best,
+        **{f"{name}_median_s": t.median_s for name, (t, _) in timed.items()},
+    }
     return entry, timed[best][1]

@@ -81,7 +81,7 @@ void bits(int spread) {
     for (int m = 0; m < 16; ++m)
       for (int n = 0; n < 16; ++n) g_c0[m][n] = value(), g_ct[n][m] = g_c0[m][n];
     std::memcpy(g_c, g_c0, sizeof(g_c));
-    dp(g_c, g_a, g_b);   // C[m][n]: weight row m (A) · activation row n (B)
+    dp(g_c, g_a, g_b);    // C[m][n]: weight row m (A) · activation row n (B)
     dp(g_ct, g_x, g_bt);  // the same products, activation row n as A and weight row m as B: C^T
     for (int m = 0; m < 16; ++m) {
       __m512 acc = _mm512_loadu_ps(g_c0[m]);
@@ -115,10 +115,10 @@ void bits(int spread) {
       }
     }
   }
-  std::printf("exponents within +-%-2d  %ld outputs differ from: vdpbf16ps chain %.1f %%, one add per product %.1f %%, "
-              "exact pairs %.1f %%, exact unit %.1f %%; operands swapped %ld\n",
-              spread, total, 100.0 * chain / total, 100.0 * each / total, 100.0 * pair / total,
-              100.0 * unit / total, swapped);
+  std::printf(
+      "exponents within +-%-2d  %ld outputs differ from: vdpbf16ps chain %.1f %%, one add per product %.1f %%, "
+      "exact pairs %.1f %%, exact unit %.1f %%; operands swapped %ld\n",
+      spread, total, 100.0 * chain / total, 100.0 * each / total, 100.0 * pair / total, 100.0 * unit / total, swapped);
 }
 
 template <class F>
@@ -136,8 +136,8 @@ void cost() {
   for (int rows : {1, 2, 4, 8, 16}) {
     TileConfig cfg;
     for (int t = 0; t < 6; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;  // C tiles
-    cfg.rows[6] = static_cast<uint8_t>(rows), cfg.colsb[6] = 64;                                 // A
-    cfg.rows[7] = 16, cfg.colsb[7] = 64;                                                          // B
+    cfg.rows[6] = static_cast<uint8_t>(rows), cfg.colsb[6] = 64;                              // A
+    cfg.rows[7] = 16, cfg.colsb[7] = 64;                                                      // B
     _tile_loadconfig(&cfg);
     _tile_loadd(6, g_a, 64);
     _tile_loadd(7, g_b, 64);
@@ -147,26 +147,38 @@ void cost() {
     _tile_zero(3);
     _tile_zero(4);
     _tile_zero(5);
-    const double one = best_ns([](long n) { for (long i = 0; i < n; ++i) _tile_dpbf16ps(0, 6, 7); }, 200000);
-    const double six = best_ns([](long n) {
-      for (long i = 0; i < n; ++i) {
-        _tile_dpbf16ps(0, 6, 7);
-        _tile_dpbf16ps(1, 6, 7);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_dpbf16ps(3, 6, 7);
-        _tile_dpbf16ps(4, 6, 7);
-        _tile_dpbf16ps(5, 6, 7);
-      }
-    }, 50000) / 6;
-    std::printf("TDPBF16PS, %2d rows of A: %.2f ns into one C tile back to back, %.2f ns into six in turn "
-                "(%.0f GFLOP/s)\n", rows, one, six, 2.0 * rows * 16 * 32 / six);
+    const double one = best_ns(
+        [](long n) {
+          for (long i = 0; i < n; ++i) _tile_dpbf16ps(0, 6, 7);
+        },
+        200000);
+    const double six = best_ns(
+                           [](long n) {
+                             for (long i = 0; i < n; ++i) {
+                               _tile_dpbf16ps(0, 6, 7);
+                               _tile_dpbf16ps(1, 6, 7);
+                               _tile_dpbf16ps(2, 6, 7);
+                               _tile_dpbf16ps(3, 6, 7);
+                               _tile_dpbf16ps(4, 6, 7);
+                               _tile_dpbf16ps(5, 6, 7);
+                             }
+                           },
+                           50000) /
+                       6;
+    std::printf(
+        "TDPBF16PS, %2d rows of A: %.2f ns into one C tile back to back, %.2f ns into six in turn "
+        "(%.0f GFLOP/s)\n",
+        rows, one, six, 2.0 * rows * 16 * 32 / six);
     _tile_release();
   }
   TileConfig cfg;
   cfg.rows[7] = 16, cfg.colsb[7] = 64;
   _tile_loadconfig(&cfg);
-  const double load = best_ns([](long n) { for (long i = 0; i < n; ++i) _tile_loadd(7, g_buf[i & 31], 64); },
-                              200000);
+  const double load = best_ns(
+      [](long n) {
+        for (long i = 0; i < n; ++i) _tile_loadd(7, g_buf[i & 31], 64);
+      },
+      200000);
   std::printf("TILELOADD of 16 rows x 64 bytes from L1: %.2f ns\n", load);
   _tile_release();
 }

@@ -20,6 +20,7 @@
 // MADV_HUGEPAGE before its first touch; "huge pages granted" says whether the kernel gave them), alternately)
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -29,8 +30,6 @@
 #include <cstring>
 #include <random>
 #include <vector>
-
-#include <sys/mman.h>
 
 #include "cpu/kernels/expert_gemm.h"
 #include "micro_inputs.h"
@@ -84,24 +83,25 @@ __attribute__((noinline)) double read_stream(const uint8_t* p, size_t bytes, int
         a2 = _mm512_xor_si512(a2, _mm512_load_si512(q + i + 128));
         a3 = _mm512_xor_si512(a3, _mm512_load_si512(q + i + 192));
       }
-      acc_all ^= _mm_cvtsi128_si32(_mm512_castsi512_si128(_mm512_xor_si512(_mm512_xor_si512(a0, a1),
-                                                                            _mm512_xor_si512(a2, a3))));
+      acc_all ^= _mm_cvtsi128_si32(
+          _mm512_castsi512_si128(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3))));
     }
     sink = acc_all;
   });
 }
 
-alignas(64) const uint16_t kTable[32] = {
-    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
-    0xC080, 0xC0C0, 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0,
-    0xC000, 0xC040, 0xC080, 0xC0C0};
+alignas(64) const uint16_t kTable[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                         0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+                                         0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                         0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
 alignas(64) uint16_t kShifts[32];  // the kernel's vpsrlvw counts: 4L for the words of 128-bit lane L
 
 // The kernel's fast-path tables: kTable with (b - 127) << 7 added to the exponent of its non-zero entries, per byte.
 alignas(64) uint16_t kTables[256][32];
 void init_tables() {
   for (int b = 0; b < 256; ++b)
-    for (int w = 0; w < 32; ++w) kTables[b][w] = w % 8 == 0 ? kTable[w] : static_cast<uint16_t>(kTable[w] + (b - 127) * 128);
+    for (int w = 0; w < 32; ++w)
+      kTables[b][w] = w % 8 == 0 ? kTable[w] : static_cast<uint16_t>(kTable[w] + (b - 127) * 128);
 }
 
 // The fast fp4 decode of the kernel on 4 weight rows at a time, results xor-folded: decode throughput alone.
@@ -134,8 +134,8 @@ inline void chunk_scale_deltas(const Expert& e, int64_t n, int64_t c, __m512i dl
   const int64_t sb = e.k / 32;
   for (int j = 0; j < 4; ++j) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e.s.data() + (n + j) * sb + c * 16));
-    dl[j] = _mm512_castsi256_si512(
-        _mm256_slli_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(b), _mm256_set1_epi16(127)), 7));
+    dl[j] =
+        _mm512_castsi256_si512(_mm256_slli_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(b), _mm256_set1_epi16(127)), 7));
   }
 }
 
@@ -186,8 +186,8 @@ __attribute__((noinline)) uint32_t decode_only_v2(const Expert& e, int64_t rows)
 // per-half variable shifts (vpsrlvw), no cross-lane shuffle before the two table lookups.
 __attribute__((noinline)) uint32_t decode_only_v3(const Expert& e, int64_t rows) {
   // words 8-15 of each half come from bytes 16-31 (unit B): index bit 4 set there
-  const __m512i sel = _mm512_set_epi16(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0,
-                                       16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i sel = _mm512_set_epi16(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16,
+                                       16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i c0f = _mm512_set1_epi16(0x000F);
   const __m512i sh1 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   const __m512i sh2 = _mm512_inserti64x4(_mm512_set1_epi16(8), _mm256_set1_epi16(12), 1);
@@ -280,7 +280,7 @@ int main(int argc, char** argv) {
         return 1;
       }
       madvise(buf[h], total, h == 1 ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);  // 4 KiB even where THP is "always"
-      std::memcpy(buf[h], big.q.data(), qb);  // the first touch: after the advice
+      std::memcpy(buf[h], big.q.data(), qb);                             // the first touch: after the advice
       std::memcpy(buf[h] + qb, big.s.data(), sb);
     }
     std::FILE* f = std::fopen("/proc/self/smaps_rollup", "r");

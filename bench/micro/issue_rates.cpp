@@ -34,12 +34,12 @@ double best_ticks(F&& f) {
 }
 
 // Cycles per instruction of an asm body holding `per` instructions, run kIters times.
-#define RATE(name, per, body, ...)                                                                         \
-  {                                                                                                        \
-    const double t = best_ticks([&] {                                                                      \
-      for (long n = 0; n < kIters; ++n) __asm__ volatile(body ::"r"(g_buf) : __VA_ARGS__);                \
-    });                                                                                                    \
-    std::printf("%-52s %6.2f cycles\n", name, t / kIters / (per) / g_tsc_per_cycle);                     \
+#define RATE(name, per, body, ...)                                                        \
+  {                                                                                       \
+    const double t = best_ticks([&] {                                                     \
+      for (long n = 0; n < kIters; ++n) __asm__ volatile(body::"r"(g_buf) : __VA_ARGS__); \
+    });                                                                                   \
+    std::printf("%-52s %6.2f cycles\n", name, t / kIters / (per) / g_tsc_per_cycle);      \
   }
 
 #define X8(op) op(2) op(3) op(4) op(5) op(6) op(7) op(8) op(9)
@@ -71,7 +71,8 @@ double block_cycles_per_unit() {
         __m512bh wv[NR];
         for (int j = 0; j < NR; ++j) {
           if constexpr (W != Weights::Bf16) {
-            const __m512i d = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(g_wq[j] + u * 16)));
+            const __m512i d =
+                _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(g_wq[j] + u * 16)));
             const __m512i idx = W == Weights::Fp4 ? _mm512_srlv_epi16(d, shifts) : _mm512_multishift_epi64_epi8(ctl, d);
             wv[j] = (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_load_si512(g_tab[(u + j) & 7]));
           } else {
@@ -100,9 +101,10 @@ int main() {
     uint64_t x = 1;
     const double t = best_ticks([&] {
       for (long n = 0; n < kIters; ++n)
-        __asm__ volatile("add $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\t"
-                         "add $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\tadd $1,%0"
-                         : "+r"(x));
+        __asm__ volatile(
+            "add $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\t"
+            "add $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\tadd $1,%0"
+            : "+r"(x));
     });
     g_tsc_per_cycle = t / kIters / 8;
     std::printf("%-52s %6.3f (core clock = TSC rate / this)\n", "TSC ticks per core cycle", g_tsc_per_cycle);
@@ -126,14 +128,14 @@ int main() {
 #define OP_PERMW_M(r) "vpermw " #r "*64(%0),%%zmm1,%%zmm" #r "\n\t"
   RATE("rate   vpermw zmm, m512 table", 8, X8(OP_PERMW_M), CLOBBER8)
 #define OP_MIX(r) "vpermw %%zmm1,%%zmm0,%%zmm" #r "\n\tvpmultishiftqb %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
-  RATE("rate   vpermw + vpmultishiftqb, interleaved", 16, X8(OP_MIX), CLOBBER8, "xmm12", "xmm13", "xmm14",
-       "xmm15", "xmm16", "xmm17", "xmm18", "xmm19")
-#define OP_MIX2(r) "vpermw %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
-  RATE("rate   vpermw + vdpbf16ps, interleaved", 16, X8(OP_MIX2), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
+  RATE("rate   vpermw + vpmultishiftqb, interleaved", 16, X8(OP_MIX), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
        "xmm16", "xmm17", "xmm18", "xmm19")
+#define OP_MIX2(r) "vpermw %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
+  RATE("rate   vpermw + vdpbf16ps, interleaved", 16, X8(OP_MIX2), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15", "xmm16",
+       "xmm17", "xmm18", "xmm19")
 #define OP_MIX3(r) "vpmultishiftqb %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
-  RATE("rate   vpmultishiftqb + vdpbf16ps, interleaved", 16, X8(OP_MIX3), CLOBBER8, "xmm12", "xmm13", "xmm14",
-       "xmm15", "xmm16", "xmm17", "xmm18", "xmm19")
+  RATE("rate   vpmultishiftqb + vdpbf16ps, interleaved", 16, X8(OP_MIX3), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
+       "xmm16", "xmm17", "xmm18", "xmm19")
 #define OP_SRLV(r) "vpsrlvw %%zmm1,%%zmm0,%%zmm" #r "\n\t"
   RATE("rate   vpsrlvw zmm", 8, X8(OP_SRLV), CLOBBER8)
 #define OP_MIX4(r) "vpsrlvw %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
@@ -152,32 +154,34 @@ int main() {
        "vpmultishiftqb %%zmm2,%%zmm1,%%zmm2\n\tvpmultishiftqb %%zmm2,%%zmm1,%%zmm2",
        "xmm2")
 // One one-row fp4 unit (broadcast load, index instruction idx: zmm3 -> zmm2, vpermw, dot) into accumulator acc.
-#define UNIT(idx, acc, off) \
-  "vbroadcasti32x4 " #off "/4(%0),%%zmm3\n\t" idx "\n\t" \
+#define UNIT(idx, acc, off)                       \
+  "vbroadcasti32x4 " #off "/4(%0),%%zmm3\n\t" idx \
+  "\n\t"                                          \
   "vpermw " #off "(%0),%%zmm2,%%zmm2\n\tvdpbf16ps %%zmm30,%%zmm2,%%zmm" #acc "\n\t"
-#define UNITS8(idx)                                                                                          \
-  UNIT(idx, 8, 0) UNIT(idx, 9, 64) UNIT(idx, 10, 128) UNIT(idx, 11, 192) UNIT(idx, 12, 256) UNIT(idx, 13, 320) \
-      UNIT(idx, 14, 384) UNIT(idx, 15, 448)
+#define UNITS8(idx) \
+  UNIT(idx, 8, 0)   \
+  UNIT(idx, 9, 64)  \
+  UNIT(idx, 10, 128) UNIT(idx, 11, 192) UNIT(idx, 12, 256) UNIT(idx, 13, 320) UNIT(idx, 14, 384) UNIT(idx, 15, 448)
   RATE("unit   one-row fp4 unit (load, vpsrlvw, vpermw, dot), 8 rows", 8, UNITS8("vpsrlvw %%zmm1,%%zmm3,%%zmm2"),
        "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
-  RATE("unit   the same with vpmultishiftqb, 8 rows", 8, UNITS8("vpmultishiftqb %%zmm3,%%zmm1,%%zmm2"),
-       "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
+  RATE("unit   the same with vpmultishiftqb, 8 rows", 8, UNITS8("vpmultishiftqb %%zmm3,%%zmm1,%%zmm2"), "xmm2", "xmm3",
+       "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
   // The fp8 panel's 4 × 3 unit (4 activation rows × 3 decoded weight rows, 12 vdpbf16ps) from L1, per unit: as GCC
   // compiled it with 24 accumulators live (each product reloads its activation: 3 + 12 loads), and with the 4
   // activation units loaded once into registers (3 + 4 loads).
 #define DPM(a, acc) "vdpbf16ps " #a "(%0),%%zmm24,%%zmm" #acc "\n\t"
 #define DPR(a, acc) "vdpbf16ps %%zmm" #a ",%%zmm24,%%zmm" #acc "\n\t"
   RATE("unit   fp8 panel 4 x 3, activations reloaded (15 loads)", 1,
-       "vmovdqu64 0(%0),%%zmm24\n\t" DPM(1024, 0) DPM(2048, 1) DPM(3072, 2) DPM(4096, 3)
-       "vmovdqu64 64(%0),%%zmm24\n\t" DPM(1024, 4) DPM(2048, 5) DPM(3072, 6) DPM(4096, 7)
-       "vmovdqu64 128(%0),%%zmm24\n\t" DPM(1024, 8) DPM(2048, 9) DPM(3072, 10) DPM(4096, 11),
+       "vmovdqu64 0(%0),%%zmm24\n\t" DPM(1024, 0) DPM(2048, 1) DPM(3072, 2)
+           DPM(4096, 3) "vmovdqu64 64(%0),%%zmm24\n\t" DPM(1024, 4) DPM(2048, 5) DPM(3072, 6)
+               DPM(4096, 7) "vmovdqu64 128(%0),%%zmm24\n\t" DPM(1024, 8) DPM(2048, 9) DPM(3072, 10) DPM(4096, 11),
        "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm24")
   RATE("unit   fp8 panel 4 x 3, activations in registers (7 loads)", 1,
        "vmovdqu64 1024(%0),%%zmm26\n\tvmovdqu64 2048(%0),%%zmm27\n\t"
        "vmovdqu64 3072(%0),%%zmm28\n\tvmovdqu64 4096(%0),%%zmm29\n\t"
-       "vmovdqu64 0(%0),%%zmm24\n\t" DPR(26, 0) DPR(27, 1) DPR(28, 2) DPR(29, 3)
-       "vmovdqu64 64(%0),%%zmm24\n\t" DPR(26, 4) DPR(27, 5) DPR(28, 6) DPR(29, 7)
-       "vmovdqu64 128(%0),%%zmm24\n\t" DPR(26, 8) DPR(27, 9) DPR(28, 10) DPR(29, 11),
+       "vmovdqu64 0(%0),%%zmm24\n\t" DPR(26, 0) DPR(27, 1) DPR(28, 2)
+           DPR(29, 3) "vmovdqu64 64(%0),%%zmm24\n\t" DPR(26, 4) DPR(27, 5) DPR(28, 6)
+               DPR(29, 7) "vmovdqu64 128(%0),%%zmm24\n\t" DPR(26, 8) DPR(27, 9) DPR(28, 10) DPR(29, 11),
        "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm24",
        "xmm26", "xmm27", "xmm28", "xmm29")
   for (int w = 0; w < 32; ++w) g_shifts[w] = static_cast<uint16_t>(4 * (w / 8));

@@ -3,14 +3,14 @@
 // Header-only and torch-free; each driver gets its own copy (an anonymous namespace).
 #pragma once
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
-
-#include <unistd.h>
 
 #include "cpu/column_chunks.h"
 #include "cpu/kernels/expert_gemm.h"
@@ -43,8 +43,8 @@ void column_chunks(int64_t n, int t, F&& f) {
 
 struct Expert {
   int64_t n, k;
-  std::vector<uint8_t> q;      // fp4 [n, k/2], fp8 [n, k] or bf16 [n, 2k] bytes
-  std::vector<uint8_t> s;      // fp4 UE8M0 bytes [n, k/32], fp8 float32 [n, k/128] (bf16: unused)
+  std::vector<uint8_t> q;  // fp4 [n, k/2], fp8 [n, k] or bf16 [n, 2k] bytes
+  std::vector<uint8_t> s;  // fp4 UE8M0 bytes [n, k/32], fp8 float32 [n, k/128] (bf16: unused)
   ExpertWeight view(WeightFormat f) const {
     ExpertWeight w;
     w.format = f;

@@ -39,25 +39,44 @@ namespace checks {
 // The Python spelling of a dtype ("torch.float8_e4m3fn"), so messages read like the user's code.
 inline std::string dtype_name(c10::ScalarType t) {
   switch (t) {
-    case c10::ScalarType::Float: return "torch.float32";
-    case c10::ScalarType::Double: return "torch.float64";
-    case c10::ScalarType::Half: return "torch.float16";
-    case c10::ScalarType::BFloat16: return "torch.bfloat16";
-    case c10::ScalarType::Float8_e4m3fn: return "torch.float8_e4m3fn";
-    case c10::ScalarType::Float8_e4m3fnuz: return "torch.float8_e4m3fnuz";
-    case c10::ScalarType::Float8_e5m2: return "torch.float8_e5m2";
-    case c10::ScalarType::Float8_e5m2fnuz: return "torch.float8_e5m2fnuz";
-    case c10::ScalarType::Float8_e8m0fnu: return "torch.float8_e8m0fnu";
-    case c10::ScalarType::Float4_e2m1fn_x2: return "torch.float4_e2m1fn_x2";
-    case c10::ScalarType::Byte: return "torch.uint8";
-    case c10::ScalarType::UInt16: return "torch.uint16";
-    case c10::ScalarType::UInt32: return "torch.uint32";
-    case c10::ScalarType::Char: return "torch.int8";
-    case c10::ScalarType::Short: return "torch.int16";
-    case c10::ScalarType::Int: return "torch.int32";
-    case c10::ScalarType::Long: return "torch.int64";
-    case c10::ScalarType::Bool: return "torch.bool";
-    default: return std::string("torch.") + c10::toString(t);
+    case c10::ScalarType::Float:
+      return "torch.float32";
+    case c10::ScalarType::Double:
+      return "torch.float64";
+    case c10::ScalarType::Half:
+      return "torch.float16";
+    case c10::ScalarType::BFloat16:
+      return "torch.bfloat16";
+    case c10::ScalarType::Float8_e4m3fn:
+      return "torch.float8_e4m3fn";
+    case c10::ScalarType::Float8_e4m3fnuz:
+      return "torch.float8_e4m3fnuz";
+    case c10::ScalarType::Float8_e5m2:
+      return "torch.float8_e5m2";
+    case c10::ScalarType::Float8_e5m2fnuz:
+      return "torch.float8_e5m2fnuz";
+    case c10::ScalarType::Float8_e8m0fnu:
+      return "torch.float8_e8m0fnu";
+    case c10::ScalarType::Float4_e2m1fn_x2:
+      return "torch.float4_e2m1fn_x2";
+    case c10::ScalarType::Byte:
+      return "torch.uint8";
+    case c10::ScalarType::UInt16:
+      return "torch.uint16";
+    case c10::ScalarType::UInt32:
+      return "torch.uint32";
+    case c10::ScalarType::Char:
+      return "torch.int8";
+    case c10::ScalarType::Short:
+      return "torch.int16";
+    case c10::ScalarType::Int:
+      return "torch.int32";
+    case c10::ScalarType::Long:
+      return "torch.int64";
+    case c10::ScalarType::Bool:
+      return "torch.bool";
+    default:
+      return std::string("torch.") + c10::toString(t);
   }
 }
 
@@ -76,7 +95,10 @@ inline std::string expected_shape_str(c10::IntArrayRef s) {
   os << '[';
   for (size_t i = 0; i < s.size(); ++i) {
     os << (i ? ", " : "");
-    if (s[i] < 0) os << '*'; else os << s[i];
+    if (s[i] < 0)
+      os << '*';
+    else
+      os << s[i];
   }
   os << ']';
   return os.str();
@@ -122,8 +144,8 @@ inline void check_dim(const at::Tensor& t, const char* op, const char* name, int
 // Size of one dimension. `what` names it symbolically ("R", "2I", "K/128"), so the message says what to change.
 inline void check_size(const at::Tensor& t, const char* op, const char* name, int64_t d, int64_t expected,
                        const char* what) {
-  TORCH_CHECK_VALUE(t.size(d) == expected, op, ": ", name, ".size(", d, ") must be ", what, " = ", expected,
-                    ", got ", t.size(d), " (shape ", shape_str(t.sizes()), ")");
+  TORCH_CHECK_VALUE(t.size(d) == expected, op, ": ", name, ".size(", d, ") must be ", what, " = ", expected, ", got ",
+                    t.size(d), " (shape ", shape_str(t.sizes()), ")");
 }
 
 // Whole shape; -1 in `expected` matches any size. `what` is the symbolic shape, e.g. "[L, N, K/128]".
@@ -186,7 +208,8 @@ constexpr double kFp8MaxMax = 448.0;
 inline void check_fp8_max(double fp8_max, const char* op) {
   TORCH_CHECK_VALUE(std::isfinite(fp8_max) && fp8_max >= kFp8MaxMin && fp8_max <= kFp8MaxMax, op,
                     ": fp8_max must be in [2, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3; below 2 the "
-                    "power-of-two scale of a large amax overflows to inf), got ", fp8_max);
+                    "power-of-two scale of a large amax overflows to inf), got ",
+                    fp8_max);
 }
 
 // a * b and a + b for non-negative sizes, or an error naming `what` instead of a silent int64 wrap-around.
@@ -210,9 +233,12 @@ enum class Format { BF16, FP8, FP4 };
 
 inline const char* format_name(Format f) {
   switch (f) {
-    case Format::BF16: return "bf16";
-    case Format::FP8: return "fp8";
-    case Format::FP4: return "fp4";
+    case Format::BF16:
+      return "bf16";
+    case Format::FP8:
+      return "fp8";
+    case Format::FP4:
+      return "fp4";
   }
   return "?";
 }
@@ -274,8 +300,8 @@ inline int64_t check_activation(const at::Tensor& x, const std::optional<at::Ten
   Format f = activation_format(x, op, x_name);
   check_dim(x, op, x_name, 2, "[R, K]");
   if (f == Format::BF16) {
-    TORCH_CHECK_VALUE(!x_scale.has_value() || !x_scale->defined(), op, ": ", scale_name, " must be None when ",
-                      x_name, " is bf16, got a tensor of shape ", shape_str(x_scale->sizes()));
+    TORCH_CHECK_VALUE(!x_scale.has_value() || !x_scale->defined(), op, ": ", scale_name, " must be None when ", x_name,
+                      " is bf16, got a tensor of shape ", shape_str(x_scale->sizes()));
     return 0;
   }
   TORCH_CHECK_VALUE(x_scale.has_value() && x_scale->defined(), op, ": ", scale_name, " is required when ", x_name,
@@ -308,8 +334,8 @@ inline Format check_weight(const at::Tensor& w, const std::optional<at::Tensor>&
   switch (f) {
     case Format::BF16: {
       check_shape(w, op, w_name, {L, N, K}, "[L, N, K]");
-      TORCH_CHECK_VALUE(!has_scale, op, ": ", scale_name, " must be None for bf16 ", w_name,
-                        ", got a tensor of shape ", shape_str(scale->sizes()));
+      TORCH_CHECK_VALUE(!has_scale, op, ": ", scale_name, " must be None for bf16 ", w_name, ", got a tensor of shape ",
+                        shape_str(scale->sizes()));
       break;
     }
     case Format::FP8: {
@@ -357,8 +383,10 @@ inline const char* layout_name(WeightLayout l) { return l == WeightLayout::Eio ?
 inline WeightLayout parse_weight_layout(std::string_view s, const char* op) {
   if (s == "eoi") return WeightLayout::Eoi;
   if (s == "eio") return WeightLayout::Eio;
-  TORCH_CHECK_VALUE(false, op, ": weight_layout must be 'eoi' (nn.Linear [L, N, K]) or 'eio' (prepared, K-major; "
-                    "static_moe.layouts), got '", std::string(s), "'");
+  TORCH_CHECK_VALUE(false, op,
+                    ": weight_layout must be 'eoi' (nn.Linear [L, N, K]) or 'eio' (prepared, K-major; "
+                    "static_moe.layouts), got '",
+                    std::string(s), "'");
   return WeightLayout::Eoi;  // unreachable
 }
 
@@ -367,9 +395,14 @@ inline WeightLayout parse_weight_layout(std::string_view s, const char* op) {
 // tensors back, or running the prepared bytes through the reference on CPU for tests).
 inline void refuse_prepared_layout(WeightLayout l, const char* op, const char* backend) {
   const bool cuda = std::string(backend) == "CUDA";
-  TORCH_CHECK_VALUE(l == WeightLayout::Eoi, op, ": weight_layout='eio' (prepared, K-major weights) is not supported "
-                    "by the ", backend, " kernels, which read nn.Linear [L, N, K] weights (weight_layout='eoi'); "
-                    "build the layer with StaticMoE(prepare_for=\"", cuda ? "cuda" : "cpu", "\"), convert "
+  TORCH_CHECK_VALUE(l == WeightLayout::Eoi, op,
+                    ": weight_layout='eio' (prepared, K-major weights) is not supported "
+                    "by the ",
+                    backend,
+                    " kernels, which read nn.Linear [L, N, K] weights (weight_layout='eoi'); "
+                    "build the layer with StaticMoE(prepare_for=\"",
+                    cuda ? "cuda" : "cpu",
+                    "\"), convert "
                     "prepared tensors back exactly with static_moe.layouts.to_eoi, or (tests, CPU) run the prepared "
                     "bytes through the reference with static_moe.testing.backends.cpu_kernels(\"reference\")");
 }
@@ -409,8 +442,8 @@ inline Format check_weight_eio(const at::Tensor& w, const std::optional<at::Tens
   const bool has_scale = scale.has_value() && scale->defined();
   if (f == Format::BF16) {
     check_shape(w, op, w_name, {L, K, N}, "[L, K, N] (weight_layout='eio')");
-    TORCH_CHECK_VALUE(!has_scale, op, ": ", scale_name, " must be None for bf16 ", w_name,
-                      ", got a tensor of shape ", shape_str(scale->sizes()));
+    TORCH_CHECK_VALUE(!has_scale, op, ": ", scale_name, " must be None for bf16 ", w_name, ", got a tensor of shape ",
+                      shape_str(scale->sizes()));
     return f;
   }
   const int64_t block = f == Format::FP8 ? 128 : 32;

@@ -2,21 +2,21 @@
 // bindings and by the Python fake kernel (through static_moe._C.check_expert_gemm).
 #pragma once
 
-#include "checks/common.h"
-
 #include <optional>
+
+#include "checks/common.h"
 
 namespace static_moe {
 namespace checks {
 
 struct ExpertGemmShape {
-  int64_t rows = 0;        // R
-  int64_t k = 0;           // K (logical)
-  int64_t n = 0;           // N
-  int64_t num_experts = 0; // L
+  int64_t rows = 0;         // R
+  int64_t k = 0;            // K (logical)
+  int64_t n = 0;            // N
+  int64_t num_experts = 0;  // L
   Format act = Format::BF16;
   Format weight = Format::BF16;
-  int64_t group = 0;       // activation group g (fp8 a), 0 for bf16
+  int64_t group = 0;  // activation group g (fp8 a), 0 for bf16
   WeightLayout layout = WeightLayout::Eoi;
 };
 
@@ -47,8 +47,9 @@ inline ExpertGemmShape check_expert_gemm(const at::Tensor& a, const std::optiona
   check_dtype(row_mask, op, "row_mask", c10::ScalarType::Bool);
   check_shape(row_mask, op, "row_mask", {sh.rows}, "[R] with R = a.size(0)");
   check_same_device(row_mask, op, "row_mask", a, "a");
-  TORCH_CHECK_VALUE(expert >= 0 && expert < sh.num_experts, op, ": expert must index b's experts, 0 <= expert < L = ",
-                    sh.num_experts, " (b.size(0)), got ", expert);
+  TORCH_CHECK_VALUE(expert >= 0 && expert < sh.num_experts, op,
+                    ": expert must index b's experts, 0 <= expert < L = ", sh.num_experts, " (b.size(0)), got ",
+                    expert);
   return sh;
 }
 

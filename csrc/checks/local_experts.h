@@ -5,23 +5,23 @@
 // are other ranks').
 #pragma once
 
-#include "checks/common.h"
-
 #include <cmath>
 #include <optional>
+
+#include "checks/common.h"
 
 namespace static_moe {
 namespace checks {
 
 struct LocalExpertsShape {
-  int64_t rows = 0;        // R
-  int64_t hidden = 0;      // H
-  int64_t inter = 0;       // I
-  int64_t num_local = 0;   // L
-  int64_t topk = 0;        // k
+  int64_t rows = 0;       // R
+  int64_t hidden = 0;     // H
+  int64_t inter = 0;      // I
+  int64_t num_local = 0;  // L
+  int64_t topk = 0;       // k
   Format act = Format::BF16;
   Format weight = Format::BF16;
-  int64_t group = 0;       // activation group g (fp8 x; z uses the same), 0 for bf16
+  int64_t group = 0;  // activation group g (fp8 x; z uses the same), 0 for bf16
   WeightLayout layout = WeightLayout::Eoi;
 };
 
@@ -35,8 +35,8 @@ inline LocalExpertsShape check_local_experts(const at::Tensor& x, const std::opt
                                              const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                                              const at::Tensor& w13, const std::optional<at::Tensor>& w13_scale,
                                              const at::Tensor& w2, const std::optional<at::Tensor>& w2_scale,
-                                             int64_t expert_offset, std::optional<double> swiglu_limit,
-                                             double fp8_max, const char* op = "local_experts",
+                                             int64_t expert_offset, std::optional<double> swiglu_limit, double fp8_max,
+                                             const char* op = "local_experts",
                                              WeightLayout layout = WeightLayout::Eoi) {
   LocalExpertsShape sh;
   sh.layout = layout;

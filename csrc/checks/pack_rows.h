@@ -2,12 +2,12 @@
 // CUDA bindings and by the Python fake kernels (through static_moe._C.check_pack_rows / check_unpack_rows).
 #pragma once
 
-#include "checks/common.h"
-
 #include <c10/core/ScalarType.h>
 
 #include <string>
 #include <vector>
+
+#include "checks/common.h"
 
 namespace static_moe {
 namespace checks {
@@ -16,10 +16,10 @@ constexpr int64_t kPackAlign = 16;  // every part starts at a 16-byte aligned co
 
 // Where each part sits in a packed row, and the row width W.
 struct PackLayout {
-  int64_t rows = 0;               // T, the rows every part has
-  int64_t width = 0;              // W = sum of the 16-byte aligned part widths
-  std::vector<int64_t> offsets;   // first column of part i
-  std::vector<int64_t> nbytes;    // bytes of one row of part i = prod(shape[1:]) * itemsize
+  int64_t rows = 0;              // T, the rows every part has
+  int64_t width = 0;             // W = sum of the 16-byte aligned part widths
+  std::vector<int64_t> offsets;  // first column of part i
+  std::vector<int64_t> nbytes;   // bytes of one row of part i = prod(shape[1:]) * itemsize
 };
 
 inline int64_t pack_aligned(int64_t n) { return (n + kPackAlign - 1) / kPackAlign * kPackAlign; }
@@ -49,12 +49,12 @@ inline PackLayout check_pack_rows(at::TensorList parts, int64_t capacity) {
     for (int64_t d = 1; d < p.dim(); ++d) n = checked_mul(n, p.size(d), op, (name + " row bytes").c_str());
     layout.offsets.push_back(layout.width);
     layout.nbytes.push_back(n);
-    layout.width = checked_add(layout.width, checked_add(n, kPackAlign - 1, op, "row width W") / kPackAlign *
-                                                 kPackAlign, op, "row width W");
+    layout.width = checked_add(
+        layout.width, checked_add(n, kPackAlign - 1, op, "row width W") / kPackAlign * kPackAlign, op, "row width W");
   }
   checked_mul(capacity, layout.width, op, "capacity * W (bytes of the packed buffer)");
-  TORCH_CHECK_VALUE(layout.rows <= capacity, op, ": T = ", layout.rows, " rows (parts[0].size(0)) exceed capacity = ",
-                    capacity, "; T must be <= capacity");
+  TORCH_CHECK_VALUE(layout.rows <= capacity, op, ": T = ", layout.rows,
+                    " rows (parts[0].size(0)) exceed capacity = ", capacity, "; T must be <= capacity");
   return layout;
 }
 

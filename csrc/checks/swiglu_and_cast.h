@@ -2,12 +2,12 @@
 // bindings and by the Python fake kernel (through static_moe._C.check_swiglu_and_cast).
 #pragma once
 
-#include "checks/common.h"
-
 #include <cmath>
 #include <optional>
 #include <string>
 #include <string_view>
+
+#include "checks/common.h"
 
 namespace static_moe {
 namespace checks {
@@ -45,8 +45,9 @@ inline SwigluShape check_swiglu_and_cast(const at::Tensor& gate_up, const std::o
   check_swiglu_limit(swiglu_limit, op);
   if (sh.out_fp8) {
     TORCH_CHECK_VALUE(group_size == 32 || group_size == 128, op, ": group_size must be 32 or 128, got ", group_size);
-    TORCH_CHECK_VALUE(sh.inter % group_size == 0, op, ": I = gate_up.size(1) / 2 must be a multiple of group_size = ",
-                      group_size, ", got I = ", sh.inter);
+    TORCH_CHECK_VALUE(sh.inter % group_size == 0, op,
+                      ": I = gate_up.size(1) / 2 must be a multiple of group_size = ", group_size,
+                      ", got I = ", sh.inter);
     check_fp8_max(fp8_max, op);
   }
   return sh;

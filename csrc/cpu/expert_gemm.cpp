@@ -8,6 +8,8 @@
 //      weight rows are cut in chunks of columns that the OpenMP threads take as they go, each running the plan, so
 //      each weight byte is streamed once, by one thread, and decoded on the fly for every active row;
 //   4. masked rows stay exact zeros.
+#include "checks/expert_gemm.h"
+
 #include <ATen/ATen.h>
 #include <omp.h>
 #include <torch/library.h>
@@ -17,17 +19,16 @@
 #include <optional>
 #include <vector>
 
-#include "checks/expert_gemm.h"
 #include "cpu/column_chunks.h"
+#include "cpu/expert_gemm_binding.h"
 #include "cpu/kernels/expert_gemm.h"
 #include "cpu/kernels/expert_gemm_plan.h"
-#include "cpu/expert_gemm_binding.h"
 
 namespace {
 
 using namespace static_moe;
 
-constexpr int64_t kParallelMacs = 1 << 18; // below this many multiply-adds one thread beats waking a team
+constexpr int64_t kParallelMacs = 1 << 18;  // below this many multiply-adds one thread beats waking a team
 
 at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>& a_scale, const at::Tensor& b,
                            const std::optional<at::Tensor>& b_scale, const at::Tensor& row_mask, int64_t expert,
@@ -71,8 +72,8 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
 #pragma omp parallel for schedule(static) if (parallel && m > 1)
   for (int64_t i = 0; i < m; ++i) {
     const float* srow = s_c.defined() ? s_c.const_data_ptr<float>() + rows[i] * s_c.stride(0) : nullptr;
-    a_bf16[i] = cpu::prepare_activation(isa, w.format, af, a_base + rows[i] * a_row_bytes, srow, sh.group, 0, K,
-                                        a32.row(i));
+    a_bf16[i] =
+        cpu::prepare_activation(isa, w.format, af, a_base + rows[i] * a_row_bytes, srow, sh.group, 0, K, a32.row(i));
   }
 
   const cpu::ExpertGemmPlan plan = cpu::plan_expert_gemm(isa, w.format, a_bf16.data(), m);

@@ -24,7 +24,8 @@ inline Isa isa_for_call(const char* op) {
 }
 
 inline WeightFormat kernel_weight_format(checks::Format f) {
-  return f == checks::Format::FP8 ? WeightFormat::Fp8 : (f == checks::Format::FP4 ? WeightFormat::Fp4 : WeightFormat::Bf16);
+  return f == checks::Format::FP8 ? WeightFormat::Fp8
+                                  : (f == checks::Format::FP4 ? WeightFormat::Fp4 : WeightFormat::Bf16);
 }
 
 // A weight tensor [L, N, K] (fp4: [L, N, K/2] bytes) and its scales, ready for expert views: K contiguous (the

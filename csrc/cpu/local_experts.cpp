@@ -18,6 +18,8 @@
 //   a thread can only write zf[e % 2] again (expert e + 2) after the barrier of e + 1, which every thread reaches
 //   only after its GEMM2 chunks of e; and GEMM2 chunks of e + 1 start after that barrier too, so every acc element
 //   gets its fp32 adds in increasing expert order, as the reference, whichever threads do them.
+#include "checks/local_experts.h"
+
 #include <ATen/ATen.h>
 #include <omp.h>
 #include <torch/library.h>
@@ -27,10 +29,9 @@
 #include <optional>
 #include <vector>
 
-#include "checks/local_experts.h"
+#include "cpu/expert_gemm_binding.h"
 #include "cpu/kernels/expert_gemm.h"
 #include "cpu/kernels/expert_gemm_plan.h"
-#include "cpu/expert_gemm_binding.h"
 
 // The swiglu_and_cast kernel compiled exactly as csrc/cpu/swiglu_and_cast.cpp compiles it (same options, same
 // clones), so z here is bitwise the op's output: no trapping-math (lets the clamps vectorise), no FMA contraction.
@@ -121,16 +122,16 @@ Routing route(const at::Tensor& topk_idx, const at::Tensor& topk_weights, int64_
   return rt;
 }
 
-at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor>& x_scale,
-                             const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& w13,
+at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor>& x_scale, const at::Tensor& topk_idx,
+                             const at::Tensor& topk_weights, const at::Tensor& w13,
                              const std::optional<at::Tensor>& w13_scale, const at::Tensor& w2,
                              const std::optional<at::Tensor>& w2_scale, int64_t expert_offset,
                              std::optional<double> swiglu_limit, double fp8_max, c10::string_view weight_layout) {
   const char* op = "local_experts";
   const checks::WeightLayout layout = checks::parse_weight_layout({weight_layout.data(), weight_layout.size()}, op);
-  const checks::LocalExpertsShape sh = checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale,
-                                                                   w2, w2_scale, expert_offset, swiglu_limit, fp8_max,
-                                                                   op, layout);
+  const checks::LocalExpertsShape sh =
+      checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
+                                  swiglu_limit, fp8_max, op, layout);
   checks::check_device_type(x, op, "x", c10::DeviceType::CPU);
   checks::refuse_prepared_layout(layout, op, "CPU");
   const cpu::Isa isa = cpu::isa_for_call(op);
@@ -155,9 +156,9 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
   float* acc_base = acc.mutable_data_ptr<float>();
 
   const int64_t M = rt.max_rows;
-  cpu::PreparedRows xf(n_routed, H);                            // routed rows of x, prepared for W13
-  std::vector<uint8_t> xf_bf16(n_routed);                       // the form prepare_activation chose for each
-  cpu::PreparedRows zf(2 * M, I);                               // z of the current / previous expert, for W2
+  cpu::PreparedRows xf(n_routed, H);       // routed rows of x, prepared for W13
+  std::vector<uint8_t> xf_bf16(n_routed);  // the form prepare_activation chose for each
+  cpu::PreparedRows zf(2 * M, I);          // z of the current / previous expert, for W2
   // z's form per row and intermediate chunk; a row's chunks always agree (z has power-of-two scales >= the amax
   // floor's, so every chunk is exact in bf16 where bf16 is used at all); checked before GEMM2 reads them.
   std::vector<uint8_t> zf_bf16(static_cast<size_t>(2 * M * ((I + kInterChunk - 1) / kInterChunk)));
@@ -170,10 +171,10 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
 #pragma omp parallel num_threads(nt) reduction(| : bad13, bad2, mixed_z)
   {
     // Per-thread buffers for one intermediate chunk of one expert.
-    std::vector<uint16_t> h(static_cast<size_t>(M * 2 * kInterChunk));        // bf16 [m, gate | up]
-    std::vector<uint8_t> z(static_cast<size_t>(M * kInterChunk * z_bytes));    // z of the chunk's columns
-    std::vector<float> zs(static_cast<size_t>(M * (kInterChunk / 32)));        // their group scales (fp8)
-    std::vector<float> v(static_cast<size_t>(kInterChunk));                    // swiglu scratch
+    std::vector<uint16_t> h(static_cast<size_t>(M * 2 * kInterChunk));       // bf16 [m, gate | up]
+    std::vector<uint8_t> z(static_cast<size_t>(M * kInterChunk * z_bytes));  // z of the chunk's columns
+    std::vector<float> zs(static_cast<size_t>(M * (kInterChunk / 32)));      // their group scales (fp8)
+    std::vector<float> v(static_cast<size_t>(kInterChunk));                  // swiglu scratch
     std::vector<const float*> a_rows(M);
     std::vector<uint8_t> a_bf16(M);
     std::vector<void*> out_rows(M);
@@ -257,11 +258,14 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
       par ^= 1;
     }
   }
-  TORCH_CHECK(!mixed_z, op, ": internal error: z rows prepared in mixed forms; please report (STATIC_MOE_CPU_ISA=avx512 "
+  TORCH_CHECK(!mixed_z, op,
+              ": internal error: z rows prepared in mixed forms; please report (STATIC_MOE_CPU_ISA=avx512 "
               "avoids it)");
-  TORCH_CHECK_VALUE(!bad13, op, ": w13_scale holds the UE8M0 NaN byte 255 in a routed expert; scale bytes must be "
+  TORCH_CHECK_VALUE(!bad13, op,
+                    ": w13_scale holds the UE8M0 NaN byte 255 in a routed expert; scale bytes must be "
                     "0..254 (value 2^(b-127))");
-  TORCH_CHECK_VALUE(!bad2, op, ": w2_scale holds the UE8M0 NaN byte 255 in a routed expert; scale bytes must be "
+  TORCH_CHECK_VALUE(!bad2, op,
+                    ": w2_scale holds the UE8M0 NaN byte 255 in a routed expert; scale bytes must be "
                     "0..254 (value 2^(b-127))");
   return acc;
 }

@@ -32,11 +32,16 @@ enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3, Amx = 4
 
 inline const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::Scalar: return "scalar";
-    case Isa::Avx2: return "avx2";
-    case Isa::Avx512: return "avx512";
-    case Isa::Avx512Bf16: return "avx512bf16";
-    case Isa::Amx: return "amx";
+    case Isa::Scalar:
+      return "scalar";
+    case Isa::Avx2:
+      return "avx2";
+    case Isa::Avx512:
+      return "avx512";
+    case Isa::Avx512Bf16:
+      return "avx512bf16";
+    case Isa::Amx:
+      return "amx";
   }
   return "?";
 }
@@ -59,9 +64,8 @@ inline Isa detected_isa() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const Isa best = [] {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c")) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
       if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vbmi")) return Isa::Avx512;
       return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted()
                  ? Isa::Amx
@@ -106,12 +110,11 @@ inline bool select_isa(Isa* isa, const char** error) {
     return false;
   }
   if (static_cast<int>(want) > static_cast<int>(best)) {
-    *error = want == Isa::Amx
-                 ? "STATIC_MOE_CPU_ISA=amx but this CPU (or the OS) lacks AMX-TILE + AMX-BF16 or AVX-512 BF16"
-             : want == Isa::Avx512Bf16
-                 ? "STATIC_MOE_CPU_ISA=avx512bf16 but this CPU lacks AVX-512 F/BW/DQ/VL + BF16 + VBMI"
-             : want == Isa::Avx512   ? "STATIC_MOE_CPU_ISA=avx512 but this CPU lacks AVX-512 F/BW/DQ/VL"
-                                     : "STATIC_MOE_CPU_ISA=avx2 but this CPU lacks AVX2/FMA/F16C";
+    *error =
+        want == Isa::Amx ? "STATIC_MOE_CPU_ISA=amx but this CPU (or the OS) lacks AMX-TILE + AMX-BF16 or AVX-512 BF16"
+        : want == Isa::Avx512Bf16 ? "STATIC_MOE_CPU_ISA=avx512bf16 but this CPU lacks AVX-512 F/BW/DQ/VL + BF16 + VBMI"
+        : want == Isa::Avx512     ? "STATIC_MOE_CPU_ISA=avx512 but this CPU lacks AVX-512 F/BW/DQ/VL"
+                                  : "STATIC_MOE_CPU_ISA=avx2 but this CPU lacks AVX2/FMA/F16C";
     return false;
   }
   *isa = want;

@@ -1,5 +1,7 @@
 // CPU binding of swiglu_and_cast (SPEC §1.4-1.5): checks (csrc/checks/swiglu_and_cast.h), then the raw-pointer
 // kernel of csrc/cpu/kernels/swiglu_and_cast.h, OpenMP over rows. Torch types stay in this file.
+#include "checks/swiglu_and_cast.h"
+
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -8,8 +10,6 @@
 #include <string_view>
 #include <tuple>
 #include <vector>
-
-#include "checks/swiglu_and_cast.h"
 
 // Kernel code only (push/pop): the kernel's selects (clamps) are float compares, which GCC's default
 // -ftrapping-math treats as possibly trapping, blocking if-conversion, so the loops would not vectorise; no value
@@ -25,8 +25,8 @@ namespace {
 // no -march flag; `flatten` inlines the whole kernel into each clone so all of it is compiled for that ISA.
 // Results are bitwise the same on every clone (IEEE ops, no FMA), so they do not depend on the machine; only a
 // NaN in gate_up may come out with a different NaN sign bit (checked with -mno-avx vs -mavx512f builds).
-__attribute__((target_clones("avx512f", "avx2", "default"), flatten)) void swiglu_rows_dispatch(const static_moe::cpu::SwigluParams& p,
-                                                                             int64_t r0, int64_t r1, float* scratch) {
+__attribute__((target_clones("avx512f", "avx2", "default"), flatten)) void swiglu_rows_dispatch(
+    const static_moe::cpu::SwigluParams& p, int64_t r0, int64_t r1, float* scratch) {
   static_moe::cpu::swiglu_and_cast_rows(p, r0, r1, scratch);
 }
 
@@ -41,9 +41,8 @@ constexpr int64_t kParallelElems = 1 << 14;  // below this many outputs one thre
 
 std::tuple<at::Tensor, at::Tensor> swiglu_and_cast_cpu(const at::Tensor& gate_up,
                                                        const std::optional<at::Tensor>& row_weight,
-                                                       std::optional<double> swiglu_limit,
-                                                       c10::string_view out_format, int64_t group_size, double fp8_max,
-                                                       bool pow2_scale) {
+                                                       std::optional<double> swiglu_limit, c10::string_view out_format,
+                                                       int64_t group_size, double fp8_max, bool pow2_scale) {
   const std::string_view fmt(out_format.data(), out_format.size());
   const checks::SwigluShape sh =
       checks::check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, fmt, group_size, fp8_max, pow2_scale);

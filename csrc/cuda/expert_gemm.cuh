@@ -42,12 +42,12 @@ namespace gemm {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kBN = 16 * kWarps;     // weight rows (output columns) per tile
-constexpr int kBM = kGemmTileRows;   // activation rows per tile
-constexpr int kBK = 128;             // k per pipeline stage
-constexpr int kSub = 32;             // k per sub-block (the finest scale block)
+constexpr int kBN = 16 * kWarps;    // weight rows (output columns) per tile
+constexpr int kBM = kGemmTileRows;  // activation rows per tile
+constexpr int kBK = 128;            // k per pipeline stage
+constexpr int kSub = 32;            // k per sub-block (the finest scale block)
 constexpr int kSubs = kBK / kSub;
-constexpr int kNT = kBM / 8;         // MMA n-tiles of activation rows
+constexpr int kNT = kBM / 8;  // MMA n-tiles of activation rows
 static_assert(kBM % 8 == 0, "tile rows must be a multiple of the MMA n size");
 
 // W: weight format; G: activation group (0 = bf16 activations, 32 / 128 = fp8 activations with that group).
@@ -102,8 +102,8 @@ __host__ __device__ inline T ld(const uint8_t* p) {
 // ---------------------------------------------------------------------------------------------------------------
 template <class C>
 __host__ __device__ inline void load_stage(uint8_t* stage, const ExpertGemmArgs& p, const uint8_t* b_e,
-                                           const uint8_t* bs_e, int n0, const int* a_rows, int count, int kb,
-                                           int tid, int nthreads) {
+                                           const uint8_t* bs_e, int n0, const int* a_rows, int count, int kb, int tid,
+                                           int nthreads) {
   const int64_t k0 = static_cast<int64_t>(kb) * kBK;
   // Weights: kBN rows of kWRow bytes, in 16-byte pieces.
   constexpr int kWChunks = C::kWRow / 16;
@@ -155,7 +155,7 @@ __host__ __device__ inline void load_stage(uint8_t* stage, const ExpertGemmArgs&
 // ---------------------------------------------------------------------------------------------------------------
 template <class C, bool kFp8Mma>
 __host__ __device__ inline void load_w_frag(const uint8_t* stage, int row, int t, int j, uint32_t (&wf)[2][4]) {
-STATIC_MOE_UNROLL
+  STATIC_MOE_UNROLL
   for (int h = 0; h < 2; ++h) {
     const uint8_t* src = stage + C::kWOff + (row + 8 * h) * C::kWStride + j * C::kWSub + t * (C::kWSub / 4);
     if constexpr (C::kW == WeightFmt::kBf16) {
@@ -230,7 +230,7 @@ template <class C, bool kFp8Mma>
 __host__ __device__ inline void apply_scales(const uint8_t* stage, int row, int t, int j, float (&part)[kNT][4],
                                              float (&acc)[kNT][4]) {
   float ws[2];
-STATIC_MOE_UNROLL
+  STATIC_MOE_UNROLL
   for (int h = 0; h < 2; ++h) {
     const int r = row + 8 * h;
     if constexpr (C::kW == WeightFmt::kFp8) {
@@ -241,10 +241,10 @@ STATIC_MOE_UNROLL
       ws[h] = 1.0f;
     }
   }
-STATIC_MOE_UNROLL
+  STATIC_MOE_UNROLL
   for (int nt = 0; nt < kNT; ++nt) {
     float as[2];
-STATIC_MOE_UNROLL
+    STATIC_MOE_UNROLL
     for (int c = 0; c < 2; ++c) {
       const int tok = 8 * nt + 2 * t + c;
       if constexpr (C::kActFp8)
@@ -256,7 +256,7 @@ STATIC_MOE_UNROLL
     acc[nt][1] += part[nt][1] * (ws[0] * as[1]);
     acc[nt][2] += part[nt][2] * (ws[1] * as[0]);
     acc[nt][3] += part[nt][3] * (ws[1] * as[1]);
-STATIC_MOE_UNROLL
+    STATIC_MOE_UNROLL
     for (int c = 0; c < 4; ++c) part[nt][c] = 0.0f;
   }
 }
@@ -264,9 +264,9 @@ STATIC_MOE_UNROLL
 // Writes the thread's accumulators as bf16 (round-to-nearest-even) into the epilogue tile [kBM][kBN].
 template <class C>
 __host__ __device__ inline void store_acc(uint8_t* tile, int row, int t, const float (&acc)[kNT][4]) {
-STATIC_MOE_UNROLL
+  STATIC_MOE_UNROLL
   for (int nt = 0; nt < kNT; ++nt) {
-STATIC_MOE_UNROLL
+    STATIC_MOE_UNROLL
     for (int c = 0; c < 4; ++c) {
       const int tok = 8 * nt + 2 * t + (c & 1);
       const int col = row + 8 * (c >> 1);
@@ -433,9 +433,11 @@ __global__ void __launch_bounds__(kThreads) expert_gemm_kernel(const ExpertGemmA
             for (int s = 0; s < mma_steps(kFp8Mma); ++s) {
               uint32_t a[4], b[2];
               mma_operands(wf, af, s, a, b);
-              float(&dst)[4] = C::kScaled ? part[nt] : acc[nt];
-              if constexpr (kFp8Mma) mma_e4m3_16832(dst, a, b);
-              else mma_bf16_16816(dst, a, b);
+              float (&dst)[4] = C::kScaled ? part[nt] : acc[nt];
+              if constexpr (kFp8Mma)
+                mma_e4m3_16832(dst, a, b);
+              else
+                mma_bf16_16816(dst, a, b);
             }
           }
         }

@@ -1,7 +1,5 @@
 // CUDA local_experts (local_experts.h): the route and combine kernels, and the five-launch sequence around the
 // expert GEMM (expert_gemm.cu) and swiglu_and_cast (swiglu_and_cast.cu) launchers.
-#include "cuda/local_experts.h"
-
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -9,6 +7,7 @@
 
 #include "cuda/expert_gemm.h"
 #include "cuda/local_experts.cuh"
+#include "cuda/local_experts.h"
 #include "cuda/numerics.cuh"
 #include "cuda/swiglu_and_cast.h"
 
@@ -86,8 +85,9 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const RouteArgs r)
 }
 
 // out[row, 8 columns per thread] = the row's expert outputs summed in increasing expert order (combine_row).
-__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t* d, int64_t hidden, const int* slot_pos,
-                                                                  const int* slot_e, int64_t topk, float* out) {
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(const uint16_t* d, int64_t hidden, const int* slot_pos, const int* slot_e, int64_t topk,
+                   float* out) {
   const int64_t row = blockIdx.x;
   const int64_t col = (static_cast<int64_t>(blockIdx.y) * kCombineThreads + threadIdx.x) * 8;
   if (col >= hidden) return;
@@ -122,11 +122,15 @@ cudaError_t launch_local_experts(const LocalExpertsArgs& a, void* workspace, int
   // 1. route
   const RouteArgs r = le_route_args(a, l, ws);
   if (a.idx_int64) {
-    if (a.weights_bf16) route_kernel<int64_t, true><<<1, kRouteThreads, 0, stream>>>(r);
-    else route_kernel<int64_t, false><<<1, kRouteThreads, 0, stream>>>(r);
+    if (a.weights_bf16)
+      route_kernel<int64_t, true><<<1, kRouteThreads, 0, stream>>>(r);
+    else
+      route_kernel<int64_t, false><<<1, kRouteThreads, 0, stream>>>(r);
   } else {
-    if (a.weights_bf16) route_kernel<int32_t, true><<<1, kRouteThreads, 0, stream>>>(r);
-    else route_kernel<int32_t, false><<<1, kRouteThreads, 0, stream>>>(r);
+    if (a.weights_bf16)
+      route_kernel<int32_t, true><<<1, kRouteThreads, 0, stream>>>(r);
+    else
+      route_kernel<int32_t, false><<<1, kRouteThreads, 0, stream>>>(r);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;

@@ -19,12 +19,12 @@ struct RouteArgs {
   const void* weights;  // [R, k] float32 or bf16
   int64_t weights_row_stride;
   int64_t rows, topk, offset, num_local;
-  int* counters;   // [0] routed pairs, [1] tiles
-  int* cursor;     // [L]: per-expert counts, then the next free pair of each expert
-  int* pair_row;   // [P]
-  float* pair_w;   // [P]
-  int* slot_pos;   // [R, k]
-  int* slot_e;     // [R, k]
+  int* counters;  // [0] routed pairs, [1] tiles
+  int* cursor;    // [L]: per-expert counts, then the next free pair of each expert
+  int* pair_row;  // [P]
+  float* pair_w;  // [P]
+  int* slot_pos;  // [R, k]
+  int* slot_e;    // [R, k]
   GemmTile* tiles;
 };
 
@@ -109,10 +109,21 @@ inline T* ws_part(uint8_t* ws, int64_t offset) {
 }
 
 inline RouteArgs le_route_args(const LocalExpertsArgs& a, const LocalExpertsLayout& l, uint8_t* ws) {
-  return RouteArgs{a.topk_idx, a.idx_row_stride, a.topk_weights, a.weights_row_stride, a.rows, a.topk,
-                   a.expert_offset, a.num_local, ws_part<int>(ws, l.counters), ws_part<int>(ws, l.cursor),
-                   ws_part<int>(ws, l.pair_row), ws_part<float>(ws, l.pair_w), ws_part<int>(ws, l.slot_pos),
-                   ws_part<int>(ws, l.slot_e), ws_part<GemmTile>(ws, l.tiles)};
+  return RouteArgs{a.topk_idx,
+                   a.idx_row_stride,
+                   a.topk_weights,
+                   a.weights_row_stride,
+                   a.rows,
+                   a.topk,
+                   a.expert_offset,
+                   a.num_local,
+                   ws_part<int>(ws, l.counters),
+                   ws_part<int>(ws, l.cursor),
+                   ws_part<int>(ws, l.pair_row),
+                   ws_part<float>(ws, l.pair_w),
+                   ws_part<int>(ws, l.slot_pos),
+                   ws_part<int>(ws, l.slot_e),
+                   ws_part<GemmTile>(ws, l.tiles)};
 }
 
 // h[pair] = x[pair_row[pair]] · W13_eᵀ over the route's tiles.

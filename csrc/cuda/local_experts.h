@@ -57,7 +57,7 @@ struct LocalExpertsArgs {
   bool has_limit = false;
   float limit = 0.0f;
   float fp8_max = 448.0f;
-  float* out = nullptr;   // [R, H] float32, contiguous
+  float* out = nullptr;  // [R, H] float32, contiguous
 };
 
 constexpr int64_t kLocalExpertsAlign = 256;  // workspace base and parts

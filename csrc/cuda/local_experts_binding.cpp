@@ -31,9 +31,9 @@ at::Tensor local_experts_cuda(const at::Tensor& x, const std::optional<at::Tenso
                               std::optional<double> swiglu_limit, double fp8_max, c10::string_view weight_layout) {
   const char* op = "local_experts";
   const checks::WeightLayout wlayout = checks::parse_weight_layout({weight_layout.data(), weight_layout.size()}, op);
-  const checks::LocalExpertsShape sh = checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale,
-                                                                   w2, w2_scale, expert_offset, swiglu_limit, fp8_max,
-                                                                   op, wlayout);
+  const checks::LocalExpertsShape sh =
+      checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
+                                  swiglu_limit, fp8_max, op, wlayout);
   checks::check_device_type(x, op, "x", c10::DeviceType::CUDA);
   checks::refuse_prepared_layout(wlayout, op, "CUDA");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -89,8 +89,8 @@ at::Tensor local_experts_cuda(const at::Tensor& x, const std::optional<at::Tenso
       cuda::local_experts_layout(sh.rows, sh.topk, sh.num_local, sh.hidden, sh.inter, a.x_group);
   // The caching allocator returns 512-byte aligned blocks, more than the workspace's 256.
   at::Tensor workspace = at::empty({layout.bytes}, x.options().dtype(at::kByte));
-  const cudaError_t err = cuda::launch_local_experts(a, workspace.mutable_data_ptr(), layout.bytes,
-                                                     c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err =
+      cuda::launch_local_experts(a, workspace.mutable_data_ptr(), layout.bytes, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
   return out;
 }

@@ -32,11 +32,12 @@ __host__ __device__ inline void cp_async_16(void* smem_dst, const void* gmem_src
 #ifdef __CUDA_ARCH__
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes)
-               : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes) : "memory");
 #else
-  if (valid) std::memcpy(smem_dst, gmem_src, 16);
-  else std::memset(smem_dst, 0, 16);
+  if (valid)
+    std::memcpy(smem_dst, gmem_src, 16);
+  else
+    std::memset(smem_dst, 0, 16);
 #endif
 }
 
@@ -45,11 +46,12 @@ __host__ __device__ inline void cp_async_4(void* smem_dst, const void* gmem_src,
 #ifdef __CUDA_ARCH__
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   const int src_bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes)
-               : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes) : "memory");
 #else
-  if (valid) std::memcpy(smem_dst, gmem_src, 4);
-  else std::memset(smem_dst, 0, 4);
+  if (valid)
+    std::memcpy(smem_dst, gmem_src, 4);
+  else
+    std::memset(smem_dst, 0, 4);
 #endif
 }
 

@@ -102,7 +102,7 @@ __host__ __device__ inline uint32_t e2m1_to_bf16_bits(uint32_t code) {
 // 8 packed e2m1 values (4 bytes; element 2i in the low nibble of byte i, 2i+1 in its high nibble, SPEC §1.2) ->
 // 8 bf16 in r[0..3], natural order.
 __host__ __device__ inline void e2m1x8_to_bf16x8(uint32_t x, uint32_t (&r)[4]) {
-STATIC_MOE_UNROLL
+  STATIC_MOE_UNROLL
   for (int i = 0; i < 4; ++i) {
     const uint32_t byte = (x >> (8 * i)) & 0xFFu;
     r[i] = e2m1_to_bf16_bits(byte & 0xFu) | (e2m1_to_bf16_bits(byte >> 4) << 16);
@@ -126,9 +126,7 @@ constexpr float kE2m1InE4m3Factor = 64.0f;
 
 // UE8M0 exponent byte -> 2^(b-127) as float. b = 0 is the subnormal 2^-127; b = 255 gives +inf, like the
 // reference's ldexp (the loaders reject 255).
-__host__ __device__ inline float ue8m0_to_float(uint32_t b) {
-  return bits_f32(b == 0u ? 0x00400000u : (b << 23));
-}
+__host__ __device__ inline float ue8m0_to_float(uint32_t b) { return bits_f32(b == 0u ? 0x00400000u : (b << 23)); }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Encoders (swiglu_and_cast outputs)

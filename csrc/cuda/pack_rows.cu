@@ -2,12 +2,12 @@
 // output, so every output byte is written exactly once with 16-byte stores; a piece inside one part's data with a
 // 16-byte aligned source is one 16-byte load, the rest (part tails, unaligned sources) are assembled byte by byte.
 // The part spans tile [0, W) in 16-byte aligned steps, so a piece never straddles two parts.
-#include "cuda/device_info.h"
-#include "cuda/pack_rows.h"
-
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+
+#include "cuda/device_info.h"
+#include "cuda/pack_rows.h"
 
 namespace static_moe {
 namespace cuda {
@@ -87,24 +87,24 @@ cudaError_t launch_pack_rows(const PackArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t launch_unpack_rows(const uint8_t* packed, int64_t rows, int64_t row_stride, int64_t offset,
-                               int64_t nbytes, uint8_t* out, cudaStream_t stream) {
+cudaError_t launch_unpack_rows(const uint8_t* packed, int64_t rows, int64_t row_stride, int64_t offset, int64_t nbytes,
+                               uint8_t* out, cudaStream_t stream) {
   if (rows == 0 || nbytes == 0) return cudaSuccess;
   const auto fits = [&](int v) {
     return aligned(packed + offset, v) && row_stride % v == 0 && nbytes % v == 0 && aligned(out, v);
   };
   if (fits(16)) {
     const int64_t blocks = grid_for(rows * nbytes / 16);
-    unpack_rows_kernel<16><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(packed, rows, row_stride, offset,
-                                                                                   nbytes, out);
+    unpack_rows_kernel<16>
+        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(packed, rows, row_stride, offset, nbytes, out);
   } else if (fits(4)) {
     const int64_t blocks = grid_for(rows * nbytes / 4);
-    unpack_rows_kernel<4><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(packed, rows, row_stride, offset,
-                                                                                  nbytes, out);
+    unpack_rows_kernel<4>
+        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(packed, rows, row_stride, offset, nbytes, out);
   } else {
     const int64_t blocks = grid_for(rows * nbytes);
-    unpack_rows_kernel<1><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(packed, rows, row_stride, offset,
-                                                                                  nbytes, out);
+    unpack_rows_kernel<1>
+        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(packed, rows, row_stride, offset, nbytes, out);
   }
   return cudaGetLastError();
 }

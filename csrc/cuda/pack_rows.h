@@ -22,9 +22,9 @@ struct PackPart {
 struct PackArgs {
   PackPart parts[kMaxPackParts];
   int num_parts = 0;
-  int64_t rows = 0;      // T
-  int64_t capacity = 0;  // C >= T
-  int64_t width = 0;     // W, a multiple of 16
+  int64_t rows = 0;        // T
+  int64_t capacity = 0;    // C >= T
+  int64_t width = 0;       // W, a multiple of 16
   uint8_t* out = nullptr;  // [C, W], 16-byte aligned
 };
 
@@ -32,8 +32,8 @@ struct PackArgs {
 cudaError_t launch_pack_rows(const PackArgs& args, cudaStream_t stream);
 
 // out [rows, nbytes] (contiguous) = packed[r, offset : offset + nbytes], rows row_stride bytes apart.
-cudaError_t launch_unpack_rows(const uint8_t* packed, int64_t rows, int64_t row_stride, int64_t offset,
-                               int64_t nbytes, uint8_t* out, cudaStream_t stream);
+cudaError_t launch_unpack_rows(const uint8_t* packed, int64_t rows, int64_t row_stride, int64_t offset, int64_t nbytes,
+                               uint8_t* out, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace static_moe

@@ -60,10 +60,9 @@ at::Tensor unpack_rows_cuda(const at::Tensor& packed, int64_t offset, int64_t nb
   at::Tensor out = at::empty(shape, packed.options().dtype(dtype));  // never a view of `packed`
   if (packed.size(0) == 0 || nbytes == 0) return out;
   const at::Tensor src = packed.stride(1) == 1 ? packed : packed.contiguous();
-  const cudaError_t err =
-      cuda::launch_unpack_rows(static_cast<const uint8_t*>(src.const_data_ptr()), src.size(0), src.stride(0), offset,
-                               nbytes, static_cast<uint8_t*>(out.mutable_data_ptr()),
-                               c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = cuda::launch_unpack_rows(
+      static_cast<const uint8_t*>(src.const_data_ptr()), src.size(0), src.stride(0), offset, nbytes,
+      static_cast<uint8_t*>(out.mutable_data_ptr()), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
   return out;
 }

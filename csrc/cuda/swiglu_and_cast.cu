@@ -2,14 +2,14 @@
 // one value per lane; G = 128: four), or 128 columns for bf16 output. Lane l holds columns c0 + l + 32·e, so every
 // load and store instruction of the warp touches consecutive addresses. The group amax is a warp shuffle
 // reduction; each row's numbers never depend on other rows (batch invariance). Element math: swiglu_and_cast.cuh.
-#include "cuda/device_info.h"
-#include "cuda/swiglu_and_cast.h"
-#include "cuda/swiglu_and_cast.cuh"
-
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
+
+#include "cuda/device_info.h"
+#include "cuda/swiglu_and_cast.cuh"
+#include "cuda/swiglu_and_cast.h"
 
 namespace static_moe {
 namespace cuda {
@@ -20,8 +20,10 @@ constexpr int kThreads = 256;
 
 template <bool kBf16In>
 __device__ inline float load_elem(const void* base, int64_t idx) {
-  if constexpr (kBf16In) return bf16_bits_to_float(static_cast<const uint16_t*>(base)[idx]);
-  else return static_cast<const float*>(base)[idx];
+  if constexpr (kBf16In)
+    return bf16_bits_to_float(static_cast<const uint16_t*>(base)[idx]);
+  else
+    return static_cast<const float*>(base)[idx];
 }
 
 // EPL: values per lane (chunk = 32·EPL columns).

@@ -18,9 +18,8 @@ using namespace static_moe;
 
 std::tuple<at::Tensor, at::Tensor> swiglu_and_cast_cuda(const at::Tensor& gate_up,
                                                         const std::optional<at::Tensor>& row_weight,
-                                                        std::optional<double> swiglu_limit,
-                                                        c10::string_view out_format, int64_t group_size,
-                                                        double fp8_max, bool pow2_scale) {
+                                                        std::optional<double> swiglu_limit, c10::string_view out_format,
+                                                        int64_t group_size, double fp8_max, bool pow2_scale) {
   const char* op = "swiglu_and_cast";
   const std::string_view fmt(out_format.data(), out_format.size());
   const checks::SwigluShape sh =

@@ -6,9 +6,11 @@ CPU/CUDA kernels) and the Python side of each op (fake kernels for tracing, the 
 
 import torch  # noqa: F401  (libtorch must be loaded before the extension)
 
-from . import _C  # noqa: F401  (loads the library: schemas + backend kernels)
-from . import ops  # noqa: F401  (fake kernels, Python-side op bodies)
-from . import workspace
+from . import (
+    _C,  # noqa: F401  (loads the library: schemas + backend kernels)
+    ops,  # noqa: F401  (fake kernels, Python-side op bodies)
+    workspace,
+)
 from ._version import __version__
 from .formats import (
     dequantize_activation,

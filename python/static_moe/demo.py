@@ -102,6 +102,7 @@ def hidden_states(tokens: int, rank: int, seed: int) -> torch.Tensor:
 # One rank
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _say(rank: int, t0: float, msg: str) -> None:
     if rank == 0:
         print(f"[demo +{time.perf_counter() - t0:4.0f} s] {msg}", flush=True)
@@ -129,9 +130,20 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     _say(rank, t0, f"building {num_local} FP4 experts per rank and an fp8 shared expert ...")
     w = expert_weights(mine, seed)
     sw = shared_weights(seed)
-    layer = StaticMoE(h, inter, e, k, cap, weight_format="fp4", act_format="fp8", act_group=ACT_GROUP,
-                      swiglu_limit=LIMIT, shared_intermediate_size=inter, shared_weight_format="fp8",
-                      ep_group=world)
+    layer = StaticMoE(
+        h,
+        inter,
+        e,
+        k,
+        cap,
+        weight_format="fp4",
+        act_format="fp8",
+        act_group=ACT_GROUP,
+        swiglu_limit=LIMIT,
+        shared_intermediate_size=inter,
+        shared_weight_format="fp8",
+        ep_group=world,
+    )
     layer.set_expert_weights(w["w13"], w["w13_scale"], w["w2"], w["w2_scale"])
     layer.shared.set_weights(sw["w13"], sw["w13_scale"], sw["w2"], sw["w2_scale"])
 
@@ -153,8 +165,9 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     steps = []
     for s in range(cfg["warmup"] + cfg["steps"]):
         routing = sliced_routing(REAL, [t] * size, e, seed=seed + 100 * s)
-        steps.append((hidden_states(t, rank, seed + 100 * s), routing.topk_idx[rank], routing.topk_weights[rank],
-                      routing))
+        steps.append(
+            (hidden_states(t, rank, seed + 100 * s), routing.topk_idx[rank], routing.topk_weights[rank], routing)
+        )
     _say(rank, t0, f"running {cfg['warmup']} warm-up + {cfg['steps']} timed steps of {t} tokens per rank ...")
     outs, timed = [], []
     ws_ptrs = layer.workspace.data_ptrs()
@@ -170,7 +183,7 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     prof = profile(activities=[ProfilerActivity.CPU])  # the op's phases are record_function ranges
     with quiet_stderr():
         prof.start()
-    for x, idx, tw, _ in steps[cfg["warmup"]:]:
+    for x, idx, tw, _ in steps[cfg["warmup"] :]:
         timed.append(step(x, idx, tw))
     with quiet_stderr():
         prof.stop()
@@ -180,13 +193,13 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     phase_s = {p: 0.0 for p in PHASES}
     for ev in prof.key_averages():
         if ev.key.startswith(PHASE_PREFIX):
-            phase_s[ev.key[len(PHASE_PREFIX):]] += ev.cpu_time_total * 1e-6 / len(timed)
+            phase_s[ev.key[len(PHASE_PREFIX) :]] += ev.cpu_time_total * 1e-6 / len(timed)
 
     # --- bytes and FLOPs of this rank's step (docs/benchmarks.md roofline) -------------------------------------------
     per_expert = sum(w[n][0].numel() * w[n].element_size() for n in w)
     shared_bytes = sum(v.numel() * v.element_size() for v in sw.values())
     costs = []
-    for _, _, _, routing in steps[cfg["warmup"]:]:
+    for _, _, _, routing in steps[cfg["warmup"] :]:
         gathered_idx = torch.cat(routing.topk_idx).long()
         rows = [int((gathered_idx == g).any(dim=1).sum()) for g in mine]
         touched = sum(r > 0 for r in rows)
@@ -196,10 +209,15 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
         costs.append((touched, weight_bytes, weight_bytes + act_bytes, flops, sum(rows), routing.touched_real))
 
     rank_report = {
-        "times": timed, "phase_s": phase_s, "bandwidth": bandwidth, "read_bandwidth": read_bandwidth, "peak": peak,
+        "times": timed,
+        "phase_s": phase_s,
+        "bandwidth": bandwidth,
+        "read_bandwidth": read_bandwidth,
+        "peak": peak,
         "costs": costs,
         "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "weights_bytes": num_local * per_expert + shared_bytes, "workspace_bytes": layer.workspace.nbytes(),
+        "weights_bytes": num_local * per_expert + shared_bytes,
+        "workspace_bytes": layer.workspace.nbytes(),
     }
 
     # --- parity: rank 0 rebuilds every rank's experts and runs the single-process reference ---------------------
@@ -209,19 +227,40 @@ def rank_main(rank: int, size: int, cfg: dict) -> dict:
     if rank == 0:
         from .formats import quantize_activation
 
-        all_w = [w if r == 0 else expert_weights(range(r * num_local, (r + 1) * num_local), seed)
-                 for r in range(size)]
+        all_w = [w if r == 0 else expert_weights(range(r * num_local, (r + 1) * num_local), seed) for r in range(size)]
         checks = []
         for j, s in enumerate(parity_steps):
             _, _, _, routing = steps[s]
             xs = [quantize_activation(hidden_states(t, r, seed + 100 * s), ACT_GROUP) for r in range(size)]
-            shared_out = [reference.local_experts(xq, xsc, torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, 1),
-                                                  sw["w13"], sw["w13_scale"], sw["w2"], sw["w2_scale"], 0, LIMIT)
-                          for xq, xsc in xs]
+            shared_out = [
+                reference.local_experts(
+                    xq,
+                    xsc,
+                    torch.zeros(t, 1, dtype=torch.int32),
+                    torch.ones(t, 1),
+                    sw["w13"],
+                    sw["w13_scale"],
+                    sw["w2"],
+                    sw["w2_scale"],
+                    0,
+                    LIMIT,
+                )
+                for xq, xsc in xs
+            ]
             refs = reference.forward_simulated(
-                [a for a, _ in xs], [b for _, b in xs], routing.topk_idx, routing.topk_weights,
-                [a["w13"] for a in all_w], [a["w13_scale"] for a in all_w], [a["w2"] for a in all_w],
-                [a["w2_scale"] for a in all_w], shared_out, e, cap, LIMIT)
+                [a for a, _ in xs],
+                [b for _, b in xs],
+                routing.topk_idx,
+                routing.topk_weights,
+                [a["w13"] for a in all_w],
+                [a["w13_scale"] for a in all_w],
+                [a["w2"] for a in all_w],
+                [a["w2_scale"] for a in all_w],
+                shared_out,
+                e,
+                cap,
+                LIMIT,
+            )
             for r in range(size):
                 out = gathered[r][j]
                 try:
@@ -256,52 +295,79 @@ def report(cfg: dict, ranks: list[dict], threads: int) -> bool:
     step_s = [max(r["times"][i] for r in ranks) for i in range(n)]
     median = statistics.median(step_s)
     print()
-    print(f"DeepSeek-V4-Flash-shaped MoE layer: hidden {REAL.hidden}, intermediate {REAL.intermediate}, "
-          f"top-{REAL.topk}; FP4 (e2m1 + UE8M0 1x32) routed experts, fp8 activations (1x{ACT_GROUP}), fp8 shared "
-          f"expert, swiglu_limit {LIMIT}")
+    print(
+        f"DeepSeek-V4-Flash-shaped MoE layer: hidden {REAL.hidden}, intermediate {REAL.intermediate}, "
+        f"top-{REAL.topk}; FP4 (e2m1 + UE8M0 1x32) routed experts, fp8 activations (1x{ACT_GROUP}), fp8 shared "
+        f"expert, swiglu_limit {LIMIT}"
+    )
     touched_real = [c[5] for c in ranks[0]["costs"]]
-    print(f"scale: {e} of the model's {REAL.num_experts} routed experts kept ({e // size} per rank, 1/"
-          f"{REAL.num_experts // e} of the model); the {t * size} tokens of a step touch "
-          f"{statistics.median(touched_real):.0f} real experts (median), {e} of them are computed with their real "
-          "rows, slots of the others are empty")
-    print(f"EP size {size} over gloo on this machine, {threads} thread(s) per rank; tokens per rank T = {t}, "
-          f"capacity C = {cfg['capacity']}; {n} timed steps after {cfg['warmup']} warm-up")
-    spec = WorkspaceSpec(capacity=cfg["capacity"], hidden=REAL.hidden, intermediate=REAL.intermediate,
-                         num_experts=e, topk=REAL.topk, ep_size=size, act_format="fp8", act_group=ACT_GROUP,
-                         weight_format="fp4")
-    print(f"memory per rank: expert + shared weights {_fmt_bytes(ranks[0]['weights_bytes'])}, workspace "
-          f"{_fmt_bytes(memory_plan(spec).total_bytes)} (= (S+1)·C·(W+4H), W = {spec.row_width}), peak RSS "
-          f"{_fmt_bytes(max(r['maxrss'] for r in ranks))}")
+    print(
+        f"scale: {e} of the model's {REAL.num_experts} routed experts kept ({e // size} per rank, 1/"
+        f"{REAL.num_experts // e} of the model); the {t * size} tokens of a step touch "
+        f"{statistics.median(touched_real):.0f} real experts (median), {e} of them are computed with their real "
+        "rows, slots of the others are empty"
+    )
+    print(
+        f"EP size {size} over gloo on this machine, {threads} thread(s) per rank; tokens per rank T = {t}, "
+        f"capacity C = {cfg['capacity']}; {n} timed steps after {cfg['warmup']} warm-up"
+    )
+    spec = WorkspaceSpec(
+        capacity=cfg["capacity"],
+        hidden=REAL.hidden,
+        intermediate=REAL.intermediate,
+        num_experts=e,
+        topk=REAL.topk,
+        ep_size=size,
+        act_format="fp8",
+        act_group=ACT_GROUP,
+        weight_format="fp4",
+    )
+    print(
+        f"memory per rank: expert + shared weights {_fmt_bytes(ranks[0]['weights_bytes'])}, workspace "
+        f"{_fmt_bytes(memory_plan(spec).total_bytes)} (= (S+1)·C·(W+4H), W = {spec.row_width}), peak RSS "
+        f"{_fmt_bytes(max(r['maxrss'] for r in ranks))}"
+    )
 
     parity = ranks[0]["parity"]
     ok = all(c[3] for c in parity)
     worst = max(c[2] for c in parity)
     print()
-    print(f"parity vs reference.forward_simulated ({len(parity)} rank outputs, SPEC §2: calc_diff < 1e-5 and "
-          f"elementwise bound): {'parity OK' if ok else 'parity FAILED'}; worst calc_diff {worst:.2e}")
-    for s, r, d, good, why in parity:
+    print(
+        f"parity vs reference.forward_simulated ({len(parity)} rank outputs, SPEC §2: calc_diff < 1e-5 and "
+        f"elementwise bound): {'parity OK' if ok else 'parity FAILED'}; worst calc_diff {worst:.2e}"
+    )
+    for s, r, _diff, good, why in parity:
         if not good:
             print(f"  step {s} rank {r}: {why}")
 
     print()
-    print(f"per-step latency (slowest rank, median of {n}): {median * 1e3:.1f} ms  "
-          f"[min {min(step_s) * 1e3:.1f}, max {max(step_s) * 1e3:.1f}]")
+    print(
+        f"per-step latency (slowest rank, median of {n}): {median * 1e3:.1f} ms  "
+        f"[min {min(step_s) * 1e3:.1f}, max {max(step_s) * 1e3:.1f}]"
+    )
     print("phases of torch.ops.static_moe.forward per step (ms, mean per rank):")
     phases = {p: statistics.mean(r["phase_s"][p] for r in ranks) for p in ranks[0]["phase_s"]}
     rank_step = statistics.mean(statistics.median(r["times"]) for r in ranks)
-    print("  " + "  ".join(f"{p} {v * 1e3:.2f}" for p, v in phases.items())
-          + f"  | outside the op (quantize, shared expert) {(rank_step - sum(phases.values())) * 1e3:.2f}")
+    print(
+        "  "
+        + "  ".join(f"{p} {v * 1e3:.2f}" for p, v in phases.items())
+        + f"  | outside the op (quantize, shared expert) {(rank_step - sum(phases.values())) * 1e3:.2f}"
+    )
     coll = phases["all_gather"] + phases["reduce_scatter"]
-    print(f"collectives' share of a step: {coll / rank_step:.1%} (all-gather {phases['all_gather'] * 1e3:.2f} ms + "
-          f"reduce-scatter {phases['reduce_scatter'] * 1e3:.2f} ms, waiting for the slower rank included)")
+    print(
+        f"collectives' share of a step: {coll / rank_step:.1%} (all-gather {phases['all_gather'] * 1e3:.2f} ms + "
+        f"reduce-scatter {phases['reduce_scatter'] * 1e3:.2f} ms, waiting for the slower rank included)"
+    )
 
     print()
     touched = [sum(r["costs"][i][0] for r in ranks) for i in range(n)]
     wbytes = [sum(r["costs"][i][1] for r in ranks) for i in range(n)]
     rows = [sum(r["costs"][i][4] for r in ranks) for i in range(n)]
-    print(f"expert weights touched per step (all ranks): {_fmt_bytes(statistics.median(wbytes))} "
-          f"({statistics.median(touched):.0f} of {e} routed experts, {statistics.median(rows):.0f} expert-rows, "
-          f"plus the shared expert on each rank)")
+    print(
+        f"expert weights touched per step (all ranks): {_fmt_bytes(statistics.median(wbytes))} "
+        f"({statistics.median(touched):.0f} of {e} routed experts, {statistics.median(rows):.0f} expert-rows, "
+        f"plus the shared expert on each rank)"
+    )
     fractions, bounds = [], []
     for i in range(n):
         per_rank = []
@@ -318,15 +384,21 @@ def report(cfg: dict, ranks: list[dict], threads: int) -> bool:
     pk = statistics.mean(r["peak"] for r in ranks)
     b = bounds[len(bounds) // 2]
     units = "bf16" if bf16_dot_products("fp8") else "fp32"
-    print(f"machine limits per rank (both ranks running): read-only bandwidth {rbw / 1e9:.1f} GB/s (the weights' "
-          f"roof), STREAM triad {bw / 1e9:.1f} GB/s (activations, results), {units} matmul peak {pk / 1e9:.1f} "
-          f"GFLOP/s (the kernels multiply in {units})")
-    print(f"roofline per step: memory term {b[1] * 1e3:.2f} ms, compute term {b[2] * 1e3:.2f} ms "
-          f"({'compute' if b[2] > b[1] else 'memory'}-bound); roofline fraction {statistics.median(fractions):.1%}")
+    print(
+        f"machine limits per rank (both ranks running): read-only bandwidth {rbw / 1e9:.1f} GB/s (the weights' "
+        f"roof), STREAM triad {bw / 1e9:.1f} GB/s (activations, results), {units} matmul peak {pk / 1e9:.1f} "
+        f"GFLOP/s (the kernels multiply in {units})"
+    )
+    print(
+        f"roofline per step: memory term {b[1] * 1e3:.2f} ms, compute term {b[2] * 1e3:.2f} ms "
+        f"({'compute' if b[2] > b[1] else 'memory'}-bound); roofline fraction {statistics.median(fractions):.1%}"
+    )
     print("(a CPU without FP4 units also pays for decoding e2m1 nibbles, which the roofline does not count)")
     if statistics.median(fractions) > 1:
-        print(f"(above 100 %: the step beat the {units} matmul ceiling measured in this run — the kernels' SIMD can "
-              f"outrun torch's matmul on one thread, or other jobs loaded the machine while it was measured)")
+        print(
+            f"(above 100 %: the step beat the {units} matmul ceiling measured in this run — the kernels' SIMD can "
+            f"outrun torch's matmul on one thread, or other jobs loaded the machine while it was measured)"
+        )
     return ok
 
 
@@ -353,8 +425,11 @@ def main(argv=None) -> int:
     from .testing.distributed import run_ranks
 
     t0 = time.perf_counter()
-    print(f"[demo] {args.ranks} gloo ranks, {threads} thread(s) each; {args.experts} routed experts of "
-          f"{REAL.num_experts}", flush=True)
+    print(
+        f"[demo] {args.ranks} gloo ranks, {threads} thread(s) each; {args.experts} routed experts of "
+        f"{REAL.num_experts}",
+        flush=True,
+    )
     ranks = run_ranks(rank_fn, args.ranks, cfg, timeout=args.timeout, pg_timeout=args.timeout, threads=threads)
     ok = report(cfg, ranks, threads)
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -65,18 +65,26 @@ def check_swiglu_limit(limit, op: str | None = None, name: str = "swiglu_limit")
         f32 = torch.tensor(float(limit), dtype=torch.float64).to(torch.float32).item()  # round-to-nearest, inf past
         ok = math.isfinite(f32) and f32 > 0
     if not ok:
-        raise ValueError(f"{_prefix(op)}{name} must be None or a positive finite number, got {limit!r} (it must stay "
-                         f"finite and positive in float32, the kernels' type: at most {FLOAT32_MAX:.8g})")
+        raise ValueError(
+            f"{_prefix(op)}{name} must be None or a positive finite number, got {limit!r} (it must stay "
+            f"finite and positive in float32, the kernels' type: at most {FLOAT32_MAX:.8g})"
+        )
     return float(limit)
 
 
 def check_fp8_max(fp8_max, op: str | None = None) -> float:
     """A number in [2, 448]: the range of an fp8 re-quantization (448 OCP e4m3fn, 240 trn2). Raises ValueError."""
-    ok = (isinstance(fp8_max, (int, float)) and not isinstance(fp8_max, bool) and _finite(fp8_max)
-          and FP8_MAX_MIN <= fp8_max <= FP8_E4M3FN_MAX)
+    ok = (
+        isinstance(fp8_max, (int, float))
+        and not isinstance(fp8_max, bool)
+        and _finite(fp8_max)
+        and FP8_MAX_MIN <= fp8_max <= FP8_E4M3FN_MAX
+    )
     if not ok:
-        raise ValueError(f"{_prefix(op)}fp8_max must be in [2, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3; "
-                         f"below 2 the power-of-two scale of a large amax overflows to inf), got {fp8_max!r}")
+        raise ValueError(
+            f"{_prefix(op)}fp8_max must be in [2, 448] (448 for OCP e4m3fn, 240 for trn2 float8_e4m3; "
+            f"below 2 the power-of-two scale of a large amax overflows to inf), got {fp8_max!r}"
+        )
     return float(fp8_max)
 
 
@@ -97,8 +105,10 @@ def check_finite_blocks(v: torch.Tensor, what: str, name: str, block_dims: str) 
     if bool(bad.any()):
         first = tuple(int(i) for i in bad.nonzero()[0])
         count = int(bad.sum())
-        raise ValueError(f"{what}: {name} holds NaN or Inf in {count} block(s); the first is block "
-                         f"[{block_dims}] = {list(first)}; quantizing it would give finite garbage")
+        raise ValueError(
+            f"{what}: {name} holds NaN or Inf in {count} block(s); the first is block "
+            f"[{block_dims}] = {list(first)}; quantizing it would give finite garbage"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -142,8 +152,13 @@ def as_uint8(t: torch.Tensor) -> torch.Tensor:
 # Activations: fp8 e4m3fn with 1×g power-of-two scales (SPEC §1.1)
 # ----------------------------------------------------------------------------------------------------------------
 def quantize_activation(
-    x: torch.Tensor, group_size: int, fp8_max: float = FP8_E4M3FN_MAX, pow2_scale: bool = True, *,
-    check_finite: bool | None = None, name: str = "x",
+    x: torch.Tensor,
+    group_size: int,
+    fp8_max: float = FP8_E4M3FN_MAX,
+    pow2_scale: bool = True,
+    *,
+    check_finite: bool | None = None,
+    name: str = "x",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize rows of ``x`` [R, K] to fp8 e4m3fn per 1×``group_size`` group.
 

@@ -51,8 +51,8 @@ LayoutFormat = Literal["bf16", "fp8", "fp8_mx", "fp4"]
 Target = Literal["cpu", "cuda", "trn2", "trn3"]
 TARGETS = ("cpu", "cuda", "trn2", "trn3")
 
-MX_BLOCK = 32        # UE8M0 scale block of nc_matmul_mx, along K
-PACK = 4             # K values per packed EIO element (fp4 uint16, fp8 MX uint32)
+MX_BLOCK = 32  # UE8M0 scale block of nc_matmul_mx, along K
+PACK = 4  # K values per packed EIO element (fp4 uint16, fp8 MX uint32)
 
 # e4m3fn: bits 3..6 are the exponent field; a code with exponent field 15 (|q| ≥ 256, or NaN) has
 # (code & 0x7F) in 0x78..0x7F. 0x7F / 0xFF are NaN.
@@ -91,8 +91,10 @@ def _prefix(op: str | None) -> str:
 def check_weight_layout(weight_layout, op: str | None = None) -> str:
     """``"eoi"`` or ``"eio"``; anything else raises ValueError naming the op and the value."""
     if not isinstance(weight_layout, str) or weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"{_prefix(op)}weight_layout must be 'eoi' (nn.Linear [L, N, K]) or 'eio' (prepared, "
-                         f"K-major), got {weight_layout!r}")
+        raise ValueError(
+            f"{_prefix(op)}weight_layout must be 'eoi' (nn.Linear [L, N, K]) or 'eio' (prepared, "
+            f"K-major), got {weight_layout!r}"
+        )
     return weight_layout
 
 
@@ -111,28 +113,39 @@ def layout_format(w: torch.Tensor, weight_layout: str = "eoi") -> LayoutFormat:
     if weight_layout == "eoi":
         if d in (torch.uint8, torch.float4_e2m1fn_x2):
             return "fp4"
-        raise TypeError(f"weight dtype {d} is not an 'eoi' weight format: expected bfloat16 (bf16), float8_e4m3fn "
-                        "(fp8), or uint8 / float4_e2m1fn_x2 (fp4)")
+        raise TypeError(
+            f"weight dtype {d} is not an 'eoi' weight format: expected bfloat16 (bf16), float8_e4m3fn "
+            "(fp8), or uint8 / float4_e2m1fn_x2 (fp4)"
+        )
     if d == torch.uint32:
         return "fp8_mx"
     if d == torch.uint16:
         return "fp4"
-    raise TypeError(f"weight dtype {d} is not an 'eio' weight format: expected bfloat16 (bf16), float8_e4m3fn "
-                    "(fp8, float32 scales), uint32 (fp8 MX, UE8M0 scales) or uint16 (fp4)")
+    raise TypeError(
+        f"weight dtype {d} is not an 'eio' weight format: expected bfloat16 (bf16), float8_e4m3fn "
+        "(fp8, float32 scales), uint32 (fp8 MX, UE8M0 scales) or uint16 (fp4)"
+    )
 
 
-def weight_shapes(fmt: LayoutFormat, weight_layout: str, num_experts: int, n: int, k: int
-                  ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+def weight_shapes(
+    fmt: LayoutFormat, weight_layout: str, num_experts: int, n: int, k: int
+) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """``(weight shape, scale shape or None)`` of an ``[L, N, K]`` matrix in a format and layout (the table above)."""
     check_weight_layout(weight_layout)
     L = num_experts
     if weight_layout == "eoi":
-        table = {"bf16": ((L, n, k), None), "fp8": ((L, n, k), (L, n, k // WEIGHT_FP8_BLOCK)),
-                 "fp4": ((L, n, k // 2), (L, n, k // WEIGHT_FP4_BLOCK))}
+        table = {
+            "bf16": ((L, n, k), None),
+            "fp8": ((L, n, k), (L, n, k // WEIGHT_FP8_BLOCK)),
+            "fp4": ((L, n, k // 2), (L, n, k // WEIGHT_FP4_BLOCK)),
+        }
     else:
-        table = {"bf16": ((L, k, n), None), "fp8": ((L, k, n), (L, k // WEIGHT_FP8_BLOCK, n)),
-                 "fp8_mx": ((L, k // PACK, n), (L, k // MX_BLOCK, n)),
-                 "fp4": ((L, k // PACK, n), (L, k // WEIGHT_FP4_BLOCK, n))}
+        table = {
+            "bf16": ((L, k, n), None),
+            "fp8": ((L, k, n), (L, k // WEIGHT_FP8_BLOCK, n)),
+            "fp8_mx": ((L, k // PACK, n), (L, k // MX_BLOCK, n)),
+            "fp4": ((L, k // PACK, n), (L, k // WEIGHT_FP4_BLOCK, n)),
+        }
     if fmt not in table:
         raise ValueError(f"format {fmt!r} has no {weight_layout!r} layout (expected one of {sorted(table)})")
     return table[fmt]
@@ -153,8 +166,9 @@ def logical_shape(w: torch.Tensor, weight_layout: str = "eoi") -> tuple[int, int
 # ----------------------------------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------------------------------
-def _check_pair(w: torch.Tensor, s: torch.Tensor | None, fmt: LayoutFormat, weight_layout: str, what: str,
-                name: str) -> tuple[int, int, int]:
+def _check_pair(
+    w: torch.Tensor, s: torch.Tensor | None, fmt: LayoutFormat, weight_layout: str, what: str, name: str
+) -> tuple[int, int, int]:
     """Shape / dtype / device checks of one weight and its scale; returns (L, N, K)."""
     if w.dim() != 3:
         raise ValueError(f"{what}: {name} must be 3-D (weight_layout={weight_layout!r}), got shape {tuple(w.shape)}")
@@ -172,11 +186,15 @@ def _check_pair(w: torch.Tensor, s: torch.Tensor | None, fmt: LayoutFormat, weig
     want = torch.float32 if fmt == "fp8" else torch.uint8
     ok_dtype = s.dtype == want or (want == torch.uint8 and s.dtype == torch.float8_e8m0fnu)
     if not ok_dtype:
-        raise TypeError(f"{what}: the scale of {fmt} {name} must be {want}"
-                        f"{' (or float8_e8m0fnu)' if want == torch.uint8 else ''}, got {s.dtype}")
+        raise TypeError(
+            f"{what}: the scale of {fmt} {name} must be {want}"
+            f"{' (or float8_e8m0fnu)' if want == torch.uint8 else ''}, got {s.dtype}"
+        )
     if tuple(s.shape) != s_shape:
-        raise ValueError(f"{what}: the scale of {fmt} {name} [{L}, N={n}, K={k}] under weight_layout="
-                         f"{weight_layout!r} must have shape {list(s_shape)}, got {list(s.shape)}")
+        raise ValueError(
+            f"{what}: the scale of {fmt} {name} [{L}, N={n}, K={k}] under weight_layout="
+            f"{weight_layout!r} must have shape {list(s_shape)}, got {list(s.shape)}"
+        )
     if s.device != w.device:
         raise ValueError(f"{what}: {name} is on {w.device} but its scale is on {s.device}")
     return L, n, k
@@ -205,17 +223,20 @@ def _pow2_to_ue8m0(s: torch.Tensor, what: str) -> torch.Tensor:
     ok, e = pow2_exponents(s)
     if not bool(ok.all()):
         bad = (~ok).nonzero()[0].tolist()
-        raise ValueError(f"{what}: the MX fp8 form needs power-of-two scales 2^e, e in [-127, 127] (a UE8M0 byte); "
-                         f"scale{bad} = {s[tuple(bad)].item()!r} is not one. Keep the plain fp8 'eio' form "
-                         f"(to_eio(w, s), mx=False) for arbitrary float32 scales")
+        raise ValueError(
+            f"{what}: the MX fp8 form needs power-of-two scales 2^e, e in [-127, 127] (a UE8M0 byte); "
+            f"scale{bad} = {s[tuple(bad)].item()!r} is not one. Keep the plain fp8 'eio' form "
+            f"(to_eio(w, s), mx=False) for arbitrary float32 scales"
+        )
     return (e + 127).to(torch.uint8)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # EOI → EIO
 # ----------------------------------------------------------------------------------------------------------------
-def to_eio(w: torch.Tensor, s: torch.Tensor | None = None, *, mx: bool = False
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def to_eio(
+    w: torch.Tensor, s: torch.Tensor | None = None, *, mx: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """EOI weight ``w`` (and its scale ``s``) → the EIO form (contiguous, same device; table in the module doc).
 
     ``w``: bfloat16 ``[L, N, K]`` (``s`` None), float8_e4m3fn ``[L, N, K]`` with float32 ``s [L, N, K/128]``,
@@ -238,7 +259,7 @@ def to_eio(w: torch.Tensor, s: torch.Tensor | None = None, *, mx: bool = False
     # fp4: bytes 2m, 2m+1 of a row hold k = 4m..4m+3 in nibble order, so a little-endian uint16 of that byte pair is
     # the packed element; moving byte pairs is all it takes.
     L, n, half_k = w.shape
-    pairs = _dense(as_uint8(w).reshape(L, n, half_k // 2, 2).transpose(1, 2))   # [L, K/4, N, 2]
+    pairs = _dense(as_uint8(w).reshape(L, n, half_k // 2, 2).transpose(1, 2))  # [L, K/4, N, 2]
     return _view(pairs, torch.uint16, (L, half_k // 2, n)), _dense(as_uint8(s).transpose(1, 2))
 
 
@@ -249,7 +270,7 @@ def to_mx_fp8(w_eio: torch.Tensor, s_eio: torch.Tensor) -> tuple[torch.Tensor, t
     if layout_format(w_eio, "eio") != "fp8":
         raise TypeError(f"{what}: expected an 'eio' float8_e4m3fn weight, got {w_eio.dtype}")
     L, n, k = _check_pair(w_eio, s_eio, "fp8", "eio", what, "w")
-    b = _dense(w_eio.view(torch.uint8).reshape(L, k // PACK, PACK, n).transpose(2, 3))   # [L, K/4, N, 4]
+    b = _dense(w_eio.view(torch.uint8).reshape(L, k // PACK, PACK, n).transpose(2, 3))  # [L, K/4, N, 4]
     w_mx = _view(b, torch.uint32, (L, k // PACK, n))
     s_mx = _pow2_to_ue8m0(s_eio, what).repeat_interleave(WEIGHT_FP8_BLOCK // MX_BLOCK, dim=1)
     return w_mx, s_mx
@@ -270,10 +291,12 @@ def from_mx_fp8(w_mx: torch.Tensor, s_mx: torch.Tensor) -> tuple[torch.Tensor, t
     sb = as_uint8(s_mx).reshape(L, k // WEIGHT_FP8_BLOCK, WEIGHT_FP8_BLOCK // MX_BLOCK, n)
     if not bool((sb == sb[:, :, :1]).all()):
         bad = (sb != sb[:, :, :1]).nonzero()[0].tolist()
-        raise ValueError(f"{what}: the four UE8M0 scales of each 128-block must be equal (one fp8 scale per 128 K); "
-                         f"block [l, k/128, n] = {[bad[0], bad[1], bad[3]]} differs")
+        raise ValueError(
+            f"{what}: the four UE8M0 scales of each 128-block must be equal (one fp8 scale per 128 K); "
+            f"block [l, k/128, n] = {[bad[0], bad[1], bad[3]]} differs"
+        )
     s = _dense(ue8m0_to_float(sb[:, :, 0]))
-    b = _view(w_mx, torch.uint8, (L, k // PACK, n, PACK)).transpose(2, 3)   # [L, K/4, 4, N]
+    b = _view(w_mx, torch.uint8, (L, k // PACK, n, PACK)).transpose(2, 3)  # [L, K/4, 4, N]
     return _dense(b.reshape(L, k, n)).view(torch.float8_e4m3fn), s
 
 
@@ -295,12 +318,13 @@ def to_eoi(w: torch.Tensor, s: torch.Tensor | None = None) -> tuple[torch.Tensor
     if fmt == "fp8":
         return _dense(w.transpose(1, 2)), _dense(s.transpose(1, 2))
     L, quarter_k, n = w.shape
-    pairs = _view(w, torch.uint8, (L, quarter_k, n, 2)).transpose(1, 2)   # [L, N, K/4, 2]
+    pairs = _view(w, torch.uint8, (L, quarter_k, n, 2)).transpose(1, 2)  # [L, N, K/4, 2]
     return _dense(pairs.reshape(L, n, 2 * quarter_k)), _dense(as_uint8(s).transpose(1, 2))
 
 
-def as_eoi(w: torch.Tensor, s: torch.Tensor | None, weight_layout: str = "eoi"
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def as_eoi(
+    w: torch.Tensor, s: torch.Tensor | None, weight_layout: str = "eoi"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What the reference ops use: the weight and scale in EOI form, whatever the layout they came in.
 
     ``"eoi"`` returns the tensors themselves (no copy); ``"eio"`` converts back exactly (:func:`to_eoi`)."""
@@ -317,8 +341,9 @@ def as_eoi(w: torch.Tensor, s: torch.Tensor | None, weight_layout: str = "eoi"
 TRN2_INEXACT_CODES = {0x01: 0x00, 0x03: 0x02, 0x05: 0x02, 0x07: 0x04, 0x09: 0x04, 0x0B: 0x06, 0x0D: 0x06, 0x0F: 0x08}
 
 
-def reencode_fp8_for_trn2(w: torch.Tensor, s: torch.Tensor, weight_layout: str = "eoi"
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def reencode_fp8_for_trn2(
+    w: torch.Tensor, s: torch.Tensor, weight_layout: str = "eoi"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Re-encode fp8 weights so every code is finite in trn2's float8_e4m3 (max 240); either layout.
 
     ``w`` float8_e4m3fn and ``s`` float32 in the given layout ("eoi": ``[L, N, K]`` and ``[L, N, K/128]``;
@@ -350,17 +375,17 @@ def reencode_fp8_for_trn2(w: torch.Tensor, s: torch.Tensor, weight_layout: str =
         raise TypeError(f"{what}: w must be float8_e4m3fn, got {w.dtype}")
     _check_pair(w, s, "fp8", weight_layout, what, "w")
     codes, blk_dim = _fp8_blocks(w, weight_layout)
-    s_b = s.unsqueeze(blk_dim)   # the scale broadcast against the block's 128 codes
+    s_b = s.unsqueeze(blk_dim)  # the scale broadcast against the block's 128 codes
     mag = codes & 0x7F
     if bool((mag == _E4M3_NAN).any()):
         bad = (mag == _E4M3_NAN).nonzero()[0].tolist()
-        raise ValueError(f"{what}: w holds a NaN code (0x7F / 0xFF) at blocked index {bad}; fp8 weights must be "
-                         "finite")
-    moves = (mag >= _E4M3_EXP15_LO).any(dim=blk_dim, keepdim=True)   # one flag per block
+        raise ValueError(f"{what}: w holds a NaN code (0x7F / 0xFF) at blocked index {bad}; fp8 weights must be finite")
+    moves = (mag >= _E4M3_EXP15_LO).any(dim=blk_dim, keepdim=True)  # one flag per block
     doubled = s_b * 2
     if bool((moves & ~torch.isfinite(doubled)).any()):
-        raise ValueError(f"{what}: a block that must be re-encoded has a scale of 2^127 or more; doubling it would "
-                         "overflow float32")
+        raise ValueError(
+            f"{what}: a block that must be re-encoded has a scale of 2^127 or more; doubling it would overflow float32"
+        )
     # q / 2 is exact in float32 and the e4m3fn cast rounds to nearest-even, which is the documented rounding.
     halved = (codes.view(torch.float8_e4m3fn).float() * 0.5).to(torch.float8_e4m3fn).view(torch.uint8)
     new_codes = torch.where(moves, halved, codes)
@@ -422,8 +447,9 @@ def _mx_for(act_format: str | None, op: str) -> bool:
     return act_format != "bf16"
 
 
-def prepare_weight(w: torch.Tensor, s: torch.Tensor | None, target: str, act_format: str | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+def prepare_weight(
+    w: torch.Tensor, s: torch.Tensor | None, target: str, act_format: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """An EOI weight (and scale) prepared for a target; returns ``(w, s, weight_layout)``.
 
     - "cpu" / "cuda": unchanged, "eoi" (the tensors themselves, fp4 / UE8M0 viewed as uint8).
@@ -448,8 +474,14 @@ def prepare_weight(w: torch.Tensor, s: torch.Tensor | None, target: str, act_for
     return *to_eio(w, s), "eio"
 
 
-def prepare_expert_weights(w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
-                           w2_scale: torch.Tensor | None, target: str, act_format: str | None = None):
+def prepare_expert_weights(
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    target: str,
+    act_format: str | None = None,
+):
     """A layer's EOI ``w13 [L, 2I, H]`` / ``w2 [L, H, I]`` (and scales) prepared together for a target.
 
     Returns ``(w13, w13_scale, w2, w2_scale, weight_layout)``. As :func:`prepare_weight` (``act_format`` too:

@@ -40,7 +40,7 @@ blocks' codes halved and scales doubled; loading them again changes nothing).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -105,8 +105,10 @@ def _group_info(ep_group) -> tuple[int, int, str]:
             raise ValueError("ep_group was given but torch.distributed is not initialised")
         return dist.get_world_size(ep_group), dist.get_rank(ep_group), ep_group.group_name
     if dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError("torch.distributed runs with several ranks: pass ep_group explicitly "
-                         "(dist.group.WORLD to spread the experts over every rank)")
+        raise ValueError(
+            "torch.distributed runs with several ranks: pass ep_group explicitly "
+            "(dist.group.WORLD to spread the experts over every rank)"
+        )
     return 1, 0, ""
 
 
@@ -116,8 +118,10 @@ def _check_ep_size(ep_size, group_size: int) -> None:
         return
     _positive_int("ep_size", ep_size)
     if ep_size != group_size:
-        raise ValueError(f"ep_size={ep_size} does not match the EP group's size ({group_size} rank"
-                         f"{'s' if group_size > 1 else ''}; no ep_group means one)")
+        raise ValueError(
+            f"ep_size={ep_size} does not match the EP group's size ({group_size} rank"
+            f"{'s' if group_size > 1 else ''}; no ep_group means one)"
+        )
 
 
 def _weight_shapes(num_local: int, hidden: int, inter: int, fmt: str) -> dict[str, tuple | None]:
@@ -258,8 +262,10 @@ class _FixedFormats(nn.Module):
         elif present and self.weight_layout == "eio":
             # The saved (EOI) tensors are prepared together (trn3's MX choice and trn2's re-encoding depend on
             # both weights and their scales), so one alone has no held form to copy into.
-            raise ValueError(f"{what}: a prepared layer (prepare_for={self.prepare_for!r}) loads "
-                             f"w13/w13_scale/w2/w2_scale together; missing {[prefix + n for n in missing]}")
+            raise ValueError(
+                f"{what}: a prepared layer (prepare_for={self.prepare_for!r}) loads "
+                f"w13/w13_scale/w2/w2_scale together; missing {[prefix + n for n in missing]}"
+            )
         elif present:
             shapes = self._weight_shapes()
             updates = {prefix + n: _checked_weight(what, n, given[n], shapes, self.weight_format) for n in present}
@@ -287,8 +293,9 @@ class _FixedFormats(nn.Module):
             if unexpected:
                 msgs.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
             if msgs:
-                raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(type(self).__name__,
-                                                                                        "\n\t".join(msgs)))
+                raise RuntimeError(
+                    "Error(s) in loading state_dict for {}:\n\t{}".format(type(self).__name__, "\n\t".join(msgs))
+                )
         for _, m in modules:  # nn.Module passes strict=True to every _load_from_state_dict: say what was asked
             m._strict_load = strict
         try:
@@ -297,8 +304,9 @@ class _FixedFormats(nn.Module):
             for _, m in modules:
                 m._strict_load = False
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # Validated like set_weights (the default copy_ would cast float32 into uint8 fp4 weights, bf16 into fp8
         # codes, and accept byte 255 or NaN scales): _validated_state.
         # nn.Module passes strict=True whatever the caller asked; _strict_load is what our load_state_dict was
@@ -308,8 +316,9 @@ class _FixedFormats(nn.Module):
         if full:
             _match_parameters(self, {n: updates.get(prefix + n) for n in _WEIGHT_NAMES})
         state_dict = {k: v for k, v in {**state_dict, **updates}.items() if k not in withheld}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         for k in withheld:  # given, only not copied: nn.Module reports the keys that are really missing
             if k in missing_keys:
                 missing_keys.remove(k)
@@ -333,9 +342,19 @@ class SharedExpert(_FixedFormats):
     layer adds it to the routed sum before the one bf16 cast.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, weight_format: str = "bf16",
-                 swiglu_limit: float | None = None, fp8_max: float = FP8_E4M3FN_MAX, gated: bool = False,
-                 device=None, prepare_for: str | None = None, act_format: str | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        weight_format: str = "bf16",
+        swiglu_limit: float | None = None,
+        fp8_max: float = FP8_E4M3FN_MAX,
+        gated: bool = False,
+        device=None,
+        prepare_for: str | None = None,
+        act_format: str | None = None,
+    ):
         super().__init__()
         self.prepare_for = _resolve_target(prepare_for, torch.device("cpu") if device is None else torch.device(device))
         if act_format not in (None, "bf16", "fp8"):
@@ -344,8 +363,10 @@ class SharedExpert(_FixedFormats):
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.intermediate_size = _positive_int("shared intermediate_size", intermediate_size)
         if hidden_size % 128 or intermediate_size % 128:
-            raise ValueError(f"shared expert sizes must be multiples of 128, got hidden {hidden_size}, "
-                             f"intermediate {intermediate_size}")
+            raise ValueError(
+                f"shared expert sizes must be multiples of 128, got hidden {hidden_size}, "
+                f"intermediate {intermediate_size}"
+            )
         if weight_format not in _workspace.WEIGHT_FORMATS:
             raise ValueError(f"shared weight_format must be one of {_workspace.WEIGHT_FORMATS}, got {weight_format!r}")
         self.weight_format = weight_format
@@ -370,16 +391,28 @@ class SharedExpert(_FixedFormats):
         with torch.no_grad():
             self.gate_weight.copy_(_checked_gate("shared expert gate weight", weight, self.hidden_size))
 
-    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None,
-                gate_input: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, x_scale: torch.Tensor | None, gate_input: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [T, H] in the expert's activation format (+ x_scale); gate_input: float hidden states [T, H] (only
         for a gated expert). Returns float32 [T, H]."""
         t = x.shape[0]
         idx = torch.zeros((t, 1), dtype=torch.int32, device=x.device)
         weights = torch.ones((t, 1), dtype=torch.float32, device=x.device)
-        out = torch.ops.static_moe.local_experts(x, x_scale, idx, weights, self.w13, self.w13_scale, self.w2,
-                                                 self.w2_scale, 0, self.swiglu_limit, self.fp8_max,
-                                                 self.weight_layout)
+        out = torch.ops.static_moe.local_experts(
+            x,
+            x_scale,
+            idx,
+            weights,
+            self.w13,
+            self.w13_scale,
+            self.w2,
+            self.w2_scale,
+            0,
+            self.swiglu_limit,
+            self.fp8_max,
+            self.weight_layout,
+        )
         if self.gate_weight is not None:
             if gate_input is None:
                 raise ValueError("this shared expert is gated: pass gate_input, the float hidden states [T, H]")
@@ -387,10 +420,12 @@ class SharedExpert(_FixedFormats):
         return out
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
-                f"weight_format={self.weight_format!r}, swiglu_limit={self.swiglu_limit}"
-                + (", gated" if self.gate_weight is not None else "")
-                + (f", prepare_for={self.prepare_for!r}" if self.weight_layout != "eoi" else ""))
+        return (
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"weight_format={self.weight_format!r}, swiglu_limit={self.swiglu_limit}"
+            + (", gated" if self.gate_weight is not None else "")
+            + (f", prepare_for={self.prepare_for!r}" if self.weight_layout != "eoi" else "")
+        )
 
 
 _WEIGHT_NAMES = ("w13", "w13_scale", "w2", "w2_scale")
@@ -408,16 +443,19 @@ def _resolve_target(prepare_for, device: torch.device) -> str:
     if prepare_for is not None:
         return check_target(prepare_for, "prepare_for")
     if device.type in _NEURON_DEVICE_TYPES:
-        raise ValueError(f"prepare_for: weights on a Neuron device ({device}) must say which chip they are prepared "
-                         "for: pass prepare_for='trn2' (Trainium2) or prepare_for='trn3' (Trainium3); the two hold "
-                         "different bytes and the device does not tell them apart")
+        raise ValueError(
+            f"prepare_for: weights on a Neuron device ({device}) must say which chip they are prepared "
+            "for: pass prepare_for='trn2' (Trainium2) or prepare_for='trn3' (Trainium3); the two hold "
+            "different bytes and the device does not tell them apart"
+        )
     return "cuda" if device.type == "cuda" else "cpu"
 
 
 def _prepared(module: nn.Module, checked: dict) -> dict:
     """Checked EOI weights → the form ``module`` holds (static_moe.layouts.prepare_expert_weights)."""
-    w13, s13, w2, s2, _ = prepare_expert_weights(checked["w13"], checked["w13_scale"], checked["w2"],
-                                                 checked["w2_scale"], module.prepare_for, module.prepare_act)
+    w13, s13, w2, s2, _ = prepare_expert_weights(
+        checked["w13"], checked["w13_scale"], checked["w2"], checked["w2_scale"], module.prepare_for, module.prepare_act
+    )
     return {"w13": w13, "w13_scale": s13, "w2": w2, "w2_scale": s2}
 
 
@@ -480,8 +518,9 @@ def _copy_checked(module: nn.Module, checked: dict) -> None:
 def _checked_gate(name: str, weight, hidden: int) -> torch.Tensor:
     w = _materialized(name, weight)
     if w.dtype not in _FLOAT_DTYPES or tuple(w.shape) != (1, hidden):
-        raise ValueError(f"{name} must be a float [1, {hidden}] tensor (one gate per token), "
-                         f"got {w.dtype}{list(w.shape)}")
+        raise ValueError(
+            f"{name} must be a float [1, {hidden}] tensor (one gate per token), got {w.dtype}{list(w.shape)}"
+        )
     return _check_finite(name, w).float()
 
 
@@ -530,21 +569,52 @@ class StaticMoE(_FixedFormats):
     cannot follow); construct the layer on its device.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, capacity: int, *,
-                 weight_format: str = "bf16", act_format: str = "bf16", act_group: int = 128,
-                 swiglu_limit: float | None = None, shared_intermediate_size: int | None = None,
-                 shared_weight_format: str | None = None, shared_swiglu_limit: float | None | str = "same",
-                 ep_group=None, ep_size: int | None = None, device=None, fp8_max: float = FP8_E4M3FN_MAX,
-                 shared_gate: bool = False, prepare_for: str | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        capacity: int,
+        *,
+        weight_format: str = "bf16",
+        act_format: str = "bf16",
+        act_group: int = 128,
+        swiglu_limit: float | None = None,
+        shared_intermediate_size: int | None = None,
+        shared_weight_format: str | None = None,
+        shared_swiglu_limit: float | None | str = "same",
+        ep_group=None,
+        ep_size: int | None = None,
+        device=None,
+        fp8_max: float = FP8_E4M3FN_MAX,
+        shared_gate: bool = False,
+        prepare_for: str | None = None,
+    ):
         super().__init__()
         self.ep_size, self.ep_rank, self.group_name = _group_info(ep_group)
         self._closed = True  # until the workspace lease is held
         error = None
         try:
             _check_ep_size(ep_size, self.ep_size)
-            self._configure(hidden_size, intermediate_size, num_experts, top_k, capacity, weight_format,
-                            act_format, act_group, swiglu_limit, shared_intermediate_size, shared_weight_format,
-                            shared_swiglu_limit, device, fp8_max, shared_gate, prepare_for)
+            self._configure(
+                hidden_size,
+                intermediate_size,
+                num_experts,
+                top_k,
+                capacity,
+                weight_format,
+                act_format,
+                act_group,
+                swiglu_limit,
+                shared_intermediate_size,
+                shared_weight_format,
+                shared_swiglu_limit,
+                device,
+                fp8_max,
+                shared_gate,
+                prepare_for,
+            )
         except Exception as e:  # noqa: BLE001  (any failure, a bad device string or an allocation, reaches every rank)
             error = e
         if self.ep_size > 1:
@@ -555,28 +625,57 @@ class StaticMoE(_FixedFormats):
         self._lease = _workspace.acquire(self.workspace_spec, ep_group)
         self._closed = False
 
-    def _configure(self, hidden_size, intermediate_size, num_experts, top_k, capacity, weight_format, act_format,
-                   act_group, swiglu_limit, shared_intermediate_size, shared_weight_format, shared_swiglu_limit,
-                   device, fp8_max, shared_gate, prepare_for=None):
+    def _configure(
+        self,
+        hidden_size,
+        intermediate_size,
+        num_experts,
+        top_k,
+        capacity,
+        weight_format,
+        act_format,
+        act_group,
+        swiglu_limit,
+        shared_intermediate_size,
+        shared_weight_format,
+        shared_swiglu_limit,
+        device,
+        fp8_max,
+        shared_gate,
+        prepare_for=None,
+    ):
         device = torch.device("cpu") if device is None else torch.device(device)
         if device.type == "meta":
-            raise ValueError("StaticMoE cannot live on the meta device: it owns a workspace of real buffers; "
-                             "build it on the target device and load weights")
+            raise ValueError(
+                "StaticMoE cannot live on the meta device: it owns a workspace of real buffers; "
+                "build it on the target device and load weights"
+            )
         self._device = device
         self.prepare_for = _resolve_target(prepare_for, device)
         self.swiglu_limit = _check_swiglu_limit("swiglu_limit", swiglu_limit)
         self.fp8_max = _check_fp8_max(fp8_max)
         if self.prepare_for == "trn2" and act_format == "fp8" and self.fp8_max > FP8_E4M3_TRN2_MAX:
             # SPEC §6.1: refused here rather than at the first forward's NKI dispatch (same rule, same words).
-            raise ValueError(f"fp8_max={self.fp8_max} needs OCP float8_e4m3fn on chip (trn3); trn2's on-chip fp8 "
-                             "(float8_e4m3) tops out at 240 — pass fp8_max=240 with prepare_for='trn2' "
-                             "(SPEC §6.1)")
+            raise ValueError(
+                f"fp8_max={self.fp8_max} needs OCP float8_e4m3fn on chip (trn3); trn2's on-chip fp8 "
+                "(float8_e4m3) tops out at 240 — pass fp8_max=240 with prepare_for='trn2' "
+                "(SPEC §6.1)"
+            )
         # WorkspaceSpec checks sizes, divisibility, formats and the format pair.
         self.workspace_spec = _workspace.WorkspaceSpec(
-            capacity=capacity, hidden=hidden_size, intermediate=intermediate_size, num_experts=num_experts,
-            topk=top_k, ep_size=self.ep_size, act_format=act_format, act_group=act_group,
-            weight_format=weight_format, device=str(device), swiglu_limit=self.swiglu_limit,
-            fp8_max=self.fp8_max)
+            capacity=capacity,
+            hidden=hidden_size,
+            intermediate=intermediate_size,
+            num_experts=num_experts,
+            topk=top_k,
+            ep_size=self.ep_size,
+            act_format=act_format,
+            act_group=act_group,
+            weight_format=weight_format,
+            device=str(device),
+            swiglu_limit=self.swiglu_limit,
+            fp8_max=self.fp8_max,
+        )
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.capacity = num_experts, top_k, capacity
         self.num_local_experts = num_experts // self.ep_size
@@ -586,10 +685,17 @@ class StaticMoE(_FixedFormats):
         _init_weights(self, self.num_local_experts, hidden_size, intermediate_size, weight_format, device)
         if shared_intermediate_size is not None:
             limit = self.swiglu_limit if shared_swiglu_limit == "same" else shared_swiglu_limit
-            self.shared = SharedExpert(hidden_size, shared_intermediate_size,
-                                       weight_format=shared_weight_format or weight_format, swiglu_limit=limit,
-                                       fp8_max=self.fp8_max, gated=bool(shared_gate), device=device,
-                                       prepare_for=self.prepare_for, act_format=act_format)
+            self.shared = SharedExpert(
+                hidden_size,
+                shared_intermediate_size,
+                weight_format=shared_weight_format or weight_format,
+                swiglu_limit=limit,
+                fp8_max=self.fp8_max,
+                gated=bool(shared_gate),
+                device=device,
+                prepare_for=self.prepare_for,
+                act_format=act_format,
+            )
         else:
             if shared_weight_format is not None or shared_gate:
                 raise ValueError("shared_weight_format / shared_gate were given without shared_intermediate_size")
@@ -612,10 +718,20 @@ class StaticMoE(_FixedFormats):
         _copy_checked(self, _checked_weights("routed", self._weight_shapes(), self.weight_format, given))
 
     @classmethod
-    def from_module(cls, module, *, top_k: int, capacity: int, num_experts: int | None = None,
-                    weight_format: str = "bf16", shared_expert: nn.Module | None = None,
-                    shared_expert_gate: nn.Module | None = None, ep_group=None, ep_size: int | None = None,
-                    **options) -> "StaticMoE":
+    def from_module(
+        cls,
+        module,
+        *,
+        top_k: int,
+        capacity: int,
+        num_experts: int | None = None,
+        weight_format: str = "bf16",
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Module | None = None,
+        ep_group=None,
+        ep_size: int | None = None,
+        **options,
+    ) -> StaticMoE:
         """Convert existing SwiGLU experts (float weights; quantized to ``weight_format`` on the way).
 
         ``module`` is one of
@@ -641,15 +757,35 @@ class StaticMoE(_FixedFormats):
         # The loader imports this module's checks, so it is imported when called, not when this module loads.
         from .loaders.torch_modules import from_module
 
-        return from_module(cls, module, top_k=top_k, capacity=capacity, num_experts=num_experts,
-                           weight_format=weight_format, shared_expert=shared_expert,
-                           shared_expert_gate=shared_expert_gate, ep_group=ep_group, ep_size=ep_size, **options)
+        return from_module(
+            cls,
+            module,
+            top_k=top_k,
+            capacity=capacity,
+            num_experts=num_experts,
+            weight_format=weight_format,
+            shared_expert=shared_expert,
+            shared_expert_gate=shared_expert_gate,
+            ep_group=ep_group,
+            ep_size=ep_size,
+            **options,
+        )
 
     @classmethod
-    def from_deepseek_state_dict(cls, state_dict: Mapping[str, torch.Tensor], *, top_k: int, capacity: int,
-                                 num_experts: int, prefix: str = "", weight_format: str | None = None,
-                                 shared_weight_format: str | None = None, ep_group=None,
-                                 ep_size: int | None = None, **options) -> "StaticMoE":
+    def from_deepseek_state_dict(
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        top_k: int,
+        capacity: int,
+        num_experts: int,
+        prefix: str = "",
+        weight_format: str | None = None,
+        shared_weight_format: str | None = None,
+        ep_group=None,
+        ep_size: int | None = None,
+        **options,
+    ) -> StaticMoE:
         """Build a layer from a checkpoint's MoE block (only this rank's experts are read).
 
         Routed experts, either per expert (DeepSeek / transformers 4.x hub keys)
@@ -673,10 +809,19 @@ class StaticMoE(_FixedFormats):
         """
         from .loaders.deepseek import from_deepseek_state_dict  # imported when called, as in from_module
 
-        return from_deepseek_state_dict(cls, state_dict, top_k=top_k, capacity=capacity, num_experts=num_experts,
-                                        prefix=prefix, weight_format=weight_format,
-                                        shared_weight_format=shared_weight_format, ep_group=ep_group,
-                                        ep_size=ep_size, **options)
+        return from_deepseek_state_dict(
+            cls,
+            state_dict,
+            top_k=top_k,
+            capacity=capacity,
+            num_experts=num_experts,
+            prefix=prefix,
+            weight_format=weight_format,
+            shared_weight_format=shared_weight_format,
+            ep_group=ep_group,
+            ep_size=ep_size,
+            **options,
+        )
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     @property
@@ -704,9 +849,11 @@ class StaticMoE(_FixedFormats):
     # the copy would give back the original's lease) or need a collective acquire of its own, which a copy made on
     # one rank cannot make. So a layer is not copied or pickled: construct another (collective) and load_state_dict.
     def _refuse_copy(self, what: str):
-        raise TypeError(f"a StaticMoE layer cannot be {what}: it holds a workspace lease acquired collectively over "
-                        "its EP group; construct another layer on every rank and load_state_dict(layer.state_dict()) "
-                        "into it (state_dict() is also what to save)")
+        raise TypeError(
+            f"a StaticMoE layer cannot be {what}: it holds a workspace lease acquired collectively over "
+            "its EP group; construct another layer on every rank and load_state_dict(layer.state_dict()) "
+            "into it (state_dict() is also what to save)"
+        )
 
     def __copy__(self):
         self._refuse_copy("copied")
@@ -729,12 +876,17 @@ class StaticMoE(_FixedFormats):
                 raise ValueError(f"hidden[0] must be float8_e4m3fn [..., {h}], got {x_q.dtype}{list(x_q.shape)}")
             g = self.act_group
             if x_s.dtype != torch.float32 or tuple(x_s.shape) != (*x_q.shape[:-1], h // g):
-                raise ValueError(f"hidden[1] must be float32 [..., {h // g}] (act_group {g}), "
-                                 f"got {x_s.dtype}{list(x_s.shape)}")
+                raise ValueError(
+                    f"hidden[1] must be float32 [..., {h // g}] (act_group {g}), got {x_s.dtype}{list(x_s.shape)}"
+                )
             lead = x_q.shape[:-1]
             return x_q.reshape(-1, h), x_s.reshape(-1, h // g), lead, None
-        if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES or hidden.dim() < 1 \
-                or hidden.shape[-1] != h:
+        if (
+            not isinstance(hidden, torch.Tensor)
+            or hidden.dtype not in _FLOAT_DTYPES
+            or hidden.dim() < 1
+            or hidden.shape[-1] != h
+        ):
             got = f"{hidden.dtype}{list(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
             raise ValueError(f"hidden must be bf16, fp16 or fp32 [..., {h}], got {got}")
         lead = hidden.shape[:-1]
@@ -750,8 +902,10 @@ class StaticMoE(_FixedFormats):
         if t > self.capacity:
             raise ValueError(f"StaticMoE: {t} tokens exceed the capacity of {self.capacity}")
         if tuple(topk_idx.shape) != (t, self.top_k) or tuple(topk_weights.shape) != (t, self.top_k):
-            raise ValueError(f"topk_idx and topk_weights must be [T={t}, top_k={self.top_k}], got "
-                             f"{list(topk_idx.shape)} and {list(topk_weights.shape)}")
+            raise ValueError(
+                f"topk_idx and topk_weights must be [T={t}, top_k={self.top_k}], got "
+                f"{list(topk_idx.shape)} and {list(topk_weights.shape)}"
+            )
 
     def _prepare_call(self, hidden, topk_idx, topk_weights) -> tuple:
         """Everything a call does before the op: the layer's checks, the activations in the experts' format and
@@ -761,9 +915,11 @@ class StaticMoE(_FixedFormats):
         x, x_scale, lead, x_bf16 = self._activations(hidden)
         self._check_call(x, topk_idx, topk_weights)
         if self.w13.device != self._device:
-            raise RuntimeError(f"this layer was built for {self._device} (its workspace lives there) but its weights "
-                               f"are now on {self.w13.device}; construct the layer on the target device instead "
-                               "of moving it")
+            raise RuntimeError(
+                f"this layer was built for {self._device} (its workspace lives there) but its weights "
+                f"are now on {self.w13.device}; construct the layer on the target device instead "
+                "of moving it"
+            )
         if x.device != self._device:
             raise ValueError(f"hidden is on {x.device} but this layer's weights and workspace are on {self._device}")
         shared_out = None
@@ -793,17 +949,35 @@ class StaticMoE(_FixedFormats):
             # reports this error, so every rank raises (docs/errors.md).
             report_failure(e, self.group_name, self.ep_rank, self.ep_size)
         out_dtype = hidden.dtype if isinstance(hidden, torch.Tensor) else torch.bfloat16
-        out = _forward_op(x, x_scale, topk_idx, topk_weights, self.w13, self.w13_scale, self.w2, self.w2_scale,
-                          shared_out, num_experts=self.num_experts, capacity=self.capacity,
-                          swiglu_limit=self.swiglu_limit, group_name=self.group_name, ep_rank=self.ep_rank,
-                          ep_size=self.ep_size, fp8_max=self.fp8_max, weight_layout=self.weight_layout)
+        out = _forward_op(
+            x,
+            x_scale,
+            topk_idx,
+            topk_weights,
+            self.w13,
+            self.w13_scale,
+            self.w2,
+            self.w2_scale,
+            shared_out,
+            num_experts=self.num_experts,
+            capacity=self.capacity,
+            swiglu_limit=self.swiglu_limit,
+            group_name=self.group_name,
+            ep_rank=self.ep_rank,
+            ep_size=self.ep_size,
+            fp8_max=self.fp8_max,
+            weight_layout=self.weight_layout,
+        )
         return out.reshape(*lead, self.hidden_size).to(out_dtype)
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
-                f"num_experts={self.num_experts} (local {self.num_local_experts} from {self.expert_offset}), "
-                f"top_k={self.top_k}, capacity={self.capacity}, weight_format={self.weight_format!r}, "
-                f"act_format={self.act_format!r}" + (f", act_group={self.act_group}" if self.act_group else "")
-                + (f", fp8_max={self.fp8_max}" if self.act_group else "")
-                + f", swiglu_limit={self.swiglu_limit}, ep={self.ep_rank}/{self.ep_size}"
-                + (f", prepare_for={self.prepare_for!r}" if self.weight_layout != "eoi" else ""))
+        return (
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"num_experts={self.num_experts} (local {self.num_local_experts} from {self.expert_offset}), "
+            f"top_k={self.top_k}, capacity={self.capacity}, weight_format={self.weight_format!r}, "
+            f"act_format={self.act_format!r}"
+            + (f", act_group={self.act_group}" if self.act_group else "")
+            + (f", fp8_max={self.fp8_max}" if self.act_group else "")
+            + f", swiglu_limit={self.swiglu_limit}, ep={self.ep_rank}/{self.ep_size}"
+            + (f", prepare_for={self.prepare_for!r}" if self.weight_layout != "eoi" else "")
+        )

@@ -45,8 +45,8 @@ import dataclasses
 import math
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -231,8 +231,15 @@ class Workspace:
     Buffer properties raise RuntimeError once the last lease has closed and the buffers are freed.
     """
 
-    def __init__(self, manager: "WorkspaceManager", key, spec: WorkspaceSpec, group_names: set[str],
-                 buffers: dict[str, torch.Tensor], symmetric: bool):
+    def __init__(
+        self,
+        manager: WorkspaceManager,
+        key,
+        spec: WorkspaceSpec,
+        group_names: set[str],
+        buffers: dict[str, torch.Tensor],
+        symmetric: bool,
+    ):
         self._manager = manager
         self.key = key
         self.spec = spec
@@ -253,8 +260,10 @@ class Workspace:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"workspace for {self.spec} is closed: its buffers were freed when its last lease "
-                               "closed; acquire a new one")
+            raise RuntimeError(
+                f"workspace for {self.spec} is closed: its buffers were freed when its last lease "
+                "closed; acquire a new one"
+            )
 
     def buffer(self, name: str) -> torch.Tensor:
         self._check_open()
@@ -306,7 +315,7 @@ class WorkspaceLease:
         self._workspace = None
         self._finalizer()  # runs _release exactly once
 
-    def __enter__(self) -> "WorkspaceLease":
+    def __enter__(self) -> WorkspaceLease:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -457,8 +466,10 @@ class WorkspaceManager:
         keys = list(manifest)
         diffs = _describe_differences(manifests, keys)
         if diffs:
-            raise ValueError("static_moe workspace manifests differ across the EP group (group ranks "
-                             f"{list(range(len(manifests)))}): " + " | ".join(diffs))
+            raise ValueError(
+                "static_moe workspace manifests differ across the EP group (group ranks "
+                f"{list(range(len(manifests)))}): " + " | ".join(diffs)
+            )
         if len(membership) != spec.ep_size:
             raise ValueError(f"ep_size={spec.ep_size} but the process group has {len(membership)} ranks")
         if key in self._by_key:
@@ -470,15 +481,18 @@ class WorkspaceManager:
         buffers, symmetric, error = self._allocate(spec)
         # Every rank learns whether every rank allocated (and with which kind of memory) before anyone goes on.
         status: list = [None] * len(membership)
-        dist.all_gather_object(status, (None if error is None else f"{type(error).__name__}: {error}", symmetric),
-                               group=group)
+        dist.all_gather_object(
+            status, (None if error is None else f"{type(error).__name__}: {error}", symmetric), group=group
+        )
         failed = [r for r, (e, _) in enumerate(status) if e is not None]
         if failed:
             buffers.clear()  # roll back this rank's allocation too
             if error is not None:
                 raise error
-            raise RuntimeError("static_moe workspace allocation failed on group rank(s) "
-                               f"{failed}: " + "; ".join(status[r][0] for r in failed) + "; nothing kept")
+            raise RuntimeError(
+                "static_moe workspace allocation failed on group rank(s) "
+                f"{failed}: " + "; ".join(status[r][0] for r in failed) + "; nothing kept"
+            )
         symmetric = all(s for _, s in status)
         if symmetric:
             from torch.distributed import _symmetric_memory as symm_mem
@@ -524,8 +538,10 @@ class WorkspaceManager:
                 t = allocator(b.name, b.shape, b.dtype, device)
                 buffers[b.name] = t
                 if tuple(t.shape) != b.shape or t.dtype != b.dtype or t.device != device:
-                    raise RuntimeError(f"allocator returned {t.dtype}{list(t.shape)} on {t.device} for buffer "
-                                       f"{b.name!r}, expected {b.dtype}{list(b.shape)} on {device}")
+                    raise RuntimeError(
+                        f"allocator returned {t.dtype}{list(t.shape)} on {t.device} for buffer "
+                        f"{b.name!r}, expected {b.dtype}{list(b.shape)} on {device}"
+                    )
         except Exception as e:  # noqa: BLE001  (any allocation failure rolls back; the caller re-raises)
             buffers.clear()
             return buffers, e

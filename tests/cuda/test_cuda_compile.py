@@ -29,16 +29,28 @@ ARCHS = ["90a", "80"]
 
 
 NVCC = find_nvcc()
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH): "
-                                                     "the CUDA compile check needs the CUDA toolkit")
+pytestmark = pytest.mark.skipif(
+    NVCC is None,
+    reason="nvcc not found (set CUDA_HOME or put nvcc on PATH): the CUDA compile check needs the CUDA toolkit",
+)
 
 
 def nvcc_flags() -> list[str]:
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # what torch's extension build passes to nvcc
 
     return list(COMMON_NVCC_FLAGS) + [
-        "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DSTATIC_MOE_WITH_CUDA", "-Xcompiler", "-fPIC",
-        "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror", "-I", str(ROOT / "csrc"),
+        "-std=c++17",
+        "-O3",
+        "--expt-relaxed-constexpr",
+        "-DSTATIC_MOE_WITH_CUDA",
+        "-Xcompiler",
+        "-fPIC",
+        "-Werror",
+        "all-warnings",
+        "-Xcompiler",
+        "-Wall,-Werror",
+        "-I",
+        str(ROOT / "csrc"),
     ]
 
 
@@ -52,9 +64,18 @@ def kernel_builds(tmp_path_factory) -> dict[tuple[str, str], tuple[int, str]]:
     out = tmp_path_factory.mktemp("cuda_objs")
     flags = nvcc_flags()
     jobs = {
-        (name, arch): [NVCC, *flags, "-gencode", f"arch=compute_{arch},code=sm_{arch}", "-c", str(CUDA_DIR / name),
-                       "-o", str(out / f"{name}.{arch}.o")]
-        for name in KERNELS for arch in ARCHS
+        (name, arch): [
+            NVCC,
+            *flags,
+            "-gencode",
+            f"arch=compute_{arch},code=sm_{arch}",
+            "-c",
+            str(CUDA_DIR / name),
+            "-o",
+            str(out / f"{name}.{arch}.o"),
+        ]
+        for name in KERNELS
+        for arch in ARCHS
     }
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         results = dict(zip(jobs, pool.map(run, jobs.values())))
@@ -94,8 +115,19 @@ def test_bindings_compile_against_torch_headers(tmp_path):
 
     unit = tmp_path / "all_bindings.cpp"
     unit.write_text("".join(f'#include "cuda/{b}"\n' for b in BINDINGS))
-    cmd = [cxx, "-fsyntax-only", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-function", "-Werror",
-           "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "-DSTATIC_MOE_WITH_CUDA", "-I", str(ROOT / "csrc")]
+    cmd = [
+        cxx,
+        "-fsyntax-only",
+        "-std=c++17",
+        "-Wall",
+        "-Wextra",
+        "-Wno-unused-function",
+        "-Werror",
+        "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
+        "-DSTATIC_MOE_WITH_CUDA",
+        "-I",
+        str(ROOT / "csrc"),
+    ]
     for inc in include_paths():  # torch's own headers are system headers: their warnings are not ours
         cmd += ["-isystem", inc]
     cmd += ["-isystem", str(cuda_inc), str(unit)]

@@ -9,8 +9,6 @@ What this cannot see: the GPU-only glue (pipeline waits, block scans, the route 
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,8 +18,8 @@ import torch
 
 from static_moe import formats, reference
 from static_moe.testing.generators import make_activations
-from static_moe.testing.toolchain import find_nvcc
 from static_moe.testing.numeric import assert_equal, assert_gemm_close, assert_swiglu_close
+from static_moe.testing.toolchain import find_nvcc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,8 +31,21 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_H
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cuda_host") / "emulate"
-    cmd = [NVCC, "-std=c++17", "-O2", "-arch=sm_80", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror",
-           "-I", str(ROOT / "csrc"), str(ROOT / "tests" / "cuda" / "host" / "emulate.cu"), "-o", str(out)]
+    cmd = [
+        NVCC,
+        "-std=c++17",
+        "-O2",
+        "-arch=sm_80",
+        "-Werror",
+        "all-warnings",
+        "-Xcompiler",
+        "-Wall,-Werror",
+        "-I",
+        str(ROOT / "csrc"),
+        str(ROOT / "tests" / "cuda" / "host" / "emulate.cu"),
+        "-o",
+        str(out),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, f"building the emulator failed:\n{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
     return out
@@ -64,13 +75,15 @@ def fromfile(d: Path, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 def test_conversions_bitwise(emulator, tmp_path):
     g = torch.Generator().manual_seed(0)
-    sweep = torch.cat([
-        torch.randn(20000, generator=g) * torch.exp2(torch.randint(-12, 10, (20000,), generator=g).float()),
-        torch.linspace(-448, 448, 9001),
-        # e4m3 rounding midpoints and their neighbours
-        (torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()[:126] * 1.0625),
-        torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 1e-30]),
-    ]).float()
+    sweep = torch.cat(
+        [
+            torch.randn(20000, generator=g) * torch.exp2(torch.randint(-12, 10, (20000,), generator=g).float()),
+            torch.linspace(-448, 448, 9001),
+            # e4m3 rounding midpoints and their neighbours
+            (torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()[:126] * 1.0625),
+            torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 1e-30]),
+        ]
+    ).float()
     tofile(tmp_path, "f32_in.bin", sweep)
     run(emulator, "numerics", tmp_path)
 
@@ -95,18 +108,27 @@ def test_conversions_bitwise(emulator, tmp_path):
     got = fromfile(tmp_path, "fp4_e4m3.bin", torch.uint8, (256, 8))
     words = torch.stack([(codes.int() + i) % 256 for i in range(4)], dim=1).to(torch.uint8)  # [256, 4] bytes
     vals = formats.e2m1_decode(formats.unpack_fp4(words))  # [256, 8]
-    assert_equal(got.view(torch.float8_e4m3fn).view(torch.uint8), (vals / 64).to(torch.float8_e4m3fn).view(torch.uint8),
-                 "fp4 -> e4m3 * 2^-6")
+    assert_equal(
+        got.view(torch.float8_e4m3fn).view(torch.uint8),
+        (vals / 64).to(torch.float8_e4m3fn).view(torch.uint8),
+        "fp4 -> e4m3 * 2^-6",
+    )
 
     got = fromfile(tmp_path, "ue8m0.bin", torch.float32, (256,))
     assert_equal(got[:255], formats.ue8m0_to_float(codes[:255]), "ue8m0")  # 255 (NaN) is rejected upstream
 
     n = sweep.numel()
-    assert_equal(fromfile(tmp_path, "f32_e4m3.bin", torch.uint8, (n,)),
-                 sweep.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8), "float -> e4m3fn")
+    assert_equal(
+        fromfile(tmp_path, "f32_e4m3.bin", torch.uint8, (n,)),
+        sweep.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8),
+        "float -> e4m3fn",
+    )
     assert_equal(fromfile(tmp_path, "f32_bf16.bin", torch.bfloat16, (n,)), sweep.to(torch.bfloat16), "float -> bf16")
-    assert_equal(fromfile(tmp_path, "f32_pow2.bin", torch.float32, (n,))[sweep > 1e-30],
-                 formats.round_up_pow2(sweep[sweep > 1e-30]), "round_up_pow2")
+    assert_equal(
+        fromfile(tmp_path, "f32_pow2.bin", torch.float32, (n,))[sweep > 1e-30],
+        formats.round_up_pow2(sweep[sweep > 1e-30]),
+        "round_up_pow2",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -114,14 +136,23 @@ def test_conversions_bitwise(emulator, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 WFMT = {"bf16": 0, "fp8": 1, "fp4": 2}
 CASES = [  # (act, weight, group, fp8_mma)
-    ("bf16", "bf16", 0, False), ("bf16", "fp8", 0, False), ("bf16", "fp4", 0, False),
-    ("fp8", "fp8", 128, True), ("fp8", "fp8", 32, True), ("fp8", "fp8", 128, False), ("fp8", "fp8", 32, False),
-    ("fp8", "fp4", 128, True), ("fp8", "fp4", 32, True), ("fp8", "fp4", 128, False), ("fp8", "fp4", 32, False),
+    ("bf16", "bf16", 0, False),
+    ("bf16", "fp8", 0, False),
+    ("bf16", "fp4", 0, False),
+    ("fp8", "fp8", 128, True),
+    ("fp8", "fp8", 32, True),
+    ("fp8", "fp8", 128, False),
+    ("fp8", "fp8", 32, False),
+    ("fp8", "fp4", 128, True),
+    ("fp8", "fp4", 32, True),
+    ("fp8", "fp4", 128, False),
+    ("fp8", "fp4", 32, False),
 ]
 
 
-def gemm_case(emulator, tmp: Path, act, wf, group, fp8_mma, rows, n, k, mask, experts=3, expert=1, seed=0,
-              poison_masked=True):
+def gemm_case(
+    emulator, tmp: Path, act, wf, group, fp8_mma, rows, n, k, mask, experts=3, expert=1, seed=0, poison_masked=True
+):
     a, a_s = make_activations(rows, k, act, group or 128, seed=seed)
     w = torch.randn(experts, n, k, generator=torch.Generator().manual_seed(seed + 1)) / k**0.5
     b, b_s = formats.quantize_weight(w, wf)
@@ -131,8 +162,9 @@ def gemm_case(emulator, tmp: Path, act, wf, group, fp8_mma, rows, n, k, mask, ex
         if a_s is not None:
             a_s = a_s.clone()
             a_s[~mask] = float("nan")
-    write_meta(tmp, rows=rows, k=k, n=n, experts=experts, expert=expert, group=group, wfmt=WFMT[wf],
-               fp8_mma=int(fp8_mma))
+    write_meta(
+        tmp, rows=rows, k=k, n=n, experts=experts, expert=expert, group=group, wfmt=WFMT[wf], fp8_mma=int(fp8_mma)
+    )
     tofile(tmp, "a.bin", a)
     tofile(tmp, "a_scale.bin", a_s)
     tofile(tmp, "b.bin", formats.as_uint8(b) if wf == "fp4" else b)
@@ -144,8 +176,9 @@ def gemm_case(emulator, tmp: Path, act, wf, group, fp8_mma, rows, n, k, mask, ex
     return out, ref
 
 
-@pytest.mark.parametrize("act,wf,group,fp8_mma", CASES,
-                         ids=[f"{a}x{w}-g{g}-{'e4m3mma' if m else 'bf16mma'}" for a, w, g, m in CASES])
+@pytest.mark.parametrize(
+    "act,wf,group,fp8_mma", CASES, ids=[f"{a}x{w}-g{g}-{'e4m3mma' if m else 'bf16mma'}" for a, w, g, m in CASES]
+)
 def test_gemm_tiles_match_reference(emulator, tmp_path, act, wf, group, fp8_mma):
     rows, n, k = 45, 128, 256  # two m tiles (the second partial), two n tiles, two k stages
     mask = torch.rand(rows, generator=torch.Generator().manual_seed(1)) < 0.8
@@ -179,8 +212,10 @@ def test_gemm_batch_invariance(emulator, tmp_path, act, wf, group, fp8_mma):
 # swiglu_and_cast: the kernel's row code
 # ---------------------------------------------------------------------------------------------------------------
 # pow2_scale only affects fp8 output, so bf16 runs once (pow2=True) instead of generating a skipped case.
-@pytest.mark.parametrize("out_format,group,pow2", [("fp8", 128, True), ("fp8", 128, False), ("fp8", 32, True),
-                                                   ("fp8", 32, False), ("bf16", 128, True)])
+@pytest.mark.parametrize(
+    "out_format,group,pow2",
+    [("fp8", 128, True), ("fp8", 128, False), ("fp8", 32, True), ("fp8", 32, False), ("bf16", 128, True)],
+)
 @pytest.mark.parametrize("limit", [None, 3.0])
 def test_swiglu_rows_match_reference(emulator, tmp_path, out_format, group, limit, pow2):
     g = torch.Generator().manual_seed(3)
@@ -189,8 +224,18 @@ def test_swiglu_rows_match_reference(emulator, tmp_path, out_format, group, limi
     gu[2] = 0.0  # an all-zero row: floor scale
     w = torch.rand(rows, generator=g)
     w[4] = 0.0  # weight 0: zeros and the floor scale
-    write_meta(tmp_path, rows=rows, inter=inter, out_fp8=int(out_format == "fp8"), has_limit=int(limit is not None),
-               limit=limit or 0.0, has_weight=1, pow2=int(pow2), group=group, fp8_max=448.0)
+    write_meta(
+        tmp_path,
+        rows=rows,
+        inter=inter,
+        out_fp8=int(out_format == "fp8"),
+        has_limit=int(limit is not None),
+        limit=limit or 0.0,
+        has_weight=1,
+        pow2=int(pow2),
+        group=group,
+        fp8_max=448.0,
+    )
     tofile(tmp_path, "gate_up.bin", gu)
     tofile(tmp_path, "weight.bin", w)
     run(emulator, "swiglu", tmp_path)
@@ -217,8 +262,11 @@ LE_CASES = [  # (act, weight, group, fp8_mma, index dtype, weight dtype)
 ]
 
 
-@pytest.mark.parametrize("act,wf,group,fp8_mma,idx_dtype,w_dtype", LE_CASES,
-                         ids=[f"{c[0]}x{c[1]}-g{c[2]}-{'e4m3mma' if c[3] else 'bf16mma'}" for c in LE_CASES])
+@pytest.mark.parametrize(
+    "act,wf,group,fp8_mma,idx_dtype,w_dtype",
+    LE_CASES,
+    ids=[f"{c[0]}x{c[1]}-g{c[2]}-{'e4m3mma' if c[3] else 'bf16mma'}" for c in LE_CASES],
+)
 def test_local_experts_pipeline_matches_reference(emulator, tmp_path, act, wf, group, fp8_mma, idx_dtype, w_dtype):
     g = torch.Generator().manual_seed(7)
     rows, hidden, inter, num_local, num_experts, topk, offset = 48, 128, 128, 4, 12, 4, 4
@@ -238,10 +286,23 @@ def test_local_experts_pipeline_matches_reference(emulator, tmp_path, act, wf, g
     w2_q, w2_s = formats.quantize_weight(w2, wf)
     idx, wts = idx.to(idx_dtype), wts.to(w_dtype)
     limit = 4.0
-    write_meta(tmp_path, rows=rows, topk=topk, offset=offset, num_local=num_local, hidden=hidden, inter=inter,
-               group=group, wfmt=WFMT[wf], idx_int64=int(idx_dtype == torch.int64),
-               weights_bf16=int(w_dtype == torch.bfloat16), has_limit=1, limit=limit, fp8_max=448.0,
-               fp8_mma=int(fp8_mma))
+    write_meta(
+        tmp_path,
+        rows=rows,
+        topk=topk,
+        offset=offset,
+        num_local=num_local,
+        hidden=hidden,
+        inter=inter,
+        group=group,
+        wfmt=WFMT[wf],
+        idx_int64=int(idx_dtype == torch.int64),
+        weights_bf16=int(w_dtype == torch.bfloat16),
+        has_limit=1,
+        limit=limit,
+        fp8_max=448.0,
+        fp8_mma=int(fp8_mma),
+    )
     tofile(tmp_path, "x.bin", x)
     tofile(tmp_path, "x_scale.bin", x_s)
     tofile(tmp_path, "idx.bin", idx)

@@ -6,28 +6,46 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_cuda_host import emulator, fromfile, run, tofile, write_meta  # noqa: F401  (emulator: the fixture)
 
 from static_moe.reference.swiglu_and_cast import swiglu
 from static_moe.testing.generators import poisoned_swiglu_input
 from static_moe.testing.numeric import assert_nonfinite_confined
-from test_cuda_host import emulator, fromfile, run, tofile, write_meta  # noqa: F401  (emulator: the fixture)
 
 pytestmark = pytest.mark.skipif(__import__("test_cuda_host").NVCC is None, reason="nvcc not found")
 
-NONFINITE = [("gate", float("nan")), ("up", float("nan")), ("weight", float("nan")), ("gate", -float("inf")),
-             ("gate", float("inf")), ("up", float("inf"))]
+NONFINITE = [
+    ("gate", float("nan")),
+    ("up", float("nan")),
+    ("weight", float("nan")),
+    ("gate", -float("inf")),
+    ("gate", float("inf")),
+    ("up", float("inf")),
+]
 
 
-def _swiglu(emulator, d, gu, w, limit, out_format, group, pow2):
+def _swiglu(emulator, d, gu, w, limit, out_format, group, pow2):  # noqa: F811  (the fixture, as an argument)
     rows, inter = gu.shape[0], gu.shape[1] // 2
-    write_meta(d, rows=rows, inter=inter, out_fp8=int(out_format == "fp8"), has_limit=int(limit is not None),
-               limit=limit or 0.0, has_weight=1, pow2=int(pow2), group=group, fp8_max=448.0)
+    write_meta(
+        d,
+        rows=rows,
+        inter=inter,
+        out_fp8=int(out_format == "fp8"),
+        has_limit=int(limit is not None),
+        limit=limit or 0.0,
+        has_weight=1,
+        pow2=int(pow2),
+        group=group,
+        fp8_max=448.0,
+    )
     tofile(d, "gate_up.bin", gu)
     tofile(d, "weight.bin", w)
     run(emulator, "swiglu", d)
     if out_format == "fp8":
-        return (fromfile(d, "q.bin", torch.float8_e4m3fn, (rows, inter)),
-                fromfile(d, "s.bin", torch.float32, (rows, inter // group)))
+        return (
+            fromfile(d, "q.bin", torch.float8_e4m3fn, (rows, inter)),
+            fromfile(d, "s.bin", torch.float32, (rows, inter // group)),
+        )
     return fromfile(d, "q.bin", torch.bfloat16, (rows, inter)), torch.empty(rows, 0)
 
 
@@ -39,6 +57,10 @@ def test_nonfinite_values_stay_in_their_group(emulator, tmp_path, where, value):
         touched = swiglu(bad_gu, bad_w, limit) != swiglu(gu, w, limit)
         for out_format, group, pow2 in (("fp8", 32, True), ("fp8", 128, False), ("bf16", 128, True)):
             args = (limit, out_format, group, pow2)
-            assert_nonfinite_confined(_swiglu(emulator, tmp_path, bad_gu, bad_w, *args),
-                                      _swiglu(emulator, tmp_path, gu, w, *args), touched, nonfinite,
-                                      f"cuda {where}={value} limit={limit} {out_format} g={group} pow2={pow2}")
+            assert_nonfinite_confined(
+                _swiglu(emulator, tmp_path, bad_gu, bad_w, *args),
+                _swiglu(emulator, tmp_path, gu, w, *args),
+                touched,
+                nonfinite,
+                f"cuda {where}={value} limit={limit} {out_format} g={group} pow2={pow2}",
+            )

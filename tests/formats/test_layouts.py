@@ -56,8 +56,10 @@ def _random_fp8(g: torch.Generator, L: int, n: int, k: int, *, pow2: bool, allow
 
 
 def _random_fp4(g: torch.Generator, L: int, n: int, k: int):
-    return (torch.randint(0, 256, (L, n, k // 2), generator=g, dtype=torch.uint8),
-            torch.randint(0, 255, (L, n, k // 32), generator=g, dtype=torch.uint8))
+    return (
+        torch.randint(0, 256, (L, n, k // 2), generator=g, dtype=torch.uint8),
+        torch.randint(0, 255, (L, n, k // 32), generator=g, dtype=torch.uint8),
+    )
 
 
 dims = st.tuples(st.integers(1, 3), st.integers(1, 40), st.integers(1, 3), st.integers(0, 2**31 - 1))
@@ -191,8 +193,11 @@ def test_mx_refuses_non_pow2_scales():
     w, s = _random_fp8(g, 1, 4, 256, pow2=True)
     s[0, 2, 1] = 0.75
     # Reported by to_eio at its index in the EOI scale the caller passed, not at the permuted EIO index.
-    with pytest.raises(ValueError, match=r"^to_eio: the MX fp8 form needs power-of-two scales.*"
-                                         r"scale\[0, 2, 1\] = 0.75"):
+    with pytest.raises(
+        ValueError,
+        match=r"^to_eio: the MX fp8 form needs power-of-two scales.*"
+        r"scale\[0, 2, 1\] = 0.75",
+    ):
         to_eio(w, s, mx=True)
     with pytest.raises(ValueError, match=r"^to_mx_fp8: .*scale\[0, 1, 2\] = 0.75"):
         to_mx_fp8(*to_eio(w, s))  # given EIO scales, the EIO index
@@ -214,17 +219,20 @@ def test_from_mx_refuses_unequal_quarter_scales_and_nan_byte():
         to_eoi(w, s)
 
 
-@pytest.mark.parametrize("case, exc, match", [
-    ("fp8_2d", ValueError, "must be 3-D"),
-    ("fp8_no_scale", ValueError, "needs its scale tensor of shape \\[1, 4, 2\\]"),
-    ("fp8_bad_scale_shape", ValueError, "must have shape \\[1, 4, 2\\], got \\[1, 2, 4\\]"),
-    ("fp8_bad_scale_dtype", TypeError, "must be torch.float32"),
-    ("fp8_k", ValueError, "K=200, which must be a multiple of 128"),
-    ("bf16_scale", ValueError, "bf16 w takes no scale"),
-    ("fp4_k", ValueError, "multiple of 32"),
-    ("mx_on_fp4", ValueError, "mx=True is the fp8 MX form"),
-    ("int8", TypeError, "not an 'eoi' weight format"),
-])
+@pytest.mark.parametrize(
+    "case, exc, match",
+    [
+        ("fp8_2d", ValueError, "must be 3-D"),
+        ("fp8_no_scale", ValueError, "needs its scale tensor of shape \\[1, 4, 2\\]"),
+        ("fp8_bad_scale_shape", ValueError, "must have shape \\[1, 4, 2\\], got \\[1, 2, 4\\]"),
+        ("fp8_bad_scale_dtype", TypeError, "must be torch.float32"),
+        ("fp8_k", ValueError, "K=200, which must be a multiple of 128"),
+        ("bf16_scale", ValueError, "bf16 w takes no scale"),
+        ("fp4_k", ValueError, "multiple of 32"),
+        ("mx_on_fp4", ValueError, "mx=True is the fp8 MX form"),
+        ("int8", TypeError, "not an 'eoi' weight format"),
+    ],
+)
 def test_to_eio_errors(case, exc, match):
     fp8 = torch.zeros(1, 4, 256, dtype=torch.float8_e4m3fn)
     args, kw = {
@@ -235,8 +243,10 @@ def test_to_eio_errors(case, exc, match):
         "fp8_k": ((torch.zeros(1, 4, 200, dtype=torch.float8_e4m3fn), torch.ones(1, 4, 1)), {}),
         "bf16_scale": ((torch.zeros(1, 4, 8, dtype=torch.bfloat16), torch.ones(1, 4, 1)), {}),
         "fp4_k": ((torch.zeros(1, 4, 20, dtype=torch.uint8), torch.zeros(1, 4, 1, dtype=torch.uint8)), {}),
-        "mx_on_fp4": ((torch.zeros(1, 4, 16, dtype=torch.uint8), torch.zeros(1, 4, 1, dtype=torch.uint8)),
-                      {"mx": True}),
+        "mx_on_fp4": (
+            (torch.zeros(1, 4, 16, dtype=torch.uint8), torch.zeros(1, 4, 1, dtype=torch.uint8)),
+            {"mx": True},
+        ),
         "int8": ((torch.zeros(1, 4, 8, dtype=torch.int8), None), {}),
     }[case]
     with pytest.raises(exc, match=match):
@@ -244,8 +254,11 @@ def test_to_eio_errors(case, exc, match):
 
 
 def test_to_eoi_errors():
-    with pytest.raises(ValueError, match=r"scale of fp4 w \[1, N=8, K=64\] under weight_layout='eio' must have "
-                                         r"shape \[1, 2, 8\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"scale of fp4 w \[1, N=8, K=64\] under weight_layout='eio' must have "
+        r"shape \[1, 2, 8\]",
+    ):
         to_eoi(torch.zeros(1, 16, 8, dtype=torch.uint16), torch.zeros(1, 8, 2, dtype=torch.uint8))
     with pytest.raises(TypeError, match="not an 'eio' weight format"):
         to_eoi(torch.zeros(1, 16, 8, dtype=torch.uint8), torch.zeros(1, 2, 8, dtype=torch.uint8))
@@ -330,14 +343,22 @@ def test_reencode_moves_exactly_the_documented_codes(d):
     after = dequantize_weight_fp8(w2, s2).numpy().reshape(L, n, kb, 128).astype(np.float64)
     inexact = moves[..., None] & np.isin(cb & 0x7F, list(TRN2_INEXACT_CODES))
     assert np.array_equal(before[~inexact], after[~inexact])
-    units = {0x01: (1, 0), 0x03: (3, 4), 0x05: (5, 4), 0x07: (7, 8), 0x09: (9, 8), 0x0B: (11, 12),
-             0x0D: (13, 12), 0x0F: (15, 16)}
+    units = {
+        0x01: (1, 0),
+        0x03: (3, 4),
+        0x05: (5, 4),
+        0x07: (7, 8),
+        0x09: (9, 8),
+        0x0B: (11, 12),
+        0x0D: (13, 12),
+        0x0F: (15, 16),
+    }
     scale = np.broadcast_to(s.numpy().astype(np.float64)[..., None], cb.shape)
     sign = np.where(cb & 0x80, -1.0, 1.0)
     for c, (u_before, u_after) in units.items():
         at = moves[..., None] & ((cb & 0x7F) == c)
-        assert np.array_equal(before[at], (sign * u_before * 2.0 ** -9 * scale)[at].astype(np.float32))
-        assert np.array_equal(after[at], (sign * u_after * 2.0 ** -9 * scale)[at].astype(np.float32))
+        assert np.array_equal(before[at], (sign * u_before * 2.0**-9 * scale)[at].astype(np.float32))
+        assert np.array_equal(after[at], (sign * u_after * 2.0**-9 * scale)[at].astype(np.float32))
     assert moves[0, 0, 0] and inexact[0, 0, 0].sum() == 9  # the eight positive ones and 0x81
     if n >= 2:
         assert moves[0, 1, 0] and inexact[0, 1, 0].sum() == 9
@@ -352,15 +373,17 @@ def test_reencode_same_in_either_layout(d):
     a = to_eio(*reencode_fp8_for_trn2(w, s, "eoi"))
     b = reencode_fp8_for_trn2(*to_eio(w, s), "eio")
     assert _same_bytes(a[0], b[0]) and _same_bytes(a[1], b[1])
-    assert np.array_equal(trn2_blocks_to_reencode(to_eio(w, s)[0], "eio").numpy(),
-                          trn2_blocks_to_reencode(w, "eoi").numpy().transpose(0, 2, 1))
+    assert np.array_equal(
+        trn2_blocks_to_reencode(to_eio(w, s)[0], "eio").numpy(),
+        trn2_blocks_to_reencode(w, "eoi").numpy().transpose(0, 2, 1),
+    )
 
 
 def test_reencode_errors():
     w = torch.full((1, 2, 128), 0x78, dtype=torch.uint8).view(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="would overflow float32"):
-        reencode_fp8_for_trn2(w, torch.full((1, 2, 1), 2.0 ** 127))
-    assert torch.equal(reencode_fp8_for_trn2(w, torch.full((1, 2, 1), 2.0 ** 126))[1], torch.full((1, 2, 1), 2.0**127))
+        reencode_fp8_for_trn2(w, torch.full((1, 2, 1), 2.0**127))
+    assert torch.equal(reencode_fp8_for_trn2(w, torch.full((1, 2, 1), 2.0**126))[1], torch.full((1, 2, 1), 2.0**127))
     nan = w.view(torch.uint8).clone()
     nan[0, 1, 5] = 0xFF
     with pytest.raises(ValueError, match=r"NaN code .* blocked index \[0, 1, 0, 5\]"):
@@ -446,10 +469,16 @@ from static_moe.testing.backends import cpu_kernels  # noqa: E402
 from static_moe.testing.generators import make_activations, make_routing, make_weights  # noqa: E402
 from static_moe.testing.numeric import assert_equal  # noqa: E402
 
-LH, LI, LL = 256, 128, 3   # H, I, L of the op tests
+LH, LI, LL = 256, 128, 3  # H, I, L of the op tests
 # (activation format, weight format, prepared form): "mx" is fp8 weights in the MX form.
-OP_CASES = [("bf16", "bf16", "eio"), ("bf16", "fp8", "eio"), ("fp8", "fp8", "eio"), ("fp8", "fp8", "mx"),
-            ("bf16", "fp4", "eio"), ("fp8", "fp4", "eio")]
+OP_CASES = [
+    ("bf16", "bf16", "eio"),
+    ("bf16", "fp8", "eio"),
+    ("fp8", "fp8", "eio"),
+    ("fp8", "fp8", "mx"),
+    ("bf16", "fp4", "eio"),
+    ("fp8", "fp4", "eio"),
+]
 
 
 def _eio_weights(w: dict, form: str) -> dict:
@@ -478,10 +507,27 @@ def test_reference_ops_give_the_same_bits_in_either_layout(act, wfmt, form):
         g_eio = reference.expert_gemm(x, xs, we["w13"], we["w13_scale"], mask, e, "eio")
         assert_equal(g_eio, g_eoi, f"expert_gemm {act}x{wfmt} {form} expert {e}")
     idx, tw = make_routing(9, 2, LL, seed=6, empty_frac=0.2)
-    f_eoi = reference.forward(x, xs, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], None, LL, 16,
-                              None, "", 0, 1)
-    f_eio = reference.forward(x, xs, idx, tw, we["w13"], we["w13_scale"], we["w2"], we["w2_scale"], None, LL, 16,
-                              None, "", 0, 1, weight_layout="eio")
+    f_eoi = reference.forward(
+        x, xs, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], None, LL, 16, None, "", 0, 1
+    )
+    f_eio = reference.forward(
+        x,
+        xs,
+        idx,
+        tw,
+        we["w13"],
+        we["w13_scale"],
+        we["w2"],
+        we["w2_scale"],
+        None,
+        LL,
+        16,
+        None,
+        "",
+        0,
+        1,
+        weight_layout="eio",
+    )
     assert f_eoi.abs().sum() > 0
     assert_equal(f_eio, f_eoi, f"forward {act}x{wfmt} {form}")
 
@@ -493,9 +539,11 @@ def test_cpu_kernels_refuse_eio_and_check_its_shapes_first():
     idx, tw = make_routing(4, 2, LL, seed=9)
     refuse = r"weight_layout='eio' \(prepared, K-major weights\) is not supported by the CPU kernels"
     # The message names the three ways out, each of which exists.
-    ways = (r"build the layer with StaticMoE\(prepare_for=\"cpu\"\), convert prepared tensors back exactly with "
-            r"static_moe.layouts.to_eoi, or \(tests, CPU\) run the prepared bytes through the reference with "
-            r"static_moe.testing.backends.cpu_kernels\(\"reference\"\)")
+    ways = (
+        r"build the layer with StaticMoE\(prepare_for=\"cpu\"\), convert prepared tensors back exactly with "
+        r"static_moe.layouts.to_eoi, or \(tests, CPU\) run the prepared bytes through the reference with "
+        r"static_moe.testing.backends.cpu_kernels\(\"reference\"\)"
+    )
     with pytest.raises(ValueError, match=refuse + r".*; " + ways):
         torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, we), "eio")
     assert callable(layouts.to_eoi) and callable(cpu_kernels)
@@ -504,43 +552,72 @@ def test_cpu_kernels_refuse_eio_and_check_its_shapes_first():
     with pytest.raises(ValueError, match="expert_gemm: " + refuse):
         torch.ops.static_moe.expert_gemm(x, xs, we["w13"], we["w13_scale"], torch.ones(4, dtype=torch.bool), 0, "eio")
     with pytest.raises(ValueError, match=r"local_experts: " + refuse):
-        static_moe.forward(x, xs, idx, tw, we["w13"], we["w13_scale"], we["w2"], we["w2_scale"], num_experts=LL,
-                           capacity=4, weight_layout="eio")
+        static_moe.forward(
+            x,
+            xs,
+            idx,
+            tw,
+            we["w13"],
+            we["w13_scale"],
+            we["w2"],
+            we["w2_scale"],
+            num_experts=LL,
+            capacity=4,
+            weight_layout="eio",
+        )
     # An EOI tensor passed as "eio" fails the EIO shape check, naming the expected prepared shape.
-    with pytest.raises(ValueError, match=r"local_experts: w13_scale must have shape \[L, K/128, N\] \(weight_layout="
-                                         r"'eio'\) = \[3, 2, 256\], got \[3, 256, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"local_experts: w13_scale must have shape \[L, K/128, N\] \(weight_layout="
+        r"'eio'\) = \[3, 2, 256\], got \[3, 256, 2\]",
+    ):
         torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "eio")
     with pytest.raises(ValueError, match="weight_layout must be 'eoi' .* or 'eio' .*, got 'kio'"):
         torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "kio")
     with pytest.raises(ValueError, match="weight_layout must be 'eoi'"):
         reference.local_experts(*_le_args(x, xs, idx, tw, w), weight_layout="EOI")
     # "eoi" passed explicitly is today's op.
-    assert_equal(torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "eoi"),
-                 torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w)), "explicit eoi")
+    assert_equal(
+        torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w), "eoi"),
+        torch.ops.static_moe.local_experts(*_le_args(x, xs, idx, tw, w)),
+        "explicit eoi",
+    )
     # A prepared dtype passed without weight_layout='eio' says so.
     for packed in (we["w13"].view(torch.uint8).view(torch.uint32), we["w13"].view(torch.uint8).view(torch.uint16)):
-        with pytest.raises(TypeError, match=r"expert_gemm: b must have a weight dtype: .* got torch.uint(32|16) "
-                                            r"\(a prepared dtype: pass weight_layout='eio'\)"):
+        with pytest.raises(
+            TypeError,
+            match=r"expert_gemm: b must have a weight dtype: .* got torch.uint(32|16) "
+            r"\(a prepared dtype: pass weight_layout='eio'\)",
+        ):
             torch.ops.static_moe.expert_gemm(x, xs, packed, we["w13_scale"], torch.ones(4, dtype=torch.bool), 0)
 
 
-@pytest.mark.parametrize("case, exc, match", [
-    ("mixed", TypeError, r"under weight_layout='eio' w2 must have the dtype of w13 \(torch.uint32\), got "
-                         r"torch.float8_e4m3fn"),
-    ("mx_scale_dtype", TypeError, r"w13_scale must have dtype torch.uint8 or torch.float8_e8m0fnu"),
-    ("fp4_shape", ValueError, r"w2 must have shape \[L, K/4, N\] \(weight_layout='eio'\) = \[3, 32, 256\]"),
-    ("uint8", TypeError, r"must have a weight dtype of weight_layout='eio': .* got torch.uint8"),
-])
+@pytest.mark.parametrize(
+    "case, exc, match",
+    [
+        (
+            "mixed",
+            TypeError,
+            r"under weight_layout='eio' w2 must have the dtype of w13 \(torch.uint32\), got "
+            r"torch.float8_e4m3fn",
+        ),
+        ("mx_scale_dtype", TypeError, r"w13_scale must have dtype torch.uint8 or torch.float8_e8m0fnu"),
+        ("fp4_shape", ValueError, r"w2 must have shape \[L, K/4, N\] \(weight_layout='eio'\) = \[3, 32, 256\]"),
+        ("uint8", TypeError, r"must have a weight dtype of weight_layout='eio': .* got torch.uint8"),
+    ],
+)
 def test_eio_checks(case, exc, match):
     x, xs = make_activations(4, LH, "fp8", 128, seed=8)
     idx, tw = make_routing(4, 2, LL, seed=9)
     w8 = make_weights(LL, LH, LI, "fp8", seed=7)
     mx, plain = _eio_weights(w8, "mx"), _eio_weights(w8, "eio")
     f4 = _eio_weights(make_weights(LL, LH, LI, "fp4", seed=7), "eio")
-    w = {"mixed": {**mx, "w2": plain["w2"], "w2_scale": plain["w2_scale"]},
-         "mx_scale_dtype": {**mx, "w13_scale": mx["w13_scale"].float()},
-         "fp4_shape": {**f4, "w2": f4["w2"][:, :16]},
-         "uint8": {**f4, "w13": f4["w13"].view(torch.uint8)}}[case]
+    w = {
+        "mixed": {**mx, "w2": plain["w2"], "w2_scale": plain["w2_scale"]},
+        "mx_scale_dtype": {**mx, "w13_scale": mx["w13_scale"].float()},
+        "fp4_shape": {**f4, "w2": f4["w2"][:, :16]},
+        "uint8": {**f4, "w13": f4["w13"].view(torch.uint8)},
+    }[case]
     with pytest.raises(exc, match=match):
         _C.check_local_experts(*_le_args(x, xs, idx, tw, w), weight_layout="eio")
     with pytest.raises(exc, match=match):
@@ -591,6 +668,7 @@ def test_nki_dispatch_passes_the_layout_as_a_keyword(monkeypatch):
         def k(*args, **kwargs):
             seen.append((name, kwargs.get("weight_layout")))
             return torch.zeros(args[0].shape[0], 1)
+
         return k
 
     monkeypatch.setattr(dispatch, "_kernels", lambda: {n: fake_kernel(n) for n in ("expert_gemm", "local_experts")})
@@ -609,16 +687,21 @@ def test_nki_dispatch_passes_the_layout_as_a_keyword(monkeypatch):
         dispatch.expert_gemm(x, xs, we["w13"], we["w13_scale"], torch.ones(3, dtype=torch.bool), 1, "eio")
     assert seen == [("local_experts", "eoi"), ("local_experts", "eio"), ("expert_gemm", "eio")]
     with pytest.raises(ValueError, match=r"w2 must have shape \[L, K, N\] \(weight_layout='eio'\) = \[2, 128, 256\]"):
-        dispatch.local_experts(*_le_args(x, xs, idx, tw, {**we, "w2": w["w2"]}, 0, None, 240.0),
-                               weight_layout="eio")
+        dispatch.local_experts(*_le_args(x, xs, idx, tw, {**we, "w2": w["w2"]}, 0, None, 240.0), weight_layout="eio")
 
 
 def test_outputs_have_row_major_strides():
     """Single-block scales ([L, N, 1]) and one-column weights keep no permuted stride (byte views need none)."""
     g = torch.Generator().manual_seed(21)
     w, s = _random_fp8(g, 2, 1, 128, pow2=True, emax=100, allow_nan=False)
-    outs = [*to_eio(w, s), *to_eoi(*to_eio(w, s)), *to_eio(w, s, mx=True), *to_eoi(*to_eio(w, s, mx=True)),
-            *reencode_fp8_for_trn2(*to_eio(w, s), "eio"), *to_eoi(*to_eio(*_random_fp4(g, 2, 1, 32)))]
+    outs = [
+        *to_eio(w, s),
+        *to_eoi(*to_eio(w, s)),
+        *to_eio(w, s, mx=True),
+        *to_eoi(*to_eio(w, s, mx=True)),
+        *reencode_fp8_for_trn2(*to_eio(w, s), "eio"),
+        *to_eoi(*to_eio(*_random_fp4(g, 2, 1, 32))),
+    ]
     for t in outs:
         want = torch.empty(t.shape, dtype=t.dtype).stride()
         assert t.stride() == want, (t.shape, t.stride())
@@ -636,13 +719,42 @@ def test_forward_op_takes_the_layout_at_s1(act, wfmt, form):
     x, xs, idx, tw, w, we = _forward_inputs(act, wfmt, form, seed=31)
 
     def call(ws, layout):
-        return static_moe.forward(x, xs, idx, tw, ws["w13"], ws["w13_scale"], ws["w2"], ws["w2_scale"],
-                                  num_experts=LL, capacity=8, swiglu_limit=7.0, weight_layout=layout)
+        return static_moe.forward(
+            x,
+            xs,
+            idx,
+            tw,
+            ws["w13"],
+            ws["w13_scale"],
+            ws["w2"],
+            ws["w2_scale"],
+            num_experts=LL,
+            capacity=8,
+            swiglu_limit=7.0,
+            weight_layout=layout,
+        )
 
     with cpu_kernels("reference"):
         eoi, eio = call(w, "eoi"), call(we, "eio")
-        args = (x, xs, idx, tw, we["w13"], we["w13_scale"], we["w2"], we["w2_scale"], None, LL, 8, 7.0, "", 0, 1,
-                448.0, "eio")
+        args = (
+            x,
+            xs,
+            idx,
+            tw,
+            we["w13"],
+            we["w13_scale"],
+            we["w2"],
+            we["w2_scale"],
+            None,
+            LL,
+            8,
+            7.0,
+            "",
+            0,
+            1,
+            448.0,
+            "eio",
+        )
         torch.library.opcheck(torch.ops.static_moe.forward.default, args, test_utils=("test_faketensor",))
 
         class Step(torch.nn.Module):
@@ -667,18 +779,48 @@ def _eio_forward_worker(rank: int, size: int) -> dict:
     out = {}
     with cpu_kernels("reference"):
         for layout, ws in (("eoi", w), ("eio", we)):
-            out[layout] = static_moe.forward(x, xs, idx, tw, ws["w13"], ws["w13_scale"], ws["w2"], ws["w2_scale"],
-                                             num_experts=2 * size, capacity=8, group_name=group, ep_rank=rank,
-                                             ep_size=size, weight_layout=layout)
+            out[layout] = static_moe.forward(
+                x,
+                xs,
+                idx,
+                tw,
+                ws["w13"],
+                ws["w13_scale"],
+                ws["w2"],
+                ws["w2_scale"],
+                num_experts=2 * size,
+                capacity=8,
+                group_name=group,
+                ep_rank=rank,
+                ep_size=size,
+                weight_layout=layout,
+            )
         try:  # a wrong EIO shape on rank 1 only fails the step on both ranks
             bad = we["w2"][:, :-1] if rank == 1 else we["w2"]
-            static_moe.forward(x, xs, idx, tw, we["w13"], we["w13_scale"], bad, we["w2_scale"], num_experts=2 * size,
-                               capacity=8, group_name=group, ep_rank=rank, ep_size=size, weight_layout="eio")
+            static_moe.forward(
+                x,
+                xs,
+                idx,
+                tw,
+                we["w13"],
+                we["w13_scale"],
+                bad,
+                we["w2_scale"],
+                num_experts=2 * size,
+                capacity=8,
+                group_name=group,
+                ep_rank=rank,
+                ep_size=size,
+                weight_layout="eio",
+            )
             out["error"] = None
         except (ValueError, RuntimeError) as e:
             out["error"] = f"{type(e).__name__}: {e}"
-    return {"same": bool(torch.equal(out["eoi"].view(torch.int16), out["eio"].view(torch.int16))),
-            "nonzero": bool(out["eoi"].abs().sum() > 0), "error": out["error"]}
+    return {
+        "same": bool(torch.equal(out["eoi"].view(torch.int16), out["eio"].view(torch.int16))),
+        "nonzero": bool(out["eoi"].abs().sum() > 0),
+        "error": out["error"],
+    }
 
 
 def test_collective_forward_takes_the_layout_on_two_ranks():
@@ -721,7 +863,11 @@ def test_forward_names_the_w13_dim_that_gives_i(weight_layout, dim):
     w13, w2 = torch.zeros(2, 0, LH, dtype=torch.bfloat16), torch.zeros(2, LH, 0, dtype=torch.bfloat16)
     if weight_layout == "eio":
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
-    with pytest.raises(ValueError, match=rf"^forward: I \(w13.size\({dim}\) / 2\) must be a positive multiple of "
-                                         r"128, got 0$"):
-        static_moe.forward(x, None, idx, tw, w13, None, w2, None, num_experts=2, capacity=4,
-                           weight_layout=weight_layout)
+    with pytest.raises(
+        ValueError,
+        match=rf"^forward: I \(w13.size\({dim}\) / 2\) must be a positive multiple of "
+        r"128, got 0$",
+    ):
+        static_moe.forward(
+            x, None, idx, tw, w13, None, w2, None, num_experts=2, capacity=4, weight_layout=weight_layout
+        )

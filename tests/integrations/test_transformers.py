@@ -10,36 +10,71 @@ import copy
 import pytest
 import torch
 
-tf = pytest.importorskip("transformers", minversion="5.0", reason="the transformers integration tests need "
-                         "transformers>=5 (pip install 'static_moe[transformers]')")
+tf = pytest.importorskip(
+    "transformers",
+    minversion="5.0",
+    reason="the transformers integration tests need transformers>=5 (pip install 'static_moe[transformers]')",
+)
 
 from static_moe.formats import dequantize_weight  # noqa: E402
-from static_moe.integrations.transformers import (  # noqa: E402
-    FAMILIES, StaticMoEBlock, close_moe_blocks, replace_moe_blocks)
+from static_moe.integrations.transformers import FAMILIES, StaticMoEBlock, close_moe_blocks, replace_moe_blocks  # noqa: E402
 from static_moe.module import StaticMoE  # noqa: E402
 from static_moe.testing.distributed import run_ranks  # noqa: E402
 from static_moe.testing.numeric import assert_equal, calc_diff  # noqa: E402
 
 H, E, K, V = 256, 8, 2, 128
 CAPACITY = 16
-COMMON = dict(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, initializer_range=0.1)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=H,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.1,
+)
 
 
 def tiny_config(family: str):
     """A two-layer random config with H = 256, E = 8 experts of I = 128, top-2, every layer sparse."""
     if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**COMMON, intermediate_size=256, moe_intermediate_size=128, num_experts=E,
-                                 num_experts_per_tok=K, norm_topk_prob=True, head_dim=64)
+        return tf.Qwen3MoeConfig(
+            **COMMON,
+            intermediate_size=256,
+            moe_intermediate_size=128,
+            num_experts=E,
+            num_experts_per_tok=K,
+            norm_topk_prob=True,
+            head_dim=64,
+        )
     if family == "qwen2_moe":
-        return tf.Qwen2MoeConfig(**COMMON, intermediate_size=256, moe_intermediate_size=128, num_experts=E,
-                                 num_experts_per_tok=K, shared_expert_intermediate_size=128)
+        return tf.Qwen2MoeConfig(
+            **COMMON,
+            intermediate_size=256,
+            moe_intermediate_size=128,
+            num_experts=E,
+            num_experts_per_tok=K,
+            shared_expert_intermediate_size=128,
+        )
     if family == "deepseek_v3":
-        return tf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=256,
-                                   moe_intermediate_size=128, n_routed_experts=E, n_shared_experts=1, n_group=2,
-                                   topk_group=1, num_experts_per_tok=K, first_k_dense_replace=0, q_lora_rank=64,
-                                   kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-                                   routed_scaling_factor=2.5, norm_topk_prob=True)
+        return tf.DeepseekV3Config(
+            **{**COMMON, "num_key_value_heads": 4},
+            intermediate_size=256,
+            moe_intermediate_size=128,
+            n_routed_experts=E,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=K,
+            first_k_dense_replace=0,
+            q_lora_rank=64,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        )
     if family == "mixtral":
         return tf.MixtralConfig(**COMMON, intermediate_size=128, num_local_experts=E, num_experts_per_tok=K)
     if family == "olmoe":  # norm_topk_prob False: unnormalised top-k softmax weights
@@ -112,8 +147,15 @@ def _decisive_prompt(model, tokens: int, new: int) -> torch.Tensor:
     leads the second by more than 2 bf16 ulps (a tie is ill-posed for greedy equality; its side is noise)."""
     for seed in range(20):
         ids = torch.randint(0, V, (1, tokens), generator=torch.Generator().manual_seed(100 + seed))
-        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(
+            ids,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
         top2 = torch.stack(out.scores)[:, 0].float().topk(2, dim=-1).values
         if bool((top2[:, 0] - top2[:, 1] > 2 * 2.0**-7 * top2[:, 0].abs()).all()):
             return ids
@@ -133,8 +175,10 @@ def test_bf16_greedy_generation_equal(family):
     close_moe_blocks(model)
 
 
-@pytest.mark.parametrize("family,wfmt", [("qwen2_moe", "fp8"), ("deepseek_v3", "fp4"), ("mixtral", "fp4"),
-                                         ("qwen3_moe", "fp8"), ("olmoe", "fp8")])
+@pytest.mark.parametrize(
+    "family,wfmt",
+    [("qwen2_moe", "fp8"), ("deepseek_v3", "fp4"), ("mixtral", "fp4"), ("qwen3_moe", "fp8"), ("olmoe", "fp8")],
+)
 def test_quantized_matches_model_with_dequantized_weights(family, wfmt):
     model = tiny_model(family)
     original = copy.deepcopy(model)
@@ -177,8 +221,11 @@ def test_model_dtype_conversions_keep_formats_and_outputs():
     x = hidden_like_model(6)
     with torch.no_grad():
         want = block(x)
-        for convert, dtype in ((lambda m: m.float(), torch.float32), (lambda m: m.half(), torch.float16),
-                               (lambda m: m.to(torch.bfloat16), torch.bfloat16)):
+        for convert, dtype in (
+            (lambda m: m.float(), torch.float32),
+            (lambda m: m.half(), torch.float16),
+            (lambda m: m.to(torch.bfloat16), torch.bfloat16),
+        ):
             convert(model)
             assert block.gate.weight.dtype == dtype
             for n, p in block.moe.named_parameters():
@@ -235,14 +282,17 @@ def _ep_worker(rank: int, size: int, families: list[str]) -> dict:
     for family in families:
         model = tiny_model(family)
         original = copy.deepcopy(model)
-        full = {n: m.experts.gate_up_proj.detach().clone() for n, m in model.named_modules()
-                if type(m).__name__ in {f.block for f in FAMILIES}}
+        full = {
+            n: m.experts.gate_up_proj.detach().clone()
+            for n, m in model.named_modules()
+            if type(m).__name__ in {f.block for f in FAMILIES}
+        }
         ids = torch.randint(0, V, (2, 3 + rank), generator=torch.Generator().manual_seed(20 + rank))
         replace_moe_blocks(model, capacity=CAPACITY, ep_group=dist.group.WORLD)
         local = E // size
         for name, block in moe_blocks(model).items():
             assert block.moe.num_local_experts == local and block.moe.expert_offset == rank * local
-            assert_equal(block.moe.w13.data, full[name][rank * local:(rank + 1) * local], f"{name} rank {rank}")
+            assert_equal(block.moe.w13.data, full[name][rank * local : (rank + 1) * local], f"{name} rank {rank}")
         with torch.no_grad():  # the ranks pass different token counts (6 and 8): fine, T ≤ capacity
             diffs[family] = calc_diff(model(ids).logits, original(ids).logits)
         close_moe_blocks(model)
@@ -252,8 +302,7 @@ def _ep_worker(rank: int, size: int, families: list[str]) -> dict:
 def test_expert_parallel_two_ranks():
     """Qwen2-MoE (gated shared expert) and DeepSeek-V3 (grouped sigmoid router) with S = 2: one spawn for both
     (process start-up and imports dominate the time)."""
-    for rank, diffs in enumerate(run_ranks(_ep_worker, 2, ["qwen2_moe", "deepseek_v3"], timeout=120,
-                                           pg_timeout=30)):
+    for rank, diffs in enumerate(run_ranks(_ep_worker, 2, ["qwen2_moe", "deepseek_v3"], timeout=120, pg_timeout=30)):
         for family, d in diffs.items():
             assert d < 1e-4, f"rank {rank} {family}: calc_diff {d:.2e}"
 

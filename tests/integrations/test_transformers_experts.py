@@ -10,8 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-tf = pytest.importorskip("transformers", minversion="5.0", reason="the transformers integration tests need "
-                         "transformers>=5 (pip install 'static_moe[transformers]')")
+tf = pytest.importorskip(
+    "transformers",
+    minversion="5.0",
+    reason="the transformers integration tests need transformers>=5 (pip install 'static_moe[transformers]')",
+)
 
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation  # noqa: E402
 
@@ -40,8 +43,16 @@ class _Config(tf.PretrainedConfig):
         self.num_experts_per_tok = K  # lets use_static_moe convert before the first call
 
 
-def experts_class(*, is_concatenated=True, is_transposed=False, has_bias=False, has_gate=True,
-                  has_post_expert_norm=False, gate=None, act=nn.functional.silu):
+def experts_class(
+    *,
+    is_concatenated=True,
+    is_transposed=False,
+    has_bias=False,
+    has_gate=True,
+    has_post_expert_norm=False,
+    gate=None,
+    act=nn.functional.silu,
+):
     """A fused experts class like transformers' (eager forward: loop over experts) with the given decorator flags
     and ``_apply_gate`` (default: the decorator's act_fn(gate)·up on concatenated halves)."""
 
@@ -70,9 +81,13 @@ def experts_class(*, is_concatenated=True, is_transposed=False, has_bias=False, 
     if gate is not None:
         Experts._apply_gate = gate
     Experts.__name__ = Experts.__qualname__ = "TestExperts"
-    return use_experts_implementation(is_concatenated=is_concatenated, is_transposed=is_transposed,
-                                      has_bias=has_bias, has_gate=has_gate,
-                                      has_post_expert_norm=has_post_expert_norm)(Experts)
+    return use_experts_implementation(
+        is_concatenated=is_concatenated,
+        is_transposed=is_transposed,
+        has_bias=has_bias,
+        has_gate=has_gate,
+        has_post_expert_norm=has_post_expert_norm,
+    )(Experts)
 
 
 def make(cls, limit=None, seed=0):
@@ -128,10 +143,16 @@ def test_static_moe_is_registered_in_the_experts_interface():
     assert is_experts_class(experts_class()) and not is_experts_class(nn.Linear)
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(is_transposed=True),
-                                    dict(is_concatenated=False, gate=interleaved_gate),
-                                    dict(is_concatenated=False, is_transposed=True, gate=interleaved_gate)],
-                         ids=["concatenated", "transposed", "interleaved", "interleaved-transposed"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(),
+        dict(is_transposed=True),
+        dict(is_concatenated=False, gate=interleaved_gate),
+        dict(is_concatenated=False, is_transposed=True, gate=interleaved_gate),
+    ],
+    ids=["concatenated", "transposed", "interleaved", "interleaved-transposed"],
+)
 def test_weight_layouts_match_eager(layout):
     got, want = eager_and_static(make(experts_class(**layout)))
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
@@ -153,26 +174,34 @@ def test_swiglu_clamp_is_deepseek_v4s():
 
 
 def test_deepseek_v4_experts_take_their_limit():
-    cfg = tf.DeepseekV4Config(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K,
-                              swiglu_limit=0.05)
+    cfg = tf.DeepseekV4Config(
+        hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K, swiglu_limit=0.05
+    )
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
 
     experts = DeepseekV4Experts(cfg)
     assert experts_swiglu_limit(experts) == 0.05
 
 
-@pytest.mark.parametrize("flags,variant", [
-    (dict(has_bias=True), "has_bias=True"),
-    (dict(has_gate=False), "has_gate=False"),
-    (dict(has_post_expert_norm=True), "has_post_expert_norm=True"),
-    (dict(act=nn.functional.gelu), "gate _default_apply_gate with act_fn gelu is not the SiLU SwiGLU"),
-    (dict(gate=clamped_after_act_gate), "gate clamped_after_act_gate with act_fn silu is not the SiLU SwiGLU"),
-    (dict(gate=alpha_glu_gate), "gate alpha_glu_gate with act_fn silu is not the SiLU SwiGLU"),
-], ids=["bias", "no-gate", "post-norm", "gelu", "clamp-after-act", "alpha-glu"])
+@pytest.mark.parametrize(
+    "flags,variant",
+    [
+        (dict(has_bias=True), "has_bias=True"),
+        (dict(has_gate=False), "has_gate=False"),
+        (dict(has_post_expert_norm=True), "has_post_expert_norm=True"),
+        (dict(act=nn.functional.gelu), "gate _default_apply_gate with act_fn gelu is not the SiLU SwiGLU"),
+        (dict(gate=clamped_after_act_gate), "gate clamped_after_act_gate with act_fn silu is not the SiLU SwiGLU"),
+        (dict(gate=alpha_glu_gate), "gate alpha_glu_gate with act_fn silu is not the SiLU SwiGLU"),
+    ],
+    ids=["bias", "no-gate", "post-norm", "gelu", "clamp-after-act", "alpha-glu"],
+)
 def test_unsupported_variants_are_refused_before_conversion(flags, variant):
     model = make(experts_class(**flags), limit=0.5)
-    with pytest.raises(UnsupportedExperts, match=f"^TestExperts: static_moe cannot run these experts: {variant}.* "
-                                                 r"\(in experts\)$"):
+    with pytest.raises(
+        UnsupportedExperts,
+        match=f"^TestExperts: static_moe cannot run these experts: {variant}.* "
+        r"\(in experts\)$",
+    ):
         use_static_moe(model)
     assert static_moe_layer(model["experts"]) is None
     assert model["experts"].config._experts_implementation == "eager"  # the model is left as it was
@@ -183,13 +212,21 @@ def test_a_clamp_after_the_activation_is_refused_when_set():
     from transformers.models.step3p7.modeling_step3p7 import Step3p7Experts
 
     def experts(limits):
-        cfg = tf.Step3p7TextConfig(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
-                                   num_hidden_layers=1, swiglu_limits=limits)
+        cfg = tf.Step3p7TextConfig(
+            hidden_size=H,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            num_hidden_layers=1,
+            swiglu_limits=limits,
+        )
         return Step3p7Experts(cfg, 0)
 
     assert experts_swiglu_limit(experts([0.0])) is None
-    with pytest.raises(UnsupportedExperts, match="Step3p7Experts: .*gate Step3p7Experts._apply_gate with act_fn "
-                                                 "SiLUActivation is not the SiLU SwiGLU"):
+    with pytest.raises(
+        UnsupportedExperts,
+        match="Step3p7Experts: .*gate Step3p7Experts._apply_gate with act_fn SiLUActivation is not the SiLU SwiGLU",
+    ):
         experts_swiglu_limit(experts([7.0]))
 
 
@@ -277,9 +314,19 @@ def test_expert_parallel_and_training_are_refused_clearly():
 def test_from_pretrained_with_the_static_moe_implementation(tmp_path):
     """``experts_implementation="static_moe"`` passes transformers' own check and runs bf16 experts, converted at
     the first call from the loaded weights; ``set_experts_implementation("eager")`` switches back."""
-    config = tf.Qwen3MoeConfig(vocab_size=128, hidden_size=H, intermediate_size=256, moe_intermediate_size=I,
-                               num_experts=E, num_experts_per_tok=K, num_hidden_layers=2, num_attention_heads=2,
-                               num_key_value_heads=1, head_dim=64, initializer_range=0.1)
+    config = tf.Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=H,
+        intermediate_size=256,
+        moe_intermediate_size=I,
+        num_experts=E,
+        num_experts_per_tok=K,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        initializer_range=0.1,
+    )
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
     model = tf.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation=EXPERTS_IMPLEMENTATION).eval()

@@ -12,8 +12,11 @@ import re
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.0", reason="the transformers integration tests need "
-                    "transformers>=5 (pip install 'static_moe[transformers]')")
+pytest.importorskip(
+    "transformers",
+    minversion="5.0",
+    reason="the transformers integration tests need transformers>=5 (pip install 'static_moe[transformers]')",
+)
 
 from static_moe.testing.experts_families import TOLERANCE, families, run_family  # noqa: E402
 

@@ -22,5 +22,7 @@ def test_static_moe_imports_without_transformers():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "ImportError: static_moe.integrations.transformers needs transformers>=5: pip install " \
-           "'static_moe[transformers]'" in out.stdout, out.stdout
+    assert (
+        "ImportError: static_moe.integrations.transformers needs transformers>=5: pip install "
+        "'static_moe[transformers]'" in out.stdout
+    ), out.stdout

@@ -28,21 +28,44 @@ BOUND_S = 10.0  # every rank raises within this; generous for loaded CI machines
 PG_TIMEOUT_S = 30.0
 
 
-def _case(rank: int, size: int, act: str = "bf16", wfmt: str = "bf16", tokens: int = 3, group: int = 128,
-          hidden: int = H, num_local: int = L, topk: int = K, seed: int = 0) -> dict:
+def _case(
+    rank: int,
+    size: int,
+    act: str = "bf16",
+    wfmt: str = "bf16",
+    tokens: int = 3,
+    group: int = 128,
+    hidden: int = H,
+    num_local: int = L,
+    topk: int = K,
+    seed: int = 0,
+) -> dict:
     e = num_local * size
     w = make_weights(num_local, hidden, I, wfmt, seed=100 * seed + rank)
     x, xs = make_activations(tokens, hidden, act, group=group, seed=100 * seed + 10 + rank)
     idx, tw = make_routing(tokens, topk, e, seed=100 * seed + 20 + rank, empty_frac=0.2)
-    return dict(x=x, x_scale=xs, idx=idx, tw=tw, **w, shared=None, num_experts=e, capacity=C, limit=None,
-                fp8_max=448.0)
+    return dict(x=x, x_scale=xs, idx=idx, tw=tw, **w, shared=None, num_experts=e, capacity=C, limit=None, fp8_max=448.0)
 
 
 def _call(case: dict, rank: int, size: int, group_name: str, fn=None) -> torch.Tensor:
-    return (fn or torch.ops.static_moe.forward)(case["x"], case["x_scale"], case["idx"], case["tw"], case["w13"],
-                                        case["w13_scale"], case["w2"], case["w2_scale"], case["shared"],
-                                        case["num_experts"], case["capacity"], case["limit"], group_name, rank,
-                                        size, case["fp8_max"])
+    return (fn or torch.ops.static_moe.forward)(
+        case["x"],
+        case["x_scale"],
+        case["idx"],
+        case["tw"],
+        case["w13"],
+        case["w13_scale"],
+        case["w2"],
+        case["w2_scale"],
+        case["shared"],
+        case["num_experts"],
+        case["capacity"],
+        case["limit"],
+        group_name,
+        rank,
+        size,
+        case["fp8_max"],
+    )
 
 
 def _attempt(fn) -> dict:
@@ -117,32 +140,123 @@ def _swiglu_limit_too_big(c):
 
 # (name, formats (act, weight), failing ranks, mutation, failing rank's exception, its message, others' message)
 INPUT_FAULTS = [
-    ("T > C", ("bf16", "bf16"), [1], _more_tokens, "ValueError", "5 tokens exceed the capacity of 4",
-     "forward: rank 1 failed: 5 tokens exceed the capacity of 4"),
-    ("id = E", ("bf16", "fp8"), [1], _id_too_big, "ValueError", "topk_idx must hold global expert ids in [-1, 4)",
-     "forward: rank 1 failed: topk_idx must hold global expert ids in [-1, 4)"),
-    ("id = -2", ("bf16", "bf16"), [0], _id_below_minus_one, "ValueError", "got values in [-2,",
-     "forward: rank 0 failed: topk_idx must hold"),
-    ("routing shape", ("bf16", "bf16"), [1], _routing_shape, "ValueError", "topk_weights must have shape",
-     "forward: rank 1 failed: topk_weights must have shape"),
-    ("routing dtype", ("bf16", "bf16"), [1], _routing_dtype, "TypeError", "topk_idx must have dtype",
-     "forward: rank 1 failed: topk_idx must have dtype"),
-    ("activation dtype", ("bf16", "bf16"), [0], _activation_dtype, "TypeError", "x must have an activation dtype",
-     "forward: rank 0 failed: x must have an activation dtype"),
-    ("activation shape", ("bf16", "bf16"), [1], _activation_shape, "ValueError", "w13 must have shape",
-     "forward: rank 1 failed: w13 must have shape"),
-    ("UE8M0 byte 255", ("fp8", "fp4"), [1], _ue8m0_nan_byte, "ValueError",
-     "w13_scale holds the UE8M0 NaN byte 255", "forward: rank 1 failed: w13_scale holds the UE8M0 NaN byte 255"),
-    ("NaN fp8 weight scale", ("bf16", "fp8"), [1], _fp8_nan_weight_scale, "ValueError",
-     "w2_scale holds a NaN or Inf scale", "forward: rank 1 failed: w2_scale holds a NaN or Inf scale"),
-    ("NaN x_scale", ("fp8", "fp8"), [1], _nan_activation_scale, "ValueError", "x_scale[2, 0] is not",
-     "forward: rank 1 failed: x_scale must hold positive finite scales"),
-    ("NaN activation", ("fp8", "fp4"), [0], _nan_activation_quantized, "ValueError", "x_scale[1, 0] is not",
-     "forward: rank 0 failed: x_scale must hold positive finite scales"),
-    ("swiglu_limit 1e39", ("bf16", "bf16"), [1], _swiglu_limit_too_big, "ValueError",
-     "swiglu_limit must be None or a positive finite number, got 1e+39", "forward: rank 1 failed: swiglu_limit"),
-    ("two ranks fail", ("bf16", "bf16"), [0, 1], _id_too_big, "ValueError", "topk_idx must hold",
-     "forward: ranks [0, 1] failed"),
+    (
+        "T > C",
+        ("bf16", "bf16"),
+        [1],
+        _more_tokens,
+        "ValueError",
+        "5 tokens exceed the capacity of 4",
+        "forward: rank 1 failed: 5 tokens exceed the capacity of 4",
+    ),
+    (
+        "id = E",
+        ("bf16", "fp8"),
+        [1],
+        _id_too_big,
+        "ValueError",
+        "topk_idx must hold global expert ids in [-1, 4)",
+        "forward: rank 1 failed: topk_idx must hold global expert ids in [-1, 4)",
+    ),
+    (
+        "id = -2",
+        ("bf16", "bf16"),
+        [0],
+        _id_below_minus_one,
+        "ValueError",
+        "got values in [-2,",
+        "forward: rank 0 failed: topk_idx must hold",
+    ),
+    (
+        "routing shape",
+        ("bf16", "bf16"),
+        [1],
+        _routing_shape,
+        "ValueError",
+        "topk_weights must have shape",
+        "forward: rank 1 failed: topk_weights must have shape",
+    ),
+    (
+        "routing dtype",
+        ("bf16", "bf16"),
+        [1],
+        _routing_dtype,
+        "TypeError",
+        "topk_idx must have dtype",
+        "forward: rank 1 failed: topk_idx must have dtype",
+    ),
+    (
+        "activation dtype",
+        ("bf16", "bf16"),
+        [0],
+        _activation_dtype,
+        "TypeError",
+        "x must have an activation dtype",
+        "forward: rank 0 failed: x must have an activation dtype",
+    ),
+    (
+        "activation shape",
+        ("bf16", "bf16"),
+        [1],
+        _activation_shape,
+        "ValueError",
+        "w13 must have shape",
+        "forward: rank 1 failed: w13 must have shape",
+    ),
+    (
+        "UE8M0 byte 255",
+        ("fp8", "fp4"),
+        [1],
+        _ue8m0_nan_byte,
+        "ValueError",
+        "w13_scale holds the UE8M0 NaN byte 255",
+        "forward: rank 1 failed: w13_scale holds the UE8M0 NaN byte 255",
+    ),
+    (
+        "NaN fp8 weight scale",
+        ("bf16", "fp8"),
+        [1],
+        _fp8_nan_weight_scale,
+        "ValueError",
+        "w2_scale holds a NaN or Inf scale",
+        "forward: rank 1 failed: w2_scale holds a NaN or Inf scale",
+    ),
+    (
+        "NaN x_scale",
+        ("fp8", "fp8"),
+        [1],
+        _nan_activation_scale,
+        "ValueError",
+        "x_scale[2, 0] is not",
+        "forward: rank 1 failed: x_scale must hold positive finite scales",
+    ),
+    (
+        "NaN activation",
+        ("fp8", "fp4"),
+        [0],
+        _nan_activation_quantized,
+        "ValueError",
+        "x_scale[1, 0] is not",
+        "forward: rank 0 failed: x_scale must hold positive finite scales",
+    ),
+    (
+        "swiglu_limit 1e39",
+        ("bf16", "bf16"),
+        [1],
+        _swiglu_limit_too_big,
+        "ValueError",
+        "swiglu_limit must be None or a positive finite number, got 1e+39",
+        "forward: rank 1 failed: swiglu_limit",
+    ),
+    (
+        "two ranks fail",
+        ("bf16", "bf16"),
+        [0, 1],
+        _id_too_big,
+        "ValueError",
+        "topk_idx must hold",
+        "forward: ranks [0, 1] failed",
+    ),
 ]
 
 
@@ -156,10 +270,18 @@ def _config_faults(size: int):
 
     return [
         ("capacity", dict(capacity=2 * C), diff("capacity", 4, 8), diff("capacity", 4, 8)),
-        ("activation format", dict(act="fp8", wfmt="fp8"), diff("formats", "bf16 x bf16", "fp8 x fp8"),
-         diff("act_format", "'bf16'", "'fp8'")),
-        ("activation group", dict(act="fp8", wfmt="fp8", group=32), diff("act_group", 128, 32),
-         diff("act_group", 128, 32)),
+        (
+            "activation format",
+            dict(act="fp8", wfmt="fp8"),
+            diff("formats", "bf16 x bf16", "fp8 x fp8"),
+            diff("act_format", "'bf16'", "'fp8'"),
+        ),
+        (
+            "activation group",
+            dict(act="fp8", wfmt="fp8", group=32),
+            diff("act_group", 128, 32),
+            diff("act_group", 128, 32),
+        ),
         ("top-k", dict(topk=4), diff("topk", 2, 4), diff("topk", 2, 4)),
         ("num_experts", dict(num_local=3), diff("num_experts", L * size, 3 * size), None),
         ("H", dict(hidden=2 * H), diff("hidden", H, 2 * H), None),
@@ -242,8 +364,12 @@ def _fault_worker(rank: int, size: int) -> list[dict]:
         rec = _attempt(lambda: out.setdefault("y", good(fmts)))
     finally:
         fwd._local_step = real_step
-    rec.update(kind="kernel", case="kernel fails after the all-gather", all_nan=bool(torch.isnan(out["y"]).all())
-               if "y" in out else None, next_ok=bool(torch.equal(good(fmts), baselines[fmts])))
+    rec.update(
+        kind="kernel",
+        case="kernel fails after the all-gather",
+        all_nan=bool(torch.isnan(out["y"]).all()) if "y" in out else None,
+        next_ok=bool(torch.equal(good(fmts), baselines[fmts])),
+    )
     records.append(rec)
 
     # Configurations that differ, after good steps (the group's workspace is agreed) ...
@@ -261,15 +387,26 @@ def _fault_worker(rank: int, size: int) -> list[dict]:
 
     last = size - 1
     for field, theirs in (("swiglu_limit", 7.0), ("fp8_max", 240.0)):
-        kw = dict(capacity=C, hidden=H, intermediate=I, num_experts=L * size, topk=K, ep_size=size,
-                  act_format="fp8", weight_format="fp8")
+        kw = dict(
+            capacity=C,
+            hidden=H,
+            intermediate=I,
+            num_experts=L * size,
+            topk=K,
+            ep_size=size,
+            act_format="fp8",
+            weight_format="fp8",
+        )
         if rank == last:
             kw[field] = theirs
         ours = None if field == "swiglu_limit" else 448.0
         rec = _attempt(lambda: workspace.acquire(workspace.WorkspaceSpec(**kw), dist.group.WORLD))
-        rec.update(kind="manifest", case=field, field=f"{field}: {ours} on ranks {list(range(last))}; {theirs} on "
-                                                       f"ranks [{last}]",
-                   next_ok=bool(torch.equal(good(("bf16", "bf16")), baselines[("bf16", "bf16")])))
+        rec.update(
+            kind="manifest",
+            case=field,
+            field=f"{field}: {ours} on ranks {list(range(last))}; {theirs} on ranks [{last}]",
+            next_ok=bool(torch.equal(good(("bf16", "bf16")), baselines[("bf16", "bf16")])),
+        )
         records.append(rec)
 
     # ... and on a step that is the group's first (no workspace yet: agreed through the workspace's manifests).
@@ -278,8 +415,12 @@ def _fault_worker(rank: int, size: int) -> list[dict]:
         case = _config_case(rank, size, ("bf16", "bf16"), change, rank == size - 1)
         rec = _attempt(lambda: _call(case, rank, size, fresh.group_name))
         nxt = _call(_case(rank, size), rank, size, fresh.group_name)
-        rec.update(kind="first-step config", case=label, field=field,
-                   next_ok=bool(torch.equal(nxt, baselines[("bf16", "bf16")])))
+        rec.update(
+            kind="first-step config",
+            case=label,
+            field=field,
+            next_ok=bool(torch.equal(nxt, baselines[("bf16", "bf16")])),
+        )
         records.append(rec)
     return records
 
@@ -287,9 +428,9 @@ def _fault_worker(rank: int, size: int) -> list[dict]:
 def _count_collectives(fn) -> dict:
     """Collectives the forward issues while fn runs: its functional all-gather / reduce-scatter, and any object
     collective (what a hidden extra exchange per step would use)."""
-    import torch.distributed as dist
-
     import importlib
+
+    import torch.distributed as dist
 
     fwd = importlib.import_module("static_moe.ops.forward")  # the module (static_moe.ops.forward is the wrapper)
 
@@ -341,8 +482,9 @@ def _check_records(records: list[list[dict]], size: int) -> None:
             else:
                 want_type, want_msg = "ValueError", rec["field"]
             if rec["raised"] != want_type or want_msg not in rec["msg"]:
-                problems.append(f"{where}: expected {want_type} containing {want_msg!r}, got {rec['raised']}: "
-                                f"{rec['msg']!r}")
+                problems.append(
+                    f"{where}: expected {want_type} containing {want_msg!r}, got {rec['raised']}: {rec['msg']!r}"
+                )
     assert not problems, f"S={size}:\n" + "\n".join(problems)
 
 
@@ -358,14 +500,18 @@ def _three_rank_worker(rank: int, size: int) -> list[dict]:
     name = dist.group.WORLD.group_name
     base = _call(_case(rank, size), rank, size, name)
     records = []
-    for label, failing, mutate in (("T > C", [2], _more_tokens), ("id = E", [1], _id_too_big),
-                                   ("routing dtype", [1, 2], _routing_dtype)):
+    for label, failing, mutate in (
+        ("T > C", [2], _more_tokens),
+        ("id = E", [1], _id_too_big),
+        ("routing dtype", [1, 2], _routing_dtype),
+    ):
         case = _case(rank, size)
         if rank in failing:
             mutate(case)
         rec = _attempt(lambda: _call(case, rank, size, name))
-        rec.update(case=label, failing=failing,
-                   next_ok=bool(torch.equal(_call(_case(rank, size), rank, size, name), base)))
+        rec.update(
+            case=label, failing=failing, next_ok=bool(torch.equal(_call(_case(rank, size), rank, size, name), base))
+        )
         records.append(rec)
     # An input fault on a group's very first step (no workspace yet): reported the same way.
     fresh = dist.new_group(list(range(size))).group_name
@@ -373,13 +519,17 @@ def _three_rank_worker(rank: int, size: int) -> list[dict]:
     if rank == 1:
         _more_tokens(case)
     rec = _attempt(lambda: _call(case, rank, size, fresh))
-    rec.update(case="T > C on a first step", failing=[1],
-               next_ok=bool(torch.equal(_call(_case(rank, size), rank, size, fresh), base)))
+    rec.update(
+        case="T > C on a first step",
+        failing=[1],
+        next_ok=bool(torch.equal(_call(_case(rank, size), rank, size, fresh), base)),
+    )
     records.append(rec)
     case = _case(rank, size, topk=4 if rank == 1 else K)
     rec = _attempt(lambda: _call(case, rank, size, name))
-    rec.update(case="top-k on rank 1", failing=[], next_ok=bool(torch.equal(_call(_case(rank, size), rank, size, name),
-                                                                              base)))
+    rec.update(
+        case="top-k on rank 1", failing=[], next_ok=bool(torch.equal(_call(_case(rank, size), rank, size, name), base))
+    )
     records.append(rec)
     return records
 
@@ -392,7 +542,8 @@ def test_faults_on_three_ranks():
             assert r["s"] < BOUND_S and r["next_ok"], (rank, r)
         t = got["T > C"]
         assert (t["raised"], "5 tokens exceed the capacity of 4" in t["msg"]) == (
-            ("ValueError", True) if rank == 2 else ("RuntimeError", True)), (rank, t)
+            ("ValueError", True) if rank == 2 else ("RuntimeError", True)
+        ), (rank, t)
         if rank != 2:
             assert t["msg"].startswith("forward: rank 2 failed: 5 tokens exceed"), t
         i = got["id = E"]
@@ -455,13 +606,19 @@ def _layer_worker(rank: int, size: int) -> list[dict]:
 
     base = step(good)
     records = []
-    for label, mutate in (("T > C", lambda c: c.update(x=torch.zeros(C + 1, H, dtype=torch.bfloat16),
-                                                       idx=torch.full((C + 1, K), -1, dtype=torch.int32),
-                                                       tw=torch.zeros(C + 1, K))),
-                          ("routing shape", lambda c: c.update(idx=c["idx"][:, :1])),
-                          ("hidden dtype", lambda c: c.update(x=c["x"].to(torch.int32))),
-                          ("hidden width", lambda c: c.update(x=torch.zeros(c["x"].shape[0], 2 * H,
-                                                                             dtype=torch.bfloat16)))):
+    for label, mutate in (
+        (
+            "T > C",
+            lambda c: c.update(
+                x=torch.zeros(C + 1, H, dtype=torch.bfloat16),
+                idx=torch.full((C + 1, K), -1, dtype=torch.int32),
+                tw=torch.zeros(C + 1, K),
+            ),
+        ),
+        ("routing shape", lambda c: c.update(idx=c["idx"][:, :1])),
+        ("hidden dtype", lambda c: c.update(x=c["x"].to(torch.int32))),
+        ("hidden width", lambda c: c.update(x=torch.zeros(c["x"].shape[0], 2 * H, dtype=torch.bfloat16))),
+    ):
         case = dict(good)
         if rank == 1:
             mutate(case)

@@ -27,8 +27,21 @@ def _case(rank: int, size: int, act: str = "bf16", wfmt: str = "bf16", index_dty
     w = make_weights(L, H, I, wfmt, seed=rank)
     x, xs = make_activations(3, H, act, seed=10 + rank)
     idx, tw = make_routing(3, K, e, seed=20 + rank, empty_frac=0.2, index_dtype=index_dtype)
-    return dict(x=x, x_scale=xs, topk_idx=idx, topk_weights=tw, **w, shared_output=None, num_experts=e,
-                capacity=C, swiglu_limit=None, ep_rank=rank, ep_size=size, fp8_max=448.0, weight_layout="eoi")
+    return dict(
+        x=x,
+        x_scale=xs,
+        topk_idx=idx,
+        topk_weights=tw,
+        **w,
+        shared_output=None,
+        num_experts=e,
+        capacity=C,
+        swiglu_limit=None,
+        ep_rank=rank,
+        ep_size=size,
+        fp8_max=448.0,
+        weight_layout="eoi",
+    )
 
 
 _ARGS = ("x", "x_scale", "topk_idx", "topk_weights", "w13", "w13_scale", "w2", "w2_scale", "shared_output")
@@ -36,21 +49,33 @@ _ARGS = ("x", "x_scale", "topk_idx", "topk_weights", "w13", "w13_scale", "w2", "
 
 def _op_call(case: dict, group_name: str, fn=None):
     fn = fn or torch.ops.static_moe.forward
-    return fn(*[case[a] for a in _ARGS], case["num_experts"], case["capacity"], case["swiglu_limit"], group_name,
-              case["ep_rank"], case["ep_size"], case["fp8_max"], case["weight_layout"])
+    return fn(
+        *[case[a] for a in _ARGS],
+        case["num_experts"],
+        case["capacity"],
+        case["swiglu_limit"],
+        group_name,
+        case["ep_rank"],
+        case["ep_size"],
+        case["fp8_max"],
+        case["weight_layout"],
+    )
 
 
 def _wrapper_call(case: dict, group_name: str):
     from static_moe.ops.forward import forward
 
-    kw = {k: case[k] for k in ("num_experts", "capacity", "swiglu_limit", "ep_rank", "ep_size", "fp8_max",
-                               "weight_layout")}
+    kw = {
+        k: case[k]
+        for k in ("num_experts", "capacity", "swiglu_limit", "ep_rank", "ep_size", "fp8_max", "weight_layout")
+    }
     return forward(*[case[a] for a in _ARGS], group_name=group_name, **kw)
 
 
 def _set(**changes):
     def mutate(case):
         case.update(changes)
+
     return mutate
 
 
@@ -58,6 +83,7 @@ def _idx(value: int):
     def mutate(case):
         case["topk_idx"] = case["topk_idx"].to(torch.int64).clone()
         case["topk_idx"][0, 0] = value
+
     return mutate
 
 
@@ -188,8 +214,11 @@ LAYER_FAULTS = [
     ("device gpu", dict(device="gpu"), "RuntimeError", "gpu"),
     ("swiglu_limit 10**400", dict(swiglu_limit=10**400), "ValueError", "swiglu_limit must be None or a positive"),
     ("allocation fails", "alloc", "MemoryError", "injected allocation failure"),
-    *([("device cuda on a CPU build", dict(device="cuda"), "AssertionError", "CUDA")]
-      if not torch.cuda.is_available() else []),
+    *(
+        [("device cuda on a CPU build", dict(device="cuda"), "AssertionError", "CUDA")]
+        if not torch.cuda.is_available()
+        else []
+    ),
     ("hidden on meta", "forward meta hidden", "ValueError", "hidden is on meta"),
     ("weights moved to meta", "forward meta weights", "RuntimeError", "weights are now on meta"),
     ("NaN hidden, fp8 layer", "forward nan fp8", "ValueError", "NaN"),
@@ -199,8 +228,8 @@ LAYER_FAULTS = [
 def _layer_fault_worker(rank: int, size: int) -> list[dict]:
     import torch.distributed as dist
 
-    from static_moe import StaticMoE
     import static_moe.module as module
+    from static_moe import StaticMoE
 
     group = dist.group.WORLD
     layer = StaticMoE(**_layer_kwargs(size), ep_group=group)

@@ -13,8 +13,14 @@ import torch
 
 import static_moe
 from static_moe import reference
-from static_moe.formats import (FLOAT32_MAX, quantize_activation, quantize_weight, quantize_weight_fp4,
-                                quantize_weight_fp8, round_up_pow2)
+from static_moe.formats import (
+    FLOAT32_MAX,
+    quantize_activation,
+    quantize_weight,
+    quantize_weight_fp4,
+    quantize_weight_fp8,
+    round_up_pow2,
+)
 from static_moe.testing.generators import make_activations, make_routing, make_weights
 from static_moe.workspace import WorkspaceSpec
 
@@ -44,8 +50,10 @@ def test_unpack_rows_span_overflow_is_an_error_not_a_crash():
     assert run.returncode == 0, f"child died with {run.returncode}: {run.stderr[-2000:]}"
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 3, run.stdout
-    assert ("span [offset, offset + nbytes) = [9223372036854775800, (overflows int64)) must lie inside the packed "
-            "row width W = packed.size(1) = 32" in lines[0])
+    assert (
+        "span [offset, offset + nbytes) = [9223372036854775800, (overflows int64)) must lie inside the packed "
+        "row width W = packed.size(1) = 32" in lines[0]
+    )
     assert "must lie inside" in lines[1]
     assert "nbytes must equal prod(row_shape) * itemsize" in lines[2] and "overflows int64" in lines[2]
 
@@ -80,11 +88,17 @@ def test_reference_unpack_rows_checks_the_span():
 def test_weight_quantizers_reject_non_finite(bad):
     w = torch.randn(3, 64, 256)
     w[2, 17, 200] = bad
-    with pytest.raises(ValueError, match=r"quantize_weight_fp4: w13 holds NaN or Inf in 1 block\(s\); the first is "
-                                         r"block \[d0, n, k/32\] = \[2, 17, 6\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"quantize_weight_fp4: w13 holds NaN or Inf in 1 block\(s\); the first is "
+        r"block \[d0, n, k/32\] = \[2, 17, 6\]",
+    ):
         quantize_weight_fp4(w, name="w13")
-    with pytest.raises(ValueError, match=r"quantize_weight_fp8: w2 holds NaN or Inf in 1 block\(s\); the first is "
-                                         r"block \[d0, n, k/128\] = \[2, 17, 1\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"quantize_weight_fp8: w2 holds NaN or Inf in 1 block\(s\); the first is "
+        r"block \[d0, n, k/128\] = \[2, 17, 1\]",
+    ):
         quantize_weight_fp8(w, name="w2")
     with pytest.raises(ValueError, match=r"quantize_weight_fp8: w holds NaN"):
         quantize_weight(w, "fp8")
@@ -96,8 +110,11 @@ def test_activation_quantizer_non_finite_semantics():
     x = torch.randn(4, 256)
     x[1, 40] = float("nan")
     x[3, 200] = float("inf")
-    with pytest.raises(ValueError, match=r"quantize_activation: hidden holds NaN or Inf in 2 block\(s\); the first "
-                                         r"is block \[row, group\] = \[1, 1\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"quantize_activation: hidden holds NaN or Inf in 2 block\(s\); the first "
+        r"is block \[row, group\] = \[1, 1\]",
+    ):
         quantize_activation(x, 32, name="hidden")
     q, s = quantize_activation(x, 32, check_finite=False)
     # NaN: the exponent carry of the power-of-two round-up lands in the sign bit -> scale -0.0 (what the C++
@@ -123,8 +140,9 @@ def test_forward_s1_rejects_a_poisoned_activation_scale():
     x_q, x_s = quantize_activation(x, 128, check_finite=False)
     idx, tw = make_routing(3, 2, 2, seed=2)
     with pytest.raises(ValueError, match=r"forward: x_scale must hold positive finite scales, but x_scale\[1, 0\]"):
-        static_moe.forward(x_q, x_s, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], num_experts=2,
-                           capacity=4)
+        static_moe.forward(
+            x_q, x_s, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], num_experts=2, capacity=4
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -138,8 +156,16 @@ def _entry_points(limit=None, fp8_max=448.0):
     idx, tw = make_routing(3, 2, 2, seed=5)
     le = (x, xs, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], 0, limit, fp8_max)
     fw = (x, xs, idx, tw, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], None, 2, 4, limit, "", 0, 1, fp8_max)
-    spec = dict(capacity=4, hidden=256, intermediate=128, num_experts=2, topk=2, ep_size=1, act_format="fp8",
-                weight_format="fp8")
+    spec = dict(
+        capacity=4,
+        hidden=256,
+        intermediate=128,
+        num_experts=2,
+        topk=2,
+        ep_size=1,
+        act_format="fp8",
+        weight_format="fp8",
+    )
     return {
         "op swiglu_and_cast": lambda: static_moe.swiglu_and_cast(gu, None, limit, "fp8", 128, fp8_max, True),
         "reference swiglu_and_cast": lambda: reference.swiglu_and_cast(gu, None, limit, "fp8", 128, fp8_max, True),
@@ -147,8 +173,9 @@ def _entry_points(limit=None, fp8_max=448.0):
         "reference local_experts": lambda: reference.local_experts(*le),
         "op forward": lambda: torch.ops.static_moe.forward(*fw),
         "reference forward": lambda: reference.forward(*fw),
-        "StaticMoE": lambda: static_moe.StaticMoE(256, 128, 2, 2, 4, weight_format="fp8", act_format="fp8",
-                                                  swiglu_limit=limit, fp8_max=fp8_max),
+        "StaticMoE": lambda: static_moe.StaticMoE(
+            256, 128, 2, 2, 4, weight_format="fp8", act_format="fp8", swiglu_limit=limit, fp8_max=fp8_max
+        ),
         "WorkspaceSpec": lambda: WorkspaceSpec(**spec, swiglu_limit=limit, fp8_max=fp8_max),
         "quantize_activation": lambda: quantize_activation(gu, 128, fp8_max),
     }
@@ -156,7 +183,7 @@ def _entry_points(limit=None, fp8_max=448.0):
 
 @pytest.mark.parametrize("limit", [1e39, 1e-50, -1.0, float("nan"), float("inf")])
 def test_swiglu_limit_one_rule_everywhere(limit):
-    rule = f"swiglu_limit must be None or a positive finite number, got "
+    rule = "swiglu_limit must be None or a positive finite number, got "
     for name, call in _entry_points(limit=limit).items():
         if name == "quantize_activation":
             continue  # takes no limit
@@ -167,7 +194,7 @@ def test_swiglu_limit_one_rule_everywhere(limit):
 
 
 def test_swiglu_limit_largest_float32_accepted():
-    for name, call in _entry_points(limit=3.4e38).items():
+    for _name, call in _entry_points(limit=3.4e38).items():
         call()  # no error
 
 
@@ -189,5 +216,5 @@ def test_fp8_max_bound_is_where_the_scales_stay_finite():
     q, s = quantize_activation(x, 128, fp8_max=2.0)
     assert torch.isfinite(s).all() and (s > 0).all()
     assert torch.isfinite(q.float()).all() and q.float().abs().max() <= 2.0
-    for name, call in _entry_points(fp8_max=2.0).items():
+    for _name, call in _entry_points(fp8_max=2.0).items():
         call()  # 2 itself is accepted everywhere

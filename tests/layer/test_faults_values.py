@@ -29,8 +29,23 @@ def _op_args(wfmt: str = "bf16", index_dtype=torch.int32) -> dict:
 
 
 def _call(args: dict, fn=torch.ops.static_moe.forward, capacity=C):
-    return fn(args["x"], args["x_scale"], args["topk_idx"], args["topk_weights"], args["w13"], args["w13_scale"],
-              args["w2"], args["w2_scale"], args["shared_output"], L, capacity, None, "", 0, 1)
+    return fn(
+        args["x"],
+        args["x_scale"],
+        args["topk_idx"],
+        args["topk_weights"],
+        args["w13"],
+        args["w13_scale"],
+        args["w2"],
+        args["w2_scale"],
+        args["shared_output"],
+        L,
+        capacity,
+        None,
+        "",
+        0,
+        1,
+    )
 
 
 # --- ids in their own dtype -------------------------------------------------------------------------------------
@@ -46,8 +61,9 @@ def test_reference_local_experts_offset_does_not_wrap():
     """ids 0 are not expert 2^32's: an int32 tensor compared with the Python offset must not wrap it."""
     args = _op_args()
     idx = torch.zeros_like(args["topk_idx"])
-    out = reference.local_experts(args["x"], None, idx, args["topk_weights"], args["w13"], None, args["w2"], None,
-                                  2**32, None)
+    out = reference.local_experts(
+        args["x"], None, idx, args["topk_weights"], args["w13"], None, args["w2"], None, 2**32, None
+    )
     assert torch.equal(out, torch.zeros_like(out))
 
 
@@ -101,8 +117,9 @@ PARTIAL_BAD = [
 ]
 
 
-@pytest.mark.parametrize("wfmt,key,bad,exc,needle", PARTIAL_BAD,
-                         ids=[f"{p[0]}-{p[1]}-{p[3].__name__}" for p in PARTIAL_BAD])
+@pytest.mark.parametrize(
+    "wfmt,key,bad,exc,needle", PARTIAL_BAD, ids=[f"{p[0]}-{p[1]}-{p[3].__name__}" for p in PARTIAL_BAD]
+)
 def test_partial_load_state_dict_validates_each_key(wfmt, key, bad, exc, needle):
     layer = _layer(wfmt)
     before = _snapshot(layer)
@@ -173,8 +190,9 @@ def test_a_layer_is_not_copied(how):
 
 def test_unknown_static_moe_nki_value_is_refused():
     env = {**os.environ, "STATIC_MOE_NKI": "interpeter"}
-    run = subprocess.run([sys.executable, "-c", "import static_moe.nki.shim"], env=env, capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", "import static_moe.nki.shim"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode != 0
     assert "STATIC_MOE_NKI must be one of" in run.stderr
 
@@ -184,8 +202,11 @@ def _transposed_checkpoint(hidden: int, inter: int, num_experts: int) -> dict:
     g = torch.Generator().manual_seed(0)
     sd = {"gate.weight": torch.randn(num_experts, hidden, generator=g)}
     for e in range(num_experts):
-        for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
-                            ("down_proj", (hidden, inter))):
+        for name, shape in (
+            ("gate_proj", (inter, hidden)),
+            ("up_proj", (inter, hidden)),
+            ("down_proj", (hidden, inter)),
+        ):
             sd[f"experts.{e}.{name}.weight"] = torch.randn(*shape, generator=g).to(torch.bfloat16).t().contiguous()
     return sd
 
@@ -204,8 +225,9 @@ def test_deepseek_loader_refuses_transposed_weights_by_hidden_size():
 
 
 def test_deepseek_loader_accepts_a_matching_hidden_size_and_router():
-    sd = {k: v.t().contiguous() if k.startswith("experts.") else v
-          for k, v in _transposed_checkpoint(2 * H, I, L).items()}
+    sd = {
+        k: v.t().contiguous() if k.startswith("experts.") else v for k, v in _transposed_checkpoint(2 * H, I, L).items()
+    }
     layer = StaticMoE.from_deepseek_state_dict(sd, top_k=K, capacity=C, num_experts=L, hidden_size=2 * H)
     assert layer.hidden_size == 2 * H and layer.intermediate_size == I
     layer.close()

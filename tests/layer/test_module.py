@@ -44,8 +44,11 @@ class HFExpert(nn.Module):
 
 def float_experts(num, seed, inter=I):
     g = gen(seed)
-    return (torch.randn(num, inter, H, generator=g) / H**0.5, torch.randn(num, inter, H, generator=g) / H**0.5,
-            torch.randn(num, H, inter, generator=g) / inter**0.5)
+    return (
+        torch.randn(num, inter, H, generator=g) / H**0.5,
+        torch.randn(num, inter, H, generator=g) / H**0.5,
+        torch.randn(num, H, inter, generator=g) / inter**0.5,
+    )
 
 
 class Fused(nn.Module):
@@ -94,8 +97,19 @@ def reference_layer(hidden, idx, tw, experts, act, group, limit, shared=None, sh
         sw13, sw13_s, sw2, sw2_s = shared
         sx, sxs = (x, xs) if sw13.dtype != torch.bfloat16 else (hidden.reshape(-1, H), None)
         t = x.shape[0]
-        shared_out = reference.local_experts(sx, sxs, torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, 1), sw13,
-                                             sw13_s, sw2, sw2_s, 0, shared_limit, fp8_max)
+        shared_out = reference.local_experts(
+            sx,
+            sxs,
+            torch.zeros(t, 1, dtype=torch.int32),
+            torch.ones(t, 1),
+            sw13,
+            sw13_s,
+            sw2,
+            sw2_s,
+            0,
+            shared_limit,
+            fp8_max,
+        )
     return reference.forward(x, xs, idx, tw, *experts[:2], *experts[2:], shared_out, E, C, limit, "", 0, 1, fp8_max)
 
 
@@ -167,7 +181,7 @@ def test_forward_validation_and_close():
     with pytest.raises(RuntimeError, match="closed"):
         layer(x, idx, tw)
     with pytest.raises(RuntimeError, match="closed"):
-        layer.workspace
+        layer.workspace  # noqa: B018  (the property access is what raises)
 
 
 def test_set_expert_weights_checks():
@@ -225,18 +239,26 @@ def test_bf16_shared_expert_with_fp8_activations():
     (x_q, x_s) when the caller passes fp8)."""
     w1, w3, w2 = float_experts(E, seed=15)
     sw = [t[:1] for t in float_experts(1, seed=16, inter=IS)]
-    layer = StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, weight_format="fp4", act_format="fp8",
-                                  shared_weight_format="bf16", shared_expert=hf_experts(*sw)[0])
+    layer = StaticMoE.from_module(
+        Grouped(w1, w3, w2),
+        top_k=K,
+        capacity=C,
+        weight_format="fp4",
+        act_format="fp8",
+        shared_weight_format="bf16",
+        shared_expert=hf_experts(*sw)[0],
+    )
     assert layer.shared.weight_format == "bf16" and layer.shared.w13.dtype == torch.bfloat16
     x = hidden_states(6, 17)
     idx, tw = make_routing(6, K, E, seed=18, empty_frac=0.2)
     experts = quantized(w1, w3, w2, "fp4")
     shared = quantized(*sw, "bf16")
-    assert_gemm_close(layer(x, idx, tw), reference_layer(x, idx, tw, experts, "fp8", 128, None, shared),
-                      "bf16 hidden")
+    assert_gemm_close(layer(x, idx, tw), reference_layer(x, idx, tw, experts, "fp8", 128, None, shared), "bf16 hidden")
     x_q, x_s = quantize_activation(x, 128)
     x_deq = dequantize_activation(x_q, x_s).to(torch.bfloat16)
-    ref = reference_layer(x_deq, idx, tw, experts, "fp8", 128, None, shared)  # re-quantizing x_deq gives the same values
+    ref = reference_layer(
+        x_deq, idx, tw, experts, "fp8", 128, None, shared
+    )  # re-quantizing x_deq gives the same values
     assert_gemm_close(layer((x_q, x_s), idx, tw), ref, "pre-quantized input")
 
 
@@ -252,8 +274,18 @@ def test_fp8_max_for_trn2_reaches_routed_and_shared_experts():
     ones = torch.ones(t, 1)
     outs, shared_outs = {}, {}
     for m in (448.0, 240.0):
-        layer = StaticMoE(H, I, E, K, C, weight_format="fp8", act_format="fp8", shared_intermediate_size=IS,
-                          shared_weight_format="fp4", fp8_max=m)
+        layer = StaticMoE(
+            H,
+            I,
+            E,
+            K,
+            C,
+            weight_format="fp8",
+            act_format="fp8",
+            shared_intermediate_size=IS,
+            shared_weight_format="fp4",
+            fp8_max=m,
+        )
         assert layer.fp8_max == m and layer.shared.fp8_max == m
         layer.set_expert_weights(*experts)
         layer.shared.set_weights(*shared)
@@ -307,9 +339,14 @@ def test_from_module_fused_transformers_experts():
     x = hidden_states(6, 32)
     idx, tw = make_routing(6, K, E, seed=33, empty_frac=0.2)
     assert_equal(fused(x, idx, tw), grouped(x, idx, tw), "fused vs grouped")
-    bad = [(dict(is_transposed=True), "transposed"), (dict(is_concatenated=False), "interleaved gate/up rows"),
-           (dict(has_bias=True), "biased projections"), (dict(gate_up_proj_bias=torch.zeros(E, 2 * I)), "bias"),
-           (dict(has_gate=False), "without a gate projection"), (dict(act=nn.GELU()), "activation GELU")]
+    bad = [
+        (dict(is_transposed=True), "transposed"),
+        (dict(is_concatenated=False), "interleaved gate/up rows"),
+        (dict(has_bias=True), "biased projections"),
+        (dict(gate_up_proj_bias=torch.zeros(E, 2 * I)), "bias"),
+        (dict(has_gate=False), "without a gate projection"),
+        (dict(act=nn.GELU()), "activation GELU"),
+    ]
     for flags, msg in bad:
         with pytest.raises(ValueError, match=msg):
             StaticMoE.from_module(Fused(w1, w3, w2, **flags), **kw)
@@ -326,8 +363,11 @@ def test_expert_split_errors_say_what_to_pass():
     assert _local_range(4, None, 2, 1, True, "x") == (0, 4, 8)  # a DTensor shard
     with pytest.raises(ValueError, match="do not split over ep_size=3 ranks; pick an ep_size that divides 8"):
         _local_range(8, 8, 3, 0, False, "x")
-    with pytest.raises(ValueError, match=r"pass num_experts=6 if they are all the model's experts \(6 does not "
-                                         r"split over 4 ranks\), or num_experts=24"):
+    with pytest.raises(
+        ValueError,
+        match=r"pass num_experts=6 if they are all the model's experts \(6 does not "
+        r"split over 4 ranks\), or num_experts=24",
+    ):
         _local_range(6, None, 4, 0, False, "x")
     with pytest.raises(ValueError, match="x holds 3 experts, but num_experts=8 over ep_size=2 needs all 8"):
         _local_range(3, 8, 2, 0, False, "x")
@@ -369,16 +409,18 @@ def test_gated_shared_expert_matches_reference():
     xq, xs = activations(x, "fp8", 128)
     shared = quantized(*sw, "fp4")
     t = x.shape[0]
-    shared_out = reference.local_experts(xq, xs, torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, 1), *shared,
-                                         0, None) * torch.sigmoid(x.float() @ gate.weight.detach().T)
+    shared_out = reference.local_experts(
+        xq, xs, torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, 1), *shared, 0, None
+    ) * torch.sigmoid(x.float() @ gate.weight.detach().T)
     ref = reference.forward(xq, xs, idx, tw, *quantized(w1, w3, w2, "fp4"), shared_out, E, C, None, "", 0, 1)
     out = layer(x, idx, tw)
     assert_gemm_close(out, ref, "gated shared expert")
     ungated = StaticMoE.from_module(Grouped(w1, w3, w2), **kw)
     with pytest.raises(AssertionError):
         assert_gemm_close(ungated(x, idx, tw), ref, "ungated")
-    copy = StaticMoE(H, I, E, K, C, weight_format="fp4", act_format="fp8", shared_intermediate_size=IS,
-                     shared_gate=True)
+    copy = StaticMoE(
+        H, I, E, K, C, weight_format="fp4", act_format="fp8", shared_intermediate_size=IS, shared_gate=True
+    )
     copy.load_state_dict(layer.state_dict())
     assert_equal(copy(x, idx, tw), out, "gated shared expert state_dict round trip")
     with pytest.raises(ValueError, match="a biased gate"):
@@ -397,15 +439,26 @@ def test_dtype_conversions_keep_formats_and_io_dtypes():
     equal to the bf16 path rounded once."""
     w1, w3, w2 = float_experts(E, seed=41)
     shared = hf_experts(*(t[:1] for t in float_experts(1, 42, IS)))[0]
-    layer = StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, weight_format="fp8", act_format="fp8",
-                                  shared_expert=shared, shared_weight_format="fp4",
-                                  shared_expert_gate=nn.Linear(H, 1, bias=False))
+    layer = StaticMoE.from_module(
+        Grouped(w1, w3, w2),
+        top_k=K,
+        capacity=C,
+        weight_format="fp8",
+        act_format="fp8",
+        shared_expert=shared,
+        shared_weight_format="fp4",
+        shared_expert_gate=nn.Linear(H, 1, bias=False),
+    )
     before = {n: p.detach().clone() for n, p in layer.named_parameters()}
     x = hidden_states(5, 43)
     idx, tw = make_routing(5, K, E, seed=44, empty_frac=0.2)
     want = layer(x, idx, tw)
-    for convert in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.float(),
-                    lambda m: m.to("cpu", torch.float16)):
+    for convert in (
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.half(),
+        lambda m: m.float(),
+        lambda m: m.to("cpu", torch.float16),
+    ):
         assert convert(layer) is layer
         for n, p in layer.named_parameters():
             assert_equal(p.data, before[n], f"{n} after a dtype conversion")
@@ -414,21 +467,28 @@ def test_dtype_conversions_keep_formats_and_io_dtypes():
         out = layer(x.to(dtype), idx, tw.to(torch.float16))
         assert out.dtype == dtype
         assert_equal(out, layer(x, idx, tw.to(torch.float16).float()).to(dtype), f"{dtype} hidden")
-    assert layer((torch.zeros(5, H, dtype=torch.float8_e4m3fn), torch.ones(5, H // 128)), idx, tw).dtype == \
-        torch.bfloat16
+    assert (
+        layer((torch.zeros(5, H, dtype=torch.float8_e4m3fn), torch.ones(5, H // 128)), idx, tw).dtype == torch.bfloat16
+    )
     layer.close()
 
 
 def test_load_state_dict_validates_like_set_expert_weights():
     layer = StaticMoE(H, I, E, K, C, weight_format="fp4", act_format="fp8")
     w13, w13_s, w2, w2_s = quantized(*float_experts(E, 45), "fp4")
-    good = {"w13": w13.view(torch.float4_e2m1fn_x2), "w13_scale": w13_s.view(torch.float8_e8m0fnu), "w2": w2,
-            "w2_scale": w2_s}
+    good = {
+        "w13": w13.view(torch.float4_e2m1fn_x2),
+        "w13_scale": w13_s.view(torch.float8_e8m0fnu),
+        "w2": w2,
+        "w2_scale": w2_s,
+    }
     layer.load_state_dict(good)
     assert_equal(layer.w13.data, w13, "fp4 view loaded as uint8")
-    cases = [({"w13_scale": torch.full_like(w13_s, 255)}, ValueError, "UE8M0 byte 255"),
-             ({"w13": w13.float()}, TypeError, "must be torch.uint8 for fp4"),
-             ({"w2": w2[:, :, :32]}, ValueError, r"w2 must have shape \[8, 256, 64\]")]
+    cases = [
+        ({"w13_scale": torch.full_like(w13_s, 255)}, ValueError, "UE8M0 byte 255"),
+        ({"w13": w13.float()}, TypeError, "must be torch.uint8 for fp4"),
+        ({"w2": w2[:, :, :32]}, ValueError, r"w2 must have shape \[8, 256, 64\]"),
+    ]
     for over, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             layer.load_state_dict({**good, **over})
@@ -484,8 +544,10 @@ def _deepseek_checkpoint(fmt: str, prefix: str, style: str, experts=range(E), se
 
 def _expected_from_checkpoint(sd, prefix, style, fmt, target, experts, base="experts.{e}."):
     """The (w13, w13_s, w2, w2_s) a loader must produce, derived independently from the raw checkpoint."""
-    n1, n3, n2, sname = {"v4": ("w1", "w3", "w2", "scale"),
-                         "v3": ("gate_proj", "up_proj", "down_proj", "weight_scale_inv")}[style]
+    n1, n3, n2, sname = {
+        "v4": ("w1", "w3", "w2", "scale"),
+        "v3": ("gate_proj", "up_proj", "down_proj", "weight_scale_inv"),
+    }[style]
     out = []
     for e in experts:
         b = prefix + base.format(e=e)
@@ -505,15 +567,22 @@ def _expected_from_checkpoint(sd, prefix, style, fmt, target, experts, base="exp
     return tuple(None if out[0][i] is None else torch.stack([o[i] for o in out]) for i in range(4))
 
 
-@pytest.mark.parametrize("fmt,target,act,style", [
-    ("fp8", None, "fp8", "v3"), ("fp4", None, "fp8", "v4"), ("bf16", None, "bf16", "v4"),
-    ("bf16", "fp4", "fp8", "v3"), ("bf16", "fp8", "bf16", "v4"),
-])
+@pytest.mark.parametrize(
+    "fmt,target,act,style",
+    [
+        ("fp8", None, "fp8", "v3"),
+        ("fp4", None, "fp8", "v4"),
+        ("bf16", None, "bf16", "v4"),
+        ("bf16", "fp4", "fp8", "v3"),
+        ("bf16", "fp8", "bf16", "v4"),
+    ],
+)
 def test_deepseek_loader(fmt, target, act, style):
     prefix = "model.layers.3.mlp."
     sd = _deepseek_checkpoint(fmt, prefix, style)
-    layer = StaticMoE.from_deepseek_state_dict(sd, prefix=prefix, num_experts=E, top_k=K, capacity=C,
-                                               weight_format=target, act_format=act, swiglu_limit=10.0)
+    layer = StaticMoE.from_deepseek_state_dict(
+        sd, prefix=prefix, num_experts=E, top_k=K, capacity=C, weight_format=target, act_format=act, swiglu_limit=10.0
+    )
     want_fmt = target or fmt
     assert layer.weight_format == want_fmt and layer.shared is not None and layer.shared.weight_format == want_fmt
     experts = _expected_from_checkpoint(sd, prefix, style, fmt, want_fmt, range(E))
@@ -530,18 +599,29 @@ def test_deepseek_loader(fmt, target, act, style):
 def test_deepseek_loader_rejections():
     sd = _deepseek_checkpoint("fp8", "", "v4", shared=False)
     with pytest.raises(ValueError, match="would quantize twice"):
-        StaticMoE.from_deepseek_state_dict(sd, num_experts=E, top_k=K, capacity=C, weight_format="fp4",
-                                           act_format="fp8")
+        StaticMoE.from_deepseek_state_dict(
+            sd, num_experts=E, top_k=K, capacity=C, weight_format="fp4", act_format="fp8"
+        )
     with pytest.raises(KeyError, match=r"experts\.5\.\{w2\|down_proj\}\.weight"):
-        StaticMoE.from_deepseek_state_dict({k: v for k, v in sd.items() if k != "experts.5.w2.weight"},
-                                           num_experts=E, top_k=K, capacity=C, act_format="fp8")
+        StaticMoE.from_deepseek_state_dict(
+            {k: v for k, v in sd.items() if k != "experts.5.w2.weight"},
+            num_experts=E,
+            top_k=K,
+            capacity=C,
+            act_format="fp8",
+        )
     with pytest.raises(ValueError, match="scales must be 128×128 blocks"):
         bad = dict(sd)
         bad["experts.0.w1.scale"] = torch.ones(3, 2)
         StaticMoE.from_deepseek_state_dict(bad, num_experts=E, top_k=K, capacity=C, act_format="fp8")
     with pytest.raises(ValueError, match="need a scale tensor"):
-        StaticMoE.from_deepseek_state_dict({k: v for k, v in sd.items() if k != "experts.2.w3.scale"},
-                                           num_experts=E, top_k=K, capacity=C, act_format="fp8")
+        StaticMoE.from_deepseek_state_dict(
+            {k: v for k, v in sd.items() if k != "experts.2.w3.scale"},
+            num_experts=E,
+            top_k=K,
+            capacity=C,
+            act_format="fp8",
+        )
     fp4 = _deepseek_checkpoint("fp4", "", "v4", shared=False)
     fp4["experts.1.w2.scale"] = torch.full_like(fp4["experts.1.w2.scale"].view(torch.uint8), 255)
     with pytest.raises(ValueError, match="UE8M0 byte 255"):
@@ -555,27 +635,42 @@ def test_deepseek_loader_messages():
     """A 0-D weight, experts of different shapes and integer fp8 scales each give an error naming the key."""
     sd = _deepseek_checkpoint("fp8", "", "v4", shared=False)
     with pytest.raises(ValueError, match=r"experts.3.w1.weight must be a 2-D tensor, got 0-D \[\]"):
-        StaticMoE.from_deepseek_state_dict({**sd, "experts.3.w1.weight": torch.tensor(1.0)}, num_experts=E, top_k=K,
-                                           capacity=C, act_format="fp8")
+        StaticMoE.from_deepseek_state_dict(
+            {**sd, "experts.3.w1.weight": torch.tensor(1.0)}, num_experts=E, top_k=K, capacity=C, act_format="fp8"
+        )
     bf16 = _deepseek_checkpoint("bf16", "", "v3", shared=False)
     bf16["experts.6.up_proj.weight"] = bf16["experts.6.up_proj.weight"][:, :128]
-    with pytest.raises(ValueError, match=r"experts.6.up_proj has shape \[128, 128\] but experts.0.up_proj has "
-                                         r"\[128, 256\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"experts.6.up_proj has shape \[128, 128\] but experts.0.up_proj has "
+        r"\[128, 256\]",
+    ):
         StaticMoE.from_deepseek_state_dict(bf16, num_experts=E, top_k=K, capacity=C)
     with pytest.raises(TypeError, match=r"experts.4.w2 scale: fp8 weight scales must be float32.*torch.int32"):
-        StaticMoE.from_deepseek_state_dict({**sd, "experts.4.w2.scale": sd["experts.4.w2.scale"].to(torch.int32)},
-                                           num_experts=E, top_k=K, capacity=C, act_format="fp8")
+        StaticMoE.from_deepseek_state_dict(
+            {**sd, "experts.4.w2.scale": sd["experts.4.w2.scale"].to(torch.int32)},
+            num_experts=E,
+            top_k=K,
+            capacity=C,
+            act_format="fp8",
+        )
     nan_bytes = sd["experts.1.w3.weight"].view(torch.uint8).clone()
     nan_bytes[5, 9] = 0xFF
     with pytest.raises(ValueError, match="experts.1.w3: float8_e4m3fn bytes 0x7F/0xFF are NaN"):
-        StaticMoE.from_deepseek_state_dict({**sd, "experts.1.w3.weight": nan_bytes.view(torch.float8_e4m3fn)},
-                                           num_experts=E, top_k=K, capacity=C, act_format="fp8")
+        StaticMoE.from_deepseek_state_dict(
+            {**sd, "experts.1.w3.weight": nan_bytes.view(torch.float8_e4m3fn)},
+            num_experts=E,
+            top_k=K,
+            capacity=C,
+            act_format="fp8",
+        )
     floats = _deepseek_checkpoint("bf16", "", "v4", shared=False)
     floats["experts.2.w3.weight"] = floats["experts.2.w3.weight"].clone()
     floats["experts.2.w3.weight"][0, 0] = math.inf
     with pytest.raises(ValueError, match="experts.2.w3 has NaN or Inf values"):
-        StaticMoE.from_deepseek_state_dict(floats, num_experts=E, top_k=K, capacity=C, weight_format="fp4",
-                                           act_format="fp8")
+        StaticMoE.from_deepseek_state_dict(
+            floats, num_experts=E, top_k=K, capacity=C, weight_format="fp4", act_format="fp8"
+        )
 
 
 def _fused_checkpoint(fmt: str, prefix: str) -> tuple[dict, dict]:
@@ -587,11 +682,14 @@ def _fused_checkpoint(fmt: str, prefix: str) -> tuple[dict, dict]:
     def stack(name, suffix):
         return torch.stack([per[f"{base}{e}.{name}.{suffix}"] for e in range(E)])
 
-    sd = {f"{base}gate_up_proj": torch.cat((stack("gate_proj", "weight"), stack("up_proj", "weight")), dim=1),
-          f"{base}down_proj": stack("down_proj", "weight")}
+    sd = {
+        f"{base}gate_up_proj": torch.cat((stack("gate_proj", "weight"), stack("up_proj", "weight")), dim=1),
+        f"{base}down_proj": stack("down_proj", "weight"),
+    }
     if fmt == "fp8":
-        sd[f"{base}gate_up_proj_scale_inv"] = torch.cat((stack("gate_proj", "weight_scale_inv"),
-                                                         stack("up_proj", "weight_scale_inv")), dim=1)
+        sd[f"{base}gate_up_proj_scale_inv"] = torch.cat(
+            (stack("gate_proj", "weight_scale_inv"), stack("up_proj", "weight_scale_inv")), dim=1
+        )
         sd[f"{base}down_proj_scale_inv"] = stack("down_proj", "weight_scale_inv")
     w1, w3, w2 = (t[0] for t in float_experts(1, seed=98, inter=IS))
     for n, w in (("gate_proj", w1), ("up_proj", w3), ("down_proj", w2)):
@@ -605,8 +703,9 @@ def test_loader_reads_fused_transformers_keys(fmt):
     prefix = "model.layers.1.mlp."
     sd, per = _fused_checkpoint(fmt, prefix)
     act = "fp8" if fmt == "fp8" else "bf16"
-    layer = StaticMoE.from_deepseek_state_dict(sd, prefix=prefix, num_experts=E, top_k=K, capacity=C,
-                                               act_format=act, shared_weight_format="bf16")
+    layer = StaticMoE.from_deepseek_state_dict(
+        sd, prefix=prefix, num_experts=E, top_k=K, capacity=C, act_format=act, shared_weight_format="bf16"
+    )
     want = _expected_from_checkpoint(per, prefix, "v3", fmt, fmt, range(E))
     for name, w in zip(("w13", "w13_scale", "w2", "w2_scale"), want):
         if w is not None:
@@ -614,15 +713,27 @@ def test_loader_reads_fused_transformers_keys(fmt):
     assert layer.shared is not None and layer.shared.gate_weight is not None
     assert_equal(layer.shared.gate_weight.data, sd[prefix + "shared_expert_gate.weight"].float(), "gate weight")
     with pytest.raises(KeyError, match=r"experts.gate_up_proj or .*experts.down_proj but not .*experts.down_proj"):
-        StaticMoE.from_deepseek_state_dict({k: v for k, v in sd.items() if not k.endswith("experts.down_proj")},
-                                           prefix=prefix, num_experts=E, top_k=K, capacity=C, act_format=act)
+        StaticMoE.from_deepseek_state_dict(
+            {k: v for k, v in sd.items() if not k.endswith("experts.down_proj")},
+            prefix=prefix,
+            num_experts=E,
+            top_k=K,
+            capacity=C,
+            act_format=act,
+        )
     layer.close()
 
 
 def test_state_dict_round_trip_and_export_s1():
     w1, w3, w2 = float_experts(E, seed=11)
-    layer = StaticMoE.from_module(Grouped(w1, w3, w2), top_k=K, capacity=C, weight_format="fp4", act_format="fp8",
-                                  shared_expert=hf_experts(*(t[:1] for t in float_experts(1, 12, IS)))[0])
+    layer = StaticMoE.from_module(
+        Grouped(w1, w3, w2),
+        top_k=K,
+        capacity=C,
+        weight_format="fp4",
+        act_format="fp8",
+        shared_expert=hf_experts(*(t[:1] for t in float_experts(1, 12, IS)))[0],
+    )
     copy = StaticMoE(H, I, E, K, C, weight_format="fp4", act_format="fp8", shared_intermediate_size=IS)
     copy.load_state_dict(layer.state_dict())
     x = hidden_states(5, 13)
@@ -641,8 +752,14 @@ def test_state_dict_round_trip_and_export_s1():
 from static_moe.layouts import reencode_fp8_for_trn2, to_eoi  # noqa: E402
 from static_moe.testing.backends import cpu_kernels  # noqa: E402
 
-_HELD_DTYPE = {("trn2", "fp8"): torch.float8_e4m3fn, ("trn3", "fp8"): torch.uint32, ("trn2", "fp4"): torch.uint16,
-               ("trn3", "fp4"): torch.uint16, ("trn2", "bf16"): torch.bfloat16, ("trn3", "bf16"): torch.bfloat16}
+_HELD_DTYPE = {
+    ("trn2", "fp8"): torch.float8_e4m3fn,
+    ("trn3", "fp8"): torch.uint32,
+    ("trn2", "fp4"): torch.uint16,
+    ("trn3", "fp4"): torch.uint16,
+    ("trn2", "bf16"): torch.bfloat16,
+    ("trn3", "bf16"): torch.bfloat16,
+}
 
 
 def _layer_pair(target, act, wfmt, seed):
@@ -650,10 +767,19 @@ def _layer_pair(target, act, wfmt, seed):
     240 for trn2 (SPEC §6.1), 448 otherwise."""
     w1, w3, w2 = float_experts(E, seed=seed)
     shared_src = hf_experts(*(t[:1] for t in float_experts(1, seed + 1, IS)))[0]
-    kw = dict(top_k=K, capacity=C, weight_format=wfmt, act_format=act, swiglu_limit=7.0, shared_expert=shared_src,
-              fp8_max=_FP8_MAX[target])
-    return (StaticMoE.from_module(Grouped(w1, w3, w2), **kw),
-            StaticMoE.from_module(Grouped(w1, w3, w2), prepare_for=target, **kw))
+    kw = dict(
+        top_k=K,
+        capacity=C,
+        weight_format=wfmt,
+        act_format=act,
+        swiglu_limit=7.0,
+        shared_expert=shared_src,
+        fp8_max=_FP8_MAX[target],
+    )
+    return (
+        StaticMoE.from_module(Grouped(w1, w3, w2), **kw),
+        StaticMoE.from_module(Grouped(w1, w3, w2), prepare_for=target, **kw),
+    )
 
 
 _FP8_MAX = {"trn2": 240.0, "trn3": 448.0}
@@ -687,8 +813,9 @@ def test_prepared_layer_holds_eio_and_matches_the_reference(target, act, wfmt):
         want, want_shared = cpu_w, cpu_shared
     # The shared expert's held weights are checked against the CPU layer's, like the routed experts' (not
     # against themselves), so the reference below computes from weights known independently of prep.
-    for got, w, name in zip(_held_eoi(prep) + _held_eoi(prep.shared), want + want_shared,
-                            ("w13", "w13_scale", "w2", "w2_scale") * 2):
+    for got, w, name in zip(
+        _held_eoi(prep) + _held_eoi(prep.shared), want + want_shared, ("w13", "w13_scale", "w2", "w2_scale") * 2
+    ):
         assert (got is None) == (w is None)
         if w is not None:
             assert_equal(got, w, f"{target} {wfmt} {name} back in EOI")
@@ -716,18 +843,33 @@ def test_prepared_state_dict_is_eoi_and_round_trips():
     # trn2 saves the re-encoded weights (module doc, SPEC §1.2), not the bytes it was given: equal to
     # reencode_fp8_for_trn2 of the CPU layer's, which differ from them (every block holding |q| >= 256 moved).
     saved = tuple(sd[p + n] for p in ("", "shared.") for n in ("w13", "w13_scale", "w2", "w2_scale"))
-    for got, want, name in zip(saved, _trn2_reencoded(*_held_eoi(cpu)) + _trn2_reencoded(*_held_eoi(cpu.shared)),
-                               ("w13", "w13_scale", "w2", "w2_scale") * 2):
+    for got, want, name in zip(
+        saved,
+        _trn2_reencoded(*_held_eoi(cpu)) + _trn2_reencoded(*_held_eoi(cpu.shared)),
+        ("w13", "w13_scale", "w2", "w2_scale") * 2,
+    ):
         assert_equal(got, want, f"trn2 saved {name} is the re-encoded one")
     assert not torch.equal(sd["w13"].view(torch.uint8), cpu.w13.data.view(torch.uint8))
     assert tuple(sd["w2_scale"].shape) == (E, H, I // 128) and tuple(sd["shared.w13"].shape) == (1, 2 * IS, H)
-    again = StaticMoE(H, I, E, K, C, weight_format="fp8", act_format="fp8", swiglu_limit=7.0,
-                      shared_intermediate_size=IS, prepare_for="trn2", fp8_max=240.0)
+    again = StaticMoE(
+        H,
+        I,
+        E,
+        K,
+        C,
+        weight_format="fp8",
+        act_format="fp8",
+        swiglu_limit=7.0,
+        shared_intermediate_size=IS,
+        prepare_for="trn2",
+        fp8_max=240.0,
+    )
     again.load_state_dict(sd)
     for name in ("w13", "w13_scale", "w2", "w2_scale", "shared.w13", "shared.w2_scale"):
         assert_equal(again.get_parameter(name).data, prep.get_parameter(name).data, f"trn2 round trip {name}")
-    plain = StaticMoE(H, I, E, K, C, weight_format="fp8", act_format="fp8", swiglu_limit=7.0,
-                      shared_intermediate_size=IS)
+    plain = StaticMoE(
+        H, I, E, K, C, weight_format="fp8", act_format="fp8", swiglu_limit=7.0, shared_intermediate_size=IS
+    )
     plain.load_state_dict(sd)  # an EOI state dict loads into a layer on any device
     for got, want in zip(_held_eoi(plain), _held_eoi(prep)):
         assert_equal(got, want, "trn2 state dict into a CPU layer")
@@ -748,26 +890,36 @@ def test_prepared_state_dict_is_eoi_and_round_trips():
 
 def test_prepared_loaders_and_prepare_for_validation():
     sd = _deepseek_checkpoint("fp8", "", "v3", shared=False)  # random (not power-of-two) block scales
-    layer = StaticMoE.from_deepseek_state_dict(sd, num_experts=E, top_k=K, capacity=C, act_format="fp8",
-                                               prepare_for="trn3")
+    layer = StaticMoE.from_deepseek_state_dict(
+        sd, num_experts=E, top_k=K, capacity=C, act_format="fp8", prepare_for="trn3"
+    )
     assert layer.weight_layout == "eio" and layer.w13.dtype == torch.float8_e4m3fn  # not MX: scales not pow2
     for got, want in zip(_held_eoi(layer), _expected_from_checkpoint(sd, "", "v3", "fp8", "fp8", range(E))):
         assert_equal(got, want, "trn3 checkpoint back in EOI")
     layer.close()
-    with pytest.raises(ValueError, match=r"prepare_for: target must be one of \['cpu', 'cuda', 'trn2', 'trn3'\], "
-                                         "got 'trn1'"):
+    with pytest.raises(
+        ValueError,
+        match=r"prepare_for: target must be one of \['cpu', 'cuda', 'trn2', 'trn3'\], "
+        "got 'trn1'",
+    ):
         StaticMoE(H, I, E, K, C, prepare_for="trn1")
     auto = StaticMoE(H, I, E, K, C, weight_format="fp4")
     assert (auto.prepare_for, auto.weight_layout) == ("cpu", "eoi") and auto.w13.dtype == torch.uint8
     auto.close()
     # A Neuron device does not say whether it is trn2 or trn3 (their prepared bytes differ): prepare_for is needed.
     for cls_args in ((StaticMoE, (H, I, E, K, C)), (SharedExpert, (H, IS))):
-        with pytest.raises(ValueError, match=r"Neuron device \(xla\) must say which chip .* prepare_for='trn2' "
-                                             r"\(Trainium2\) or prepare_for='trn3'"):
+        with pytest.raises(
+            ValueError,
+            match=r"Neuron device \(xla\) must say which chip .* prepare_for='trn2' "
+            r"\(Trainium2\) or prepare_for='trn3'",
+        ):
             cls_args[0](*cls_args[1], device="xla")
     # trn2 with fp8 activations needs fp8_max <= 240 (SPEC §6.1), refused at construction, not at the first forward.
-    with pytest.raises(ValueError, match=r"fp8_max=448.0 needs OCP float8_e4m3fn on chip \(trn3\); .* pass "
-                                         r"fp8_max=240 with prepare_for='trn2'"):
+    with pytest.raises(
+        ValueError,
+        match=r"fp8_max=448.0 needs OCP float8_e4m3fn on chip \(trn3\); .* pass "
+        r"fp8_max=240 with prepare_for='trn2'",
+    ):
         StaticMoE(H, I, E, K, C, weight_format="fp8", act_format="fp8", prepare_for="trn2")
     for ok in (dict(act_format="bf16", prepare_for="trn2"), dict(act_format="fp8", prepare_for="trn3")):
         StaticMoE(H, I, E, K, C, weight_format="fp8", **ok).close()  # 448 is fine with bf16 x, or on trn3
@@ -781,8 +933,11 @@ def test_prepared_layer_refuses_a_partial_state_dict():
     for target in ("trn2", "trn3"):
         layer = StaticMoE(H, I, E, K, C, weight_format="fp8", prepare_for=target)
         before = [t.clone() for t in _held_eoi(layer)]
-        with pytest.raises(ValueError, match=r"a prepared layer \(prepare_for='" + target + r"'\) loads "
-                                             r"w13/w13_scale/w2/w2_scale together; missing \['w2', 'w2_scale'\]"):
+        with pytest.raises(
+            ValueError,
+            match=r"a prepared layer \(prepare_for='" + target + r"'\) loads "
+            r"w13/w13_scale/w2/w2_scale together; missing \['w2', 'w2_scale'\]",
+        ):
             layer.load_state_dict({"w13": w[0], "w13_scale": w[1]}, strict=False)
         for got, old in zip(_held_eoi(layer), before):
             assert_equal(got, old, f"{target}: a refused load leaves the weights")
@@ -813,8 +968,18 @@ def _layers_worker(rank: int, size: int) -> dict:
         w1, w3, w2 = float_experts(E, seed=40 + layer_id)  # the same global experts on every rank
         full.append(quantized(w1, w3, w2, wfmt))
         mine = slice(rank * num_local, (rank + 1) * num_local)
-        layers.append(StaticMoE.from_module(Grouped(w1[mine], w3[mine], w2[mine]), top_k=K, capacity=C, num_experts=E,
-                                            weight_format=wfmt, act_format=act, swiglu_limit=7.0, ep_group=world))
+        layers.append(
+            StaticMoE.from_module(
+                Grouped(w1[mine], w3[mine], w2[mine]),
+                top_k=K,
+                capacity=C,
+                num_experts=E,
+                weight_format=wfmt,
+                act_format=act,
+                swiglu_limit=7.0,
+                ep_group=world,
+            )
+        )
     ws = layers[0].workspace
     assert all(layer.workspace is ws for layer in layers) and ws.num_leases == 3
     ptrs = ws.data_ptrs()
@@ -830,11 +995,19 @@ def _layers_worker(rank: int, size: int) -> dict:
             xq = [activations(a[0], act, 128) for a in inputs]
             w = full[layer_id]
             refs = reference.forward_simulated(
-                [q[0] for q in xq], [q[1] for q in xq], [a[1] for a in inputs], [a[2] for a in inputs],
-                [w[0][r * num_local:(r + 1) * num_local] for r in range(size)],
-                [w[1][r * num_local:(r + 1) * num_local] for r in range(size)],
-                [w[2][r * num_local:(r + 1) * num_local] for r in range(size)],
-                [w[3][r * num_local:(r + 1) * num_local] for r in range(size)], None, E, C, 7.0)
+                [q[0] for q in xq],
+                [q[1] for q in xq],
+                [a[1] for a in inputs],
+                [a[2] for a in inputs],
+                [w[0][r * num_local : (r + 1) * num_local] for r in range(size)],
+                [w[1][r * num_local : (r + 1) * num_local] for r in range(size)],
+                [w[2][r * num_local : (r + 1) * num_local] for r in range(size)],
+                [w[3][r * num_local : (r + 1) * num_local] for r in range(size)],
+                None,
+                E,
+                C,
+                7.0,
+            )
             assert_gemm_close(y, refs[rank], f"layer {layer_id} step {step} rank {rank}")
             x = y
         return x
@@ -866,10 +1039,14 @@ def _layers_worker(rank: int, size: int) -> dict:
 
     # Construction is collective: differing specs and a bad argument on one rank both fail on every rank.
     t0 = time.monotonic()
-    expect_raises(ValueError, lambda: StaticMoE(H, I, E, K, C + rank, ep_group=world), "capacity: 8 on ranks [0]; 9 on "
-            "ranks [1]")
-    expect_raises(ValueError, lambda: StaticMoE(H if rank == 0 else 200, I, E, K, C, ep_group=world),
-            "construction failed on group rank(s) [1]" if rank == 0 else "hidden must be a multiple of 128")
+    expect_raises(
+        ValueError, lambda: StaticMoE(H, I, E, K, C + rank, ep_group=world), "capacity: 8 on ranks [0]; 9 on ranks [1]"
+    )
+    expect_raises(
+        ValueError,
+        lambda: StaticMoE(H if rank == 0 else 200, I, E, K, C, ep_group=world),
+        "construction failed on group rank(s) [1]" if rank == 0 else "hidden must be a multiple of 128",
+    )
     expect_raises(ValueError, lambda: StaticMoE(H, I, E, K, C, ep_group=world, ep_size=4), "ep_size=4 does not match")
     report["collective errors"] = time.monotonic() - t0
 
@@ -882,8 +1059,7 @@ def _layers_worker(rank: int, size: int) -> dict:
     for e in range(E):  # entries of the other rank may be absent
         if not rank * num_local <= e < (rank + 1) * num_local:
             hf_list[e] = None
-    from_hf = StaticMoE.from_module(hf_list, top_k=K, capacity=C, num_experts=E, weight_format="fp8",
-                                    ep_group=world)
+    from_hf = StaticMoE.from_module(hf_list, top_k=K, capacity=C, num_experts=E, weight_format="fp8", ep_group=world)
     mine = slice(rank * num_local, (rank + 1) * num_local)
     want = quantized(w1[mine], w3[mine], w2[mine], "fp8")
     for layer in (from_dt, from_hf):
@@ -891,10 +1067,10 @@ def _layers_worker(rank: int, size: int) -> dict:
         assert_equal(layer.w2_scale.data, want[3], "w2 scales of this rank")
         assert layer.expert_offset == rank * num_local
     # The DeepSeek loader reads only this rank's experts.
-    sd = _deepseek_checkpoint("fp8", "", "v4", experts=range(rank * num_local, (rank + 1) * num_local),
-                              shared=False)
-    loaded = StaticMoE.from_deepseek_state_dict(sd, num_experts=E, top_k=K, capacity=C, act_format="fp8",
-                                                ep_group=world)
+    sd = _deepseek_checkpoint("fp8", "", "v4", experts=range(rank * num_local, (rank + 1) * num_local), shared=False)
+    loaded = StaticMoE.from_deepseek_state_dict(
+        sd, num_experts=E, top_k=K, capacity=C, act_format="fp8", ep_group=world
+    )
     assert loaded.num_local_experts == num_local and loaded.expert_offset == rank * num_local
     want = _expected_from_checkpoint(sd, "", "v4", "fp8", "fp8", range(rank * num_local, (rank + 1) * num_local))
     for name, w in zip(("w13", "w13_scale", "w2", "w2_scale"), want):
@@ -925,10 +1101,14 @@ def _collective_loading_worker(rank: int, size: int) -> dict:
     workspaces = lambda: len(_workspace.default_manager().workspaces())  # noqa: E731
     report = {}
     w1, w3, w2 = float_experts(E, seed=80)
-    expect_raises(ValueError, lambda: StaticMoE.from_module(Fused(w1, w3, w2), top_k=K, capacity=C, ep_group=world),
-                  "holds 8 experts and the EP group has 2 ranks: pass num_experts=8 if they are all the model's")
-    layer = StaticMoE.from_module(Fused(w1, w3, w2), top_k=K, capacity=C, num_experts=E, weight_format="fp8",
-                                  act_format="fp8", ep_group=world)
+    expect_raises(
+        ValueError,
+        lambda: StaticMoE.from_module(Fused(w1, w3, w2), top_k=K, capacity=C, ep_group=world),
+        "holds 8 experts and the EP group has 2 ranks: pass num_experts=8 if they are all the model's",
+    )
+    layer = StaticMoE.from_module(
+        Fused(w1, w3, w2), top_k=K, capacity=C, num_experts=E, weight_format="fp8", act_format="fp8", ep_group=world
+    )
     want = quantized(w1[mine], w3[mine], w2[mine], "fp8")
     assert layer.num_local_experts == num_local and layer.expert_offset == rank * num_local
     for name, w in zip(("w13", "w13_scale", "w2", "w2_scale"), want):
@@ -940,9 +1120,18 @@ def _collective_loading_worker(rank: int, size: int) -> dict:
     inputs = gather_objects((x, idx, tw))
     xq = [activations(a[0], "fp8", 128) for a in inputs]
     full = quantized(w1, w3, w2, "fp8")
-    shards = [[w[r * num_local:(r + 1) * num_local] for r in range(size)] for w in full]
-    refs = reference.forward_simulated([q[0] for q in xq], [q[1] for q in xq], [a[1] for a in inputs],
-                                       [a[2] for a in inputs], *shards, None, E, C, None)
+    shards = [[w[r * num_local : (r + 1) * num_local] for r in range(size)] for w in full]
+    refs = reference.forward_simulated(
+        [q[0] for q in xq],
+        [q[1] for q in xq],
+        [a[1] for a in inputs],
+        [a[2] for a in inputs],
+        *shards,
+        None,
+        E,
+        C,
+        None,
+    )
     assert_gemm_close(y, refs[rank], f"full model over EP, rank {rank}")
     layer.close()
     report["full model"] = True
@@ -950,29 +1139,54 @@ def _collective_loading_worker(rank: int, size: int) -> dict:
     base = workspaces()
     t0 = time.monotonic()
     sd = _deepseek_checkpoint("fp8", "", "v4", experts=range(rank * num_local, (rank + 1) * num_local), shared=False)
-    load = lambda d, **kw: StaticMoE.from_deepseek_state_dict(d, num_experts=E, top_k=K, capacity=C,  # noqa: E731
-                                                              act_format="fp8", ep_group=world, **kw)
+    load = lambda d, **kw: StaticMoE.from_deepseek_state_dict(
+        d,
+        num_experts=E,
+        top_k=K,
+        capacity=C,  # noqa: E731
+        act_format="fp8",
+        ep_group=world,
+        **kw,
+    )
     stage = "StaticMoE.from_deepseek_state_dict failed on group rank(s)"
     missing = {k: v for k, v in sd.items() if k != f"experts.{rank * num_local + 1}.w2.weight"} if rank == 1 else sd
-    expect_raises(KeyError if rank == 1 else RuntimeError, lambda: load(missing),
-                  *(["w2|down_proj}.weight"] if rank == 1 else [f"{stage} [1]", "KeyError"]))
+    expect_raises(
+        KeyError if rank == 1 else RuntimeError,
+        lambda: load(missing),
+        *(["w2|down_proj}.weight"] if rank == 1 else [f"{stage} [1]", "KeyError"]),
+    )
     nan = dict(sd)
     if rank == 0:
         nan["experts.2.w1.scale"] = torch.full_like(sd["experts.2.w1.scale"], math.nan)
     expect_raises(ValueError, lambda: load(nan), "fp8 weight scales must be finite" if rank == 0 else f"{stage} [0]")
     bad = Grouped(w1[mine], w3[mine], w2[mine].transpose(1, 2) if rank == 1 else w2[mine])
-    expect_raises(ValueError, lambda: StaticMoE.from_module(bad, top_k=K, capacity=C, num_experts=E, ep_group=world),
-                  "w1/w3 [L, I, H] and w2 [L, H, I]" if rank == 1 else "from_module failed on group rank(s) [1]")
+    expect_raises(
+        ValueError,
+        lambda: StaticMoE.from_module(bad, top_k=K, capacity=C, num_experts=E, ep_group=world),
+        "w1/w3 [L, I, H] and w2 [L, H, I]" if rank == 1 else "from_module failed on group rank(s) [1]",
+    )
     # A failure after construction (here: rank 1 asks for a gate it was not given): every rank closes its layer.
     shared = hf_experts(*(t[:1] for t in float_experts(1, 84, IS)))[0]
-    expect_raises(ValueError, lambda: StaticMoE.from_module(Grouped(w1[mine], w3[mine], w2[mine]), top_k=K,
-                                                            capacity=C, num_experts=E, ep_group=world,
-                                                            shared_expert=shared, shared_gate=rank == 1),
-                  "shared_gate=True but no shared_expert_gate" if rank == 1 else "failed on group rank(s) [1]")
-    expect_raises(ValueError, lambda: StaticMoE.from_module(Grouped(w1[mine], w3[mine], w2[mine]), top_k=K,
-                                                            capacity=C, num_experts=E, ep_group=world,
-                                                            ep_size=2 + rank),
-                  "ep_size=3 does not match" if rank == 1 else "from_module failed on group rank(s) [1]")
+    expect_raises(
+        ValueError,
+        lambda: StaticMoE.from_module(
+            Grouped(w1[mine], w3[mine], w2[mine]),
+            top_k=K,
+            capacity=C,
+            num_experts=E,
+            ep_group=world,
+            shared_expert=shared,
+            shared_gate=rank == 1,
+        ),
+        "shared_gate=True but no shared_expert_gate" if rank == 1 else "failed on group rank(s) [1]",
+    )
+    expect_raises(
+        ValueError,
+        lambda: StaticMoE.from_module(
+            Grouped(w1[mine], w3[mine], w2[mine]), top_k=K, capacity=C, num_experts=E, ep_group=world, ep_size=2 + rank
+        ),
+        "ep_size=3 does not match" if rank == 1 else "from_module failed on group rank(s) [1]",
+    )
     report["errors took"] = time.monotonic() - t0
     report["leases kept"] = workspaces() - base
     again = load(sd)

@@ -16,8 +16,17 @@ from static_moe.workspace import STEP_HEADER_NBYTES, WorkspaceManager, Workspace
 
 
 def spec(**over) -> WorkspaceSpec:
-    base = dict(capacity=16, hidden=256, intermediate=128, num_experts=8, topk=3, ep_size=2, act_format="fp8",
-                act_group=128, weight_format="fp4")
+    base = dict(
+        capacity=16,
+        hidden=256,
+        intermediate=128,
+        num_experts=8,
+        topk=3,
+        ep_size=2,
+        act_format="fp8",
+        act_group=128,
+        weight_format="fp4",
+    )
     base.update(over)
     return WorkspaceSpec(**base)
 
@@ -30,21 +39,37 @@ def test_row_width_matches_pack_rows(act, group, topk):
     s = spec(act_format=act, act_group=group, topk=topk, weight_format="fp8")
     h = s.hidden
     x = torch.zeros(2, h, dtype=torch.bfloat16 if act == "bf16" else torch.float8_e4m3fn)
-    parts = [x] + ([] if act == "bf16" else [torch.zeros(2, h // group)]) + [torch.zeros(2, topk, dtype=torch.int32),
-                                                                               torch.zeros(2, topk)]
+    parts = (
+        [x]
+        + ([] if act == "bf16" else [torch.zeros(2, h // group)])
+        + [torch.zeros(2, topk, dtype=torch.int32), torch.zeros(2, topk)]
+    )
     assert pack_rows(parts, 4).shape[1] == s.parts_width
     assert s.row_width == s.parts_width + STEP_HEADER_NBYTES  # the forward's step header (docs/errors.md)
 
 
 def test_memory_plan_formula_and_worked_example():
     # The README's example: DeepSeek-V4-Flash shapes, fp8 activations (g = 128), S = 8, C = 128.
-    s = WorkspaceSpec(capacity=128, hidden=4096, intermediate=2048, num_experts=256, topk=6, ep_size=8,
-                      act_format="fp8", act_group=128, weight_format="fp4")
+    s = WorkspaceSpec(
+        capacity=128,
+        hidden=4096,
+        intermediate=2048,
+        num_experts=256,
+        topk=6,
+        ep_size=8,
+        act_format="fp8",
+        act_group=128,
+        weight_format="fp4",
+    )
     # x, scales (32 × fp32), ids (6 × int32 → 24 → 32), weights, the 64-byte step header
     assert s.row_width == 4096 + 128 + 32 + 32 + 64
     plan = memory_plan(s)
     assert {b.name: b.shape for b in plan.buffers} == {
-        "send": (128, 4352), "gathered": (1024, 4352), "acc": (1024, 4096), "scattered": (128, 4096)}
+        "send": (128, 4352),
+        "gathered": (1024, 4352),
+        "acc": (1024, 4096),
+        "scattered": (128, 4096),
+    }
     assert plan.total_bytes == (8 + 1) * 128 * (4352 + 4 * 4096) == 23_887_872
     assert plan.nbytes("acc") == 1024 * 4096 * 4
     assert "send" in str(plan)
@@ -89,7 +114,7 @@ def test_single_rank_leases_share_and_close():
     a.close()  # idempotent
     assert not ws.closed and ws.num_leases == 1
     with pytest.raises(RuntimeError, match="lease is closed"):
-        a.workspace
+        a.workspace  # noqa: B018  (the property access is what raises)
     b.close()
     assert ws.closed and mgr.workspaces() == [other.workspace]
     with pytest.raises(RuntimeError, match="is closed"):
@@ -135,7 +160,6 @@ class _FailOnce:
         return t
 
 
-
 def _lifecycle_worker(rank: int, size: int) -> dict:
     import torch.distributed as dist
 
@@ -145,10 +169,17 @@ def _lifecycle_worker(rank: int, size: int) -> dict:
     # 1. Differing manifests raise ValueError on every rank, naming the fields and ranks, within bounded time.
     t0 = time.monotonic()
     mgr = WorkspaceManager()
-    msg = expect_raises(ValueError, lambda: mgr.acquire(spec(capacity=16 if rank == 0 else 32), group),
-                  "capacity: 16 on ranks [0]; 32 on ranks [1]")
-    msg2 = expect_raises(ValueError, lambda: mgr.acquire(spec(weight_format="fp8" if rank else "fp4", topk=2 + rank), group),
-                   "weight_format", "topk: 2 on ranks [0]; 3 on ranks [1]")
+    msg = expect_raises(
+        ValueError,
+        lambda: mgr.acquire(spec(capacity=16 if rank == 0 else 32), group),
+        "capacity: 16 on ranks [0]; 32 on ranks [1]",
+    )
+    msg2 = expect_raises(
+        ValueError,
+        lambda: mgr.acquire(spec(weight_format="fp8" if rank else "fp4", topk=2 + rank), group),
+        "weight_format",
+        "topk: 2 on ranks [0]; 3 on ranks [1]",
+    )
     seen["mismatch"] = (msg, msg2, time.monotonic() - t0)
     assert mgr.workspaces() == []
 
@@ -158,8 +189,9 @@ def _lifecycle_worker(rank: int, size: int) -> dict:
     if rank == 1:
         expect_raises(MemoryError, lambda: mgr.acquire(spec(), group), "injected: no room for acc")
     else:
-        expect_raises(RuntimeError, lambda: mgr.acquire(spec(), group), "allocation failed on group rank(s) [1]",
-                "injected")
+        expect_raises(
+            RuntimeError, lambda: mgr.acquire(spec(), group), "allocation failed on group rank(s) [1]", "injected"
+        )
     gc.collect()
     assert mgr.workspaces() == [] and all(r() is None for r in alloc.handed_out), "partial allocation kept"
     lease = mgr.acquire(spec(), group)
@@ -199,8 +231,11 @@ def _lifecycle_worker(rank: int, size: int) -> dict:
     keep = mgr.acquire(spec(capacity=4), group)
     if rank == 1:
         keep.close()
-    expect_raises(ValueError, lambda: mgr.acquire(spec(capacity=4), group), "holds workspace: True on ranks [0]; "
-            "False on ranks [1]")
+    expect_raises(
+        ValueError,
+        lambda: mgr.acquire(spec(capacity=4), group),
+        "holds workspace: True on ranks [0]; False on ranks [1]",
+    )
     keep.close()
     other.close()
     assert mgr.workspaces() == []
@@ -243,8 +278,9 @@ def _other_value(name: str, value):
     elif isinstance(value, float):
         candidates = [2 * value, value / 2, value + 1]
     elif isinstance(value, str):
-        choices = [c for v in vars(ws_mod).values() if isinstance(v, tuple) and all(isinstance(c, str) for c in v)
-                   for c in v]
+        choices = [
+            c for v in vars(ws_mod).values() if isinstance(v, tuple) and all(isinstance(c, str) for c in v) for c in v
+        ]
         candidates = choices + ["cuda:0", "cpu"]
     else:
         candidates = []
@@ -280,16 +316,20 @@ def _middle_rank_worker(rank: int, size: int) -> dict:
     saved = ws_mod.PROTOCOL_VERSION
     ws_mod.PROTOCOL_VERSION = saved + 1 if rank == 1 else saved
     try:
-        messages["protocol"] = expect_raises(ValueError, lambda: mgr.acquire(_spec3(), group),
-                                             f"protocol: {saved} on ranks [0, 2]; {saved + 1} on ranks [1]")
+        messages["protocol"] = expect_raises(
+            ValueError,
+            lambda: mgr.acquire(_spec3(), group),
+            f"protocol: {saved} on ranks [0, 2]; {saved + 1} on ranks [1]",
+        )
     finally:
         ws_mod.PROTOCOL_VERSION = saved
     # Whether the workspace is already held: only rank 1 kept its lease.
     lease = mgr.acquire(_spec3(), group)
     if rank != 1:
         lease.close()
-    messages["holds workspace"] = expect_raises(ValueError, lambda: mgr.acquire(_spec3(), group),
-                                                "holds workspace: False on ranks [0, 2]; True on ranks [1]")
+    messages["holds workspace"] = expect_raises(
+        ValueError, lambda: mgr.acquire(_spec3(), group), "holds workspace: False on ranks [0, 2]; True on ranks [1]"
+    )
     lease.close()
     assert mgr.workspaces() == []
     return messages

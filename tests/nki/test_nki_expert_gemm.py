@@ -54,15 +54,33 @@ def _run_and_check(act, wfmt, group, rows, k, n, mask, skip, seed, scale=1.0, wh
 
 
 @pytest.mark.parametrize("act,wfmt,group", PAIRS_G, ids=[f"{a}x{w}-g{g}" for a, w, g in PAIRS_G])
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                HealthCheck.function_scoped_fixture])
-@given(rows=st.integers(1, 200), kb=st.integers(1, 3), nb=st.integers(1, 3),
-       density=st.sampled_from([0.0, 0.3, 1.0]), skip=st.booleans(), seed=st.integers(0, 2**16),
-       scale=st.sampled_from([1.0, 1e-3, 50.0]))
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.integers(1, 200),
+    kb=st.integers(1, 3),
+    nb=st.integers(1, 3),
+    density=st.sampled_from([0.0, 0.3, 1.0]),
+    skip=st.booleans(),
+    seed=st.integers(0, 2**16),
+    scale=st.sampled_from([1.0, 1e-3, 50.0]),
+)
 def test_matches_reference(act, wfmt, group, rows, kb, nb, density, skip, seed, scale):
     mask = torch.rand(rows, generator=torch.Generator().manual_seed(seed)) < density
-    _run_and_check(act, wfmt, group, rows, 128 * kb, 128 * nb, mask, skip, seed, scale,
-                   f"{act}x{wfmt} g={group} R={rows} K={128 * kb} N={128 * nb} density={density} skip={skip}")
+    _run_and_check(
+        act,
+        wfmt,
+        group,
+        rows,
+        128 * kb,
+        128 * nb,
+        mask,
+        skip,
+        seed,
+        scale,
+        f"{act}x{wfmt} g={group} R={rows} K={128 * kb} N={128 * nb} density={density} skip={skip}",
+    )
 
 
 def _assert_same_values(out, want, what):
@@ -82,10 +100,10 @@ def test_every_weight_byte_decodes_exactly(wfmt):
         codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn NaN is not a weight value
         b = codes[torch.randint(0, codes.numel(), (1, n, k), generator=g)].view(torch.float8_e4m3fn)
         b_s = torch.ldexp(torch.ones(1, n, k // 128), torch.randint(-20, 12, (1, n, k // 128), generator=g))
-        b[0, 0, :codes.numel()] = codes.view(torch.float8_e4m3fn)  # every code at least once
+        b[0, 0, : codes.numel()] = codes.view(torch.float8_e4m3fn)  # every code at least once
     else:
         b = torch.randint(0, 256, (1, n, k // 2), generator=g, dtype=torch.uint8)
-        b[0, 0, :] = torch.arange(256, dtype=torch.int32)[:k // 2].to(torch.uint8)
+        b[0, 0, :] = torch.arange(256, dtype=torch.int32)[: k // 2].to(torch.uint8)
         b[0, 1, :] = torch.arange(128, 256, dtype=torch.int32).to(torch.uint8)
         b_s = torch.randint(127 - 30, 127 + 30, (1, n, k // 32), generator=g, dtype=torch.uint8)
     a = torch.eye(k, dtype=torch.bfloat16)
@@ -104,7 +122,7 @@ def test_every_activation_byte_decodes_exactly():
     codes = codes[(codes & 0x7F) != 0x7F]
     rows = 64
     a = codes[torch.randint(0, codes.numel(), (rows, k), generator=g)]
-    a[0, :codes.numel()] = codes
+    a[0, : codes.numel()] = codes
     a = a.view(torch.float8_e4m3fn)
     a_s = torch.ldexp(torch.ones(rows, k // 32), torch.randint(-30, 10, (rows, k // 32), generator=g))
     b = torch.eye(k)[None].to(torch.float8_e4m3fn)  # D = A (fp8 × fp8: a SPEC pair; 1.0 with scale 1)
@@ -237,17 +255,36 @@ def _run_eio(target, act, wfmt, group, rows, k, n, mask, skip, seed, scale=1.0, 
 
 @interpreter_only
 @pytest.mark.parametrize("target,act,wfmt,group", EIO_CASES, ids=[f"{t}-{a}x{w}-g{g}" for t, a, w, g in EIO_CASES])
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                               HealthCheck.function_scoped_fixture])
-@given(rows=st.integers(1, 200), kb=st.integers(1, 9), nb=st.integers(1, 5),
-       density=st.sampled_from([0.0, 0.3, 1.0]), skip=st.booleans(), seed=st.integers(0, 2**16),
-       scale=st.sampled_from([1.0, 1e-3, 50.0]))
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.integers(1, 200),
+    kb=st.integers(1, 9),
+    nb=st.integers(1, 5),
+    density=st.sampled_from([0.0, 0.3, 1.0]),
+    skip=st.booleans(),
+    seed=st.integers(0, 2**16),
+    scale=st.sampled_from([1.0, 1e-3, 50.0]),
+)
 def test_eio_matches_reference(target, act, wfmt, group, rows, kb, nb, density, skip, seed, scale):
     """Every format pair on both targets, prepared bytes through the kernel and the reference; K any multiple
     of 128 (the packed forms, four k per element, pad K to whole 512 blocks on chip)."""
     mask = torch.rand(rows, generator=torch.Generator().manual_seed(seed)) < density
-    _run_eio(target, act, wfmt, group, rows, 128 * kb, 128 * nb, mask, skip, seed, scale,
-             f"{target} eio {act}x{wfmt} g={group} R={rows} K={128 * kb} N={128 * nb} density={density}")
+    _run_eio(
+        target,
+        act,
+        wfmt,
+        group,
+        rows,
+        128 * kb,
+        128 * nb,
+        mask,
+        skip,
+        seed,
+        scale,
+        f"{target} eio {act}x{wfmt} g={group} R={rows} K={128 * kb} N={128 * nb} density={density}",
+    )
 
 
 @interpreter_only
@@ -331,7 +368,7 @@ def _code_weights(wfmt, n, k, g):
         codes = torch.arange(256, dtype=torch.uint8)
         codes = codes[(codes & 0x7F) != 0x7F]
         b = codes[torch.randint(0, codes.numel(), (1, n, k), generator=g)]
-        b[0, 0, :codes.numel()] = codes
+        b[0, 0, : codes.numel()] = codes
         b_s = torch.ldexp(torch.ones(1, n, k // 128), torch.randint(-20, 12, (1, n, k // 128), generator=g))
         return b.view(torch.float8_e4m3fn), b_s
     b = torch.randint(0, 256, (1, n, k // 2), generator=g, dtype=torch.uint8)
@@ -340,8 +377,14 @@ def _code_weights(wfmt, n, k, g):
     return b, b_s
 
 
-EXACT_CASES = [("trn2", "bf16", "fp8"), ("trn2", "bf16", "fp4"), ("trn3", "bf16", "fp8"), ("trn3", "bf16", "fp4"),
-               ("trn3", "fp8", "fp8"), ("trn3", "fp8", "fp4")]
+EXACT_CASES = [
+    ("trn2", "bf16", "fp8"),
+    ("trn2", "bf16", "fp4"),
+    ("trn3", "bf16", "fp8"),
+    ("trn3", "bf16", "fp4"),
+    ("trn3", "fp8", "fp8"),
+    ("trn3", "fp8", "fp4"),
+]
 
 
 @interpreter_only
@@ -382,7 +425,7 @@ def test_eio_group_path_is_exact(target, wfmt, k):
     b, b_s = _code_weights(wfmt, n, k, g)
     if wfmt == "fp4":
         pattern = torch.tensor([0, 1, 2, 3, 200, 248, 127, 100], dtype=torch.uint8)
-        b_s[0, :2] = pattern.repeat(k // 32 // 8 + 1)[:k // 32]
+        b_s[0, :2] = pattern.repeat(k // 32 // 8 + 1)[: k // 32]
     be, bse = _prepared(b, b_s, target)
     picks = [0, 37, 300, k - 1]
     a = torch.zeros(4, k, dtype=torch.bfloat16)
@@ -402,7 +445,7 @@ def test_trn2_reencode_is_what_the_kernel_reads():
     k, n = 256, 128
     g = torch.Generator().manual_seed(9)
     b, b_s = _code_weights("fp8", n, k, g)
-    b.view(torch.uint8)[0, n // 2:] &= 0xBF  # exponent field ≤ 7 in the lower half: those blocks stay as they are
+    b.view(torch.uint8)[0, n // 2 :] &= 0xBF  # exponent field ≤ 7 in the lower half: those blocks stay as they are
     moved = layouts.trn2_blocks_to_reencode(b, "eoi")
     assert bool(moved.any()) and not bool(moved.all())
     be, bse = _prepared(b, b_s, "trn2")
@@ -417,8 +460,9 @@ def test_trn2_reencode_is_what_the_kernel_reads():
 
 
 @interpreter_only
-@pytest.mark.parametrize("target,act,wfmt", [("trn2", "fp8", "fp8"), ("trn2", "bf16", "fp4"), ("trn3", "fp8", "fp4"),
-                                             ("trn3", "fp8", "fp8")])
+@pytest.mark.parametrize(
+    "target,act,wfmt", [("trn2", "fp8", "fp8"), ("trn2", "bf16", "fp4"), ("trn3", "fp8", "fp4"), ("trn3", "fp8", "fp8")]
+)
 def test_eio_rows_are_batch_invariant(target, act, wfmt):
     rows, k, n = 96, 512, 256
     b, b_s = _weights(3, n, k, wfmt, 5)
@@ -453,9 +497,16 @@ def test_eio_skip_reads_no_weights_for_an_unrouted_expert(target, wfmt):
 
 
 @interpreter_only
-@pytest.mark.parametrize("target,act,wfmt", [("trn2", "bf16", "bf16"), ("trn2", "bf16", "fp8"),
-                                             ("trn2", "fp8", "fp8"), ("trn3", "fp8", "fp4"),
-                                             ("trn3", "fp8", "fp8")])
+@pytest.mark.parametrize(
+    "target,act,wfmt",
+    [
+        ("trn2", "bf16", "bf16"),
+        ("trn2", "bf16", "fp8"),
+        ("trn2", "fp8", "fp8"),
+        ("trn3", "fp8", "fp4"),
+        ("trn3", "fp8", "fp8"),
+    ],
+)
 def test_eio_weights_reach_the_tensor_engine_as_loaded(target, act, wfmt):
     """No weight transpose and no weight decode on the EIO paths: the only TensorE transposes are A's (K/128 per
     row tile) and the output's (N/128 per row tile), the matmul count is one per (128-column block, K block) —
@@ -501,8 +552,10 @@ def _tiles_all_experts_kernel(a, a_s, b, bs, rows):
             for j in range(plan.ncols // P):
                 d = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="d")
                 G.gemm_block(d, slab, j, act, r)
-                nisa.dma_copy(dst=out.ap(pattern=[[r, P], [1, r]], offset=(n0 + j * P) * r, scalar_offset=e,
-                                         indirect_dim=0), src=d)
+                nisa.dma_copy(
+                    dst=out.ap(pattern=[[r, P], [1, r]], offset=(n0 + j * P) * r, scalar_offset=e, indirect_dim=0),
+                    src=d,
+                )
 
     nl.fori_loop(0, b.shape[0], body)
     return out

@@ -31,8 +31,9 @@ assert_kernel_close = assert_gemm_close if shim.real_nki_available() else assert
 
 TRN2_FP8_MAX = 240.0
 PAIRS_G = [(a, w, g) for a, w in FORMAT_PAIRS for g in ((128, 32) if a == "fp8" else (128,))]
-interpreter_only = pytest.mark.skipif(shim.real_nki_available(), reason="uses the interpreter's target switch / "
-                                      "cost record / kernel keywords")
+interpreter_only = pytest.mark.skipif(
+    shim.real_nki_available(), reason="uses the interpreter's target switch / cost record / kernel keywords"
+)
 LAYOUT_CASES = [(a, w, layout, tgt) for a, w in FORMAT_PAIRS for layout in ("eoi", "eio") for tgt in ("trn2", "trn3")]
 
 
@@ -79,29 +80,108 @@ def _check(args, limit, skip, what, fp8_max=TRN2_FP8_MAX):
 
 @pytest.mark.parametrize("act,wfmt,group", PAIRS_G, ids=[f"{a}x{w}-g{g}" for a, w, g in PAIRS_G])
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rows=st.integers(1, 140), hidden=st.sampled_from([128, 256]), inter=st.sampled_from([128, 256]),
-       num_local=st.integers(1, 4), topk=st.integers(1, 4), pad=st.integers(0, 9),
-       empty=st.sampled_from([0.0, 0.3]), dup=st.sampled_from([0.0, 0.3]), skew=st.sampled_from([0.0, 0.5]),
-       limit=st.sampled_from([None, 7.0, 0.5]), skip=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(1, 140),
+    hidden=st.sampled_from([128, 256]),
+    inter=st.sampled_from([128, 256]),
+    num_local=st.integers(1, 4),
+    topk=st.integers(1, 4),
+    pad=st.integers(0, 9),
+    empty=st.sampled_from([0.0, 0.3]),
+    dup=st.sampled_from([0.0, 0.3]),
+    skew=st.sampled_from([0.0, 0.5]),
+    limit=st.sampled_from([None, 7.0, 0.5]),
+    skip=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 # Edge cases by name, outside the random budget: one row; 0xFF padding with −1 slots and duplicate ids under each
 # clamp value; K = 640 on both GEMMs (more than one 512-wide chunk) with a hot expert.
-@example(rows=1, hidden=128, inter=128, num_local=1, topk=1, pad=0, empty=0.0, dup=0.0, skew=0.0, limit=None,
-         skip=True, seed=1)
-@example(rows=40, hidden=256, inter=128, num_local=3, topk=4, pad=9, empty=0.3, dup=0.3, skew=0.0, limit=0.5,
-         skip=True, seed=2)
-@example(rows=33, hidden=128, inter=256, num_local=2, topk=3, pad=5, empty=0.3, dup=0.3, skew=0.5, limit=7.0,
-         skip=False, seed=3)
-@example(rows=20, hidden=640, inter=640, num_local=2, topk=2, pad=2, empty=0.0, dup=0.0, skew=0.5, limit=7.0,
-         skip=True, seed=4)
-def test_matches_reference(act, wfmt, group, rows, hidden, inter, num_local, topk, pad, empty, dup, skew, limit,
-                           skip, seed):
+@example(
+    rows=1,
+    hidden=128,
+    inter=128,
+    num_local=1,
+    topk=1,
+    pad=0,
+    empty=0.0,
+    dup=0.0,
+    skew=0.0,
+    limit=None,
+    skip=True,
+    seed=1,
+)
+@example(
+    rows=40,
+    hidden=256,
+    inter=128,
+    num_local=3,
+    topk=4,
+    pad=9,
+    empty=0.3,
+    dup=0.3,
+    skew=0.0,
+    limit=0.5,
+    skip=True,
+    seed=2,
+)
+@example(
+    rows=33,
+    hidden=128,
+    inter=256,
+    num_local=2,
+    topk=3,
+    pad=5,
+    empty=0.3,
+    dup=0.3,
+    skew=0.5,
+    limit=7.0,
+    skip=False,
+    seed=3,
+)
+@example(
+    rows=20,
+    hidden=640,
+    inter=640,
+    num_local=2,
+    topk=2,
+    pad=2,
+    empty=0.0,
+    dup=0.0,
+    skew=0.5,
+    limit=7.0,
+    skip=True,
+    seed=4,
+)
+def test_matches_reference(
+    act, wfmt, group, rows, hidden, inter, num_local, topk, pad, empty, dup, skew, limit, skip, seed
+):
     num_experts = 3 * num_local + 2  # ids outside the local range exist too
     offset = num_local  # local experts are global ids [L, 2L)
     pad = min(pad, rows - 1)
-    args = _case(act, wfmt, group, rows, hidden, inter, num_local, num_experts, topk, offset, seed, pad,
-                 empty_frac=empty, duplicate_frac=dup, skew=skew)
-    out, _ = _check(args, limit, skip, f"{act}x{wfmt} g={group} R={rows} H={hidden} I={inter} L={num_local} "
-                    f"k={topk} pad={pad} limit={limit} skip={skip}")
+    args = _case(
+        act,
+        wfmt,
+        group,
+        rows,
+        hidden,
+        inter,
+        num_local,
+        num_experts,
+        topk,
+        offset,
+        seed,
+        pad,
+        empty_frac=empty,
+        duplicate_frac=dup,
+        skew=skew,
+    )
+    out, _ = _check(
+        args,
+        limit,
+        skip,
+        f"{act}x{wfmt} g={group} R={rows} H={hidden} I={inter} L={num_local} "
+        f"k={topk} pad={pad} limit={limit} skip={skip}",
+    )
     if pad:
         assert bool((out[-pad:] == 0).all()), "padding rows must be exact zeros"
 
@@ -199,15 +279,15 @@ def test_fp8_max_reaches_the_requantization_on_trn3(wfmt, group):
 
 
 @interpreter_only
-@pytest.mark.parametrize("act,wfmt,layout,target", LAYOUT_CASES,
-                         ids=[f"{a}x{w}-{lay}-{t}" for a, w, lay, t in LAYOUT_CASES])
+@pytest.mark.parametrize(
+    "act,wfmt,layout,target", LAYOUT_CASES, ids=[f"{a}x{w}-{lay}-{t}" for a, w, lay, t in LAYOUT_CASES]
+)
 def test_layouts_and_targets_match_reference(act, wfmt, layout, target):
     """Every format pair, unprepared and prepared weights, on trn2 and trn3: ragged rows, 0xFF padding, empty
     and duplicate slots, a hot expert, ids of other ranks; the runtime work list with one and with several items
     per expert, and the static variant."""
     group = 32 if act == "fp8" else 128
-    args = _case(act, wfmt, group, 45, 512, 512, 3, 11, 3, 3, 17, pad=6, empty_frac=0.2, duplicate_frac=0.3,
-                 skew=0.4)
+    args = _case(act, wfmt, group, 45, 512, 512, 3, 11, 3, 3, 17, pad=6, empty_frac=0.2, duplicate_frac=0.3, skew=0.4)
     kargs, rargs = _prepared(args, target) if layout == "eio" else (args, args)
     ref = ref_local_experts(*rargs, 7.0, TRN2_FP8_MAX)
     # M = 128 (one item per expert), M = 4 (several items; packed weights take the group path), static variant
@@ -218,8 +298,9 @@ def test_layouts_and_targets_match_reference(act, wfmt, layout, target):
 
 
 @interpreter_only
-@pytest.mark.parametrize("act,wfmt,target", [("fp8", "fp4", "trn2"), ("fp8", "fp4", "trn3"), ("fp8", "fp8", "trn3"),
-                                             ("bf16", "fp4", "trn2")])
+@pytest.mark.parametrize(
+    "act,wfmt,target", [("fp8", "fp4", "trn2"), ("fp8", "fp4", "trn3"), ("fp8", "fp8", "trn3"), ("bf16", "fp4", "trn2")]
+)
 def test_prepared_packed_weights_with_k_not_a_multiple_of_512(act, wfmt, target):
     """The packed forms (fp4, fp8 MX) work on whole 512-row K blocks; H = 384 and I = 640 (as Qwen3's I = 768)
     leave a partial block, which the item operands must zero-pad to the plan's K (H = 256 once allocated a

@@ -95,8 +95,11 @@ def test_pack_cost_is_one_wide_dma_per_row_tile():
     assert cost.hbm_bytes == 2 * 128 * width + 128 * (4096 + 24)
 
 
-@pytest.mark.skipif(not shim.real_nki_available(), reason="real nki (Neuron SDK >= 2.29) is not importable here; "
-                    "the interpreter runs these kernels in the tests above")
+@pytest.mark.skipif(
+    not shim.real_nki_available(),
+    reason="real nki (Neuron SDK >= 2.29) is not importable here; "
+    "the interpreter runs these kernels in the tests above",
+)
 def test_real_nki_simulator_runs_pack_kernels(monkeypatch):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
     g = torch.Generator().manual_seed(3)

@@ -23,8 +23,9 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
 def _run(code: str, cwd: Path, pythonpath: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "STATIC_MOE_NKI"}
     env["PYTHONPATH"] = os.pathsep.join(pythonpath + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
-                          cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, cwd=cwd, env=env
+    )
 
 
 def test_shim_falls_back_to_the_interpreter_and_maps_dtypes():
@@ -40,21 +41,26 @@ def test_shim_falls_back_to_the_interpreter_and_maps_dtypes():
 def test_import_static_moe_does_not_import_the_interpreter(tmp_path):
     """With the interpreter importable (tools/ on the path), ``import static_moe`` still leaves it, the shim and
     the kernels unimported: they load on the first NKI call."""
-    out = _run("""
+    out = _run(
+        """
         import sys
         import static_moe
         loaded = sorted(m for m in sys.modules
                         if m.startswith(("nki_interpreter", "static_moe.nki.shim", "static_moe.nki_kernels")))
         assert not loaded, loaded
         import nki_interpreter  # importable here, so the check above could have failed
-    """, tmp_path, [str(TOOLS)])
+    """,
+        tmp_path,
+        [str(TOOLS)],
+    )
     assert out.returncode == 0, out.stderr
 
 
 def test_without_nki_or_the_interpreter_the_kernels_say_what_to_install(tmp_path):
     """Neither a real nki nor the interpreter (as in an installed wheel off a Neuron machine): static_moe imports,
     ``dispatch.status()`` gives the reason, and importing a kernel raises an ImportError that names both."""
-    out = _run("""
+    out = _run(
+        """
         import sys
         sys.modules["nki"] = None  # makes `import nki` raise ImportError
         sys.modules["nki_interpreter"] = None
@@ -67,7 +73,10 @@ def test_without_nki_or_the_interpreter_the_kernels_say_what_to_install(tmp_path
             import static_moe.nki_kernels.expert_gemm
         except ImportError as e:
             print("ImportError:", e)
-    """, tmp_path, [])
+    """,
+        tmp_path,
+        [],
+    )
     assert out.returncode == 0, out.stderr
     for line in ("status: ", "ImportError: "):
         assert f"{line}static_moe's NKI kernels need the Neuron SDK's nki" in out.stdout, out.stdout

@@ -33,8 +33,9 @@ def _inputs(rows, inter, in_dtype, weighted, zero_frac, scale, seed):
 
 
 def _run(gate_up, w, limit, out_format, group, fp8_max=TRN2_FP8_MAX):
-    out = shim.simulate(swiglu_and_cast)(gate_up, w, swiglu_limit=limit, out_format=out_format,
-                                         group_size=group, fp8_max=fp8_max, pow2_scale=True)
+    out = shim.simulate(swiglu_and_cast)(
+        gate_up, w, swiglu_limit=limit, out_format=out_format, group_size=group, fp8_max=fp8_max, pow2_scale=True
+    )
     if out_format == "bf16":
         out = (out, torch.empty(gate_up.shape[0], 0))
     ref = ref_swiglu_and_cast(gate_up, w, limit, out_format, group, fp8_max, True)
@@ -55,14 +56,50 @@ def _run(gate_up, w, limit, out_format, group, fp8_max=TRN2_FP8_MAX):
 )
 # Edge cases by name, outside the random budget: one row; a ragged tile of weight-0 rows (padding) under each clamp
 # value; I = 640 (five 128-groups) in bf16 out. Non-finite inputs: test_nonfinite_values_stay_in_their_group.
-@example(rows=1, groups=1, group=32, in_dtype=torch.float32, limit=None, weighted=False, zero_frac=0.0,
-         out_format="fp8", seed=1)
-@example(rows=130, groups=2, group=128, in_dtype=torch.bfloat16, limit=0.5, weighted=True, zero_frac=1.0,
-         out_format="fp8", seed=2)
-@example(rows=77, groups=3, group=32, in_dtype=torch.bfloat16, limit=7.0, weighted=True, zero_frac=0.3,
-         out_format="fp8", seed=3)
-@example(rows=129, groups=5, group=128, in_dtype=torch.float32, limit=7.0, weighted=True, zero_frac=0.3,
-         out_format="bf16", seed=4)
+@example(
+    rows=1,
+    groups=1,
+    group=32,
+    in_dtype=torch.float32,
+    limit=None,
+    weighted=False,
+    zero_frac=0.0,
+    out_format="fp8",
+    seed=1,
+)
+@example(
+    rows=130,
+    groups=2,
+    group=128,
+    in_dtype=torch.bfloat16,
+    limit=0.5,
+    weighted=True,
+    zero_frac=1.0,
+    out_format="fp8",
+    seed=2,
+)
+@example(
+    rows=77,
+    groups=3,
+    group=32,
+    in_dtype=torch.bfloat16,
+    limit=7.0,
+    weighted=True,
+    zero_frac=0.3,
+    out_format="fp8",
+    seed=3,
+)
+@example(
+    rows=129,
+    groups=5,
+    group=128,
+    in_dtype=torch.float32,
+    limit=7.0,
+    weighted=True,
+    zero_frac=0.3,
+    out_format="bf16",
+    seed=4,
+)
 def test_matches_reference(rows, groups, group, in_dtype, limit, weighted, zero_frac, out_format, seed):
     gate_up, w = _inputs(rows, groups * group, in_dtype, weighted, zero_frac, 3.0, seed)
     out, ref = _run(gate_up, w, limit, out_format, group)
@@ -122,8 +159,10 @@ def test_fp8_max_448_needs_trn3():
     assert float(out[0].float().abs().max()) > 240.0  # the e4m3fn range is used
 
 
-@pytest.mark.skipif(not shim.real_nki_available(), reason="real nki (Neuron SDK >= 2.29) is not importable here; "
-                    "the interpreter runs this kernel in the tests above")
+@pytest.mark.skipif(
+    not shim.real_nki_available(),
+    reason="real nki (Neuron SDK >= 2.29) is not importable here; the interpreter runs this kernel in the tests above",
+)
 def test_real_nki_simulator_runs_swiglu(monkeypatch):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
     gate_up, w = _inputs(130, 256, torch.bfloat16, True, 0.2, 3.0, 1)
@@ -132,8 +171,14 @@ def test_real_nki_simulator_runs_swiglu(monkeypatch):
         assert_swiglu_close(out, ref)
 
 
-NONFINITE = [("gate", float("nan")), ("up", float("nan")), ("weight", float("nan")), ("gate", -float("inf")),
-             ("gate", float("inf")), ("up", -float("inf"))]
+NONFINITE = [
+    ("gate", float("nan")),
+    ("up", float("nan")),
+    ("weight", float("nan")),
+    ("gate", -float("inf")),
+    ("gate", float("inf")),
+    ("up", -float("inf")),
+]
 
 
 @pytest.mark.parametrize("where,value", NONFINITE, ids=[f"{w}={v}" for w, v in NONFINITE])

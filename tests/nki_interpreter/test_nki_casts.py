@@ -26,6 +26,7 @@ def _dma(dtype):
         o = nl.ndarray(x.shape, dtype, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=o, src=t)
         return o
+
     return kernel
 
 
@@ -41,6 +42,7 @@ def _on_chip(dtype, how):
         o = nl.ndarray(x.shape, dtype, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=o, src=t)
         return o
+
     return kernel
 
 

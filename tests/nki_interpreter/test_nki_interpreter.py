@@ -98,6 +98,7 @@ def test_matmul_buffers_and_dst_dtype():
 
 def test_matmul_output_within_one_psum_bank():
     x = arr(1, 1)
+
     # [8, 1024] fp32 PSUM tile = 2 banks; columns 256..768 straddle the bank boundary at 512
     def straddle(a, b):
         st = nl.ndarray((8, 8), nl.bfloat16, buffer=nl.sbuf)
@@ -130,7 +131,7 @@ def test_matmul_accumulation_semantics():
         for kb in range(2):
             st = nl.ndarray((128, 64), nl.float32, buffer=nl.sbuf)
             mv = nl.ndarray((128, 64), nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=st, src=a[:, kb * 64:(kb + 1) * 64])
+            nisa.dma_copy(dst=st, src=a[:, kb * 64 : (kb + 1) * 64])
             nisa.dma_copy(dst=mv, src=b)
             nisa.nc_matmul(dst=ps, stationary=st, moving=mv)  # accumulate=None: overwrite, then accumulate
         sb = nl.ndarray((64, 64), nl.float32, buffer=nl.sbuf)
@@ -353,31 +354,36 @@ def test_reductions_only_over_trailing_free_axes():
 # ------------------------------------------------------------------------------------------ cross-partition
 def _shift(n, src0, dst0, engine=nisa.engine.vector):
     """tensor_copy of partitions [src0, src0 + n) onto [dst0, dst0 + n) of one tile."""
+
     def k(x):
         t = load(x)
-        nisa.tensor_copy(dst=t[dst0:dst0 + n, :], src=t[src0:src0 + n, :], engine=engine)
+        nisa.tensor_copy(dst=t[dst0 : dst0 + n, :], src=t[src0 : src0 + n, :], engine=engine)
         return out_of(t)
 
     return k
 
 
-@pytest.mark.parametrize("n, src0, dst0", [
-    (32, 0, 96), (32, 96, 32), (1, 64, 0), (33, 0, 64), (64, 64, 0), (64, 0, 64)])
+@pytest.mark.parametrize(
+    "n, src0, dst0", [(32, 0, 96), (32, 96, 32), (1, 64, 0), (33, 0, 64), (64, 64, 0), (64, 0, 64)]
+)
 def test_cross_partition_within_documented_limits_is_accepted(n, src0, dst0):
     """Arch guide: cross-quadrant for n ≤ 32 (start 0/32/64/96), cross-half for 32 < n ≤ 64 (start 0/64)."""
     x = arr(128, 8)
     want = x.copy()
-    want[dst0:dst0 + n] = x[src0:src0 + n]
+    want[dst0 : dst0 + n] = x[src0 : src0 + n]
     np.testing.assert_array_equal(simulate(_shift(n, src0, dst0))(x), want)
 
 
-@pytest.mark.parametrize("n, src0, dst0", [
-    (32, 0, 16),   # n ≤ 32 but dst not on a quadrant start
-    (32, 1, 32),   # src not on a quadrant start
-    (33, 0, 32),   # 33 partitions: cross-half only (0/64), 32 is not legal
-    (65, 0, 63),   # > 64 partitions: start must be 0 on both sides
-    (64, 32, 64),  # 64 partitions starting at 32
-])
+@pytest.mark.parametrize(
+    "n, src0, dst0",
+    [
+        (32, 0, 16),  # n ≤ 32 but dst not on a quadrant start
+        (32, 1, 32),  # src not on a quadrant start
+        (33, 0, 32),  # 33 partitions: cross-half only (0/64), 32 is not legal
+        (65, 0, 63),  # > 64 partitions: start must be 0 on both sides
+        (64, 32, 64),  # 64 partitions starting at 32
+    ],
+)
 def test_cross_partition_beyond_documented_limits_is_refused(n, src0, dst0):
     rejects("cross-partition", _shift(n, src0, dst0), arr(128, 8))
 
@@ -661,8 +667,11 @@ def test_indirect_row_gather_with_oob_skip():
         i = nl.load(idx)
         rows = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
         nisa.memset(rows, 0.0)
-        nisa.dma_copy(dst=rows, src=table.ap([[4, 4], [1, 4]], offset=0, vector_offset=i, indirect_dim=0),
-                      oob_mode=nisa.oob_mode.skip)
+        nisa.dma_copy(
+            dst=rows,
+            src=table.ap([[4, 4], [1, 4]], offset=0, vector_offset=i, indirect_dim=0),
+            oob_mode=nisa.oob_mode.skip,
+        )
         return out_of(rows)
 
     got = simulate(k)(table, idx)

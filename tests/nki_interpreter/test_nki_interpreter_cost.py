@@ -49,6 +49,7 @@ def test_two_input_tensor_tensor_costs_2n_one_input_n():
 @pytest.mark.parametrize("dtype, per_elem", [(nl.float32, 1.0), (nl.bfloat16, 0.5), (nl.uint8, 0.25)])
 def test_gpsimd_moves_32_bits_per_partition_per_cycle(dtype, per_elem):
     """TA2 GpSimd connectivity: up to 32 bits per partition per cycle → N·itemsize/4 cycles."""
+
     def k(x):
         d = nl.ndarray((128, 4096), dtype, buffer=nl.sbuf)
         nisa.iota(d, [[1, 4096]], offset=0)
@@ -64,14 +65,17 @@ def test_vector_fast_modes_only_where_the_trn2_guide_grants_them():
             s = nl.ndarray((128, 2 * n), dtype, buffer=src_buf)
             nisa.memset(s, 1.0)
             d = nl.ndarray((128, n), dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=d, src=s[:, 0:2 * n:2] if strided else s[:, 0:n])
+            nisa.tensor_copy(dst=d, src=s[:, 0 : 2 * n : 2] if strided else s[:, 0:n])
+
         return k
 
     base = {}
-    for key, (buf, dtype, strided) in {"bf16 sbuf": (nl.sbuf, nl.bfloat16, False),
-                                       "bf16 strided": (nl.sbuf, nl.bfloat16, True),
-                                       "bf16 psum": (nl.psum, nl.bfloat16, False),
-                                       "fp32 sbuf": (nl.sbuf, nl.float32, False)}.items():
+    for key, (buf, dtype, strided) in {
+        "bf16 sbuf": (nl.sbuf, nl.bfloat16, False),
+        "bf16 strided": (nl.sbuf, nl.bfloat16, True),
+        "bf16 psum": (nl.psum, nl.bfloat16, False),
+        "fp32 sbuf": (nl.sbuf, nl.float32, False),
+    }.items():
         simulate(copy(buf, dtype, strided))(np.ones(1, F32))
         rec = interpreter.last_run().cost
         base[key] = rec.instr_cycles["vector"]
@@ -85,11 +89,13 @@ def test_vector_fast_modes_only_where_the_trn2_guide_grants_them():
 
 def test_tensor_engine_issue_interval_is_max_n_64_and_fp32_is_4x():
     """TA2 Tensor Engine: initiation interval max(N, MM_INIT_LATENCY = 64); fp32 ~4×."""
+
     def mm(n, dtype):
         def k(x):
             st, mv = sbuf((128, 128), dtype), sbuf((128, n), dtype)
             d = nl.ndarray((128, n), nl.float32, buffer=nl.psum)
             nisa.nc_matmul(dst=d, stationary=st, moving=mv)
+
         return k
 
     assert cycles(mm(8, nl.bfloat16), np.ones(1, F32), engine="tensor") == 64
@@ -101,6 +107,7 @@ def test_tensor_engine_issue_interval_is_max_n_64_and_fp32_is_4x():
 
 def test_transpose_mode_fp32_is_twice_as_fast_as_an_fp32_matmul():
     """trn2 guide, Built-in Transpose Support: 2× speedup in FP32 transpose."""
+
     def k(x):
         t = nl.ndarray((128, 128), nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=x)
@@ -112,11 +119,15 @@ def test_transpose_mode_fp32_is_twice_as_fast_as_an_fp32_matmul():
 
 def test_dynamic_dmas_pay_the_dge_cost():
     """trn2 guide, DGE: each DGE-based DMA instruction takes about 600 ns; two DGE instances per core."""
+
     def k(x, dynamic):
         t = nl.ndarray((1, 8), nl.float32, buffer=nl.sbuf)
         for e in range(4):
-            src = x.ap(pattern=[[8, 1], [1, 8]], offset=0, scalar_offset=nisa.register_alloc(e), indirect_dim=0) \
-                if dynamic else x[e:e + 1, :]
+            src = (
+                x.ap(pattern=[[8, 1], [1, 8]], offset=0, scalar_offset=nisa.register_alloc(e), indirect_dim=0)
+                if dynamic
+                else x[e : e + 1, :]
+            )
             nisa.dma_copy(dst=t, src=src)
 
     x = np.ones((4, 8), F32)
@@ -148,6 +159,7 @@ def test_estimate_reports_the_overlap_the_serial_bound_and_the_binding_engine():
 
 def test_vector_time_is_its_cycles_plus_60_per_instruction_at_0_96_ghz():
     """Two memsets (N cycles each) and a two-input tensor_tensor (2N), 60 fixed cycles per instruction."""
+
     def k(x):
         a, b = sbuf((128, 1000)), sbuf((128, 1000))
         nisa.tensor_tensor(dst=a, data1=a, data2=b, op=nl.multiply)

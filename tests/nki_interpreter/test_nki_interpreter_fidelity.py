@@ -31,6 +31,7 @@ def sbuf_scalar(value: int):
 def test_scalar_offset_scales_by_the_reshaped_view_not_the_allocation():
     """deep-dives/nki-aps: a = arange(32).reshape(4, 8); a.reshape((2, 16)).ap([[16, 1], [1, 16]], 0,
     scalar_offset=1, indirect_dim=0) starts at element 16 (one row of the (2, 16) view), not 8."""
+
     def k(a):
         v = a.reshape((2, 16)).ap(pattern=[[16, 1], [1, 16]], offset=0, scalar_offset=sbuf_scalar(1), indirect_dim=0)
         t = nl.ndarray((1, 16), nl.float32, buffer=nl.sbuf)
@@ -47,6 +48,7 @@ def test_scalar_offset_scales_by_the_reshaped_view_not_the_allocation():
 
 def test_scalar_offset_on_an_inner_dim_of_a_reshaped_view():
     """indirect_dim=1 of a (2, 4, 4) view of a (4, 8) array: one step is prod(shape[2:]) = 4 elements."""
+
     def k(a):
         reg = nisa.register_alloc(3)
         v = a.reshape((2, 4, 4)).ap(pattern=[[4, 1], [1, 4]], offset=0, scalar_offset=reg, indirect_dim=1)
@@ -94,10 +96,20 @@ def test_vector_offset_rows_out_of_the_view_are_still_refused():
 
 # ------------------------------------------------------------------------------------ §1 tile_size
 TRN2_TILE_SIZE = {
-    "pmax": 128, "gemm_stationary_fmax": 128, "gemm_moving_fmax": 512, "bn_stats_fmax": 512,
-    "psum_bank_fmax": 512, "psum_bank_fmax_bytes": 2048, "psum_fmax": 512, "psum_num_banks": 8,
-    "sbuf_size_bytes": 128 * 224 * 1024, "sbuf_fmax_bytes": 212984, "sbuf_fmax": 212984 // 4,
-    "total_available_sbuf_size": 212984, "psum_min_align": 4, "sbuf_min_align": 1,
+    "pmax": 128,
+    "gemm_stationary_fmax": 128,
+    "gemm_moving_fmax": 512,
+    "bn_stats_fmax": 512,
+    "psum_bank_fmax": 512,
+    "psum_bank_fmax_bytes": 2048,
+    "psum_fmax": 512,
+    "psum_num_banks": 8,
+    "sbuf_size_bytes": 128 * 224 * 1024,
+    "sbuf_fmax_bytes": 212984,
+    "sbuf_fmax": 212984 // 4,
+    "total_available_sbuf_size": 212984,
+    "psum_min_align": 4,
+    "sbuf_min_align": 1,
 }
 
 
@@ -178,14 +190,16 @@ def test_a_list_output_with_a_private_hbm_tensor_is_refused():
 # ------------------------------------------------------------------------------------ §2 enums
 def test_raw_documented_enum_integers_are_accepted_with_a_warning():
     """isa stub numbering: dge_mode.none = 3, engine.vector = 5, oob_mode.skip = 1, reduce_cmd.reset_reduce = 3."""
+
     def k(x):
         t = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=x, dge_mode=3, oob_mode=0)
         u = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=u, src=t, engine=5)
         s = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar_reduce(dst=u, data=u, op0=nl.multiply, operand0=1.0, reduce_op=nl.add, reduce_res=s,
-                                  reduce_cmd=3)
+        nisa.tensor_scalar_reduce(
+            dst=u, data=u, op0=nl.multiply, operand0=1.0, reduce_op=nl.add, reduce_res=s, reduce_cmd=3
+        )
         o = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=o, src=s)
         return o

@@ -26,6 +26,7 @@ def identity(n, dtype=nl.bfloat16):
 # ------------------------------------------------------------------------------------ nc_matmul transpose
 def test_matmul_transpose_mode_is_bit_exact_including_nan_and_inf():
     """nc_matmul page: is_transpose=True (NeuronCore-v3+) transposes bit-exactly, NaN/Inf included."""
+
     def k(x):
         t = load(x)
         ps = nl.ndarray((x.shape[1], x.shape[0]), nl.bfloat16, buffer=nl.psum)
@@ -42,6 +43,7 @@ def test_matmul_transpose_mode_is_bit_exact_including_nan_and_inf():
 
 def test_matmul_transpose_of_fp8_on_trn2_writes_16_bit_elements_with_a_zero_top_byte():
     """trn2 guide note: an fp8 transpose produces 16-bit PSUM elements, upper 8 bits zero."""
+
     def k(x):
         t = load(x)
         ps = nl.ndarray((x.shape[1], x.shape[0]), nl.uint16, buffer=nl.psum)
@@ -84,6 +86,7 @@ def test_matmul_tiling_limits_follow_the_nc_matmul_page():
             o = nl.ndarray((m, 8), nl.float32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=o, src=d)
             return out_of(o)
+
         return kern
 
     one = np.ones((1, 1), F32)
@@ -101,6 +104,7 @@ def test_matmul_tiling_limits_follow_the_nc_matmul_page():
 # ------------------------------------------------------------------------------------ dma_transpose
 def test_dma_transpose_2d_3d_4d_from_hbm_and_sbuf():
     """dma_transpose page: 2-D (1, 0), 3-D (2, 1, 0), 4-D (3, 1, 2, 0), dst in SBUF."""
+
     def k(x, from_sbuf):
         src = load(x) if from_sbuf else x
         axes = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}[x.ndim]
@@ -111,8 +115,7 @@ def test_dma_transpose_2d_3d_4d_from_hbm_and_sbuf():
     for shape in ((16, 128), (4, 3, 8), (8, 2, 3, 4)):
         x = arr(*shape).astype(ml_dtypes.bfloat16)
         axes = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}[x.ndim]
-        np.testing.assert_array_equal(simulate(k)(x, False).view(np.uint16),
-                                      np.transpose(x, axes).view(np.uint16))
+        np.testing.assert_array_equal(simulate(k)(x, False).view(np.uint16), np.transpose(x, axes).view(np.uint16))
     x = arr(32, 16)
     np.testing.assert_array_equal(simulate(k)(x, True), x.T)
     rec = interpreter.last_run().cost
@@ -141,6 +144,7 @@ def test_dma_transpose_limits():
 
 def test_dma_transpose_indirect_gathers_rows_then_transposes():
     """dma_transpose page: gathered = src[indices.T.flatten()[:rows]]; dst = gathered.T."""
+
     def k(src, idx_h):
         idx = load(idx_h)
         d = nl.ndarray((src.shape[1], 16), src.dtype, buffer=nl.sbuf)
@@ -159,6 +163,7 @@ def test_dma_transpose_indirect_gathers_rows_then_transposes():
 def test_nonzero_with_count_follows_the_documented_example_on_gpsimd_core_partitions():
     """isa stub example: [0, 1, 1, 0, 0, 1, 0, 0], index_offset 16 → [17, 18, 21, -1 ×5, 3]; only partitions
     0, 16, …, 112 are written."""
+
     def k(x):
         s = load(x)
         d = nl.ndarray((32, 9), nl.int32, buffer=nl.sbuf)
@@ -187,16 +192,24 @@ def test_nonzero_with_count_limits():
 def test_tensor_tensor_scan_matches_the_stub_pseudocode():
     """r[0] = op1(op0(d0[0], initial), d1[0]); r[i] = op1(op0(d0[i], r[i-1]), d1[i]) — e.g. a decayed cumsum
     r = d0·r + d1 (multiply, add)."""
+
     def k(a, b, init):
         d = nl.ndarray(a.shape, nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor_scan(dst=d, data0=load(a), data1=load(b), initial=load(init), op0=nl.multiply,
-                                op1=nl.add)
+        nisa.tensor_tensor_scan(dst=d, data0=load(a), data1=load(b), initial=load(init), op0=nl.multiply, op1=nl.add)
         return out_of(d)
 
     def reversed_ops(a, b):
         d = nl.ndarray(a.shape, nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor_scan(dst=d, data0=load(a), data1=load(b), initial=1.0, op0=nl.subtract,
-                                op1=nl.subtract, reverse0=True, reverse1=True)
+        nisa.tensor_tensor_scan(
+            dst=d,
+            data0=load(a),
+            data1=load(b),
+            initial=1.0,
+            op0=nl.subtract,
+            op1=nl.subtract,
+            reverse0=True,
+            reverse1=True,
+        )
         return out_of(d)
 
     a, b, init = arr(4, 16, seed=1), arr(4, 16, seed=2), arr(4, 1, seed=3)
@@ -216,11 +229,18 @@ def test_tensor_tensor_scan_matches_the_stub_pseudocode():
 # ------------------------------------------------------------------------------------ affine / range select
 def test_affine_select_builds_a_causal_mask():
     """affine_select page: predicate = cmp_op(offset + p·channel_multiplier + Σ idx·step, 0)."""
+
     def k(x):
         d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
         # keep column j of row p where p - j >= 0
-        nisa.affine_select(dst=d, pattern=[[-1, x.shape[1]]], channel_multiplier=1, on_true_tile=load(x),
-                           on_false_value=-9999.0, cmp_op=nl.greater_equal)
+        nisa.affine_select(
+            dst=d,
+            pattern=[[-1, x.shape[1]]],
+            channel_multiplier=1,
+            on_true_tile=load(x),
+            on_false_value=-9999.0,
+            cmp_op=nl.greater_equal,
+        )
         return out_of(d)
 
     x = arr(8, 8)
@@ -235,15 +255,31 @@ def test_range_select_keeps_a_window_and_reduces_its_max():
     def k(x, lo, hi):
         d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
         m = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
-        nisa.range_select(dst=d, on_true_tile=load(x), comp_op0=nl.greater_equal, comp_op1=nl.less,
-                          bound0=load(lo), bound1=load(hi), reduce_res=m, range_start=10,
-                          on_false_value=FP32_MIN)
+        nisa.range_select(
+            dst=d,
+            on_true_tile=load(x),
+            comp_op0=nl.greater_equal,
+            comp_op1=nl.less,
+            bound0=load(lo),
+            bound1=load(hi),
+            reduce_res=m,
+            range_start=10,
+            on_false_value=FP32_MIN,
+        )
         return out_of(d), out_of(m)
 
     def bf16_dst(x, lo, hi):
         d = nl.ndarray(x.shape, nl.bfloat16, buffer=nl.sbuf)
-        nisa.range_select(dst=d, on_true_tile=load(x), comp_op0=nl.greater_equal, comp_op1=nl.less,
-                          bound0=load(lo), bound1=load(hi), range_start=10, on_false_value=FP32_MIN)
+        nisa.range_select(
+            dst=d,
+            on_true_tile=load(x),
+            comp_op0=nl.greater_equal,
+            comp_op1=nl.less,
+            bound0=load(lo),
+            bound1=load(hi),
+            range_start=10,
+            on_false_value=FP32_MIN,
+        )
         return out_of(d)
 
     x = arr(4, 12)
@@ -264,7 +300,7 @@ def test_bn_stats_then_bn_aggr_give_mean_and_variance_over_several_tiles():
         t = load(x)
         st = nl.ndarray((x.shape[0], 12), nl.float32, buffer=nl.sbuf)
         for j in range(2):  # two 512-element tiles, one bn_aggr (the stub's recipe)
-            nisa.bn_stats(dst=st[:, 6 * j:6 * j + 6], data=t[:, 512 * j:512 * (j + 1)])
+            nisa.bn_stats(dst=st[:, 6 * j : 6 * j + 6], data=t[:, 512 * j : 512 * (j + 1)])
         mv = nl.ndarray((x.shape[0], 2), nl.float32, buffer=nl.sbuf)
         nisa.bn_aggr(dst=mv, data=st)
         return out_of(st), out_of(mv)
@@ -321,12 +357,13 @@ def test_find_index8_of_an_absent_value_is_refused():
 def test_stream_shuffle_broadcasts_and_permutes_within_quadrants():
     """nc_stream_shuffle page: out[32q + i] = src[32q + mask[i]], 255 keeps; start partitions per the
     active-partition count."""
+
     def k(x, mask, dst0):
         s = load(x)
         d = nl.ndarray((128, x.shape[1]), x.dtype, buffer=nl.sbuf)
         nisa.memset(d, 0.0)
         n = x.shape[0]
-        nisa.nc_stream_shuffle(dst=d[dst0:dst0 + n, :], src=s, shuffle_mask=mask)
+        nisa.nc_stream_shuffle(dst=d[dst0 : dst0 + n, :], src=s, shuffle_mask=mask)
         return out_of(d)
 
     x = arr(64, 4)
@@ -357,11 +394,18 @@ def test_nc_n_gather_gathers_within_each_partition():
 # ------------------------------------------------------------------------------------ select / cumulative
 def test_select_reduce_selects_and_keeps_the_running_max():
     """isa stub: result = where(pred, on_true, on_false); reduce_res = max of result (reset_reduce)."""
+
     def k(x, p):
         d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
         m = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
-        nisa.select_reduce(dst=d, predicate=load(p), on_true=load(x), on_false=-5.0, reduce_res=m,
-                           reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.select_reduce(
+            dst=d,
+            predicate=load(p),
+            on_true=load(x),
+            on_false=-5.0,
+            reduce_res=m,
+            reduce_cmd=nisa.reduce_cmd.reset_reduce,
+        )
         return out_of(d), out_of(m)
 
     x, p = arr(4, 10), (np.random.default_rng(12).random((4, 10)) > 0.5).astype(np.uint8)
@@ -373,10 +417,12 @@ def test_select_reduce_selects_and_keeps_the_running_max():
 
 def test_tensor_scalar_cumulative_follows_the_stub_pseudocode():
     """reg = identity (reset_reduce) or imm1 (load_reduce); reg = op1(op0(x[i], imm0), reg); dst[i] = reg."""
+
     def k(x, cmd):
         d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar_cumulative(dst=d, src=load(x), op0=nl.multiply, op1=nl.add, imm0=2.0, imm1=100.0,
-                                      reduce_cmd=cmd)
+        nisa.tensor_scalar_cumulative(
+            dst=d, src=load(x), op0=nl.multiply, op1=nl.add, imm0=2.0, imm1=100.0, reduce_cmd=cmd
+        )
         return out_of(d)
 
     def running_max(x):
@@ -385,10 +431,10 @@ def test_tensor_scalar_cumulative_follows_the_stub_pseudocode():
         return out_of(d)
 
     x = arr(3, 9)
-    np.testing.assert_allclose(simulate(k)(x, nisa.reduce_cmd.reset_reduce), np.cumsum(2 * x, axis=1), rtol=1e-5,
-                               atol=1e-5)
-    np.testing.assert_allclose(simulate(k)(x, nisa.reduce_cmd.load_reduce), 100 + np.cumsum(2 * x, axis=1),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        simulate(k)(x, nisa.reduce_cmd.reset_reduce), np.cumsum(2 * x, axis=1), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(simulate(k)(x, nisa.reduce_cmd.load_reduce), 100 + np.cumsum(2 * x, axis=1), rtol=1e-5)
     np.testing.assert_array_equal(simulate(running_max)(x), np.maximum.accumulate(x, axis=1))
 
 
@@ -411,10 +457,10 @@ def test_nl_where_picks_x_where_the_condition_holds():
 def test_local_gather_shares_indices_across_each_gpsimd_core_partitions():
     """The stub's example semantics: per 16-partition core, indices flattened column-major, each partition
     gathers num_elem_per_idx contiguous elements of its own free dim at every index."""
+
     def k(src, idx_h, nv):
         d = nl.ndarray((src.shape[0], nv * 4), src.dtype, buffer=nl.sbuf)
-        nisa.local_gather(dst=d, src_buffer=load(src), index=load(idx_h), num_elem_per_idx=4,
-                          num_valid_indices=nv)
+        nisa.local_gather(dst=d, src_buffer=load(src), index=load(idx_h), num_elem_per_idx=4, num_valid_indices=nv)
         return out_of(d)
 
     rng = np.random.default_rng(11)
@@ -431,6 +477,7 @@ def test_local_gather_shares_indices_across_each_gpsimd_core_partitions():
 # ------------------------------------------------------------------------------------ dma_compute
 def test_dma_compute_adds_sources_and_scatter_adds_rows():
     """dma_compute page: dst = Σ srcs (fp32); scatter RMW dst(HBM)[idx] += src(SBUF) with unique indices."""
+
     def add3(a, b, c):
         d = nl.ndarray(a.shape, nl.float32, buffer=nl.sbuf)
         nisa.dma_compute(dst=d, srcs=(a, b, c), reduce_op=nl.add)
@@ -457,8 +504,7 @@ def test_scalar_tensor_tensor_accepts_a_dtype_that_agrees_with_dst():
     def k(x, dtype):
         d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
         t = load(x)
-        nisa.scalar_tensor_tensor(dst=d, data=t, op0=nl.multiply, operand0=2.0, op1=nl.add, operand1=t,
-                                  dtype=dtype)
+        nisa.scalar_tensor_tensor(dst=d, data=t, op0=nl.multiply, operand0=2.0, op1=nl.add, operand1=t, dtype=dtype)
         return out_of(d)
 
     x = arr(4, 4)
@@ -566,6 +612,7 @@ def test_mx_is_trn3_only_and_x4_types_refuse_arithmetic():
 # ------------------------------------------------------------------------------------ LNC = 2
 def test_lnc2_cores_split_a_shared_output_and_meet_at_a_barrier():
     """core_barrier page: each core writes half of a shared_hbm tensor, then both read all of it."""
+
     def k(x):
         p, f = x.shape
         half = p // 2
@@ -574,9 +621,9 @@ def test_lnc2_cores_split_a_shared_output_and_meet_at_a_barrier():
         out = nl.ndarray((p, f), nl.float32, buffer=nl.shared_hbm)
         both = nl.ndarray((p, f), nl.float32, buffer=nl.shared_hbm)
         t = nl.ndarray((half, f), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=x[r * half:(r + 1) * half, :])
+        nisa.dma_copy(dst=t, src=x[r * half : (r + 1) * half, :])
         nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=float(10 * (r + 1)))
-        nisa.dma_copy(dst=out[r * half:(r + 1) * half, :], src=t)
+        nisa.dma_copy(dst=out[r * half : (r + 1) * half, :], src=t)
         nisa.core_barrier(data=out, cores=(0, 1))
         whole = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=whole, src=out)  # after the barrier each core sees the other's half
@@ -598,11 +645,11 @@ def test_lnc2_sendrecv_exchanges_tiles_and_each_core_has_its_own_sbuf():
         r = nl.program_id()
         big = nl.ndarray((128, 200 * 1024), nl.uint8, buffer=nl.sbuf)  # noqa: F841  (fits each core's SBUF)
         mine = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=mine, src=x[4 * r:4 * r + 4, :])
+        nisa.dma_copy(dst=mine, src=x[4 * r : 4 * r + 4, :])
         theirs = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
         nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - r, recv_from_rank=1 - r, pipe_id=0)
         out = nl.ndarray((8, 8), nl.float32, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out[4 * r:4 * r + 4, :], src=theirs)
+        nisa.dma_copy(dst=out[4 * r : 4 * r + 4, :], src=theirs)
         return out
 
     x = arr(8, 8)

@@ -66,13 +66,14 @@ def test_rmsnorm_with_bn_stats_and_bn_aggr(nki_api):
         n = h // fmax
         stats = nl.ndarray((t, 6 * n), dtype=nl.float32, buffer=nl.sbuf)
         for j in range(n):
-            nisa.bn_stats(dst=stats[:, 6 * j:6 * (j + 1)], data=xs[:, fmax * j:fmax * (j + 1)])
+            nisa.bn_stats(dst=stats[:, 6 * j : 6 * (j + 1)], data=xs[:, fmax * j : fmax * (j + 1)])
         mv = nl.ndarray((t, 2), dtype=nl.float32, buffer=nl.sbuf)
         nisa.bn_aggr(dst=mv, data=stats)
         # mean(x²) = var + mean²
         ms = nl.ndarray((t, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=ms, data=mv[:, 0:1], op0=nl.multiply, operand0=mv[:, 0:1], op1=nl.add,
-                                  operand1=mv[:, 1:2])
+        nisa.scalar_tensor_tensor(
+            dst=ms, data=mv[:, 0:1], op0=nl.multiply, operand0=mv[:, 0:1], op1=nl.add, operand1=mv[:, 1:2]
+        )
         inv = nl.ndarray((t, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=inv, op=nl.rsqrt, data=ms, bias=eps)
         y = nl.ndarray((t, h), dtype=nl.float32, buffer=nl.sbuf)
@@ -136,7 +137,7 @@ def test_slot_positions_with_tensor_tensor_scan_and_nonzero_with_count(nki_api):
     for p in (0, 16):  # the GpSimd cores' first partitions
         nz = torch.nonzero(mask[p]).flatten().int()
         assert int(n[p, -1]) == nz.numel()
-        assert torch.equal(n[p, :nz.numel()], nz) and (n[p, nz.numel():-1] == -1).all()
+        assert torch.equal(n[p, : nz.numel()], nz) and (n[p, nz.numel() : -1] == -1).all()
 
 
 def test_quadrant_moves_and_stream_shuffle_broadcast(nki_api):
@@ -146,7 +147,7 @@ def test_quadrant_moves_and_stream_shuffle_broadcast(nki_api):
     def add_row_bias(x, bias_row, use_bias):
         t, h = x.shape
         xs = nl.ndarray((128, h), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=xs[96:96 + t, :], src=x)  # tokens parked in the last quadrant
+        nisa.dma_copy(dst=xs[96 : 96 + t, :], src=x)  # tokens parked in the last quadrant
         b1 = nl.ndarray((32, h), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=b1[0:1, :], src=bias_row)
         bb = nl.ndarray((32, h), dtype=nl.float32, buffer=nl.sbuf)
@@ -154,10 +155,11 @@ def test_quadrant_moves_and_stream_shuffle_broadcast(nki_api):
         y = nl.ndarray((32, h), dtype=nl.float32, buffer=nl.sbuf)
         if use_bias:
             # cross-quadrant read: rows 96..96+t into rows 0..t (n ≤ 32, starts 96 and 0)
-            nisa.tensor_tensor(dst=y[0:t, :], data1=xs[96:96 + t, :], data2=bb[0:t, :], op=nl.add,
-                               engine=5)  # a raw engine number, as older kernels pass: warned, accepted
+            nisa.tensor_tensor(
+                dst=y[0:t, :], data1=xs[96 : 96 + t, :], data2=bb[0:t, :], op=nl.add, engine=5
+            )  # a raw engine number, as older kernels pass: warned, accepted
         else:
-            nisa.tensor_copy(dst=y[0:t, :], src=xs[96:96 + t, :])
+            nisa.tensor_copy(dst=y[0:t, :], src=xs[96 : 96 + t, :])
         out = nl.ndarray((t, h), dtype=nl.float32, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=out, src=y[0:t, :])
         return out

@@ -95,10 +95,18 @@ def test_bitwise_tensor_tensor_runs_on_vector_engine_only():
 
 
 # --------------------------------------------------------------------------------------- immediate-range
-@pytest.mark.parametrize("imm,ok", [(0x7F7F7F80, True),  # 24 significant bits
-                                    (0x80808080 - (1 << 32), True),  # int32 spelling, 24 bits
-                                    (0x00FFFFFF, True), (0x01FFFFFF, False),  # 24 vs 25 bits
-                                    (0x07070707, False), (0x1C1C1C1C, False), (1 << 32, False)])
+@pytest.mark.parametrize(
+    "imm,ok",
+    [
+        (0x7F7F7F80, True),  # 24 significant bits
+        (0x80808080 - (1 << 32), True),  # int32 spelling, 24 bits
+        (0x00FFFFFF, True),
+        (0x01FFFFFF, False),  # 24 vs 25 bits
+        (0x07070707, False),
+        (0x1C1C1C1C, False),
+        (1 << 32, False),
+    ],
+)
 def test_integer_immediates_must_be_exact_in_float32(imm, ok):
     x = np.arange(128 * 2, dtype=np.uint32).reshape(128, 2) * np.uint32(0x01010101)
 

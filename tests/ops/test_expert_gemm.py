@@ -14,8 +14,7 @@ import static_moe
 from static_moe import reference
 from static_moe.formats import quantize_activation
 from static_moe.testing.generators import FORMAT_PAIRS, FP8_SCALE_KINDS, as_padding, random_weight
-from static_moe.testing.numeric import (assert_equal, assert_gemm_bitwise, assert_gemm_close,
-                                        assert_rejected_untouched)
+from static_moe.testing.numeric import assert_equal, assert_gemm_bitwise, assert_gemm_close, assert_rejected_untouched
 
 PAIR_IDS = [f"{a}x{w}" for a, w in FORMAT_PAIRS]
 
@@ -58,16 +57,65 @@ def _poison_other_experts(b, b_scale, keep):
 )
 # Edge cases by name, outside the random budget: no rows; every row masked (NaN padding only); fp8 weights with K
 # spanning two scale chunks; fp4 with g = 32 and K = 1024.
-@example(pair=("bf16", "bf16"), group=128, rows=0, k=128, n=32, num_experts=1, mask_p=1.0, scale=1.0, pow2=True,
-         fp8_scales="pow2", expert_pick=0, seed=0)
-@example(pair=("fp8", "fp8"), group=32, rows=7, k=256, n=96, num_experts=3, mask_p=0.0, scale=1.0, pow2=True,
-         fp8_scales="mixed", expert_pick=2, seed=1)
-@example(pair=("fp8", "fp8"), group=128, rows=5, k=640, n=128, num_experts=2, mask_p=0.5, scale=30.0, pow2=False,
-         fp8_scales="float", expert_pick=1, seed=2)
-@example(pair=("bf16", "fp4"), group=32, rows=9, k=1024, n=200, num_experts=4, mask_p=0.9, scale=1e-3, pow2=True,
-         fp8_scales="pow2", expert_pick=3, seed=3)
-def test_matches_reference(cpu_isa, pair, group, rows, k, n, num_experts, mask_p, scale, pow2, fp8_scales,
-                           expert_pick, seed):
+@example(
+    pair=("bf16", "bf16"),
+    group=128,
+    rows=0,
+    k=128,
+    n=32,
+    num_experts=1,
+    mask_p=1.0,
+    scale=1.0,
+    pow2=True,
+    fp8_scales="pow2",
+    expert_pick=0,
+    seed=0,
+)
+@example(
+    pair=("fp8", "fp8"),
+    group=32,
+    rows=7,
+    k=256,
+    n=96,
+    num_experts=3,
+    mask_p=0.0,
+    scale=1.0,
+    pow2=True,
+    fp8_scales="mixed",
+    expert_pick=2,
+    seed=1,
+)
+@example(
+    pair=("fp8", "fp8"),
+    group=128,
+    rows=5,
+    k=640,
+    n=128,
+    num_experts=2,
+    mask_p=0.5,
+    scale=30.0,
+    pow2=False,
+    fp8_scales="float",
+    expert_pick=1,
+    seed=2,
+)
+@example(
+    pair=("bf16", "fp4"),
+    group=32,
+    rows=9,
+    k=1024,
+    n=200,
+    num_experts=4,
+    mask_p=0.9,
+    scale=1e-3,
+    pow2=True,
+    fp8_scales="pow2",
+    expert_pick=3,
+    seed=3,
+)
+def test_matches_reference(
+    cpu_isa, pair, group, rows, k, n, num_experts, mask_p, scale, pow2, fp8_scales, expert_pick, seed
+):
     act, wf = pair
     gen = torch.Generator().manual_seed(seed)
     expert = expert_pick % num_experts
@@ -111,8 +159,9 @@ def _full_batch(pair, rows, n, k, experts, expert, rng):
 
 def _assert_one_row_batch(a, a_s, b, b_s, expert, full, r):
     """Row r of ``a`` alone, as a 1-row batch, gives row r of ``full`` (the batch's result) bit for bit."""
-    one = static_moe.expert_gemm(a[r : r + 1], None if a_s is None else a_s[r : r + 1], b, b_s,
-                                 torch.ones(1, dtype=torch.bool), expert)
+    one = static_moe.expert_gemm(
+        a[r : r + 1], None if a_s is None else a_s[r : r + 1], b, b_s, torch.ones(1, dtype=torch.bool), expert
+    )
     assert_equal(one[0], full[r], f"row {r} as a 1-row batch")
 
 
@@ -155,6 +204,7 @@ def test_fp4_extreme_scale_bytes(cpu_isa, rng):
     # Scale bytes 0 and 1 (values below 2^-126, subnormal) and 253 (2^126): outside the range where the avx512bf16
     # path scales its bf16 table by an exponent add, so it builds the table in fp32 instead.
     from static_moe.formats import pack_fp4
+
     codes = torch.randint(0, 16, (1, 96, 256), generator=rng, dtype=torch.uint8)
     codes[:, 32:64] &= 0x9  # rows with byte 253: magnitudes 0 and 0.5 only, so 2^126-sized values stay finite
     s = torch.randint(118, 126, (1, 96, 8), generator=rng, dtype=torch.uint8)
@@ -210,8 +260,9 @@ def test_fp4_extreme_scale_bytes_bitwise(cpu_isa, act, byte, exponent, rng):
     out = static_moe.expert_gemm(a, a_s, b, b_s, mask, 0)
     ref = reference.expert_gemm(a, a_s, b, b_s, mask, 0)
     r = ref.float().abs()
-    assert bool(torch.isfinite(r).all()) and bool((r[r > 0] > 2.0**-60).all()) and (r > 0).float().mean() > 0.9, \
+    assert bool(torch.isfinite(r).all()) and bool((r[r > 0] > 2.0**-60).all()) and (r > 0).float().mean() > 0.9, (
         "the crafted input must keep the result finite, normal and (bar chance cancellations) non-zero"
+    )
     assert_gemm_bitwise(out, ref, f"{cpu_isa} {act} scale byte {byte}")
 
 
@@ -277,8 +328,13 @@ def _sample(act, wf, rows, group=128, n=128, k=256, experts=2, expert=1, mask=No
     return (a, a_s, b, b_s, mask, expert)
 
 
-SAMPLES = [_sample("bf16", "fp4", 6), _sample("fp8", "fp8", 5, group=32), _sample("bf16", "bf16", 3),
-           _sample("fp8", "fp4", 0), _sample("bf16", "fp8", 4, mask=torch.ones(4, dtype=torch.bool))]
+SAMPLES = [
+    _sample("bf16", "fp4", 6),
+    _sample("fp8", "fp8", 5, group=32),
+    _sample("bf16", "bf16", 3),
+    _sample("fp8", "fp4", 0),
+    _sample("bf16", "fp8", 4, mask=torch.ones(4, dtype=torch.bool)),
+]
 
 
 @pytest.mark.parametrize("args", SAMPLES, ids=["bf16xfp4", "fp8xfp8_g32", "bf16xbf16", "empty", "bf16xfp8"])
@@ -323,35 +379,69 @@ _S8 = torch.ones(2, 64, 2)  # fp8 weight scales for K = 256
 _S4 = torch.full((2, 64, 8), 127, dtype=torch.uint8)  # fp4 weight scales for K = 256
 
 BAD = [
-    ((_a(dtype=torch.float32), None, _b(), None, _M4, 0), TypeError,
-     r"a must have an activation dtype: torch\.bfloat16 \(bf16\) or torch\.float8_e4m3fn \(fp8\), got torch\.float32"),
+    (
+        (_a(dtype=torch.float32), None, _b(), None, _M4, 0),
+        TypeError,
+        r"a must have an activation dtype: torch\.bfloat16 \(bf16\) or torch\.float8_e4m3fn \(fp8\), got torch\.float32",
+    ),
     ((_a(dtype=_FP8), None, _b(dtype=_FP8), _S8, _M4, 0), ValueError, r"a_scale is required when a is fp8"),
-    ((_a(dtype=_FP8), torch.ones(4, 3), _b(dtype=_FP8), _S8, _M4, 0), ValueError,
-     r"activation group a\.size\(1\) / a_scale\.size\(1\) must be 32 or 128"),
-    ((_a(dtype=_FP8), torch.ones(5, 2), _b(dtype=_FP8), _S8, _M4, 0), ValueError,
-     r"a_scale\.size\(0\) must be R = a\.size\(0\) = 4, got 5"),
+    (
+        (_a(dtype=_FP8), torch.ones(4, 3), _b(dtype=_FP8), _S8, _M4, 0),
+        ValueError,
+        r"activation group a\.size\(1\) / a_scale\.size\(1\) must be 32 or 128",
+    ),
+    (
+        (_a(dtype=_FP8), torch.ones(5, 2), _b(dtype=_FP8), _S8, _M4, 0),
+        ValueError,
+        r"a_scale\.size\(0\) must be R = a\.size\(0\) = 4, got 5",
+    ),
     ((_a(), torch.ones(4, 2), _b(), None, _M4, 0), ValueError, r"a_scale must be None when a is bf16"),
     ((_a(k=96), None, _b(k=96), None, _M4, 0), ValueError, r"K = a\.size\(1\) must be a multiple of 128, got 96"),
-    ((_a(), None, _b(k=384), None, _M4, 0), ValueError, r"b must have shape \[L, N, K\] = \[2, 64, 256\], got \[2, 64, 384\]"),
-    ((_a(dtype=_FP8), torch.ones(4, 2), _b(), None, _M4, 0), ValueError,
-     r"unsupported format pair: a is fp8 and b is bf16"),
+    (
+        (_a(), None, _b(k=384), None, _M4, 0),
+        ValueError,
+        r"b must have shape \[L, N, K\] = \[2, 64, 256\], got \[2, 64, 384\]",
+    ),
+    (
+        (_a(dtype=_FP8), torch.ones(4, 2), _b(), None, _M4, 0),
+        ValueError,
+        r"unsupported format pair: a is fp8 and b is bf16",
+    ),
     ((_a(), None, _b(dtype=torch.float16), None, _M4, 0), TypeError, r"b must have a weight dtype"),
     ((_a(), None, _b(dtype=_FP8), None, _M4, 0), ValueError, r"b_scale is required for fp8 b"),
-    ((_a(), None, _b(dtype=_FP8), torch.ones(2, 64, 3), _M4, 0), ValueError,
-     r"b_scale must have shape \[L, N, K/128\] = \[2, 64, 2\], got \[2, 64, 3\]"),
-    ((_a(), None, _b(k=128, dtype=torch.uint8), torch.ones(2, 64, 8), _M4, 0), TypeError,
-     r"b_scale must have dtype torch\.uint8 or torch\.float8_e8m0fnu, got torch\.float32"),
-    ((_a(), None, _b(k=128, dtype=torch.uint8), _S4[:, :32], _M4, 0), ValueError,
-     r"b_scale must have shape \[L, N, K/32\] = \[2, 64, 8\], got \[2, 32, 8\]"),
+    (
+        (_a(), None, _b(dtype=_FP8), torch.ones(2, 64, 3), _M4, 0),
+        ValueError,
+        r"b_scale must have shape \[L, N, K/128\] = \[2, 64, 2\], got \[2, 64, 3\]",
+    ),
+    (
+        (_a(), None, _b(k=128, dtype=torch.uint8), torch.ones(2, 64, 8), _M4, 0),
+        TypeError,
+        r"b_scale must have dtype torch\.uint8 or torch\.float8_e8m0fnu, got torch\.float32",
+    ),
+    (
+        (_a(), None, _b(k=128, dtype=torch.uint8), _S4[:, :32], _M4, 0),
+        ValueError,
+        r"b_scale must have shape \[L, N, K/32\] = \[2, 64, 8\], got \[2, 32, 8\]",
+    ),
     ((_a(), None, _b(), torch.ones(2, 64, 2), _M4, 0), ValueError, r"b_scale must be None for bf16 b"),
-    ((_a(), None, _b(), None, torch.ones(4, dtype=torch.int32), 0), TypeError,
-     r"row_mask must have dtype torch\.bool, got torch\.int32"),
-    ((_a(), None, _b(), None, torch.ones(5, dtype=torch.bool), 0), ValueError,
-     r"row_mask must have shape \[R\] with R = a\.size\(0\) = \[4\], got \[5\]"),
+    (
+        (_a(), None, _b(), None, torch.ones(4, dtype=torch.int32), 0),
+        TypeError,
+        r"row_mask must have dtype torch\.bool, got torch\.int32",
+    ),
+    (
+        (_a(), None, _b(), None, torch.ones(5, dtype=torch.bool), 0),
+        ValueError,
+        r"row_mask must have shape \[R\] with R = a\.size\(0\) = \[4\], got \[5\]",
+    ),
     ((_a(), None, _b(), None, _M4, 2), ValueError, r"expert must index b's experts, 0 <= expert < L = 2 .*got 2"),
     ((_a(), None, _b(), None, _M4, -1), ValueError, r"0 <= expert < L = 2 .*got -1"),
-    ((_a(), None, _b(), None, torch.ones(4, dtype=torch.bool, device="meta"), 0), ValueError,
-     r"row_mask must be on the same device as a \(cpu\), got meta"),
+    (
+        (_a(), None, _b(), None, torch.ones(4, dtype=torch.bool, device="meta"), 0),
+        ValueError,
+        r"row_mask must be on the same device as a \(cpu\), got meta",
+    ),
 ]
 
 
@@ -369,13 +459,17 @@ def test_rejects_nan_scale_byte_of_the_expert_it_reads(dtype, rng):
     with pytest.raises(ValueError, match=r"b_scale of expert 2 holds the UE8M0 NaN byte 255"):
         static_moe.expert_gemm(a, None, b, b_s, _M4, 2)
     # Expert 1's bytes are fine: an expert that is not computed is not read.
-    assert_gemm_bitwise(static_moe.expert_gemm(a, None, b, b_s, _M4, 1),
-                      reference.expert_gemm(a, None, b, b_s.view(torch.uint8), _M4, 1))
+    assert_gemm_bitwise(
+        static_moe.expert_gemm(a, None, b, b_s, _M4, 1),
+        reference.expert_gemm(a, None, b, b_s.view(torch.uint8), _M4, 1),
+    )
 
 
 def test_rejects_unknown_forced_isa(monkeypatch):
     monkeypatch.setenv("STATIC_MOE_CPU_ISA", "avx9000")
-    with pytest.raises(ValueError, match=r"STATIC_MOE_CPU_ISA must be one of scalar, avx2, avx512, avx512bf16, amx, auto"):
+    with pytest.raises(
+        ValueError, match=r"STATIC_MOE_CPU_ISA must be one of scalar, avx2, avx512, avx512bf16, amx, auto"
+    ):
         static_moe.expert_gemm(_a(), None, _b(), None, _M4, 0)
 
 

@@ -13,16 +13,17 @@ import pytest
 import torch
 
 import static_moe
+from static_moe import reference
 from static_moe.formats import quantize_activation
 from static_moe.testing.generators import FP8_SCALE_KINDS, random_weight
-from static_moe import reference
 from static_moe.testing.numeric import assert_equal, assert_gemm_bitwise
 
 ROWS = 13  # > two blocks of 6 rows: every remainder mod 4 and mod 6 occurs among 1..ROWS
 # fp8 weights with each kind of scales (fp8_scales_of_kind): on avx512bf16, rows of powers of two take the pow2
 # path and the others the fold path, each row by its own scales, and "mixed" puts both in every block of weight rows.
 CASES = [("bf16", "bf16", None), ("bf16", "fp4", None), ("fp8", "fp4", None)] + [
-    (act, "fp8", kind) for act in ("bf16", "fp8") for kind in FP8_SCALE_KINDS]
+    (act, "fp8", kind) for act in ("bf16", "fp8") for kind in FP8_SCALE_KINDS
+]
 
 
 @pytest.mark.parametrize("act,wf,kind", CASES, ids=[f"{a}x{w}" + (f"_{c}" if c else "") for a, w, c in CASES])
@@ -38,8 +39,11 @@ def test_every_row_count_matches_the_full_batch(cpu_isa, act, wf, kind, rng):
         assert_equal(part[:m], full[:m], f"{cpu_isa} {act}x{wf}: the first {m} rows")
 
 
-@pytest.mark.parametrize("wf,kind", [("fp4", None)] + [("fp8", c) for c in FP8_SCALE_KINDS],
-                         ids=["fp4"] + [f"fp8_{c}" for c in FP8_SCALE_KINDS])
+@pytest.mark.parametrize(
+    "wf,kind",
+    [("fp4", None)] + [("fp8", c) for c in FP8_SCALE_KINDS],
+    ids=["fp4"] + [f"fp8_{c}" for c in FP8_SCALE_KINDS],
+)
 def test_many_rows_match_each_row_alone(cpu_isa, wf, kind, rng):
     """27 rows (six blocks of 4 and a tail of 3 on the decoded-panel paths of avx512bf16, avx512 and avx2; the
     same blocks decoding in registers on scalar) over K = 1024 (two 512-k chunks): each row computed alone (the one-row path, which decodes in

@@ -8,10 +8,16 @@ import torch
 
 import static_moe
 from static_moe import reference, workspace
-from static_moe.testing.distributed import RankFailure, run_ranks
 from static_moe.formats import quantize_activation, quantize_weight
-from static_moe.testing.generators import (FORMAT_PAIRS, gen, make_activations, make_fp8_max_sensitive, make_routing,
-                                           make_weights)
+from static_moe.testing.distributed import RankFailure, run_ranks
+from static_moe.testing.generators import (
+    FORMAT_PAIRS,
+    gen,
+    make_activations,
+    make_fp8_max_sensitive,
+    make_routing,
+    make_weights,
+)
 from static_moe.testing.numeric import assert_equal, assert_gemm_bitwise, assert_gemm_close
 
 H, I, K, C = 256, 128, 3, 8
@@ -21,9 +27,20 @@ LIMIT = 7.0
 # ----------------------------------------------------------------------------------------------------------------
 # Inputs for S ranks and their reference outputs
 # ----------------------------------------------------------------------------------------------------------------
-def make_case(size: int, num_experts: int, act: str, wfmt: str, tokens: list[int], seed: int, *,
-              routing: str = "random", group: int = 128, shared: bool = False, limit=LIMIT,
-              index_dtype=torch.int32) -> dict:
+def make_case(
+    size: int,
+    num_experts: int,
+    act: str,
+    wfmt: str,
+    tokens: list[int],
+    seed: int,
+    *,
+    routing: str = "random",
+    group: int = 128,
+    shared: bool = False,
+    limit=LIMIT,
+    index_dtype=torch.int32,
+) -> dict:
     """Every rank's inputs (lists indexed by EP rank), deterministic from ``seed``.
 
     routing: "random" (distinct ids with −1 slots and repeated ids mixed in), "one_expert" (every slot of every
@@ -35,36 +52,85 @@ def make_case(size: int, num_experts: int, act: str, wfmt: str, tokens: list[int
     rts = []
     for r in range(size):
         if routing == "random":
-            rts.append(make_routing(tokens[r], K, num_experts, seed=seed * 100 + 20 + r, empty_frac=0.25,
-                                    duplicate_frac=0.2, index_dtype=index_dtype))
+            rts.append(
+                make_routing(
+                    tokens[r],
+                    K,
+                    num_experts,
+                    seed=seed * 100 + 20 + r,
+                    empty_frac=0.25,
+                    duplicate_frac=0.2,
+                    index_dtype=index_dtype,
+                )
+            )
         else:
             idx = torch.full((tokens[r], K), num_experts - 1, dtype=index_dtype)
             rts.append((idx, torch.softmax(torch.randn(tokens[r], K, generator=gen(seed + r)), -1)))
     so = [torch.randn(tokens[r], H, generator=gen(seed * 100 + 30 + r)) if shared else None for r in range(size)]
     return {
-        "x": [a[0] for a in xs], "x_scale": [a[1] for a in xs], "idx": [a[0] for a in rts],
-        "tw": [a[1] for a in rts], "w13": [a["w13"] for a in w], "w13_scale": [a["w13_scale"] for a in w],
-        "w2": [a["w2"] for a in w], "w2_scale": [a["w2_scale"] for a in w], "shared": so,
-        "num_experts": num_experts, "limit": limit,
+        "x": [a[0] for a in xs],
+        "x_scale": [a[1] for a in xs],
+        "idx": [a[0] for a in rts],
+        "tw": [a[1] for a in rts],
+        "w13": [a["w13"] for a in w],
+        "w13_scale": [a["w13_scale"] for a in w],
+        "w2": [a["w2"] for a in w],
+        "w2_scale": [a["w2_scale"] for a in w],
+        "shared": so,
+        "num_experts": num_experts,
+        "limit": limit,
     }
 
 
 def reference_outputs(case: dict) -> list[torch.Tensor]:
-    return reference.forward_simulated(case["x"], case["x_scale"], case["idx"], case["tw"], case["w13"],
-                                       case["w13_scale"], case["w2"], case["w2_scale"], case["shared"],
-                                       case["num_experts"], C, case["limit"])
+    return reference.forward_simulated(
+        case["x"],
+        case["x_scale"],
+        case["idx"],
+        case["tw"],
+        case["w13"],
+        case["w13_scale"],
+        case["w2"],
+        case["w2_scale"],
+        case["shared"],
+        case["num_experts"],
+        C,
+        case["limit"],
+    )
 
 
 def run_op(case: dict, rank: int, size: int, group_name: str = "", fn=None) -> torch.Tensor:
     fn = fn or torch.ops.static_moe.forward
-    return fn(case["x"][rank], case["x_scale"][rank], case["idx"][rank], case["tw"][rank], case["w13"][rank],
-              case["w13_scale"][rank], case["w2"][rank], case["w2_scale"][rank], case["shared"][rank],
-              case["num_experts"], C, case["limit"], group_name, rank, size)
+    return fn(
+        case["x"][rank],
+        case["x_scale"][rank],
+        case["idx"][rank],
+        case["tw"][rank],
+        case["w13"][rank],
+        case["w13_scale"][rank],
+        case["w2"][rank],
+        case["w2_scale"][rank],
+        case["shared"][rank],
+        case["num_experts"],
+        C,
+        case["limit"],
+        group_name,
+        rank,
+        size,
+    )
 
 
 def spec_of(case: dict, rank: int, size: int, act: str, wfmt: str) -> workspace.WorkspaceSpec:
-    return workspace.WorkspaceSpec(capacity=C, hidden=H, intermediate=I, num_experts=case["num_experts"], topk=K,
-                                   ep_size=size, act_format=act, weight_format=wfmt)
+    return workspace.WorkspaceSpec(
+        capacity=C,
+        hidden=H,
+        intermediate=I,
+        num_experts=case["num_experts"],
+        topk=K,
+        ep_size=size,
+        act_format=act,
+        weight_format=wfmt,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -81,16 +147,38 @@ S1_CASES = [  # (tokens, routing, shared, index dtype, activation group)
 @pytest.mark.parametrize("act,wfmt", FORMAT_PAIRS, ids=[f"{a}x{w}" for a, w in FORMAT_PAIRS])
 def test_forward_s1_matches_reference(act, wfmt):
     for i, (tokens, routing, shared, index_dtype, group) in enumerate(S1_CASES):
-        case = make_case(1, 4, act, wfmt, tokens, seed=i, routing=routing, shared=shared, group=group,
-                         index_dtype=index_dtype, limit=None if i % 2 else LIMIT)
+        case = make_case(
+            1,
+            4,
+            act,
+            wfmt,
+            tokens,
+            seed=i,
+            routing=routing,
+            shared=shared,
+            group=group,
+            index_dtype=index_dtype,
+            limit=None if i % 2 else LIMIT,
+        )
         out = run_op(case, 0, 1)
         ref = reference_outputs(case)[0]
         assert out.dtype == torch.bfloat16 and out.shape == (tokens[0], H)
         assert_gemm_bitwise(out, ref, f"S=1 {act}x{wfmt} case {i}")
         # The Python wrapper is the same op.
-        wrapped = static_moe.forward(case["x"][0], case["x_scale"][0], case["idx"][0], case["tw"][0],
-                                     case["w13"][0], case["w13_scale"][0], case["w2"][0], case["w2_scale"][0],
-                                     case["shared"][0], num_experts=4, capacity=C, swiglu_limit=case["limit"])
+        wrapped = static_moe.forward(
+            case["x"][0],
+            case["x_scale"][0],
+            case["idx"][0],
+            case["tw"][0],
+            case["w13"][0],
+            case["w13_scale"][0],
+            case["w2"][0],
+            case["w2_scale"][0],
+            case["shared"][0],
+            num_experts=4,
+            capacity=C,
+            swiglu_limit=case["limit"],
+        )
         assert_equal(wrapped, out, "wrapper vs op")
 
 
@@ -150,8 +238,12 @@ def test_forward_errors_name_the_argument():
         (dict(idx=bf["idx"][0].float()), TypeError, "topk_idx must have dtype torch.int32 or torch.int64"),
         (dict(idx=bf["idx"][0][:, :2]), ValueError, r"topk_weights must have shape \[R, k\] like topk_idx"),
         (dict(tw=bf["tw"][0].double()), TypeError, "topk_weights must have dtype torch.float32 or torch.bfloat16"),
-        (dict(x=bf["x"][0].float()), TypeError, r"x must have an activation dtype: torch.bfloat16 \(bf16\) or "
-                                                 r"torch.float8_e4m3fn \(fp8\)"),
+        (
+            dict(x=bf["x"][0].float()),
+            TypeError,
+            r"x must have an activation dtype: torch.bfloat16 \(bf16\) or "
+            r"torch.float8_e4m3fn \(fp8\)",
+        ),
         (dict(x=bf["x"][0][:, :128]), ValueError, r"w13 must have shape \[L, N, K\] = \[4, 256, 128\]"),
         (dict(x_scale=torch.ones(5, 2)), ValueError, "x_scale must be None when x is bf16"),
         (dict(num_experts=8), ValueError, r"num_experts=8 must equal local experts"),
@@ -161,10 +253,16 @@ def test_forward_errors_name_the_argument():
         (dict(w2=bf["w2"][0][:, :, :64]), ValueError, r"w2 must have shape \[L, N, K\] = \[4, 256, 128\]"),
         (dict(w13_scale=torch.ones(4, 256, 2)), ValueError, "w13_scale must be None for bf16 w13"),
         (dict(limit=-1.0), ValueError, "swiglu_limit must be None or a positive"),
-        (dict(tw=bf["tw"][0].to("meta")), ValueError,
-         r"topk_weights must be on the same device as x \(cpu\), got meta"),
-        (dict(shared=torch.zeros(5, 256, device="meta")), ValueError,
-         r"shared_output must be on the same device as x \(cpu\), got meta"),
+        (
+            dict(tw=bf["tw"][0].to("meta")),
+            ValueError,
+            r"topk_weights must be on the same device as x \(cpu\), got meta",
+        ),
+        (
+            dict(shared=torch.zeros(5, 256, device="meta")),
+            ValueError,
+            r"shared_output must be on the same device as x \(cpu\), got meta",
+        ),
     ]
     for over, exc, pattern in cases:
         with pytest.raises(exc, match=pattern) as info:
@@ -172,8 +270,11 @@ def test_forward_errors_name_the_argument():
         assert str(info.value).startswith("forward: "), info.value  # the op the user called, not local_experts
     with pytest.raises(ValueError, match="x_scale is required when x is fp8"):
         op(*_args(f8, x_scale=None))
-    with pytest.raises(ValueError, match=r"activation group x.size\(1\) / x_scale.size\(1\) must be 32 or 128, got "
-                                         r"256 / 4 = 64"):
+    with pytest.raises(
+        ValueError,
+        match=r"activation group x.size\(1\) / x_scale.size\(1\) must be 32 or 128, got "
+        r"256 / 4 = 64",
+    ):
         op(*_args(f8, x_scale=torch.ones(5, 4)))
     with pytest.raises(TypeError, match="w13_scale must have dtype torch.uint8 or torch.float8_e8m0fnu"):
         op(*_args(f4, w13_scale=f4["w13_scale"][0].float()))
@@ -198,13 +299,13 @@ def test_forward_errors_name_the_argument():
 
 def test_forward_opcheck_and_export_s1():
     case = make_case(1, 4, "bf16", "bf16", [5], seed=2, shared=True)
-    torch.library.opcheck(torch.ops.static_moe.forward.default, tuple(_args(case)),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.static_moe.forward.default, tuple(_args(case)), test_utils=("test_schema", "test_faketensor")
+    )
 
     class Step(torch.nn.Module):
         def forward(self, x, x_scale, idx, tw, w13, w13_s, w2, w2_s):
-            return torch.ops.static_moe.forward(x, x_scale, idx, tw, w13, w13_s, w2, w2_s, None, 4, C, LIMIT, "", 0,
-                                                1)
+            return torch.ops.static_moe.forward(x, x_scale, idx, tw, w13, w13_s, w2, w2_s, None, 4, C, LIMIT, "", 0, 1)
 
     for act, wfmt in (("bf16", "bf16"), ("fp8", "fp4")):
         case = make_case(1, 4, act, wfmt, [5], seed=4)
@@ -221,8 +322,12 @@ def test_forward_opcheck_and_export_s1():
 def _scenarios(size: int):
     """(name, tokens per rank, routing, shared)."""
     if size == 2:
-        return [("T<C,T=C", [5, C], "random", True), ("T=0 on rank 0", [0, 6], "random", False),
-                ("one expert", [4, 7], "one_expert", False), ("all ranks empty", [0, 0], "random", True)]
+        return [
+            ("T<C,T=C", [5, C], "random", True),
+            ("T=0 on rank 0", [0, 6], "random", False),
+            ("one expert", [4, 7], "one_expert", False),
+            ("all ranks empty", [0, 0], "random", True),
+        ]
     return [("mixed T incl. 0", [3, 0, C, 1], "random", True), ("one expert", [2, 5, 0, 3], "one_expert", False)]
 
 
@@ -234,8 +339,17 @@ def _parity_worker(rank: int, size: int) -> list[str]:
     done = []
     for p, (act, wfmt) in enumerate(FORMAT_PAIRS):
         for s, (label, tokens, routing, shared) in enumerate(_scenarios(size)):
-            case = make_case(size, num_experts, act, wfmt, tokens, seed=10 * p + s, routing=routing, shared=shared,
-                             index_dtype=torch.int64 if s % 2 else torch.int32)
+            case = make_case(
+                size,
+                num_experts,
+                act,
+                wfmt,
+                tokens,
+                seed=10 * p + s,
+                routing=routing,
+                shared=shared,
+                index_dtype=torch.int64 if s % 2 else torch.int32,
+            )
             out = run_op(case, rank, size, name)
             ref = reference_outputs(case)[rank]
             assert out.shape == (tokens[rank], H), (label, out.shape)

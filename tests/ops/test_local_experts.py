@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 import static_moe
 from static_moe import reference
 from static_moe.testing.generators import FORMAT_PAIRS, make_activations, make_routing, make_weights
-from static_moe.testing.numeric import (assert_equal, assert_gemm_bitwise, assert_gemm_close,
-                                        assert_rejected_untouched)
+from static_moe.testing.numeric import assert_equal, assert_gemm_bitwise, assert_gemm_close, assert_rejected_untouched
 
 PAIR_IDS = [f"{a}x{w}" for a, w in FORMAT_PAIRS]
 
@@ -56,9 +55,26 @@ def _poison_unrouted(w, routed):
     return w
 
 
-_LE_EDGE = dict(pair=("fp8", "fp4"), group=32, tokens=6, pad=0, hidden=256, inter=256, num_local=3, ep_size=2,
-                topk=4, limit=7.0, empty_frac=0.0, duplicate_frac=0.0, skew=0.0, index_dtype=torch.int32,
-                bf16_weights=False, fp8_max=448.0, rank_pick=1, seed=5)
+_LE_EDGE = dict(
+    pair=("fp8", "fp4"),
+    group=32,
+    tokens=6,
+    pad=0,
+    hidden=256,
+    inter=256,
+    num_local=3,
+    ep_size=2,
+    topk=4,
+    limit=7.0,
+    empty_frac=0.0,
+    duplicate_frac=0.0,
+    skew=0.0,
+    index_dtype=torch.int32,
+    bf16_weights=False,
+    fp8_max=448.0,
+    rank_pick=1,
+    seed=5,
+)
 
 
 def _edge(**over):
@@ -94,8 +110,27 @@ def _edge(**over):
 @_edge(pad=3, fp8_max=240.0, pair=("fp8", "fp8"), group=128)
 @_edge(index_dtype=torch.int64, bf16_weights=True, pair=("bf16", "bf16"), skew=0.6)
 @_edge(hidden=640, inter=640, pair=("fp8", "fp8"), fp8_max=240.0, limit=0.5)
-def test_matches_reference(cpu_isa, pair, group, tokens, pad, hidden, inter, num_local, ep_size, topk, limit,
-                           empty_frac, duplicate_frac, skew, index_dtype, bf16_weights, fp8_max, rank_pick, seed):
+def test_matches_reference(
+    cpu_isa,
+    pair,
+    group,
+    tokens,
+    pad,
+    hidden,
+    inter,
+    num_local,
+    ep_size,
+    topk,
+    limit,
+    empty_frac,
+    duplicate_frac,
+    skew,
+    index_dtype,
+    bf16_weights,
+    fp8_max,
+    rank_pick,
+    seed,
+):
     act, wf = pair
     num_experts = num_local * ep_size
     topk = min(topk, num_experts)
@@ -103,16 +138,26 @@ def test_matches_reference(cpu_isa, pair, group, tokens, pad, hidden, inter, num
     offset = rank * num_local
     w = make_weights(num_local, hidden, inter, wf, seed=seed % 1000)
     x, x_s = make_activations(tokens, hidden, act, group, seed=seed)
-    idx, wts = make_routing(tokens, topk, num_experts, seed=seed, empty_frac=empty_frac, skew=skew,
-                            duplicate_frac=duplicate_frac, index_dtype=index_dtype)
+    idx, wts = make_routing(
+        tokens,
+        topk,
+        num_experts,
+        seed=seed,
+        empty_frac=empty_frac,
+        skew=skew,
+        duplicate_frac=duplicate_frac,
+        index_dtype=index_dtype,
+    )
     if bf16_weights:
         wts = wts.to(torch.bfloat16)
     ref = reference.local_experts(*_args(x, x_s, idx, wts, w, offset, limit, fp8_max))
     x, x_s, idx, wts = _pad(x, x_s, idx, wts, tokens + pad)
     routed = {int(i) - offset for i in idx.flatten().tolist() if offset <= i < offset + num_local}
     out = static_moe.local_experts(*_args(x, x_s, idx, wts, _poison_unrouted(w, routed), offset, limit, fp8_max))
-    what = (f"{cpu_isa} {act}x{wf} g={group} T={tokens}+{pad} H={hidden} I={inter} L={num_local} S={ep_size} "
-            f"r={rank} k={topk} limit={limit} fp8_max={fp8_max}")
+    what = (
+        f"{cpu_isa} {act}x{wf} g={group} T={tokens}+{pad} H={hidden} I={inter} L={num_local} S={ep_size} "
+        f"r={rank} k={topk} limit={limit} fp8_max={fp8_max}"
+    )
     assert out.dtype == torch.float32 and out.shape == (tokens + pad, hidden), what
     assert_gemm_bitwise(out[:tokens], ref, what)
     assert bool((out[tokens:] == 0).all()), f"{what}: padded rows must stay zero"
@@ -129,8 +174,9 @@ def test_batch_invariance(cpu_isa, pair, rng):
     idx, wts = make_routing(20, 2, 6, seed=3, skew=0.5)
     full = static_moe.local_experts(*_args(x, x_s, idx, wts, w, 0, 7.0))
     for r in [0, 7, 19]:
-        one = static_moe.local_experts(*_args(x[r : r + 1], None if x_s is None else x_s[r : r + 1], idx[r : r + 1],
-                                              wts[r : r + 1], w, 0, 7.0))
+        one = static_moe.local_experts(
+            *_args(x[r : r + 1], None if x_s is None else x_s[r : r + 1], idx[r : r + 1], wts[r : r + 1], w, 0, 7.0)
+        )
         assert_equal(one[0], full[r], f"row {r} alone")
     sub = torch.tensor([2, 3, 11, 12, 13, 18])
     part = static_moe.local_experts(*_args(x[sub], None if x_s is None else x_s[sub], idx[sub], wts[sub], w, 0, 7.0))
@@ -203,8 +249,12 @@ def _sample(act, w, rows, group=128, offset=0, limit=None):
     return _args(x, x_s, idx, wts, w, offset, limit)
 
 
-SAMPLES = [_sample("bf16", _W4, 5), _sample("fp8", _W, 6, group=32, limit=7.0), _sample("bf16", _W, 3, offset=2),
-           _sample("fp8", _W4, 0)]
+SAMPLES = [
+    _sample("bf16", _W4, 5),
+    _sample("fp8", _W, 6, group=32, limit=7.0),
+    _sample("bf16", _W, 3, offset=2),
+    _sample("fp8", _W4, 0),
+]
 
 
 @pytest.mark.parametrize("args", SAMPLES, ids=["bf16xfp4", "fp8xfp8_g32", "bf16xfp8_offset", "empty"])
@@ -242,8 +292,19 @@ _WTS = torch.full((4, 2), 0.5)
 
 
 def _bad(**kw):
-    a = dict(x=_X, x_scale=None, topk_idx=_IDX, topk_weights=_WTS, w13=_WB["w13"], w13_scale=None, w2=_WB["w2"],
-             w2_scale=None, expert_offset=0, swiglu_limit=None, fp8_max=448.0)
+    a = dict(
+        x=_X,
+        x_scale=None,
+        topk_idx=_IDX,
+        topk_weights=_WTS,
+        w13=_WB["w13"],
+        w13_scale=None,
+        w2=_WB["w2"],
+        w2_scale=None,
+        expert_offset=0,
+        swiglu_limit=None,
+        fp8_max=448.0,
+    )
     a.update(kw)
     return tuple(a.values())
 
@@ -252,27 +313,68 @@ BAD = [
     (_bad(x=_X.float()), TypeError, r"x must have an activation dtype.*got torch\.float32"),
     (_bad(x=_XQ), ValueError, r"x_scale is required when x is fp8"),
     (_bad(x=_XQ, x_scale=_XS[:3]), ValueError, r"x_scale\.size\(0\) must be R = x\.size\(0\) = 4, got 3"),
-    (_bad(x=torch.zeros(4, 96, dtype=torch.bfloat16)), ValueError, r"H = x\.size\(1\) must be a multiple of 128, got 96"),
-    (_bad(topk_idx=_IDX.float()), TypeError, r"topk_idx must have dtype torch\.int32 or torch\.int64, got torch\.float32"),
+    (
+        _bad(x=torch.zeros(4, 96, dtype=torch.bfloat16)),
+        ValueError,
+        r"H = x\.size\(1\) must be a multiple of 128, got 96",
+    ),
+    (
+        _bad(topk_idx=_IDX.float()),
+        TypeError,
+        r"topk_idx must have dtype torch\.int32 or torch\.int64, got torch\.float32",
+    ),
     (_bad(topk_idx=_IDX[:3]), ValueError, r"topk_idx\.size\(0\) must be R = x\.size\(0\) = 4, got 3"),
-    (_bad(topk_weights=_WTS[:, :1]), ValueError, r"topk_weights must have shape \[R, k\] like topk_idx = \[4, 2\], got \[4, 1\]"),
+    (
+        _bad(topk_weights=_WTS[:, :1]),
+        ValueError,
+        r"topk_weights must have shape \[R, k\] like topk_idx = \[4, 2\], got \[4, 1\]",
+    ),
     (_bad(topk_weights=_WTS.double()), TypeError, r"topk_weights must have dtype torch\.float32 or torch\.bfloat16"),
-    (_bad(topk_idx=torch.tensor([[0, 1], [1, -2], [3, 2], [-1, -1]], dtype=torch.int32)), ValueError,
-     r"topk_idx must hold global expert ids >= 0 or -1 \(empty slot\), got -2 at \[1, 1\]"),
+    (
+        _bad(topk_idx=torch.tensor([[0, 1], [1, -2], [3, 2], [-1, -1]], dtype=torch.int32)),
+        ValueError,
+        r"topk_idx must hold global expert ids >= 0 or -1 \(empty slot\), got -2 at \[1, 1\]",
+    ),
     (_bad(x=_XQ, x_scale=_XS, w13=_WB["w13"]), ValueError, r"unsupported format pair: x is fp8 and w13 is bf16"),
     (_bad(w13=_WB["w13"][:, :192]), ValueError, r"I = w13\.size\(1\) / 2 must be a multiple of 128, got 96"),
-    (_bad(w13=_WB["w13"][:, :, :64]), ValueError, r"w13 must have shape \[L, N, K\] = \[2, 256, 128\], got \[2, 256, 64\]"),
+    (
+        _bad(w13=_WB["w13"][:, :, :64]),
+        ValueError,
+        r"w13 must have shape \[L, N, K\] = \[2, 256, 128\], got \[2, 256, 64\]",
+    ),
     (_bad(w2=_W["w2"], w2_scale=_W["w2_scale"]), ValueError, r"w2 must have the weight format of w13 \(bf16"),
     (_bad(w2=_WB["w2"][:1]), ValueError, r"w2 must have shape \[L, N, K\] = \[2, 128, 128\], got \[1, 128, 128\]"),
-    (_bad(w13=_W4["w13"], w13_scale=_W4["w13_scale"][:, :, :2], w2=_W4["w2"], w2_scale=_W4["w2_scale"],
-          x=torch.zeros(4, 256, dtype=torch.bfloat16)), ValueError,
-     r"w13_scale must have shape \[L, N, K/32\] = \[2, 256, 8\], got \[2, 256, 2\]"),
-    (_bad(w13=_W["w13"], w13_scale=_W["w13_scale"], w2=_W["w2"], w2_scale=None), ValueError,
-     r"w2_scale is required for fp8 w2"),
+    (
+        _bad(
+            w13=_W4["w13"],
+            w13_scale=_W4["w13_scale"][:, :, :2],
+            w2=_W4["w2"],
+            w2_scale=_W4["w2_scale"],
+            x=torch.zeros(4, 256, dtype=torch.bfloat16),
+        ),
+        ValueError,
+        r"w13_scale must have shape \[L, N, K/32\] = \[2, 256, 8\], got \[2, 256, 2\]",
+    ),
+    (
+        _bad(w13=_W["w13"], w13_scale=_W["w13_scale"], w2=_W["w2"], w2_scale=None),
+        ValueError,
+        r"w2_scale is required for fp8 w2",
+    ),
     (_bad(expert_offset=-1), ValueError, r"expert_offset \(global id of local expert 0\) must be >= 0, got -1"),
     (_bad(swiglu_limit=0.0), ValueError, r"swiglu_limit must be None or a positive finite number, got 0"),
-    (_bad(x=_XQ, x_scale=_XS, w13=_W["w13"], w13_scale=_W["w13_scale"], w2=_W["w2"], w2_scale=_W["w2_scale"],
-          fp8_max=500.0), ValueError, r"fp8_max must be in \[2, 448\]"),
+    (
+        _bad(
+            x=_XQ,
+            x_scale=_XS,
+            w13=_W["w13"],
+            w13_scale=_W["w13_scale"],
+            w2=_W["w2"],
+            w2_scale=_W["w2_scale"],
+            fp8_max=500.0,
+        ),
+        ValueError,
+        r"fp8_max must be in \[2, 448\]",
+    ),
     (_bad(topk_idx=_IDX.to("meta")), ValueError, r"topk_idx must be on the same device as x \(cpu\), got meta"),
 ]
 

@@ -60,7 +60,13 @@ def _cases():
 
 def test_every_op_has_samples():
     assert {name for name, _, _ in sample_inputs("cpu")} == {
-        "pack_rows", "unpack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward"}
+        "pack_rows",
+        "unpack_rows",
+        "swiglu_and_cast",
+        "expert_gemm",
+        "local_experts",
+        "forward",
+    }
 
 
 @pytest.mark.parametrize("name, args", list(_cases()))

@@ -47,8 +47,12 @@ part_spec = st.tuples(
 @example(specs=[(torch.int32, (3,)), (torch.float32, (3,))], capacity=5, rows_pick=0, seed=1)
 @example(specs=[(torch.bfloat16, (8,)), (torch.int64, (2,)), (torch.uint8, (16,))], capacity=7, rows_pick=7, seed=2)
 @example(specs=[(torch.int16, (3,)), (torch.float32, (0,)), (torch.uint8, (1,))], capacity=4, rows_pick=3, seed=3)
-@example(specs=[(torch.float8_e4m3fn, (9, 9)), (torch.float32, (2,)), (torch.int32, (6,)), (torch.float32, (6,))],
-         capacity=12, rows_pick=12, seed=4)
+@example(
+    specs=[(torch.float8_e4m3fn, (9, 9)), (torch.float32, (2,)), (torch.int32, (6,)), (torch.float32, (6,))],
+    capacity=12,
+    rows_pick=12,
+    seed=4,
+)
 def test_pack_unpack_match_reference(specs, capacity, rows_pick, seed):
     rows = rows_pick % (capacity + 1)
     gen = torch.Generator().manual_seed(seed)
@@ -108,8 +112,11 @@ def test_zero_width_and_zero_capacity():
 def _samples():
     """Finite values (opcheck compares outputs without equal_nan), padded rows aside."""
     g = torch.Generator().manual_seed(0)
-    parts = [torch.randn(5, 32, generator=g).to(torch.bfloat16), torch.randint(-1, 8, (5, 3), dtype=torch.int32),
-             torch.rand(5, 3, generator=g)]
+    parts = [
+        torch.randn(5, 32, generator=g).to(torch.bfloat16),
+        torch.randint(-1, 8, (5, 3), dtype=torch.int32),
+        torch.rand(5, 3, generator=g),
+    ]
     return parts, static_moe.pack_rows(parts, 8)
 
 
@@ -128,8 +135,11 @@ def test_compile_fullgraph_matches_eager(dynamic):
 
     def f(x, idx, w):
         packed = static_moe.pack_rows([x, idx, w], 8)
-        return packed, static_moe.unpack_rows(packed, 64, 12, torch.int32, [3]), \
-            static_moe.unpack_rows(packed, 80, 12, torch.float32, [3])
+        return (
+            packed,
+            static_moe.unpack_rows(packed, 64, 12, torch.int32, [3]),
+            static_moe.unpack_rows(packed, 80, 12, torch.float32, [3]),
+        )
 
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True, dynamic=dynamic)(*parts)
@@ -142,13 +152,19 @@ def test_compile_fullgraph_matches_eager(dynamic):
 # ---------------------------------------------------------------------------------------------------------------
 BAD_PACK = [
     (lambda: ([torch.zeros(9, 4)], 8), ValueError, r"T = 9 rows \(parts\[0\]\.size\(0\)\) exceed capacity = 8"),
-    (lambda: ([torch.zeros(5, 4), torch.zeros(4, 2)], 8), ValueError,
-     r"parts\[1\]\.size\(0\) must be T = parts\[0\]\.size\(0\) = 5, got 4"),
+    (
+        lambda: ([torch.zeros(5, 4), torch.zeros(4, 2)], 8),
+        ValueError,
+        r"parts\[1\]\.size\(0\) must be T = parts\[0\]\.size\(0\) = 5, got 4",
+    ),
     (lambda: ([], 8), ValueError, r"parts must hold at least one tensor"),
     (lambda: ([torch.zeros(())], 8), ValueError, r"parts\[0\] must be at least 1-D"),
     (lambda: ([torch.zeros(2, 4)], -1), ValueError, r"capacity must be >= 0, got -1"),
-    (lambda: ([torch.zeros(2, 4), torch.zeros(2, 4, device="meta")], 8), ValueError,
-     r"parts\[1\] must be on the same device as parts\[0\] \(cpu\), got meta"),
+    (
+        lambda: ([torch.zeros(2, 4), torch.zeros(2, 4, device="meta")], 8),
+        ValueError,
+        r"parts\[1\] must be on the same device as parts\[0\] \(cpu\), got meta",
+    ),
 ]
 
 
@@ -162,17 +178,32 @@ def test_pack_rows_rejects(make, exc, msg):
 
 
 BAD_UNPACK = [
-    (lambda: (torch.zeros(4, 32), 0, 8, torch.int32, [2]), TypeError,
-     r"packed must have dtype torch\.uint8, got torch\.float32"),
-    (lambda: (torch.zeros(32, dtype=torch.uint8), 0, 8, torch.int32, [2]), ValueError,
-     r"packed must be 2-D \[R, W\], got 1-D"),
-    (lambda: (torch.zeros(4, 32, dtype=torch.uint8), 16, 32, torch.int32, [8]), ValueError,
-     r"span \[offset, offset \+ nbytes\) = \[16, 48\) must lie inside the packed row width W = packed\.size\(1\) = 32"),
+    (
+        lambda: (torch.zeros(4, 32), 0, 8, torch.int32, [2]),
+        TypeError,
+        r"packed must have dtype torch\.uint8, got torch\.float32",
+    ),
+    (
+        lambda: (torch.zeros(32, dtype=torch.uint8), 0, 8, torch.int32, [2]),
+        ValueError,
+        r"packed must be 2-D \[R, W\], got 1-D",
+    ),
+    (
+        lambda: (torch.zeros(4, 32, dtype=torch.uint8), 16, 32, torch.int32, [8]),
+        ValueError,
+        r"span \[offset, offset \+ nbytes\) = \[16, 48\) must lie inside the packed row width W = packed\.size\(1\) = 32",
+    ),
     (lambda: (torch.zeros(4, 32, dtype=torch.uint8), -16, 8, torch.int32, [2]), ValueError, r"must lie inside"),
-    (lambda: (torch.zeros(4, 32, dtype=torch.uint8), 0, 12, torch.float32, [2]), ValueError,
-     r"nbytes must equal prod\(row_shape\) \* itemsize = prod\(\[2\]\) \* 4 = 8 for torch\.float32, got 12"),
-    (lambda: (torch.zeros(4, 32, dtype=torch.uint8), 0, 8, torch.int32, [-2]), ValueError,
-     r"row_shape must be non-negative"),
+    (
+        lambda: (torch.zeros(4, 32, dtype=torch.uint8), 0, 12, torch.float32, [2]),
+        ValueError,
+        r"nbytes must equal prod\(row_shape\) \* itemsize = prod\(\[2\]\) \* 4 = 8 for torch\.float32, got 12",
+    ),
+    (
+        lambda: (torch.zeros(4, 32, dtype=torch.uint8), 0, 8, torch.int32, [-2]),
+        ValueError,
+        r"row_shape must be non-negative",
+    ),
 ]
 
 
@@ -209,8 +240,12 @@ def test_full_capacity_with_no_alignment_gaps_threaded(rng):
     part of the last row ends exactly at the end of the buffer (AddressSanitizer catches one byte more; see
     `make asan`)."""
     capacity = 40
-    parts = [_random_part(capacity, (1024,), torch.bfloat16, rng), _random_part(capacity, (16,), torch.float32, rng),
-             _random_part(capacity, (4,), torch.int32, rng), _random_part(capacity, (4,), torch.float32, rng)]
+    parts = [
+        _random_part(capacity, (1024,), torch.bfloat16, rng),
+        _random_part(capacity, (16,), torch.float32, rng),
+        _random_part(capacity, (4,), torch.int32, rng),
+        _random_part(capacity, (4,), torch.float32, rng),
+    ]
     spans, width = pack_layout([part_nbytes(p) for p in parts])
     assert width == sum(n for _, n in spans) and capacity * width >= 1 << 16, "no gaps, threaded"
     packed = static_moe.pack_rows(parts, capacity)
@@ -218,5 +253,5 @@ def test_full_capacity_with_no_alignment_gaps_threaded(rng):
     for p, (off, n) in zip(parts, spans):
         assert_equal(static_moe.unpack_rows(packed, off, n, p.dtype, list(p.shape[1:])), p, "unpack_rows")
     # unpack straight from the end of a buffer: the last span's last row ends at the buffer's last byte
-    tail = packed[:, spans[-1][0]:]
+    tail = packed[:, spans[-1][0] :]
     assert_equal(static_moe.unpack_rows(tail, 0, spans[-1][1], torch.float32, [4]), parts[-1], "unpack at the end")

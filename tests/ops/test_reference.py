@@ -87,8 +87,12 @@ def expert_mlp64(x64, w13_64, w2_64, w_rows, limit, fp8_act, group, fp8_max=448.
 # pack / unpack
 # ---------------------------------------------------------------------------------------------------------------
 def test_pack_rows_layout_vs_numpy(rng):
-    parts = [torch.randn(3, 5, generator=rng).to(torch.bfloat16), torch.randint(-1, 9, (3, 2), dtype=torch.int32),
-             torch.rand(3, 7, generator=rng), torch.randint(0, 256, (3, 16), dtype=torch.uint8)]
+    parts = [
+        torch.randn(3, 5, generator=rng).to(torch.bfloat16),
+        torch.randint(-1, 9, (3, 2), dtype=torch.int32),
+        torch.rand(3, 7, generator=rng),
+        torch.randint(0, 256, (3, 16), dtype=torch.uint8),
+    ]
     cap = 5
     packed = reference.pack_rows(parts, cap)
     # numpy: 10 bytes → 16, 8 → 16, 28 → 32, 16 → 16; W = 80
@@ -200,10 +204,10 @@ def test_local_experts_vs_float64(act, wfmt, limit, rng):
     idx[:, 0] = torch.where(torch.arange(rows) % 3 == 0, torch.full_like(idx[:, 0], offset), idx[:, 0])  # hot
     idx[-2:] = -1  # padded rows: no expert, NaN weights
     tw[-2:] = float("nan")
-    out = reference.local_experts(x, x_s, idx, tw, wts["w13"], wts["w13_scale"], wts["w2"], wts["w2_scale"],
-                                  offset, limit)
-    exp = local_experts64(x, x_s, idx, tw, tw, wts["w13"], wts["w13_scale"], wts["w2"], wts["w2_scale"], offset,
-                          limit)
+    out = reference.local_experts(
+        x, x_s, idx, tw, wts["w13"], wts["w13_scale"], wts["w2"], wts["w2_scale"], offset, limit
+    )
+    exp = local_experts64(x, x_s, idx, tw, tw, wts["w13"], wts["w13_scale"], wts["w2"], wts["w2_scale"], offset, limit)
     assert out.dtype == torch.float32 and out.shape == (rows, hidden)
     assert bool((out[-2:] == 0).all()), "rows routed nowhere contribute exactly 0"
     assert_gemm_close(out, torch.from_numpy(exp), f"{act}x{wfmt} limit={limit}")
@@ -227,8 +231,18 @@ def test_forward_simulated_vs_float64(ep_size, act, wfmt, rng):
         shared.append(torch.randn(tokens[r], hidden).to(torch.bfloat16) if r % 2 == 0 else None)
         weights.append(make_weights(num_local, hidden, inter, wfmt, seed=seed + 10 * r + 2))
     outs = reference.forward_simulated(
-        xs, x_scales, idxs, tws, [w["w13"] for w in weights], [w["w13_scale"] for w in weights],
-        [w["w2"] for w in weights], [w["w2_scale"] for w in weights], shared, num_experts, cap, limit,
+        xs,
+        x_scales,
+        idxs,
+        tws,
+        [w["w13"] for w in weights],
+        [w["w13_scale"] for w in weights],
+        [w["w2"] for w in weights],
+        [w["w2_scale"] for w in weights],
+        shared,
+        num_experts,
+        cap,
+        limit,
     )
     w13_64 = np.concatenate([weight64(w["w13"], w["w13_scale"]) for w in weights])  # global expert order
     w2_64 = np.concatenate([weight64(w["w2"], w["w2_scale"]) for w in weights])
@@ -242,8 +256,9 @@ def test_forward_simulated_vs_float64(ep_size, act, wfmt, rng):
         for t in range(tokens[r]):
             for e in sorted(set(ids[t].tolist()) - {-1}):
                 w = tw[t][ids[t] == e].sum()
-                expect[t] += expert_mlp64(x64[t : t + 1], w13_64[e], w2_64[e], np.array([w]), limit, act == "fp8",
-                                          128)[0]
+                expect[t] += expert_mlp64(x64[t : t + 1], w13_64[e], w2_64[e], np.array([w]), limit, act == "fp8", 128)[
+                    0
+                ]
         if shared[r] is not None:
             expect += shared[r].float().numpy()
         assert_gemm_close(outs[r], torch.from_numpy(bf16_round(expect)), f"rank {r} of {ep_size}")

@@ -46,4 +46,5 @@ def test_reference_signature_matches_schema(op):
         assert kw_got == kw_want, f"{op}({name}): keyword-only {kw_got} in the reference, {kw_want} in the schema"
         # 448 vs 448.0 would compare equal: the type must agree too (the schema's float default is a float).
         assert d_got == d_want and type(d_got) is type(d_want), (
-            f"{op}({name}): default {d_got!r} in the reference, {d_want!r} in the schema")
+            f"{op}({name}): default {d_got!r} in the reference, {d_want!r} in the schema"
+        )

@@ -59,18 +59,84 @@ def _assert_close_no_pow2(out, ref, what=""):
 )
 # Edge cases by name, outside the random budget: no rows; each clamp value with each fp8_max; weight-0 rows (the
 # padding rows of a gathered batch); values far above the clamp. Non-finite inputs: test_nonfinite_values_*.
-@example(rows=0, inter=128, group=128, limit=None, weights="none", fp8_max=448.0, pow2=True, out_format="fp8",
-         in_dtype=torch.float32, scale=1.0, seed=0)
-@example(rows=9, inter=256, group=32, limit=None, weights="with_zeros", fp8_max=240.0, pow2=True, out_format="fp8",
-         in_dtype=torch.bfloat16, scale=6.0, seed=1)
-@example(rows=9, inter=256, group=32, limit=7.0, weights="random", fp8_max=240.0, pow2=True, out_format="fp8",
-         in_dtype=torch.bfloat16, scale=200.0, seed=2)
-@example(rows=9, inter=384, group=128, limit=0.75, weights="with_zeros", fp8_max=448.0, pow2=False,
-         out_format="fp8", in_dtype=torch.float32, scale=6.0, seed=3)
-@example(rows=9, inter=128, group=128, limit=7.0, weights="random", fp8_max=448.0, pow2=True, out_format="bf16",
-         in_dtype=torch.float32, scale=200.0, seed=4)
-@example(rows=9, inter=128, group=32, limit=0.75, weights="none", fp8_max=240.0, pow2=False, out_format="fp8",
-         in_dtype=torch.bfloat16, scale=200.0, seed=5)
+@example(
+    rows=0,
+    inter=128,
+    group=128,
+    limit=None,
+    weights="none",
+    fp8_max=448.0,
+    pow2=True,
+    out_format="fp8",
+    in_dtype=torch.float32,
+    scale=1.0,
+    seed=0,
+)
+@example(
+    rows=9,
+    inter=256,
+    group=32,
+    limit=None,
+    weights="with_zeros",
+    fp8_max=240.0,
+    pow2=True,
+    out_format="fp8",
+    in_dtype=torch.bfloat16,
+    scale=6.0,
+    seed=1,
+)
+@example(
+    rows=9,
+    inter=256,
+    group=32,
+    limit=7.0,
+    weights="random",
+    fp8_max=240.0,
+    pow2=True,
+    out_format="fp8",
+    in_dtype=torch.bfloat16,
+    scale=200.0,
+    seed=2,
+)
+@example(
+    rows=9,
+    inter=384,
+    group=128,
+    limit=0.75,
+    weights="with_zeros",
+    fp8_max=448.0,
+    pow2=False,
+    out_format="fp8",
+    in_dtype=torch.float32,
+    scale=6.0,
+    seed=3,
+)
+@example(
+    rows=9,
+    inter=128,
+    group=128,
+    limit=7.0,
+    weights="random",
+    fp8_max=448.0,
+    pow2=True,
+    out_format="bf16",
+    in_dtype=torch.float32,
+    scale=200.0,
+    seed=4,
+)
+@example(
+    rows=9,
+    inter=128,
+    group=32,
+    limit=0.75,
+    weights="none",
+    fp8_max=240.0,
+    pow2=False,
+    out_format="fp8",
+    in_dtype=torch.bfloat16,
+    scale=200.0,
+    seed=5,
+)
 def test_matches_reference(rows, inter, group, limit, weights, fp8_max, pow2, out_format, in_dtype, scale, seed):
     gate_up, w = _inputs(rows, inter, in_dtype, scale, weights, torch.Generator().manual_seed(seed))
     args = (gate_up, w, limit, out_format, group, fp8_max, pow2)
@@ -107,8 +173,9 @@ def test_batch_invariance(out_format, pow2, rng):
     w = torch.rand(96, generator=rng)
     q, s = static_moe.swiglu_and_cast(gate_up, w, 6.0, out_format, 32, 448.0, pow2)
     for r in [0, 1, 47, 95]:
-        q1, s1 = static_moe.swiglu_and_cast(gate_up[r : r + 1].clone(), w[r : r + 1].clone(), 6.0, out_format, 32,
-                                            448.0, pow2)
+        q1, s1 = static_moe.swiglu_and_cast(
+            gate_up[r : r + 1].clone(), w[r : r + 1].clone(), 6.0, out_format, 32, 448.0, pow2
+        )
         assert_equal(q1, q[r : r + 1], f"row {r} alone")
         assert_equal(s1, s[r : r + 1], f"row {r} alone (scales)")
     sub = torch.tensor([5, 17, 60])
@@ -121,8 +188,25 @@ def _float_sweep(gen) -> torch.Tensor:
     """Random float32 bit patterns (every class: NaN, inf, subnormal, ±0) plus a dense walk over the fp8 range."""
     bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), dtype=torch.int64, generator=gen).to(torch.int32)
     dense = torch.arange(0x38000000, 0x44000000, 61, dtype=torch.int64).to(torch.int32)  # 2^-15 … 512
-    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"), 448.0, 464.0,
-                            464.00003, 480.0, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 2.0**-6, 1.0625])
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+            -float("nan"),
+            448.0,
+            464.0,
+            464.00003,
+            480.0,
+            2.0**-9,
+            2.0**-10,
+            3 * 2.0**-10,
+            2.0**-6,
+            1.0625,
+        ]
+    )
     return torch.cat([bits.view(torch.float32), dense.view(torch.float32), -dense.view(torch.float32), special])
 
 
@@ -174,27 +258,48 @@ def _gu(r=4, two_i=256, dtype=torch.float32, device="cpu"):
 
 
 BAD = [
-    ((_gu(dtype=torch.int32), None, None, "fp8", 128, 448.0, True), TypeError,
-     r"gate_up must have dtype torch\.bfloat16 or torch\.float32, got torch\.int32"),
+    (
+        (_gu(dtype=torch.int32), None, None, "fp8", 128, 448.0, True),
+        TypeError,
+        r"gate_up must have dtype torch\.bfloat16 or torch\.float32, got torch\.int32",
+    ),
     ((torch.zeros(256), None, None, "fp8", 128, 448.0, True), ValueError, r"gate_up must be 2-D \[R, 2I\], got 1-D"),
-    ((_gu(two_i=258), None, None, "fp8", 128, 448.0, True), ValueError,
-     r"I = gate_up\.size\(1\) / 2 must be a multiple of group_size = 128, got I = 129"),
+    (
+        (_gu(two_i=258), None, None, "fp8", 128, 448.0, True),
+        ValueError,
+        r"I = gate_up\.size\(1\) / 2 must be a multiple of group_size = 128, got I = 129",
+    ),
     ((_gu(two_i=257), None, None, "bf16", 128, 448.0, True), ValueError, r"gate_up\.size\(1\) = 2I must be even"),
-    ((_gu(two_i=192), None, None, "fp8", 128, 448.0, True), ValueError,
-     r"must be a multiple of group_size = 128, got I = 96"),
+    (
+        (_gu(two_i=192), None, None, "fp8", 128, 448.0, True),
+        ValueError,
+        r"must be a multiple of group_size = 128, got I = 96",
+    ),
     ((_gu(), None, None, "fp8", 64, 448.0, True), ValueError, r"group_size must be 32 or 128, got 64"),
     ((_gu(), None, None, "fp8", 128, 500.0, True), ValueError, r"fp8_max must be in \[2, 448\].*got 500"),
     ((_gu(), None, None, "fp8", 128, 0.0, True), ValueError, r"fp8_max must be in \[2, 448\]"),
     ((_gu(), None, None, "fp4", 128, 448.0, True), ValueError, r"out_format must be \"fp8\" or \"bf16\", got \"fp4\""),
-    ((_gu(), torch.zeros(5), None, "fp8", 128, 448.0, True), ValueError,
-     r"row_weight must have shape \[R\] with R = gate_up\.size\(0\) = \[4\], got \[5\]"),
-    ((_gu(), torch.zeros(4, dtype=torch.int64), None, "fp8", 128, 448.0, True), TypeError,
-     r"row_weight must have dtype torch\.float32 or torch\.bfloat16, got torch\.int64"),
-    ((_gu(), None, -1.0, "fp8", 128, 448.0, True), ValueError,
-     r"swiglu_limit must be None or a positive finite number, got -1"),
+    (
+        (_gu(), torch.zeros(5), None, "fp8", 128, 448.0, True),
+        ValueError,
+        r"row_weight must have shape \[R\] with R = gate_up\.size\(0\) = \[4\], got \[5\]",
+    ),
+    (
+        (_gu(), torch.zeros(4, dtype=torch.int64), None, "fp8", 128, 448.0, True),
+        TypeError,
+        r"row_weight must have dtype torch\.float32 or torch\.bfloat16, got torch\.int64",
+    ),
+    (
+        (_gu(), None, -1.0, "fp8", 128, 448.0, True),
+        ValueError,
+        r"swiglu_limit must be None or a positive finite number, got -1",
+    ),
     ((_gu(), None, float("nan"), "fp8", 128, 448.0, True), ValueError, r"swiglu_limit must be None or a positive"),
-    ((_gu(), torch.zeros(4, device="meta"), None, "fp8", 128, 448.0, True), ValueError,
-     r"row_weight must be on the same device as gate_up \(cpu\), got meta"),
+    (
+        (_gu(), torch.zeros(4, device="meta"), None, "fp8", 128, 448.0, True),
+        ValueError,
+        r"row_weight must be on the same device as gate_up \(cpu\), got meta",
+    ),
 ]
 
 
@@ -227,8 +332,15 @@ def test_fake_kernel_rejects_like_eager():
 # ---------------------------------------------------------------------------------------------------------------
 # Non-finite inputs (SPEC §1.5): they propagate, confined to their group; never finite garbage
 # ---------------------------------------------------------------------------------------------------------------
-NONFINITE = [("gate", float("nan")), ("up", float("nan")), ("weight", float("nan")), ("gate", -float("inf")),
-             ("gate", float("inf")), ("up", float("inf")), ("up", -float("inf"))]
+NONFINITE = [
+    ("gate", float("nan")),
+    ("up", float("nan")),
+    ("weight", float("nan")),
+    ("gate", -float("inf")),
+    ("gate", float("inf")),
+    ("up", float("inf")),
+    ("up", -float("inf")),
+]
 
 
 @pytest.mark.parametrize("where,value", NONFINITE, ids=[f"{w}={v}" for w, v in NONFINITE])
@@ -246,5 +358,4 @@ def test_nonfinite_values_stay_in_their_group(where, value, limit, out_format, p
         args = (limit, out_format, group, 448.0, pow2)
         what = f"{where}={value} limit={limit} {out_format} g={group} pow2={pow2}"
         for name, op in (("kernel", static_moe.swiglu_and_cast), ("reference", reference.swiglu_and_cast)):
-            assert_nonfinite_confined(op(bad_gu, bad_w, *args), op(gu, w, *args), touched, nonfinite,
-                                      f"{name} {what}")
+            assert_nonfinite_confined(op(bad_gu, bad_w, *args), op(gu, w, *args), touched, nonfinite, f"{name} {what}")

@@ -16,8 +16,14 @@ import pytest
 import torch
 
 from static_moe import reference
-from static_moe.testing.generators import (FORMAT_PAIRS, MODEL_SHAPES, make_activations, make_routing, make_weights,
-                                           sliced_routing)
+from static_moe.testing.generators import (
+    FORMAT_PAIRS,
+    MODEL_SHAPES,
+    make_activations,
+    make_routing,
+    make_weights,
+    sliced_routing,
+)
 from static_moe.testing.machine import MachineLimits
 from static_moe.testing.numeric import calc_diff
 
@@ -110,11 +116,21 @@ def test_cost_accounting(bench_modules):
     assert roof["bound"] == "memory" and roof["roofline_fraction"] == pytest.approx(0.5)
     # Weights (read_bytes) at the read-only stream's rate, the rest at the triad's; bf16 kernels against the bf16
     # peak.
-    limits = MachineLimits(2, bandwidth=1e10, flops=1e11, triad_array_bytes=0, llc_bytes=0, matmul_n=0,
-                           bf16_flops=4e11, read_bandwidth=2e10)
+    limits = MachineLimits(
+        2,
+        bandwidth=1e10,
+        flops=1e11,
+        triad_array_bytes=0,
+        llc_bytes=0,
+        matmul_n=0,
+        bf16_flops=4e11,
+        read_bandwidth=2e10,
+    )
     roof = H.costs.roofline(H.costs.Cost(1e9, 4e10, read_bytes=8e8), limits, measured_s=0.1, bf16_dot=True)
     assert roof["t_mem_s"] == pytest.approx(0.04 + 0.02) and roof["t_compute_s"] == pytest.approx(0.1)
-    assert roof["bound"] == "compute" and roof["compute_peak"] == "bf16" and roof["roofline_fraction"] == pytest.approx(1)
+    assert (
+        roof["bound"] == "compute" and roof["compute_peak"] == "bf16" and roof["roofline_fraction"] == pytest.approx(1)
+    )
     assert H.costs.roofline(H.costs.Cost(1e9, 4e10), limits, 0.4)["t_compute_s"] == pytest.approx(0.4)  # fp32 peak
 
 
@@ -142,9 +158,16 @@ def test_timer_table_json(bench_modules, tmp_path):
     assert op == {"available": False, "reason": "NotImplementedError: no kernel"} and out is None
     limits = MachineLimits(2, 1e10, 1e11, 0, 0, 0)
     report = H.report.Report(limits)
-    rec = {"bench": "local_experts", "shape": "v4_flash", "fmt": "fp8×fp4", "tokens": 4, "rows_per_expert": 1.0,
-           "experts": "8/24", "op": {"available": True, "median_s": 1e-3},
-           "baselines": {"torch_cached": {"median_s": 4e-3}, "torch_scaled_mm": {"available": False, "reason": "x"}}}
+    rec = {
+        "bench": "local_experts",
+        "shape": "v4_flash",
+        "fmt": "fp8×fp4",
+        "tokens": 4,
+        "rows_per_expert": 1.0,
+        "experts": "8/24",
+        "op": {"available": True, "median_s": 1e-3},
+        "baselines": {"torch_cached": {"median_s": 4e-3}, "torch_scaled_mm": {"available": False, "reason": "x"}},
+    }
     rec.update(H.costs.roofline(H.costs.Cost(5e6, 1e8), limits, 1e-3))
     report.add(rec)
     assert rec["speedup"]["torch_cached"] == pytest.approx(4.0)
@@ -176,8 +199,9 @@ def test_same_round_timing(bench_modules):
         v[i] += 1
         assert H.timing.weight_stream([v])() != before
         v[i] -= 1
-    op, out, paired, _ = H.timing.measure_with(lambda: (_ for _ in ()).throw(RuntimeError("no kernel")),
-                                               {"s": lambda: 3})
+    op, out, paired, _ = H.timing.measure_with(
+        lambda: (_ for _ in ()).throw(RuntimeError("no kernel")), {"s": lambda: 3}
+    )
     assert op == {"available": False, "reason": "RuntimeError: no kernel"} and out is None and "median_s" in paired["s"]
     assert H.timing.stream_fraction(paired["s"], op) is None
     assert H.timing.stream_fraction({"median_s": 1.0}, {"available": True, "median_s": 2.0}) == 0.5
@@ -189,14 +213,23 @@ def test_int4pack_target_read_ceiling(bench_modules):
     run_all = importlib.import_module("run_all")  # bench/ is on sys.path while bench_modules is up
 
     def rec(shape, tokens, speedup, fraction):
-        return {"bench": "expert_gemm", "shape": shape, "fmt": "bf16×fp4 w13", "tokens": tokens,
-                "weight": "fp4", "op": {"available": True, "median_s": 1e-3},
-                "speedup": {"torch_int4pack": speedup}, "weight_stream_fraction": fraction}
+        return {
+            "bench": "expert_gemm",
+            "shape": shape,
+            "fmt": "bf16×fp4 w13",
+            "tokens": tokens,
+            "weight": "fp4",
+            "op": {"available": True, "median_s": 1e-3},
+            "speedup": {"torch_int4pack": speedup},
+            "weight_stream_fraction": fraction,
+        }
 
-    records = [rec("v4_flash", 1, 1.5, 0.75),   # int4pack 1.5× the op, the op at 0.75 of the stream: ceiling 2.0
-               rec("v3", 1, 1.2, 0.8),          # ceiling 1.5: the minimum
-               rec("v3", 4, 1.0, 0.9),          # T = 4: not a read-bound point, left out (ceiling 1.11)
-               rec("qwen3_30b_a3b", 1, 1.0, 1.0)]  # not a target shape (ceiling 1.0)
+    records = [
+        rec("v4_flash", 1, 1.5, 0.75),  # int4pack 1.5× the op, the op at 0.75 of the stream: ceiling 2.0
+        rec("v3", 1, 1.2, 0.8),  # ceiling 1.5: the minimum
+        rec("v3", 4, 1.0, 0.9),  # T = 4: not a read-bound point, left out (ceiling 1.11)
+        rec("qwen3_30b_a3b", 1, 1.0, 1.0),
+    ]  # not a target shape (ceiling 1.0)
     report = SimpleNamespace(limits=MachineLimits(2, 1e10, 1e11, 0, 0, 0), records=records)
     rows = {r["what"].strip().split(":")[0]: r for r in run_all.same_round_targets(report)}
     ceiling = rows["the same at T=1"]
@@ -237,11 +270,19 @@ def test_host_id(bench_modules, vendor, family, model, flags, expected):
 
 def _host_doc(host_id, cpu="CPU", int4=None, read=24.4e9):
     """A synthetic host summary in harness.hosts.host_summary's layout."""
-    return {"host": {"id": host_id, "cpu": cpu, "threads": 2}, "run": {"commit": "abc1234"},
-            "machine": {"read_bandwidth": read, "bf16_flops": 1583e9},
-            "summary": {"int4pack": int4 or {"1": [1.31, 1.56], "4": [1.25, 1.28], "16": None, "64": [1.1, 1.1]},
-                        "read_ceiling": [1.52, 1.84], "amx_int4pack": {"16": None, "64": None},
-                        "one_row_read": [0.77, 1.15], "bf16_matmul": [0.08, 0.2], "forward_in_step": None}}
+    return {
+        "host": {"id": host_id, "cpu": cpu, "threads": 2},
+        "run": {"commit": "abc1234"},
+        "machine": {"read_bandwidth": read, "bf16_flops": 1583e9},
+        "summary": {
+            "int4pack": int4 or {"1": [1.31, 1.56], "4": [1.25, 1.28], "16": None, "64": [1.1, 1.1]},
+            "read_ceiling": [1.52, 1.84],
+            "amx_int4pack": {"16": None, "64": None},
+            "one_row_read": [0.77, 1.15],
+            "bf16_matmul": [0.08, 0.2],
+            "forward_in_step": None,
+        },
+    }
 
 
 def test_results_table_one_row_per_host(bench_modules, tmp_path):
@@ -251,8 +292,9 @@ def test_results_table_one_row_per_host(bench_modules, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.mkdir()
     (hosts / "intel-6-207-amx.json").write_text(json.dumps(_host_doc("intel-6-207-amx", cpu="Xeon")))
-    (hosts / "amd-25-17-avx512bf16.json").write_text(json.dumps(_host_doc("amd-25-17-avx512bf16", cpu="EPYC",
-                                                                          read=None)))
+    (hosts / "amd-25-17-avx512bf16.json").write_text(
+        json.dumps(_host_doc("amd-25-17-avx512bf16", cpu="EPYC", read=None))
+    )
     (hosts / "notes.txt").write_text("not a host summary")
     table = doc_mod.render_results_table(doc_mod.host_files(hosts))
     lines = table.splitlines()
@@ -271,7 +313,11 @@ def test_results_table_one_row_per_host(bench_modules, tmp_path):
     assert "stale" not in text
     doc_mod.update_results_doc(doc, hosts)
     assert doc.read_text() == text  # rendering again changes nothing
-    for bad in (f"{before}{after}", f"{doc_mod.END}\n{doc_mod.BEGIN}\n", f"{doc_mod.BEGIN}{doc_mod.BEGIN}{doc_mod.END}"):
+    for bad in (
+        f"{before}{after}",
+        f"{doc_mod.END}\n{doc_mod.BEGIN}\n",
+        f"{doc_mod.BEGIN}{doc_mod.BEGIN}{doc_mod.END}",
+    ):
         with pytest.raises(ValueError, match="results:begin"):
             doc_mod.replace_between_markers(bad, table)
     assert doc_mod.render_results_table([]).startswith("No host has a committed summary yet")
@@ -292,7 +338,10 @@ def test_only_a_full_run_replaces_the_committed_summary(bench_modules, tmp_path)
     for partial in (["--quick"], ["--only", "expert_gemm"], ["--shape", "v3"], ["--tokens", 1]):
         assert paths(*partial) == (None, None), partial
     assert paths("--quick", "--hosts-dir", tmp_path) == (tmp_path, None)
-    assert paths("--quick", "--hosts-dir", tmp_path, "--results-doc", tmp_path / "b.md") == (tmp_path, tmp_path / "b.md")
+    assert paths("--quick", "--hosts-dir", tmp_path, "--results-doc", tmp_path / "b.md") == (
+        tmp_path,
+        tmp_path / "b.md",
+    )
     assert paths("--table-only") == committed
 
 
@@ -312,42 +361,65 @@ def test_profile_reads_perf_output():
     finally:
         sys.path.remove(str(BENCH_DIR))
     so = "(/x/python/static_moe/_C.cpython-311-x86_64-linux-gnu.so)"
-    script = "\n".join([
-        f"   100/100 10.000100000:   7f01 static_moe::cpu::(anonymous namespace)::dot_panel_fp4<4> {so}",
-        "   100/102 10.000200000:   7f02 [unknown] (/x/torch/lib/libgomp.so.1)",
-        f"   100/100 10.000300000:   7f03 (anonymous namespace)::swiglu_rows {so}",
-        "   100/100 10.000400000:   7f04 _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)",
-        "   100/102 11.500000000:   7f05 [unknown] (/x/torch/lib/libgomp.so.1)",  # between the calls
-        "   100/100 12.000100000:   7f06 memset ([kernel.kallsyms])",
-        "   200/200 10.000500000:   7f07 dot_block (/x/_C.so)",  # another process, outside its own call
-    ])
+    script = "\n".join(
+        [
+            f"   100/100 10.000100000:   7f01 static_moe::cpu::(anonymous namespace)::dot_panel_fp4<4> {so}",
+            "   100/102 10.000200000:   7f02 [unknown] (/x/torch/lib/libgomp.so.1)",
+            f"   100/100 10.000300000:   7f03 (anonymous namespace)::swiglu_rows {so}",
+            "   100/100 10.000400000:   7f04 _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)",
+            "   100/102 11.500000000:   7f05 [unknown] (/x/torch/lib/libgomp.so.1)",  # between the calls
+            "   100/100 12.000100000:   7f06 memset ([kernel.kallsyms])",
+            "   200/200 10.000500000:   7f07 dot_block (/x/_C.so)",  # another process, outside its own call
+        ]
+    )
     samples = P.parse_script(script)
     assert [s[1] for s in samples] == [True, False, True, True, False, True, True]
     assert samples[0][3] == "_C.cpython-311-x86_64-linux-gnu.so" and samples[-1][0] == 200
     kept = P.in_windows(samples, {100: [(10.0, 10.001), (12.0, 12.001)], 200: [(10.002, 10.003)]})
     assert len(kept) == 5 and all(s[2] != 11.5 and s[0] == 100 for s in kept)
-    assert P.places(kept) == {"expert-GEMM kernels": (1, 0), "static_moe, other": (1, 0), "OpenMP runtime": (0, 1),
-                              "torch": (0, 0), "Python": (1, 0), "OS": (1, 0), "other": (0, 0)}
-    annotate = "\n".join([
-        " Percent |	Source code & Disassembly of _C.so for cpu-clock (467 samples, percent: local period)",
-        "         : 3     Disassembly of section .text:",
-        "    4.00 :   2d3ba:  vdpbf16ps %zmm4,%zmm0,%zmm7",
-        "    3.00 :   2cfe2:  vbroadcasti32x4 (%rsi,%rax,1),%zmm0",
-        "    2.00 :   2d054:  vpmultishiftqb %zmm0,%zmm24,%zmm0",
-        "    1.00 :   2d066:  vmovdqa64 %zmm0,0x600(%rsp,%rax,1)",
-        "    0.50 :   2d070:  vfmadd231ps %zmm1,%zmm2,%zmm3",
-        "    0.25 :   2d080:  add    $0x20,%r10",
-        "    0.00 :   2d090:  vpermw (%r14,%r8,1),%zmm0,%zmm0",
-        "    1.50 :   2d0a0:  tdpbf16ps %tmm2,%tmm0,%tmm3",  # the amx kernel's products, tile loads and stores
-        "    0.75 :   2d0a5:  tileloadd (%rdi,%r11,1),%tmm1",
-        "    0.125 :   2d0ab:  tilestored %tmm3,(%rdx,%rcx,1)",
-    ])
+    assert P.places(kept) == {
+        "expert-GEMM kernels": (1, 0),
+        "static_moe, other": (1, 0),
+        "OpenMP runtime": (0, 1),
+        "torch": (0, 0),
+        "Python": (1, 0),
+        "OS": (1, 0),
+        "other": (0, 0),
+    }
+    annotate = "\n".join(
+        [
+            " Percent |	Source code & Disassembly of _C.so for cpu-clock (467 samples, percent: local period)",
+            "         : 3     Disassembly of section .text:",
+            "    4.00 :   2d3ba:  vdpbf16ps %zmm4,%zmm0,%zmm7",
+            "    3.00 :   2cfe2:  vbroadcasti32x4 (%rsi,%rax,1),%zmm0",
+            "    2.00 :   2d054:  vpmultishiftqb %zmm0,%zmm24,%zmm0",
+            "    1.00 :   2d066:  vmovdqa64 %zmm0,0x600(%rsp,%rax,1)",
+            "    0.50 :   2d070:  vfmadd231ps %zmm1,%zmm2,%zmm3",
+            "    0.25 :   2d080:  add    $0x20,%r10",
+            "    0.00 :   2d090:  vpermw (%r14,%r8,1),%zmm0,%zmm0",
+            "    1.50 :   2d0a0:  tdpbf16ps %tmm2,%tmm0,%tmm3",  # the amx kernel's products, tile loads and stores
+            "    0.75 :   2d0a5:  tileloadd (%rdi,%r11,1),%tmm1",
+            "    0.125 :   2d0ab:  tilestored %tmm3,(%rdx,%rcx,1)",
+        ]
+    )
     rows = P.parse_annotate(annotate)
     assert len(rows) == 9  # lines without samples are left out
-    assert P.classes(rows) == {"vdpbf16ps / tdpbf16ps": 5.5, "decode": 2.0, "load": 3.75, "store": 1.125,
-                               "fold (vfmadd)": 0.5, "prefetch": 0.0, "other": 0.25}
-    assert P.place_of("_C.cpython-311-x86_64-linux-gnu.so", "static_moe::cpu::(anonymous namespace)::tile_blocks<"
-                      "(static_moe::cpu::WeightFormat)2, false>") == "expert-GEMM kernels"
+    assert P.classes(rows) == {
+        "vdpbf16ps / tdpbf16ps": 5.5,
+        "decode": 2.0,
+        "load": 3.75,
+        "store": 1.125,
+        "fold (vfmadd)": 0.5,
+        "prefetch": 0.0,
+        "other": 0.25,
+    }
+    assert (
+        P.place_of(
+            "_C.cpython-311-x86_64-linux-gnu.so",
+            "static_moe::cpu::(anonymous namespace)::tile_blocks<(static_moe::cpu::WeightFormat)2, false>",
+        )
+        == "expert-GEMM kernels"
+    )
 
 
 def test_profile_end_to_end(tmp_path):
@@ -358,13 +430,36 @@ def test_profile_end_to_end(tmp_path):
     only five cold calls."""
     import subprocess
 
-    probe = subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-o", str(tmp_path / "p.data"), "--", "true"],
-                           capture_output=True, text=True) if shutil.which("perf") else None
+    probe = (
+        subprocess.run(
+            ["perf", "record", "-q", "-e", "cpu-clock", "-o", str(tmp_path / "p.data"), "--", "true"],
+            capture_output=True,
+            text=True,
+        )
+        if shutil.which("perf")
+        else None
+    )
     if probe is None or probe.returncode != 0:
         pytest.skip("perf cannot sample here" + ("" if probe is None else f": {probe.stderr.strip()[:200]}"))
-    out = subprocess.run([sys.executable, str(BENCH_DIR / "bench_profile.py"), "expert_gemm", "--shape",
-                          "qwen3_30b_a3b", "--tokens", "4", "--seconds", "0.5", "--threads", "1", "--hot"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH_DIR / "bench_profile.py"),
+            "expert_gemm",
+            "--shape",
+            "qwen3_30b_a3b",
+            "--tokens",
+            "4",
+            "--seconds",
+            "0.5",
+            "--threads",
+            "1",
+            "--hot",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     kernel = re.search(r"expert-GEMM kernels\s+([0-9.]+) %", out.stdout)
     assert kernel and float(kernel[1]) > 50, out.stdout

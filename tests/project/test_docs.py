@@ -34,10 +34,15 @@ RUNNABLE_TIMEOUT_S = 300
 # Reading the tree
 # --------------------------------------------------------------------------------------------------------------
 
+
 def tree_files(root: Path = REPO) -> list[Path]:
     """Tracked files plus untracked, non-ignored ones that exist on disk, as absolute paths."""
-    out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         capture_output=True, check=True, timeout=60).stdout.decode()
+    out = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout.decode()
     return sorted({root / p for p in out.split("\0") if p and (root / p).is_file()})
 
 
@@ -86,7 +91,7 @@ def prose_lines(text: str, blank_code: bool = True):
 
 def github_slug(heading: str) -> str:
     """The anchor GitHub gives a heading: markup and punctuation dropped, lower case, spaces → hyphens."""
-    text = re.sub(r"<[^>]+>", "", heading)            # inline HTML (e.g. an explicit anchor) is not part of it
+    text = re.sub(r"<[^>]+>", "", heading)  # inline HTML (e.g. an explicit anchor) is not part of it
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)  # a link keeps its text
     text = text.replace("`", "").lower()
     text = re.sub(r"[^\w\- ]", "", text)
@@ -203,8 +208,9 @@ def runnable_blocks(text: str) -> list[tuple[int, str]]:
 
 def run_block(code: str, cwd: Path, timeout: float = RUNNABLE_TIMEOUT_S) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def all_runnable_blocks() -> list[tuple[str, str]]:
@@ -219,8 +225,10 @@ def all_runnable_blocks() -> list[tuple[str, str]]:
 # a program legitimately names (/dev/null, /proc/cpuinfo, /usr/bin/env, /usr/local/cuda) are not in the list.
 MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:work|home|root|tmp|Users|mnt|scratch|private/var)/")
 # Documents this repository was started from that do not ship with it (its own contract is docs/spec.md).
-OUTSIDE_DOC = re.compile(r"\.\./shared\b|\bshared/(?:docs|seeds)\b|\b(?:BENCH|STYLE|SPEC)\.md\b"
-                         r"|\bNKI_(?:NOTES|API|IDIOMS)\b|\bdeepinfer_static_mo[e]\b|\bmega_moe_module_coverag[e]\b")
+OUTSIDE_DOC = re.compile(
+    r"\.\./shared\b|\bshared/(?:docs|seeds)\b|\b(?:BENCH|STYLE|SPEC)\.md\b"
+    r"|\bNKI_(?:NOTES|API|IDIOMS)\b|\bdeepinfer_static_mo[e]\b|\bmega_moe_module_coverag[e]\b"
+)
 
 
 def outside_references(text: str) -> list[tuple[int, str]]:
@@ -245,6 +253,7 @@ def files_pointing_outside(files: list[Path], root: Path = REPO) -> list[str]:
 # The checks on the repository
 # ==============================================================================================================
 
+
 def test_links_and_anchors_resolve():
     problems = [p for md in markdown_files() for p in broken_links(md)]
     assert not problems, "broken links:\n" + "\n".join(problems)
@@ -255,7 +264,7 @@ def test_spec_keeps_the_cited_sections_with_anchors():
     missing = [s for s in CITED_SINCE_THE_START if s not in sections]
     assert not missing, f"docs/spec.md lacks sections the code cites: {missing}"
     unanchored = [s for s, has in sections.items() if not has]
-    assert not unanchored, f"docs/spec.md sections without an explicit <a id=\"s<n>\"> anchor: {unanchored}"
+    assert not unanchored, f'docs/spec.md sections without an explicit <a id="s<n>"> anchor: {unanchored}'
 
 
 def test_every_spec_citation_names_a_section():
@@ -263,14 +272,19 @@ def test_every_spec_citation_names_a_section():
     problems = dangling_citations(tree_files(), sections)
     # Inside the spec, a bare "§n" is a citation too.
     spec_text = SPEC.read_text(encoding="utf-8")
-    problems += [f"docs/spec.md:{n}: §{s} does not exist" for n, line in enumerate(spec_text.splitlines(), 1)
-                 for s in BARE_REF.findall(line) if s not in sections]
+    problems += [
+        f"docs/spec.md:{n}: §{s} does not exist"
+        for n, line in enumerate(spec_text.splitlines(), 1)
+        for s in BARE_REF.findall(line)
+        if s not in sections
+    ]
     assert not problems, "\n".join(problems)
 
 
 def test_there_are_runnable_examples():
-    assert any(name.startswith("README.md:") for name, _ in all_runnable_blocks()), \
+    assert any(name.startswith("README.md:") for name, _ in all_runnable_blocks()), (
         "README.md's quick start must be a ```python runnable block"
+    )
 
 
 @pytest.mark.parametrize("name,code", all_runnable_blocks(), ids=[n for n, _ in all_runnable_blocks()])
@@ -281,36 +295,43 @@ def test_runnable_example_runs(name, code, tmp_path):
 
 def test_nothing_points_outside_the_repository():
     problems = files_pointing_outside(tree_files())
-    assert not problems, "files that name a machine path or a document outside the repository:\n" + \
-        "\n".join(problems)
+    assert not problems, "files that name a machine path or a document outside the repository:\n" + "\n".join(problems)
 
 
 # ==============================================================================================================
 # The checkers on crafted inputs: each must catch what it exists to catch, and pass what is fine
 # ==============================================================================================================
 
+
 @pytest.fixture
 def fake_repo(tmp_path) -> Path:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "spec.md").write_text(
-        '<a id="s1"></a>\n## §1 Formats\n\n<a id="s1.6"></a>\n### §1.6 Expert GEMM\n\n### §2 Tolerances\n')
+        '<a id="s1"></a>\n## §1 Formats\n\n<a id="s1.6"></a>\n### §1.6 Expert GEMM\n\n### §2 Tolerances\n'
+    )
     (tmp_path / "docs" / "other.md").write_text("# Other page\n\n## Two `words` here\n\n## Two words here\n")
     return tmp_path
 
 
 def test_link_checker_catches_missing_files_anchors_and_escapes(fake_repo):
     md = fake_repo / "README.md"
-    md.write_text("\n".join([
-        "[ok](docs/spec.md) [ok](docs/spec.md#s1.6) [ok](docs/other.md#two-words-here-1) [web](https://x.org/a)",
-        "[ok](#title) ![ok](docs/other.md)",
-        "# Title",
-        "[gone](docs/missing.md)",
-        "[no anchor](docs/spec.md#s9)",
-        "[outside](../elsewhere/file.md)",
-        '<img src="docs/img/none.png">',
-        "```", "[inside a code block](nowhere.md)", "```",
-        "`[inline code](nowhere.md)`",
-    ]))
+    md.write_text(
+        "\n".join(
+            [
+                "[ok](docs/spec.md) [ok](docs/spec.md#s1.6) [ok](docs/other.md#two-words-here-1) [web](https://x.org/a)",
+                "[ok](#title) ![ok](docs/other.md)",
+                "# Title",
+                "[gone](docs/missing.md)",
+                "[no anchor](docs/spec.md#s9)",
+                "[outside](../elsewhere/file.md)",
+                '<img src="docs/img/none.png">',
+                "```",
+                "[inside a code block](nowhere.md)",
+                "```",
+                "`[inline code](nowhere.md)`",
+            ]
+        )
+    )
     problems = broken_links(md, fake_repo)
     assert len(problems) == 4, problems
     assert "missing.md does not exist" in problems[0]
@@ -320,7 +341,7 @@ def test_link_checker_catches_missing_files_anchors_and_escapes(fake_repo):
 
 
 def test_slugs_follow_github():
-    assert github_slug("§1.6 Expert GEMM — \"per-expert masked GEMM\"") == "16-expert-gemm--per-expert-masked-gemm"
+    assert github_slug('§1.6 Expert GEMM — "per-expert masked GEMM"') == "16-expert-gemm--per-expert-masked-gemm"
     assert github_slug("The layer: `torch.ops.static_moe.forward`") == "the-layer-torchopsstatic_moeforward"
     assert anchors("# A\n# A\n") == {"a", "a-1"}
 
@@ -330,19 +351,33 @@ def test_citation_checker_catches_missing_sections(fake_repo):
     assert sections == {"1": True, "1.6": True, "2": False}
     src = fake_repo / "code.py"
     spec = "SPEC"  # spelled apart so the repository-wide check does not read these crafted citations
-    src.write_text(f"# {spec} §1.6, §2 and {spec} §1-1.6 are fine; {spec} §2, 128 rows is prose\n"
-                   f"x = 1  # {spec} §1.9 is not a section\n# {spec} §1, §7: the second is missing\n")
+    src.write_text(
+        f"# {spec} §1.6, §2 and {spec} §1-1.6 are fine; {spec} §2, 128 rows is prose\n"
+        f"x = 1  # {spec} §1.9 is not a section\n# {spec} §1, §7: the second is missing\n"
+    )
     assert dangling_citations([src], sections, fake_repo) == [
         f"code.py:2: cites {spec} §1.9, which docs/spec.md does not have",
-        f"code.py:3: cites {spec} §7, which docs/spec.md does not have"]
+        f"code.py:3: cites {spec} §7, which docs/spec.md does not have",
+    ]
     assert [s for _, s in citations("SPEC §1.4–1.5 and SPEC §1.2/§1.3.")] == ["1.4", "1.5", "1.2", "1.3"]
     assert [s for _, s in citations("the spec's §6.1, Spec §2")] == ["6.1", "2"]
 
 
 def test_runnable_checker_runs_blocks_and_reports_failures(tmp_path):
-    text = "\n".join(["```python", "raise SystemExit(3)  # not marked: never run", "```",
-                      "```python runnable", "print('hello')", "```",
-                      "```python runnable", "import sys", "sys.exit(3)", "```"])
+    text = "\n".join(
+        [
+            "```python",
+            "raise SystemExit(3)  # not marked: never run",
+            "```",
+            "```python runnable",
+            "print('hello')",
+            "```",
+            "```python runnable",
+            "import sys",
+            "sys.exit(3)",
+            "```",
+        ]
+    )
     blocks = runnable_blocks(text)
     assert [n for n, _ in blocks] == [4, 7]
     ok, bad = (run_block(code, tmp_path, timeout=60) for _, code in blocks)
@@ -355,13 +390,30 @@ def test_runnable_checker_runs_blocks_and_reports_failures(tmp_path):
 
 
 def test_outside_reference_checker(tmp_path):
-    bad = "\n".join(["see " + "/" + "work/shared/x", "cat " + "/" + "home/u", "open('" + "/" + "tmp/a')",
-                     "../" + "shared" + "/docs/x", "docs " + "BENCH" + ".md", "the " + "NKI" + "_NOTES figures",
-                     "root = '" + "/" + "root/.cache'"])
+    bad = "\n".join(
+        [
+            "see " + "/" + "work/shared/x",
+            "cat " + "/" + "home/u",
+            "open('" + "/" + "tmp/a')",
+            "../" + "shared" + "/docs/x",
+            "docs " + "BENCH" + ".md",
+            "the " + "NKI" + "_NOTES figures",
+            "root = '" + "/" + "root/.cache'",
+        ]
+    )
     found = outside_references(bad)
     assert [n for n, _ in found] == [1, 2, 3, 4, 5, 6, 7], found
-    fine = "\n".join(["#!/usr/bin/env bash", "open('/dev/null')", "Path('/proc/cpuinfo')", "/usr/local/cuda/include",
-                      "docs/spec.md and docs/benchmarks.md", "https://example.org/work/page", "a/tmp/b, seed_dense"])
+    fine = "\n".join(
+        [
+            "#!/usr/bin/env bash",
+            "open('/dev/null')",
+            "Path('/proc/cpuinfo')",
+            "/usr/local/cuda/include",
+            "docs/spec.md and docs/benchmarks.md",
+            "https://example.org/work/page",
+            "a/tmp/b, seed_dense",
+        ]
+    )
     assert outside_references(fine) == []
     f = tmp_path / "x.py"
     f.write_text(bad)

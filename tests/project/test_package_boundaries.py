@@ -36,7 +36,7 @@ def imported_modules(source: str, name: str, is_package: bool) -> list[tuple[int
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = package[: len(package) - node.level + 1] if node.level else []
             mod = ".".join(base + ([node.module] if node.module else []))
             out.append((node.lineno, mod))
             out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
@@ -44,7 +44,7 @@ def imported_modules(source: str, name: str, is_package: bool) -> list[tuple[int
 
 
 def reference_imports(source: str, name: str, is_package: bool = False) -> list[str]:
-    """"line n: module" for every import statement of ``source`` that may load static_moe.reference (one each)."""
+    """ "line n: module" for every import statement of ``source`` that may load static_moe.reference (one each)."""
     hits: dict[int, str] = {}
     for line, mod in imported_modules(source, name, is_package):
         if mod == REFERENCE or mod.startswith(REFERENCE + "."):
@@ -59,13 +59,21 @@ def production_files() -> list[Path]:
 
 def test_the_check_finds_every_spelling_of_a_reference_import():
     """Tried first on crafted sources, so the check below can fail."""
-    for source in ("from ..reference.pack_rows import aligned", "from .. import reference",
-                   "import static_moe.reference.forward", "from static_moe.reference import forward"):
+    for source in (
+        "from ..reference.pack_rows import aligned",
+        "from .. import reference",
+        "import static_moe.reference.forward",
+        "from static_moe.reference import forward",
+    ):
         assert reference_imports(source, "static_moe.ops.forward"), source
     assert reference_imports("from . import reference", "static_moe", is_package=True)
     assert reference_imports("from .reference import pack_rows", "static_moe.workspace")
-    for source in ("from ..packed_layout import aligned", "from . import step_status",
-                   "from .. import reference_free", "import static_moe"):
+    for source in (
+        "from ..packed_layout import aligned",
+        "from . import step_status",
+        "from .. import reference_free",
+        "import static_moe",
+    ):
         assert not reference_imports(source, "static_moe.ops.forward"), source
 
 

@@ -123,7 +123,7 @@ class CostRecord:
             "matmul_flops": self.matmul_flops,
         }
 
-    def merged(self, other: "CostRecord") -> "CostRecord":
+    def merged(self, other: CostRecord) -> CostRecord:
         out = CostRecord()
         for r in (self, other):
             out.dmas.extend(r.dmas)
@@ -151,8 +151,9 @@ class CostModel:
     dge_fixed: float = 0.6e-6  # s per runtime-descriptor DMA (T2 "Descriptor Generation Engine")
     dge_instances: int = 2  # per core (T2)
     hbm_bandwidth_per_core: float = 2.9e12 / 8  # B/s (2.9 TB/s per chip, 8 cores)
-    clock_hz: dict = field(default_factory=lambda: {
-        "tensor": 2.4e9, "vector": 0.96e9, "scalar": 1.2e9, "gpsimd": 1.2e9, "sync": 1.2e9})
+    clock_hz: dict = field(
+        default_factory=lambda: {"tensor": 2.4e9, "vector": 0.96e9, "scalar": 1.2e9, "gpsimd": 1.2e9, "sync": 1.2e9}
+    )
     instr_fixed_cycles: int = 60  # TA2 "Tensor access overhead"
     loop_iteration_s: float = 0.1e-6  # ASSUMPTION
 
@@ -184,8 +185,12 @@ class CostModel:
         """``{"time_s", "serial_s", "bound", "<engine>_s"..., "dma_s", "dge_s", "loop_s"}`` for one run:
         the overlapped estimate, the serial bound and the binding component (module docstring)."""
         eng = self.engine_times(rec)
-        parts = {**{f"{k}_s": v for k, v in eng.items()}, "dma_s": self.dma_time(rec), "dge_s": self.dge_time(rec),
-                 "loop_s": rec.loop_iterations * self.loop_iteration_s}
+        parts = {
+            **{f"{k}_s": v for k, v in eng.items()},
+            "dma_s": self.dma_time(rec),
+            "dge_s": self.dge_time(rec),
+            "loop_s": rec.loop_iterations * self.loop_iteration_s,
+        }
         t = max(parts.values())
         bound = max(parts, key=parts.get)[:-2] if t > 0 else "none"
         return {"time_s": t, "serial_s": sum(parts.values()), **parts, "bound": bound}

@@ -59,10 +59,22 @@ INT_DTYPES = (int8, int16, int32, uint8, uint16, uint32)
 FLOAT_DTYPES = (float16, float32, bfloat16, float8_e4m3, float8_e5m2, float8_e4m3fn, float8_e8m0fnu)
 FP8_DTYPES = (float8_e4m3, float8_e5m2, float8_e4m3fn, float8_e8m0fnu)
 NAMES = {
-    int8: "int8", int16: "int16", int32: "int32", uint8: "uint8", uint16: "uint16", uint32: "uint32",
-    float16: "float16", float32: "float32", bfloat16: "bfloat16", float8_e4m3: "float8_e4m3",
-    float8_e5m2: "float8_e5m2", float8_e4m3fn: "float8_e4m3fn", float8_e8m0fnu: "float8_e8m0fnu",
-    float8_e5m2_x4: "float8_e5m2_x4", float8_e4m3fn_x4: "float8_e4m3fn_x4", float4_e2m1fn_x4: "float4_e2m1fn_x4",
+    int8: "int8",
+    int16: "int16",
+    int32: "int32",
+    uint8: "uint8",
+    uint16: "uint16",
+    uint32: "uint32",
+    float16: "float16",
+    float32: "float32",
+    bfloat16: "bfloat16",
+    float8_e4m3: "float8_e4m3",
+    float8_e5m2: "float8_e5m2",
+    float8_e4m3fn: "float8_e4m3fn",
+    float8_e8m0fnu: "float8_e8m0fnu",
+    float8_e5m2_x4: "float8_e5m2_x4",
+    float8_e4m3fn_x4: "float8_e4m3fn_x4",
+    float4_e2m1fn_x4: "float4_e2m1fn_x4",
 }
 
 

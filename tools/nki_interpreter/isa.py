@@ -112,7 +112,12 @@ def get_nc_version() -> nc_version:
 
 # Deprecated engine aliases (isa stub: ``nisa.vector_engine`` etc., kept for older kernels).
 tensor_engine, vector_engine, scalar_engine, gpsimd_engine, unknown_engine = (
-    engine.tensor, engine.vector, engine.scalar, engine.gpsimd, engine.unknown)
+    engine.tensor,
+    engine.vector,
+    engine.scalar,
+    engine.gpsimd,
+    engine.unknown,
+)
 
 _NUMBERED = (engine, reduce_cmd, dge_mode, oob_mode)
 
@@ -128,11 +133,18 @@ def _enum(value, cls, what):
         except ValueError:
             member = None
         if member is not None:
-            warnings.warn(f"{what}={int(value)}: pass nisa.{cls.__name__}.{member.name} (raw integers are "
-                          f"deprecated since NKI 0.3)", DeprecationWarning, stacklevel=3)
+            warnings.warn(
+                f"{what}={int(value)}: pass nisa.{cls.__name__}.{member.name} (raw integers are "
+                f"deprecated since NKI 0.3)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
             return member
-    raise NkiRuleError("enum", f"{what} must be nisa.{cls.__name__}.<member>, got {value!r} (strings and "
-                       f"undocumented integers are rejected since NKI 0.3)")
+    raise NkiRuleError(
+        "enum",
+        f"{what} must be nisa.{cls.__name__}.<member>, got {value!r} (strings and "
+        f"undocumented integers are rejected since NKI 0.3)",
+    )
 
 
 class _Constants:
@@ -143,8 +155,15 @@ class _Constants:
         self.__dict__.update(enums)
 
 
-constants = _Constants(engine=engine, reduce_cmd=reduce_cmd, dge_mode=dge_mode, oob_mode=oob_mode,
-                       matmul_perf_mode=matmul_perf_mode, dma_engine=dma_engine, nc_version=nc_version)
+constants = _Constants(
+    engine=engine,
+    reduce_cmd=reduce_cmd,
+    dge_mode=dge_mode,
+    oob_mode=oob_mode,
+    matmul_perf_mode=matmul_perf_mode,
+    dma_engine=dma_engine,
+    nc_version=nc_version,
+)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -156,18 +175,27 @@ def _t(x, what: str, instr: str) -> NkiTensor:
 def _onchip(x, what: str, instr: str, allow_psum: bool = True) -> NkiTensor:
     x = _t(x, what, instr)
     check(x.gather is None, "indirect-view", f"{instr}: {what} is an indirect view (DMA only)")
-    check(not (x.dynamic and x._on_chip), "sbuf-indirect-operand",
-          f"{instr}: {what} is an on-chip view with a runtime offset (.ap(scalar_offset=...)); compute engines "
-          f"take static SBUF/PSUM access patterns only — the trn3 architecture guide lists engine-side SBUF "
-          f"indirection as a NeuronCore-v4 hardware feature with no NKI API, and the access-pattern page "
-          f"(deep-dives/nki-aps.rst) documents scalar_offset for DMA. Move runtime-indexed data with a DMA")
-    check(x._on_chip, "compute-operand-in-hbm",
-          f"{instr}: {what} is in {x.buffer.name}; compute engines read and write SBUF/PSUM only (DMA it in)")
+    check(
+        not (x.dynamic and x._on_chip),
+        "sbuf-indirect-operand",
+        f"{instr}: {what} is an on-chip view with a runtime offset (.ap(scalar_offset=...)); compute engines "
+        f"take static SBUF/PSUM access patterns only — the trn3 architecture guide lists engine-side SBUF "
+        f"indirection as a NeuronCore-v4 hardware feature with no NKI API, and the access-pattern page "
+        f"(deep-dives/nki-aps.rst) documents scalar_offset for DMA. Move runtime-indexed data with a DMA",
+    )
+    check(
+        x._on_chip,
+        "compute-operand-in-hbm",
+        f"{instr}: {what} is in {x.buffer.name}; compute engines read and write SBUF/PSUM only (DMA it in)",
+    )
     if not allow_psum:
         check(x.buffer.name == "sbuf", "operand-buffer", f"{instr}: {what} must be in SBUF, got {x.buffer.name}")
     lim = PSUM_FREE_MAX if x.buffer.name == "psum" else SBUF_FREE_MAX
-    check(x._free_size <= lim, "free-size", f"{instr}: {what} has {x._free_size} elements per partition; at most "
-          f"{lim} from {x.buffer.name}")
+    check(
+        x._free_size <= lim,
+        "free-size",
+        f"{instr}: {what} has {x._free_size} elements per partition; at most {lim} from {x.buffer.name}",
+    )
     return x
 
 
@@ -186,18 +214,24 @@ def _lanes(instr: str, dst: NkiTensor, **srcs) -> None:
     limits (module docstring)."""
     tens = {"dst": dst, **{k: v for k, v in srcs.items() if isinstance(v, NkiTensor)}}
     for what, s in tens.items():
-        check(s.shape[0] == dst.shape[0], "partition-mismatch",
-              f"{instr}: {what} spans {s.shape[0]} partitions, dst spans {dst.shape[0]}")
+        check(
+            s.shape[0] == dst.shape[0],
+            "partition-mismatch",
+            f"{instr}: {what} spans {s.shape[0]} partitions, dst spans {dst.shape[0]}",
+        )
     starts = {what: s._pstart for what, s in tens.items()}
     if len(set(starts.values())) == 1:
         return
     n = dst.shape[0]
     for what, p in starts.items():
-        check(_start_ok(p, n), "cross-partition",
-              f"{instr}: operands start on partitions {starts} (n = {n}); moving data across partitions on a "
-              f"compute engine needs every start partition to be {_legal_starts(n)} for {n} partitions "
-              f"(arch guide: cross-half for ≤ 64, cross-quadrant for ≤ 32); {what} starts at {p}. Use "
-              f"nc_transpose, nc_matmul, nc_stream_shuffle or a DMA otherwise")
+        check(
+            _start_ok(p, n),
+            "cross-partition",
+            f"{instr}: operands start on partitions {starts} (n = {n}); moving data across partitions on a "
+            f"compute engine needs every start partition to be {_legal_starts(n)} for {n} partitions "
+            f"(arch guide: cross-half for ≤ 64, cross-quadrant for ≤ 32); {what} starts at {p}. Use "
+            f"nc_transpose, nc_matmul, nc_stream_shuffle or a DMA otherwise",
+        )
 
 
 def _legal_starts(n: int) -> str:
@@ -206,9 +240,12 @@ def _legal_starts(n: int) -> str:
 
 def _same_free(instr: str, dst: NkiTensor, **srcs) -> None:
     for what, s in srcs.items():
-        check(s._free_size == dst._free_size, "shape-mismatch",
-              f"{instr}: {what} has {s._free_size} elements per partition, dst has {dst._free_size} "
-              f"(shapes {list(s.shape)} vs {list(dst.shape)})")
+        check(
+            s._free_size == dst._free_size,
+            "shape-mismatch",
+            f"{instr}: {what} has {s._free_size} elements per partition, dst has {dst._free_size} "
+            f"(shapes {list(s.shape)} vs {list(dst.shape)})",
+        )
 
 
 def _elem_addrs(t: NkiTensor) -> np.ndarray:
@@ -236,8 +273,11 @@ def _raw(t: NkiTensor) -> np.ndarray:
 
 def _f32(t: NkiTensor) -> np.ndarray:
     """[P, F] float32 values of t (what the engines compute on)."""
-    check(not dt.is_x4(t.dtype), "dtype-x4", f"{dt.name(t.dtype)} is a packed MX container; compute engines "
-          f"read it only through nc_matmul_mx")
+    check(
+        not dt.is_x4(t.dtype),
+        "dtype-x4",
+        f"{dt.name(t.dtype)} is a packed MX container; compute engines read it only through nc_matmul_mx",
+    )
     return _raw(t).astype(np.float32)
 
 
@@ -247,19 +287,29 @@ def _operand(x, instr: str, what: str, dst: NkiTensor, fp32_tile: bool, int_ok: 
         return None
     if isinstance(x, NkiTensor):
         _onchip(x, what, instr)
-        check(x._free_size == 1, "operand-shape", f"{instr}: {what} must be a scalar or a (P, 1) tile, got "
-              f"{list(x.shape)}")
+        check(
+            x._free_size == 1,
+            "operand-shape",
+            f"{instr}: {what} must be a scalar or a (P, 1) tile, got {list(x.shape)}",
+        )
         _lanes(instr, dst, **{what: x})
         if int_ok:
-            check(dt.is_int(x.dtype), "bitvec-dtype", f"{instr}: bitvec {what} must be an integer tile, got "
-                  f"{dt.name(x.dtype)}")
+            check(
+                dt.is_int(x.dtype),
+                "bitvec-dtype",
+                f"{instr}: bitvec {what} must be an integer tile, got {dt.name(x.dtype)}",
+            )
             return _raw(x).astype(np.int64)
         if fp32_tile:
-            check(x.dtype == dt.float32, "operand-dtype", f"{instr}: tile {what} must be float32, got "
-                  f"{dt.name(x.dtype)}")
+            check(
+                x.dtype == dt.float32, "operand-dtype", f"{instr}: tile {what} must be float32, got {dt.name(x.dtype)}"
+            )
         return _f32(x)
-    check(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) or isinstance(x, bool),
-          "operand", f"{instr}: {what} must be a compile-time number or a (P, 1) tile, got {x!r}")
+    check(
+        isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) or isinstance(x, bool),
+        "operand",
+        f"{instr}: {what} must be a compile-time number or a (P, 1) tile, got {x!r}",
+    )
     _check_immediate(x, instr, what)
     if int_ok:
         check(float(x) == int(x), "bitvec-dtype", f"{instr}: bitvec {what} must be an integer, got {x!r}")
@@ -280,15 +330,22 @@ def _check_immediate(x, instr: str, what: str) -> None:
         return
     v = int(x)
     ok = -(1 << 31) <= v < (1 << 32) and int(np.float32(v)) == v
-    check(ok, "immediate-range", f"{instr}: integer immediate {what}={v:#x} needs more than {IMMEDIATE_BITS} "
-          f"significant bits (or lies outside 32 bits): scalar operands are float32 (isa tensor_scalar page), so it "
-          f"has no exact encoding; pass it as a (P, 1) integer tile operand (memset a uint32 tile)")
+    check(
+        ok,
+        "immediate-range",
+        f"{instr}: integer immediate {what}={v:#x} needs more than {IMMEDIATE_BITS} "
+        f"significant bits (or lies outside 32 bits): scalar operands are float32 (isa tensor_scalar page), so it "
+        f"has no exact encoding; pass it as a (P, 1) integer tile operand (memset a uint32 tile)",
+    )
 
 
 def _cast(values: np.ndarray, dtype: np.dtype, instr: str) -> np.ndarray:
     """Engine output (fp32 or exact ints) → dst dtype with the hardware's rounding rules."""
-    check(not dt.is_x4(dtype), "dtype-x4", f"{instr}: {dt.name(dtype)} is a packed MX container; only "
-          f"quantize_mx, memset(0) and byte moves write it")
+    check(
+        not dt.is_x4(dtype),
+        "dtype-x4",
+        f"{instr}: {dt.name(dtype)} is a packed MX container; only quantize_mx, memset(0) and byte moves write it",
+    )
     if dt.is_int(dtype):
         info = np.iinfo(dtype)
         if np.issubdtype(values.dtype, np.integer):
@@ -304,9 +361,12 @@ def _cast(values: np.ndarray, dtype: np.dtype, instr: str) -> np.ndarray:
         bad = np.isfinite(v32) & ~np.isfinite(out.astype(np.float32))
         if bad.any():
             i = np.flatnonzero(bad.reshape(-1))[0]
-            raise NkiRuleError("cast-overflow", f"{instr}: value {v32.reshape(-1)[i]!r} overflows "
-                               f"{dt.name(dtype)} (max {dt.max_finite(dtype)}); clamp before casting to a narrow "
-                               f"float")
+            raise NkiRuleError(
+                "cast-overflow",
+                f"{instr}: value {v32.reshape(-1)[i]!r} overflows "
+                f"{dt.name(dtype)} (max {dt.max_finite(dtype)}); clamp before casting to a narrow "
+                f"float",
+            )
     return out
 
 
@@ -337,8 +397,11 @@ def _engine(e, default: str, allowed: tuple, instr: str, tensors=()) -> str:
     name = default if e == engine.unknown else e.name
     check(name in allowed, "engine", f"{instr} cannot run on the {name} engine (allowed: {', '.join(allowed)})")
     if name == "gpsimd":
-        check(all(not (isinstance(t, NkiTensor) and t.buffer.name == "psum") for t in tensors), "gpsimd-psum",
-              f"{instr}: GpSimd cannot access PSUM")
+        check(
+            all(not (isinstance(t, NkiTensor) and t.buffer.name == "psum") for t in tensors),
+            "gpsimd-psum",
+            f"{instr}: GpSimd cannot access PSUM",
+        )
     return name
 
 
@@ -387,8 +450,7 @@ def _record(eng: str, instr: str, dst: NkiTensor, srcs=(), cycles=None):
 
 def _check_op(op, instr: str, what: str, kinds) -> O.Op:
     check(isinstance(op, O.Op), "op", f"{instr}: {what} must be an nl operator (e.g. nl.add), got {op!r}")
-    check(op.kinds & set(kinds), "op", f"{instr}: nl.{op.name} cannot be used as {what} (needs "
-          f"{'/'.join(kinds)})")
+    check(op.kinds & set(kinds), "op", f"{instr}: nl.{op.name} cannot be used as {what} (needs {'/'.join(kinds)})")
     if op.name in O._TRN3_ONLY:
         check(current().spec.name == "trn3", "target", f"{instr}: nl.{op.name} exists on trn3 only")
     return op
@@ -438,7 +500,6 @@ def _store_bitvec(dst: NkiTensor, vals: np.ndarray, instr: str) -> None:
 def _runs(t: NkiTensor) -> tuple[int, int]:
     """(number of contiguous byte runs, bytes per run) of a view."""
     run = t._itemsize
-    n = t.size
     for size, stride in zip(reversed(t.shape), reversed(t.bstrides)):
         if size == 1:
             continue
@@ -456,16 +517,21 @@ def _indirect_rows(t: NkiTensor, oob) -> list:
     rows = []
     for i, (off, k) in enumerate(zip(gather, idx)):
         if not 0 <= k < nrows:
-            check(oob == oob_mode.skip, "dma-oob", f"dma_copy: indirect index {int(k)} out of range [0, {nrows}) "
-                  f"(pass oob_mode=nisa.oob_mode.skip to skip it)")
+            check(
+                oob == oob_mode.skip,
+                "dma-oob",
+                f"dma_copy: indirect index {int(k)} out of range [0, {nrows}) "
+                f"(pass oob_mode=nisa.oob_mode.skip to skip it)",
+            )
             rows.append((i, None))
             continue
         rows.append((i, np.ndarray(t.shape[1:], t.dtype, buffer=t.storage.data, offset=off, strides=t.bstrides[1:])))
     return rows
 
 
-def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
-             name=None):
+def dma_copy(
+    dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown, name=None
+):
     """``dst = src`` over DMA (HBM↔SBUF, HBM↔HBM, SBUF↔SBUF). Equal dtypes move bytes; different dtypes
     convert values through fp32 (not a bitcast). Only the total element counts must match."""
     instr = "dma_copy"
@@ -475,17 +541,30 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     engine = _enum(engine, globals()["engine"], "engine")
     check(priority is None or current().spec.name == "trn3", "target", "dma_copy priority= is trn3-only")
     for what, t in (("dst", dst), ("src", src)):
-        check(t.buffer.name != "psum", "dma-psum", f"dma_copy: {what} is in PSUM; DMA cannot access PSUM (evacuate "
-              f"it to SBUF with tensor_copy / activation first)")
+        check(
+            t.buffer.name != "psum",
+            "dma-psum",
+            f"dma_copy: {what} is in PSUM; DMA cannot access PSUM (evacuate "
+            f"it to SBUF with tensor_copy / activation first)",
+        )
     if dst.dtype != src.dtype:
-        check(not (dt.is_x4(src.dtype) or dt.is_x4(dst.dtype)), "dtype-x4",
-              f"dma_copy: no dtype conversion to or from the packed MX types ({dt.name(src.dtype)} -> "
-              f"{dt.name(dst.dtype)}); view both sides alike for a byte move")
-        check(dge_mode != globals()["dge_mode"].hwdge, "dma-dtype",
-              f"dma_copy with dge_mode=hwdge needs equal dtypes, got {dt.name(src.dtype)} -> {dt.name(dst.dtype)}")
+        check(
+            not (dt.is_x4(src.dtype) or dt.is_x4(dst.dtype)),
+            "dtype-x4",
+            f"dma_copy: no dtype conversion to or from the packed MX types ({dt.name(src.dtype)} -> "
+            f"{dt.name(dst.dtype)}); view both sides alike for a byte move",
+        )
+        check(
+            dge_mode != globals()["dge_mode"].hwdge,
+            "dma-dtype",
+            f"dma_copy with dge_mode=hwdge needs equal dtypes, got {dt.name(src.dtype)} -> {dt.name(dst.dtype)}",
+        )
     if src.gather is None and dst.gather is None:
-        check(src.size == dst.size, "dma-shape",
-              f"dma_copy: src has {src.size} elements {list(src.shape)}, dst has {dst.size} {list(dst.shape)}")
+        check(
+            src.size == dst.size,
+            "dma-shape",
+            f"dma_copy: src has {src.size} elements {list(src.shape)}, dst has {dst.size} {list(dst.shape)}",
+        )
         raw = np.array(src._np()).reshape(-1)
         if src.dtype == dst.dtype:
             _store_raw(dst, raw)
@@ -532,8 +611,9 @@ def _record_dma(src: NkiTensor, dst: NkiTensor, dge: bool, efficiency: float = 1
     pbytes = min(t._free_size * t._itemsize for t in chip) if chip else 0
     from .cost import DmaRecord
 
-    current().cost.dma(DmaRecord(max(sb, db), hbm, max(rs, rd), min(runs_s, runs_d), pbytes, dge=dge,
-                                 efficiency=efficiency))
+    current().cost.dma(
+        DmaRecord(max(sb, db), hbm, max(rs, rd), min(runs_s, runs_d), pbytes, dge=dge, efficiency=efficiency)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- copies / fills
@@ -556,18 +636,30 @@ def memset(dst, value, engine=engine.unknown, name=None):
     instr = "memset"
     dst = _onchip(dst, "dst", instr)
     eng = _engine(engine, "vector", ("vector", "gpsimd"), instr, (dst,))
-    check(isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool), "memset-value",
-          f"memset value must be a compile-time number, got {value!r}")
+    check(
+        isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool),
+        "memset-value",
+        f"memset value must be a compile-time number, got {value!r}",
+    )
     if dt.is_x4(dst.dtype):
-        check(value == 0, "memset-value", f"memset of the x4 packed type {dt.name(dst.dtype)} accepts only "
-              f"value=0 (isa stub), got {value!r}")
+        check(
+            value == 0,
+            "memset-value",
+            f"memset of the x4 packed type {dt.name(dst.dtype)} accepts only value=0 (isa stub), got {value!r}",
+        )
         _store_raw(dst, np.zeros(dst.shape, dst.dtype))
     elif dt.is_int(dst.dtype):
         info = np.iinfo(dst.dtype)
-        check(float(value) == int(value) and isinstance(value, (int, np.integer)), "memset-value",
-              f"memset of {dt.name(dst.dtype)} needs an int literal, got {value!r}")
-        check(info.min <= int(value) <= info.max, "memset-value",
-              f"memset value {value} does not fit {dt.name(dst.dtype)} [{info.min}, {info.max}] (e.g. 255 for uint8)")
+        check(
+            float(value) == int(value) and isinstance(value, (int, np.integer)),
+            "memset-value",
+            f"memset of {dt.name(dst.dtype)} needs an int literal, got {value!r}",
+        )
+        check(
+            info.min <= int(value) <= info.max,
+            "memset-value",
+            f"memset value {value} does not fit {dt.name(dst.dtype)} [{info.min}, {info.max}] (e.g. 255 for uint8)",
+        )
         _store_values(dst, None, instr, exact_int=int(value))
     else:
         _store_values(dst, np.full(dst.shape, value, np.float32), instr)
@@ -580,8 +672,11 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     dst = _onchip(dst, "dst", instr, allow_psum=False)
     pattern = [tuple(int(v) for v in p) for p in pattern]
     check(1 <= len(pattern) <= 4, "iota", f"iota pattern has {len(pattern)} dims; 1 to 4 allowed")
-    check(math.prod(c for _, c in pattern) == dst._free_size, "iota",
-          f"iota pattern covers {math.prod(c for _, c in pattern)} elements, dst has {dst._free_size} per partition")
+    check(
+        math.prod(c for _, c in pattern) == dst._free_size,
+        "iota",
+        f"iota pattern covers {math.prod(c for _, c in pattern)} elements, dst has {dst._free_size} per partition",
+    )
     v = np.full((), int(offset), np.int64)
     for step, cnt in pattern:
         v = v[..., None] + np.arange(cnt, dtype=np.int64) * step
@@ -601,28 +696,43 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     instr = "tensor_tensor"
     dst, a, b = _onchip(dst, "dst", instr), _onchip(data1, "data1", instr), _onchip(data2, "data2", instr)
     op = _check_op(op, instr, "op", ("arith", "bitvec"))
-    check(not (a.buffer.name == "psum" and b.buffer.name == "psum"), "psum-operands",
-          f"{instr}: data1 and data2 cannot both be in PSUM")
+    check(
+        not (a.buffer.name == "psum" and b.buffer.name == "psum"),
+        "psum-operands",
+        f"{instr}: data1 and data2 cannot both be in PSUM",
+    )
     _lanes(instr, dst, data1=a, data2=b)
     _same_free(instr, dst, data1=a, data2=b)
     any_psum = any(t.buffer.name == "psum" for t in (dst, a, b))
     if op.is_bitvec:
-        check(_enum(engine, globals()["engine"], "engine") != globals()["engine"].gpsimd, "gpsimd-bitvec",
-              f"{instr}: bitvec nl.{op.name} on GpSimd is not documented (the isa pages give bitvec semantics for "
-              f"the Vector Engine: tensor_scalar 'must run on Vector Engine', and no public kernel runs bitwise "
-              f"tensor_tensor on GpSimd); run it on VectorE, or use an exact integer nl.add on GpSimd when the bit "
-              f"fields are disjoint")
-        check(all(dt.is_int(t.dtype) for t in (dst, a, b)), "bitvec-dtype",
-              f"{instr}: bitvec nl.{op.name} needs integer dtypes, got {dt.name(a.dtype)}, {dt.name(b.dtype)} -> "
-              f"{dt.name(dst.dtype)}")
+        check(
+            _enum(engine, globals()["engine"], "engine") != globals()["engine"].gpsimd,
+            "gpsimd-bitvec",
+            f"{instr}: bitvec nl.{op.name} on GpSimd is not documented (the isa pages give bitvec semantics for "
+            f"the Vector Engine: tensor_scalar 'must run on Vector Engine', and no public kernel runs bitwise "
+            f"tensor_tensor on GpSimd); run it on VectorE, or use an exact integer nl.add on GpSimd when the bit "
+            f"fields are disjoint",
+        )
+        check(
+            all(dt.is_int(t.dtype) for t in (dst, a, b)),
+            "bitvec-dtype",
+            f"{instr}: bitvec nl.{op.name} needs integer dtypes, got {dt.name(a.dtype)}, {dt.name(b.dtype)} -> "
+            f"{dt.name(dst.dtype)}",
+        )
         eng = _engine(engine, "vector", ("vector",), instr, (dst, a, b))
         _store_bitvec(dst, _apply_bitvec(op, _raw(a).astype(np.int64), _raw(b).astype(np.int64), a.dtype, False), instr)
     else:
         int32s = (dt.int32, dt.uint32)
-        exact = all(t.dtype in int32s for t in (dst, a, b)) and op.name in ("add", "subtract", "multiply", "maximum",
-                                                                             "minimum")
-        eng = _engine(engine, "vector" if (any_psum or not exact) else "gpsimd", ("vector", "gpsimd"), instr,
-                      (dst, a, b))
+        exact = all(t.dtype in int32s for t in (dst, a, b)) and op.name in (
+            "add",
+            "subtract",
+            "multiply",
+            "maximum",
+            "minimum",
+        )
+        eng = _engine(
+            engine, "vector" if (any_psum or not exact) else "gpsimd", ("vector", "gpsimd"), instr, (dst, a, b)
+        )
         if exact:
             r = op.fn(_raw(a).astype(np.int64), _raw(b).astype(np.int64))
             _store_values(dst, np.asarray(r, np.int64), instr)
@@ -631,35 +741,47 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     _record(eng, instr, dst, (a, b))
 
 
-def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
-                  engine=engine.unknown, name=None):
+def tensor_scalar(
+    dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False, engine=engine.unknown, name=None
+):
     """``(data op0 operand0) op1 operand1`` with scalar or (P, 1) operands broadcast along the free dims."""
     instr = "tensor_scalar"
     dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
     op0 = _check_op(op0, instr, "op0", ("arith", "bitvec", "unary"))
     if op1 is not None:
         op1 = _check_op(op1, instr, "op1", ("arith", "bitvec", "unary"))
-        check(op0.is_bitvec == op1.is_bitvec, "op", f"{instr}: op0 and op1 must both be bitvec or both arithmetic "
-              f"(nl.{op0.name}, nl.{op1.name})")
+        check(
+            op0.is_bitvec == op1.is_bitvec,
+            "op",
+            f"{instr}: op0 and op1 must both be bitvec or both arithmetic (nl.{op0.name}, nl.{op1.name})",
+        )
     _lanes(instr, dst, data=x)
     _same_free(instr, dst, data=x)
     if op0.is_bitvec:
         eng = _engine(engine, "vector", ("vector",), instr, (dst, x))
-        check(dt.is_int(x.dtype) and dt.is_int(dst.dtype), "bitvec-dtype",
-              f"{instr}: bitvec ops need integer data and dst (no casting), got {dt.name(x.dtype)} -> "
-              f"{dt.name(dst.dtype)}; view float bits with .view(nl.int32)")
+        check(
+            dt.is_int(x.dtype) and dt.is_int(dst.dtype),
+            "bitvec-dtype",
+            f"{instr}: bitvec ops need integer data and dst (no casting), got {dt.name(x.dtype)} -> "
+            f"{dt.name(dst.dtype)}; view float bits with .view(nl.int32)",
+        )
         v0 = _operand(operand0, instr, "operand0", dst, False, int_ok=True) if "bitvec_unary" not in op0.kinds else 0
         r = _apply_bitvec(op0, _raw(x).astype(np.int64), v0, x.dtype, reverse0)
         if op1 is not None:
-            v1 = _operand(operand1, instr, "operand1", dst, False, int_ok=True) if "bitvec_unary" not in op1.kinds else 0
+            v1 = (
+                _operand(operand1, instr, "operand1", dst, False, int_ok=True) if "bitvec_unary" not in op1.kinds else 0
+            )
             r = _apply_bitvec(op1, r, v1, x.dtype, reverse1)
         _store_bitvec(dst, r, instr)
     else:
         eng = _engine(engine, "vector", ("vector", "scalar", "gpsimd"), instr, (dst, x, operand0, operand1))
         if eng == "scalar" and current().spec.name == "trn2":
             pair = (op0.name, op1.name if op1 is not None else None)
-            check(pair in (("multiply", "add"), ("multiply", None), ("add", None)), "engine",
-                  f"{instr} on ScalarE (trn2) supports (multiply, add), (multiply,) and (add,) only, got {pair}")
+            check(
+                pair in (("multiply", "add"), ("multiply", None), ("add", None)),
+                "engine",
+                f"{instr} on ScalarE (trn2) supports (multiply, add), (multiply,) and (add,) only, got {pair}",
+            )
         if eng == "gpsimd":
             check(op0.name == "rsqrt", "engine", f"{instr}: engine=gpsimd is only for rsqrt")
         unary0 = "unary" in op0.kinds and "arith" not in op0.kinds
@@ -674,8 +796,9 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     _record(eng, instr, dst, (x,))
 
 
-def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, dtype=None,
-                         name=None):
+def scalar_tensor_tensor(
+    dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, dtype=None, name=None
+):
     """VectorE ``(data op0 operand0) op1 operand1``; operand0 scalar or (P, 1), operand1 a full tile.
 
     ``dtype=``: not in the current isa stub (whose signature ends at ``reverse1``), but passed by kernels
@@ -685,14 +808,20 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     instr = "scalar_tensor_tensor"
     dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
     if dtype is not None:
-        check(dt.as_dtype(dtype) == dst.dtype, "dtype-mismatch",
-              f"{instr}: dtype={dt.name(dt.as_dtype(dtype))} contradicts dst.dtype {dt.name(dst.dtype)} (the "
-              f"output dtype is dst's)")
+        check(
+            dt.as_dtype(dtype) == dst.dtype,
+            "dtype-mismatch",
+            f"{instr}: dtype={dt.name(dt.as_dtype(dtype))} contradicts dst.dtype {dt.name(dst.dtype)} (the "
+            f"output dtype is dst's)",
+        )
     t1 = _onchip(operand1, "operand1", instr)
     op0 = _check_op(op0, instr, "op0", ("arith",))
     op1 = _check_op(op1, instr, "op1", ("arith",))
-    check(not (x.buffer.name == "psum" and t1.buffer.name == "psum"), "psum-operands",
-          f"{instr}: data and operand1 cannot both be in PSUM")
+    check(
+        not (x.buffer.name == "psum" and t1.buffer.name == "psum"),
+        "psum-operands",
+        f"{instr}: data and operand1 cannot both be in PSUM",
+    )
     _lanes(instr, dst, data=x, operand1=t1)
     _same_free(instr, dst, data=x, operand1=t1)
     v0 = _operand(operand0, instr, "operand0", dst, True)
@@ -717,8 +846,11 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
     """VectorE: ``dst = src`` where the predicate is non-zero (zero with reverse_pred); elsewhere unchanged."""
     instr = "tensor_copy_predicated"
     dst, pred = _onchip(dst, "dst", instr), _onchip(predicate, "predicate", instr)
-    check(dt.is_int(pred.dtype) and pred.dtype.kind == "u", "predicate-dtype",
-          f"{instr}: predicate must be uint8/16/32, got {dt.name(pred.dtype)}")
+    check(
+        dt.is_int(pred.dtype) and pred.dtype.kind == "u",
+        "predicate-dtype",
+        f"{instr}: predicate must be uint8/16/32, got {dt.name(pred.dtype)}",
+    )
     _lanes(instr, dst, predicate=pred)
     _same_free(instr, dst, predicate=pred)
     mask = _raw(pred) != 0
@@ -727,10 +859,16 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
     cur = _raw(dst)
     if isinstance(src, NkiTensor):
         s = _onchip(src, "src", instr)
-        check(s.dtype == dst.dtype, "dtype-mismatch", f"{instr}: src and dst share a dtype, got {dt.name(s.dtype)} "
-              f"and {dt.name(dst.dtype)}")
-        check(not (s.buffer.name == "psum" and pred.buffer.name == "psum"), "psum-operands",
-              f"{instr}: src and predicate cannot both be in PSUM")
+        check(
+            s.dtype == dst.dtype,
+            "dtype-mismatch",
+            f"{instr}: src and dst share a dtype, got {dt.name(s.dtype)} and {dt.name(dst.dtype)}",
+        )
+        check(
+            not (s.buffer.name == "psum" and pred.buffer.name == "psum"),
+            "psum-operands",
+            f"{instr}: src and predicate cannot both be in PSUM",
+        )
         _lanes(instr, dst, src=s)
         _same_free(instr, dst, src=s)
         new = _raw(s)
@@ -744,8 +882,16 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
 def _reduce(op: O.Op, v: np.ndarray, axis, instr: str) -> np.ndarray:
     if op.is_bitvec:
         return np.bitwise_and.reduce(v, axis=axis) if op.name == "bitwise_and" else op.fn.reduce(v, axis=axis)
-    fn = {"add": np.add, "subtract": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum,
-          "logical_and": np.logical_and, "logical_or": np.logical_or, "logical_xor": np.logical_xor}.get(op.name)
+    fn = {
+        "add": np.add,
+        "subtract": np.add,
+        "multiply": np.multiply,
+        "maximum": np.maximum,
+        "minimum": np.minimum,
+        "logical_and": np.logical_and,
+        "logical_or": np.logical_or,
+        "logical_xor": np.logical_xor,
+    }.get(op.name)
     check(fn is not None, "op", f"{instr}: nl.{op.name} is not a reduction op")
     with np.errstate(all="ignore"):
         r = fn.reduce(v.astype(np.float64), axis=axis)
@@ -763,19 +909,30 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     op = _check_op(_reduce_op(op), instr, "op", ("arith", "bitvec"))
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     axes = tuple(sorted(a + x.ndim if a < 0 else a for a in axes))
-    check(0 not in axes, "reduce-partition-axis",
-          f"{instr}: axis 0 is the partition dim; reductions run over free axes only (use a matmul with ones, "
-          f"nc_transpose or tensor_partition_reduce to reduce across partitions)")
-    check(len(axes) > 0 and axes == tuple(range(x.ndim - len(axes), x.ndim)), "reduce-trailing-axes",
-          f"{instr}: axis={axes} must be the trailing free axes of a {x.ndim}-D tensor (e.g. ({x.ndim - 1},))")
+    check(
+        0 not in axes,
+        "reduce-partition-axis",
+        f"{instr}: axis 0 is the partition dim; reductions run over free axes only (use a matmul with ones, "
+        f"nc_transpose or tensor_partition_reduce to reduce across partitions)",
+    )
+    check(
+        len(axes) > 0 and axes == tuple(range(x.ndim - len(axes), x.ndim)),
+        "reduce-trailing-axes",
+        f"{instr}: axis={axes} must be the trailing free axes of a {x.ndim}-D tensor (e.g. ({x.ndim - 1},))",
+    )
     _lanes(instr, dst, data=x)
-    kept = math.prod(x.shape[1:x.ndim - len(axes)])
-    check(dst._free_size == kept, "shape-mismatch",
-          f"{instr}: reducing {list(x.shape)} over {axes} leaves {kept} elements per partition; dst has "
-          f"{dst._free_size}")
+    kept = math.prod(x.shape[1 : x.ndim - len(axes)])
+    check(
+        dst._free_size == kept,
+        "shape-mismatch",
+        f"{instr}: reducing {list(x.shape)} over {axes} leaves {kept} elements per partition; dst has {dst._free_size}",
+    )
     if op.is_bitvec:
-        check(dt.is_int(x.dtype) and dt.is_int(dst.dtype) and not negate, "bitvec-dtype",
-              f"{instr}: bitvec reduction needs integer data/dst and no negate")
+        check(
+            dt.is_int(x.dtype) and dt.is_int(dst.dtype) and not negate,
+            "bitvec-dtype",
+            f"{instr}: bitvec reduction needs integer data/dst and no negate",
+        )
         v = _raw(x).astype(np.int64).reshape(x.shape[0], kept, -1)
         _store_bitvec(dst, _reduce(op, v, 2, instr), instr)
     else:
@@ -800,16 +957,30 @@ def _accumulate(eng: str, dst: NkiTensor, part: np.ndarray, op_name: str, cmd: r
     return acc_all[lanes].copy()
 
 
-def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False,
-                         reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate=False, name=None):
+def tensor_scalar_reduce(
+    dst,
+    data,
+    op0,
+    operand0,
+    reduce_op,
+    reduce_res=None,
+    reverse0=False,
+    reduce_cmd=reduce_cmd.reset_reduce,
+    reduce_init=None,
+    reduce_res_negate=False,
+    name=None,
+):
     """VectorE: ``dst = data op0 operand0`` and a reduction of the result over all free dims into reduce_res."""
     instr = "tensor_scalar_reduce"
     rc = globals()["reduce_cmd"]
     dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
     op0 = _check_op(op0, instr, "op0", ("arith", "unary"))
     rop = _check_op(_reduce_op(reduce_op), instr, "reduce_op", ("arith",))
-    check(rop.name in ("add", "multiply", "maximum", "minimum"), "op",
-          f"{instr}: reduce_op must be add / multiply / maximum / minimum, got nl.{rop.name}")
+    check(
+        rop.name in ("add", "multiply", "maximum", "minimum"),
+        "op",
+        f"{instr}: reduce_op must be add / multiply / maximum / minimum, got nl.{rop.name}",
+    )
     reduce_cmd = _enum(reduce_cmd, rc, "reduce_cmd")
     check(not reverse0, "not-supported", f"{instr}: reverse0 is not supported by the hardware yet")
     _lanes(instr, dst, data=x)
@@ -821,8 +992,11 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     part = _reduce(rop, r, 1, instr)
     init = None
     if reduce_cmd == rc.load_reduce:
-        check(isinstance(reduce_init, NkiTensor) and reduce_init.dtype == dt.float32, "operand",
-              f"{instr}: load_reduce needs reduce_init, a (P, 1) float32 tile")
+        check(
+            isinstance(reduce_init, NkiTensor) and reduce_init.dtype == dt.float32,
+            "operand",
+            f"{instr}: load_reduce needs reduce_init, a (P, 1) float32 tile",
+        )
         init = _f32(reduce_init).reshape(-1)
     acc = _accumulate("vector", dst, part, rop.name, reduce_cmd, init)
     if reduce_res is not None:
@@ -838,10 +1012,16 @@ def tensor_partition_reduce(dst, op, data, name=None):
     instr = "tensor_partition_reduce"
     dst, x = _onchip(dst, "dst", instr, allow_psum=False), _onchip(data, "data", instr, allow_psum=False)
     op = _check_op(_reduce_op(op), instr, "op", ("arith", "bitvec"))
-    check(op.name in ("add", "maximum", "bitwise_or", "bitwise_and"), "op",
-          f"{instr}: op must be add / maximum / bitwise_or / bitwise_and, got nl.{op.name}")
-    check(dst.shape[0] == 1 and dst._free_size == x._free_size, "shape-mismatch",
-          f"{instr}: dst must be [1, F] with F = {x._free_size}, got {list(dst.shape)}")
+    check(
+        op.name in ("add", "maximum", "bitwise_or", "bitwise_and"),
+        "op",
+        f"{instr}: op must be add / maximum / bitwise_or / bitwise_and, got nl.{op.name}",
+    )
+    check(
+        dst.shape[0] == 1 and dst._free_size == x._free_size,
+        "shape-mismatch",
+        f"{instr}: dst must be [1, F] with F = {x._free_size}, got {list(dst.shape)}",
+    )
     if op.is_bitvec:
         _store_bitvec(dst, _reduce(op, _raw(x).astype(np.int64), 0, instr).reshape(1, -1), instr)
     else:
@@ -850,8 +1030,9 @@ def tensor_partition_reduce(dst, op, data, name=None):
 
 
 # ------------------------------------------------------------------------------------------------ ScalarE
-def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
-               name=None):
+def activation(
+    dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle, name=None
+):
     """ScalarE ``op(data * scale + bias)`` in fp32, cast to dst.dtype; optional add-reduction along free dims.
 
     The bias is always added (0 when absent), as the hardware's affine stage does, so ``copy`` of −0 gives +0:
@@ -866,8 +1047,11 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     if isinstance(scale, NkiTensor):
         s = _operand(scale, instr, "scale", dst, True)
     else:
-        check(isinstance(scale, (int, float, np.integer, np.floating)), "operand",
-              f"{instr}: scale must be a number or a (P, 1) float32 tile")
+        check(
+            isinstance(scale, (int, float, np.integer, np.floating)),
+            "operand",
+            f"{instr}: scale must be a number or a (P, 1) float32 tile",
+        )
         s = np.float32(scale)
     if bias is None:
         b = np.float32(0.0)
@@ -891,8 +1075,11 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     _store_values(dst, r, instr)
     reduce_cmd = _enum(reduce_cmd, rc, "reduce_cmd")
     if reduce_op is not None or reduce_res is not None:
-        check(reduce_op is not None and _reduce_op(reduce_op) is O.add, "op",
-              f"{instr}: the activation reduction must be reduce_op=nl.add")
+        check(
+            reduce_op is not None and _reduce_op(reduce_op) is O.add,
+            "op",
+            f"{instr}: the activation reduction must be reduce_op=nl.add",
+        )
         cmd = rc.reset_reduce if reduce_cmd == rc.idle else reduce_cmd
         acc = _accumulate("scalar", dst, _reduce(O.add, r, 1, instr), "add", cmd, None)
         if reduce_res is not None:
@@ -907,16 +1094,35 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
 
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
     """Legacy fused form of activation + add-reduction."""
-    activation(dst, op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
-               reduce_cmd=reduce_cmd.reset_reduce)
+    activation(
+        dst,
+        op,
+        data,
+        bias=bias,
+        scale=scale,
+        reduce_op=reduce_op,
+        reduce_res=reduce_res,
+        reduce_cmd=reduce_cmd.reset_reduce,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ TensorE
 _MATMUL_IN = (dt.float8_e4m3, dt.float8_e5m2, dt.bfloat16, dt.float16, dt.float32, dt.float8_e4m3fn)
 
 
-def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
-              accumulate=None, tile_position=(), tile_size=(), perf_mode=matmul_perf_mode.none, name=None):
+def nc_matmul(
+    dst,
+    stationary,
+    moving,
+    is_stationary_onezero=False,
+    is_moving_onezero=False,
+    is_transpose=False,
+    accumulate=None,
+    tile_position=(),
+    tile_size=(),
+    perf_mode=matmul_perf_mode.none,
+    name=None,
+):
     """TensorE ``dst[M, N] (+)= stationary[K, M].T @ moving[K, N]``; K on the partition dim of both operands.
 
     PSUM accumulation: ``accumulate=False`` overwrites, ``True`` adds (only onto PSUM a matmul wrote),
@@ -931,52 +1137,91 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     for what, t in (("stationary", st), ("moving", mv)):
         check(t.buffer.name == "sbuf", "matmul-operand-sbuf", f"{instr}: {what} must be in SBUF, got {t.buffer.name}")
         _onchip(t, what, instr)
-        check(t.dtype in _MATMUL_IN, "matmul-dtype", f"{instr}: {what} dtype {dt.name(t.dtype)} is not a matmul input "
-              f"(fp8 e4m3/e5m2, bf16, fp16, fp32)")
-        check(t.dtype != dt.float8_e4m3fn or spec.fp8_e4m3fn_matmul, "fp8-e4m3fn-trn2",
-              f"{instr}: {what} is float8_e4m3fn (OCP), a matmul input on trn3 only; on trn2 decode it (values "
-              f"up to 448) to bf16, or requantize to float8_e4m3 (max 240)")
+        check(
+            t.dtype in _MATMUL_IN,
+            "matmul-dtype",
+            f"{instr}: {what} dtype {dt.name(t.dtype)} is not a matmul input (fp8 e4m3/e5m2, bf16, fp16, fp32)",
+        )
+        check(
+            t.dtype != dt.float8_e4m3fn or spec.fp8_e4m3fn_matmul,
+            "fp8-e4m3fn-trn2",
+            f"{instr}: {what} is float8_e4m3fn (OCP), a matmul input on trn3 only; on trn2 decode it (values "
+            f"up to 448) to bf16, or requantize to float8_e4m3 (max 240)",
+        )
     _onchip(dst, "dst", instr)
-    check((st.dtype == dt.float32) == (mv.dtype == dt.float32), "matmul-dtype",
-          f"{instr}: fp32 operands must pair with fp32 (got {dt.name(st.dtype)} x {dt.name(mv.dtype)})")
+    check(
+        (st.dtype == dt.float32) == (mv.dtype == dt.float32),
+        "matmul-dtype",
+        f"{instr}: fp32 operands must pair with fp32 (got {dt.name(st.dtype)} x {dt.name(mv.dtype)})",
+    )
     perf_mode = _enum(perf_mode, matmul_perf_mode, "perf_mode")
     if is_transpose:
         return _matmul_transpose(dst, st, mv, perf_mode, accumulate, spec)
     check(accumulate in (None, True, False), "operand", f"{instr}: accumulate must be None, True or False")
-    check(st.shape[0] == mv.shape[0], "matmul-shape",
-          f"{instr}: contraction (partition) dims differ: stationary {st.shape[0]}, moving {mv.shape[0]}")
-    check(st._pstart == mv._pstart, "cross-partition",
-          f"{instr}: stationary starts at partition {st._pstart}, moving at {mv._pstart}")
+    check(
+        st.shape[0] == mv.shape[0],
+        "matmul-shape",
+        f"{instr}: contraction (partition) dims differ: stationary {st.shape[0]}, moving {mv.shape[0]}",
+    )
+    check(
+        st._pstart == mv._pstart,
+        "cross-partition",
+        f"{instr}: stationary starts at partition {st._pstart}, moving at {mv._pstart}",
+    )
     k = st.shape[0]
     check(k <= 128, "matmul-limits", f"{instr}: contraction K={k} > 128")
     row_size, col_size = _matmul_tiling(tile_position, tile_size, instr)
     check(k <= row_size, "matmul-limits", f"{instr}: contraction K={k} > the row tile size {row_size}")
     double = perf_mode == matmul_perf_mode.double_row
     if double:
-        check(st.dtype in (dt.float8_e4m3, dt.float8_e5m2) and mv.dtype in (dt.float8_e4m3, dt.float8_e5m2),
-              "matmul-double-row", f"{instr}: perf_mode=double_row needs fp8 (e4m3/e5m2) operands")
-        check(st.ndim == 3 and mv.ndim == 3 and st.shape[1] == 2 and mv.shape[1] == 2, "matmul-double-row",
-              f"{instr}: double_row operands are [K, 2, M] and [K, 2, N], got {list(st.shape)}, {list(mv.shape)}")
-        check(col_size == 128, "matmul-double-row", f"{instr}: double_row cannot combine with column tiling "
-              f"(tile_size column {col_size})")
+        check(
+            st.dtype in (dt.float8_e4m3, dt.float8_e5m2) and mv.dtype in (dt.float8_e4m3, dt.float8_e5m2),
+            "matmul-double-row",
+            f"{instr}: perf_mode=double_row needs fp8 (e4m3/e5m2) operands",
+        )
+        check(
+            st.ndim == 3 and mv.ndim == 3 and st.shape[1] == 2 and mv.shape[1] == 2,
+            "matmul-double-row",
+            f"{instr}: double_row operands are [K, 2, M] and [K, 2, N], got {list(st.shape)}, {list(mv.shape)}",
+        )
+        check(
+            col_size == 128,
+            "matmul-double-row",
+            f"{instr}: double_row cannot combine with column tiling (tile_size column {col_size})",
+        )
         m, n = st.shape[2], mv.shape[2]
     else:
         m, n = st._free_size, mv._free_size
-    check(m <= min(spec.gemm_stationary_fmax, col_size), "matmul-limits",
-          f"{instr}: stationary free size M={m} > {min(spec.gemm_stationary_fmax, col_size)} (gemm_stationary_fmax"
-          f" / the column tile size)")
-    check(n <= spec.gemm_moving_fmax, "matmul-limits",
-          f"{instr}: moving free size N={n} > {spec.gemm_moving_fmax} (gemm_moving_fmax)")
-    check(dst.shape[0] == m and dst._free_size == n, "matmul-shape",
-          f"{instr}: dst must be [M={m}, N={n}], got {list(dst.shape)}")
-    check(dst.dtype == dt.float32 or spec.name != "trn2", "matmul-dst-dtype",
-          f"{instr}: the PSUM destination must be float32 on trn2, got {dt.name(dst.dtype)}")
+    check(
+        m <= min(spec.gemm_stationary_fmax, col_size),
+        "matmul-limits",
+        f"{instr}: stationary free size M={m} > {min(spec.gemm_stationary_fmax, col_size)} (gemm_stationary_fmax"
+        f" / the column tile size)",
+    )
+    check(
+        n <= spec.gemm_moving_fmax,
+        "matmul-limits",
+        f"{instr}: moving free size N={n} > {spec.gemm_moving_fmax} (gemm_moving_fmax)",
+    )
+    check(
+        dst.shape[0] == m and dst._free_size == n,
+        "matmul-shape",
+        f"{instr}: dst must be [M={m}, N={n}], got {list(dst.shape)}",
+    )
+    check(
+        dst.dtype == dt.float32 or spec.name != "trn2",
+        "matmul-dst-dtype",
+        f"{instr}: the PSUM destination must be float32 on trn2, got {dt.name(dst.dtype)}",
+    )
     bank = spec.psum_bank_bytes
     addrs = _elem_addrs(dst)
     fo = addrs % dst.storage.pbytes
-    check(int(fo.min()) // bank == int(fo.max()) // bank, "psum-bank",
-          f"{instr}: the output spans PSUM bytes [{int(fo.min())}, {int(fo.max()) + dst._itemsize}) of a partition, "
-          f"crossing a {bank}-byte bank boundary; a matmul writes within one bank (N ≤ 512 fp32)")
+    check(
+        int(fo.min()) // bank == int(fo.max()) // bank,
+        "psum-bank",
+        f"{instr}: the output spans PSUM bytes [{int(fo.min())}, {int(fo.max()) + dst._itemsize}) of a partition, "
+        f"crossing a {bank}-byte bank boundary; a matmul writes within one bank (N ≤ 512 fp32)",
+    )
     # compute
     a = _f32(st).astype(np.float64)
     b = _f32(mv).astype(np.float64)
@@ -992,11 +1237,17 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     else:
         acc = accumulate
     if acc:
-        check(not np.any(cur_state == PSUM_FRESH), "psum-accumulate-uninitialized",
-              f"{instr}: accumulate=True onto PSUM that no matmul has written (undefined on hardware)")
-        check(not np.any(cur_state == PSUM_OTHER), "psum-accumulate-after-memset",
-              f"{instr}: accumulating onto PSUM written by memset/tensor_copy/another engine is undefined on "
-              f"{spec.name}; start the accumulation group with accumulate=False (overwrite)")
+        check(
+            not np.any(cur_state == PSUM_FRESH),
+            "psum-accumulate-uninitialized",
+            f"{instr}: accumulate=True onto PSUM that no matmul has written (undefined on hardware)",
+        )
+        check(
+            not np.any(cur_state == PSUM_OTHER),
+            "psum-accumulate-after-memset",
+            f"{instr}: accumulating onto PSUM written by memset/tensor_copy/another engine is undefined on "
+            f"{spec.name}; start the accumulation group with accumulate=False (overwrite)",
+        )
         prod = (_raw(dst).astype(np.float32) + prod).astype(np.float32)
     dst._np()[...] = prod.astype(dst.dtype).reshape(dst.shape)
     state[idx] = PSUM_MM
@@ -1013,14 +1264,19 @@ def _matmul_tiling(tile_position, tile_size, instr: str) -> tuple[int, int]:
     matmuls compute like untiled ones here; their parallelism is not in the cost model."""
     if not tile_position and not tile_size:
         return 128, 128
-    check(bool(tile_position) and bool(tile_size) and len(tile_position) == 2 and len(tile_size) == 2,
-          "matmul-tiling", f"{instr}: tile_position and tile_size must both be (row, column) pairs, got "
-                           f"{tile_position!r}, {tile_size!r}")
+    check(
+        bool(tile_position) and bool(tile_size) and len(tile_position) == 2 and len(tile_size) == 2,
+        "matmul-tiling",
+        f"{instr}: tile_position and tile_size must both be (row, column) pairs, got {tile_position!r}, {tile_size!r}",
+    )
     (r0, c0), (rs, cs) = (int(v) for v in tile_position), (int(v) for v in tile_size)
     for what, start, size in (("row", r0, rs), ("column", c0, cs)):
         check(size in (32, 64, 128), "matmul-tiling", f"{instr}: {what} tile size must be 32, 64 or 128, got {size}")
-        check(start % size == 0 and 0 <= start and start + size <= 128, "matmul-tiling",
-              f"{instr}: {what} start {start} must be a multiple of the {what} size {size} inside the 128 array")
+        check(
+            start % size == 0 and 0 <= start and start + size <= 128,
+            "matmul-tiling",
+            f"{instr}: {what} start {start} must be a multiple of the {what} size {size} inside the 128 array",
+        )
     return rs, cs
 
 
@@ -1044,30 +1300,52 @@ def _matmul_transpose(dst, st, mv, perf_mode, accumulate, spec):
     double_row (trn2 guide) or accumulate=True (a transpose overwrites)."""
     instr = "nc_matmul(is_transpose)"
     check(spec.name != "trn1", "target", f"{instr}: transpose mode needs NeuronCore-v3 or newer")
-    check(perf_mode == matmul_perf_mode.none, "matmul-double-row", f"{instr}: double_row cannot combine with "
-          f"transpose mode")
+    check(
+        perf_mode == matmul_perf_mode.none,
+        "matmul-double-row",
+        f"{instr}: double_row cannot combine with transpose mode",
+    )
     check(accumulate is not True, "operand", f"{instr}: a transpose overwrites PSUM; accumulate=True is undefined")
     k, m = st.shape[0], st._free_size
-    check(mv.shape[0] == k and mv._free_size == k, "matmul-shape",
-          f"{instr}: moving must be the [{k}, {k}] identity, got {list(mv.shape)}")
+    check(
+        mv.shape[0] == k and mv._free_size == k,
+        "matmul-shape",
+        f"{instr}: moving must be the [{k}, {k}] identity, got {list(mv.shape)}",
+    )
     eye = _f32(mv)
-    check(bool(np.array_equal(eye, np.eye(k, dtype=np.float32))), "matmul-transpose",
-          f"{instr}: moving is not an identity matrix (transpose mode multiplies by it bit-exactly only then)")
+    check(
+        bool(np.array_equal(eye, np.eye(k, dtype=np.float32))),
+        "matmul-transpose",
+        f"{instr}: moving is not an identity matrix (transpose mode multiplies by it bit-exactly only then)",
+    )
     check(m <= 128 and k <= 128, "transpose-limits", f"{instr}: data is {k}x{m}, at most 128x128")
-    check(dst.shape[0] == m and dst._free_size == k, "shape-mismatch",
-          f"{instr}: stationary [{k}, {m}] transposes to [{m}, {k}], dst is {list(dst.shape)}")
+    check(
+        dst.shape[0] == m and dst._free_size == k,
+        "shape-mismatch",
+        f"{instr}: stationary [{k}, {m}] transposes to [{m}, {k}], dst is {list(dst.shape)}",
+    )
     raw = _raw(st).T.copy()
     if st._itemsize == 1 and spec.name == "trn2":
-        check(dst._itemsize == 2, "dtype-mismatch", f"{instr}: on trn2 an fp8 transpose writes 16-bit PSUM "
-              f"elements (upper byte zero); dst must be a 2-byte dtype, got {dt.name(dst.dtype)}")
+        check(
+            dst._itemsize == 2,
+            "dtype-mismatch",
+            f"{instr}: on trn2 an fp8 transpose writes 16-bit PSUM "
+            f"elements (upper byte zero); dst must be a 2-byte dtype, got {dt.name(dst.dtype)}",
+        )
         _store_raw(dst, raw.view(np.uint8).astype(np.uint16), psum_state=PSUM_OTHER)
     else:
-        check(st._itemsize != 1, "fp8-transpose",
-              f"{instr}: a TensorE transpose of 1-byte data ({dt.name(st.dtype)}) into 1-byte PSUM is documented "
-              f"for no NeuronCore version (only NeuronCore-v3's 16-bit PSUM form, trn2 architecture guide); "
-              f"transpose it as bf16 or as 2-/4-byte words (dma_transpose)")
-        check(dst.dtype == st.dtype, "dtype-mismatch", f"{instr}: dst dtype {dt.name(dst.dtype)} must equal the "
-              f"stationary dtype {dt.name(st.dtype)}")
+        check(
+            st._itemsize != 1,
+            "fp8-transpose",
+            f"{instr}: a TensorE transpose of 1-byte data ({dt.name(st.dtype)}) into 1-byte PSUM is documented "
+            f"for no NeuronCore version (only NeuronCore-v3's 16-bit PSUM form, trn2 architecture guide); "
+            f"transpose it as bf16 or as 2-/4-byte words (dma_transpose)",
+        )
+        check(
+            dst.dtype == st.dtype,
+            "dtype-mismatch",
+            f"{instr}: dst dtype {dt.name(dst.dtype)} must equal the stationary dtype {dt.name(st.dtype)}",
+        )
         _store_raw(dst, raw, psum_state=PSUM_OTHER)
     fp32 = st._itemsize == 4
     current().cost.instr("tensor", "nc_matmul", m, k, _tensor_cycles(k, m, fp32, transpose=True))
@@ -1079,21 +1357,33 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
     default = "tensor" if (x.buffer.name == "sbuf" and dst.buffer.name == "psum") else "vector"
     eng = _engine(engine, default, ("tensor", "vector"), instr)
-    check(dst.dtype == x.dtype, "dtype-mismatch", f"{instr}: dst dtype {dt.name(dst.dtype)} must equal data dtype "
-          f"{dt.name(x.dtype)}")
+    check(
+        dst.dtype == x.dtype,
+        "dtype-mismatch",
+        f"{instr}: dst dtype {dt.name(dst.dtype)} must equal data dtype {dt.name(x.dtype)}",
+    )
     p, f = x.shape[0], x._free_size
-    check(not (eng == "tensor" and x._itemsize == 1), "fp8-transpose",
-          f"{instr}: a TensorE transpose of 1-byte data ({dt.name(x.dtype)}) into 1-byte PSUM is not documented: on "
-          f"NeuronCore-v3 an fp8 transpose writes 16-bit PSUM elements (trn2 architecture guide, 'Built-in "
-          f"Transpose Support'), and no public kernel transposes fp8 into fp8 PSUM. Load the data K-major (DMA) "
-          f"or transpose it as bf16 / as 2- or 4-byte words (dma_transpose)")
+    check(
+        not (eng == "tensor" and x._itemsize == 1),
+        "fp8-transpose",
+        f"{instr}: a TensorE transpose of 1-byte data ({dt.name(x.dtype)}) into 1-byte PSUM is not documented: on "
+        f"NeuronCore-v3 an fp8 transpose writes 16-bit PSUM elements (trn2 architecture guide, 'Built-in "
+        f"Transpose Support'), and no public kernel transposes fp8 into fp8 PSUM. Load the data K-major (DMA) "
+        f"or transpose it as bf16 / as 2- or 4-byte words (dma_transpose)",
+    )
     lim = 128 if eng == "tensor" else 32
     check(p <= lim and f <= lim, "transpose-limits", f"{instr} on {eng}: data is {p}x{f}, at most {lim}x{lim}")
     if eng == "tensor":
-        check(x.buffer.name == "sbuf" and dst.buffer.name == "psum", "operand-buffer",
-              f"{instr} on TensorE reads SBUF and writes PSUM")
-    check(dst.shape[0] == f and dst._free_size == p, "shape-mismatch",
-          f"{instr}: data [{p}, {f}] transposes to [{f}, {p}], dst is {list(dst.shape)}")
+        check(
+            x.buffer.name == "sbuf" and dst.buffer.name == "psum",
+            "operand-buffer",
+            f"{instr} on TensorE reads SBUF and writes PSUM",
+        )
+    check(
+        dst.shape[0] == f and dst._free_size == p,
+        "shape-mismatch",
+        f"{instr}: data [{p}, {f}] transposes to [{f}, {p}], dst is {list(dst.shape)}",
+    )
     _store_raw(dst, _raw(x).T.copy(), psum_state=PSUM_OTHER)
     if eng == "tensor":  # the transpose mode of TensorE: a moving pass over the P-column identity
         current().cost.instr("tensor", instr, f, p, _tensor_cycles(p, f, x._itemsize == 4, transpose=True))
@@ -1106,12 +1396,20 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
 # helpers above.
 from .isa_dma import dma_compute, dma_transpose  # noqa: E402,F401
 from .isa_lnc import core_barrier, sendrecv  # noqa: E402,F401
+from .isa_mx import nc_matmul_mx, quantize_mx  # noqa: E402,F401
 from .isa_search import (  # noqa: E402,F401
-    affine_select, local_gather, max8, nc_find_index8, nc_match_replace8, nc_n_gather, nonzero_with_count,
-    range_select, select_reduce, tensor_scalar_cumulative,
+    affine_select,
+    local_gather,
+    max8,
+    nc_find_index8,
+    nc_match_replace8,
+    nc_n_gather,
+    nonzero_with_count,
+    range_select,
+    select_reduce,
+    tensor_scalar_cumulative,
 )
 from .isa_stream import bn_aggr, bn_stats, nc_stream_shuffle, tensor_tensor_scan  # noqa: E402,F401
-from .isa_mx import nc_matmul_mx, quantize_mx  # noqa: E402,F401
 
 
 def _unmodelled(name):

@@ -40,10 +40,16 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_
     oob = _enum(oob_mode, OOB, "oob_mode")
     check(dst.buffer.name == "sbuf", "operand-buffer", f"{instr}: dst must be in SBUF, got {dst.buffer.name}")
     check(src.buffer.name != "psum", "dma-psum", f"{instr}: src must be in HBM or SBUF, got PSUM")
-    check(dst.dtype == src.dtype, "dtype-mismatch", f"{instr}: src.dtype == dst.dtype is required "
-          f"({dt.name(src.dtype)} vs {dt.name(dst.dtype)})")
-    check(src._itemsize in (2, 4), "dma-transpose-dtype", f"{instr}: DMA transpose is bit-accurate for 2- and "
-          f"4-byte dtypes only, got {dt.name(src.dtype)}")
+    check(
+        dst.dtype == src.dtype,
+        "dtype-mismatch",
+        f"{instr}: src.dtype == dst.dtype is required ({dt.name(src.dtype)} vs {dt.name(dst.dtype)})",
+    )
+    check(
+        src._itemsize in (2, 4),
+        "dma-transpose-dtype",
+        f"{instr}: DMA transpose is bit-accurate for 2- and 4-byte dtypes only, got {dt.name(src.dtype)}",
+    )
     check(src.ndim in _AXES, "dma-transpose-shape", f"{instr}: src must be 2- to 4-D, got {list(src.shape)}")
     want = _AXES[src.ndim]
     axes = want if axes is None else tuple(int(a) for a in axes)
@@ -51,24 +57,38 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_
     check(priority is None, "target", f"{instr}: priority= is NeuronCore-v4 only")
     indirect = src.gather is not None
     if indirect:
-        check(mode in (DGE.unknown, DGE.swdge), "dge-mode",
-              f"{instr}: an indirect transpose runs on software DGE (dge_mode unknown or swdge)")
-        check(src.buffer.is_hbm and src._itemsize == 2 and src.shape[-1] <= 128 and src.shape[0] % 16 == 0,
-              "dma-transpose-shape", f"{instr}: indirect transpose needs an HBM src of a 2-byte dtype, last dim "
-              f"≤ 128 and rows a multiple of 16; got {dt.name(src.dtype)}{list(src.shape)}")
+        check(
+            mode in (DGE.unknown, DGE.swdge),
+            "dge-mode",
+            f"{instr}: an indirect transpose runs on software DGE (dge_mode unknown or swdge)",
+        )
+        check(
+            src.buffer.is_hbm and src._itemsize == 2 and src.shape[-1] <= 128 and src.shape[0] % 16 == 0,
+            "dma-transpose-shape",
+            f"{instr}: indirect transpose needs an HBM src of a 2-byte dtype, last dim "
+            f"≤ 128 and rows a multiple of 16; got {dt.name(src.dtype)}{list(src.shape)}",
+        )
     else:
-        check(mode in (DGE.unknown, DGE.hwdge), "dge-mode",
-              f"{instr}: a direct transpose takes dge_mode unknown or hwdge")
+        check(
+            mode in (DGE.unknown, DGE.hwdge), "dge-mode", f"{instr}: a direct transpose takes dge_mode unknown or hwdge"
+        )
         if mode == DGE.hwdge:
-            check(src.shape[0] == 16 and src.shape[-1] % 128 == 0 and src._itemsize == 2, "dma-transpose-shape",
-                  f"{instr}: hwdge transpose needs src.shape[0] == 16, src.shape[-1] % 128 == 0 and a 2-byte "
-                  f"dtype; got {dt.name(src.dtype)}{list(src.shape)}")
+            check(
+                src.shape[0] == 16 and src.shape[-1] % 128 == 0 and src._itemsize == 2,
+                "dma-transpose-shape",
+                f"{instr}: hwdge transpose needs src.shape[0] == 16, src.shape[-1] % 128 == 0 and a 2-byte "
+                f"dtype; got {dt.name(src.dtype)}{list(src.shape)}",
+            )
     vals = np.transpose(_values(src, oob), axes)
-    check(tuple(dst.shape) == vals.shape, "shape-mismatch",
-          f"{instr}: src {list(src.shape)} transposes to {list(vals.shape)}, dst is {list(dst.shape)}")
+    check(
+        tuple(dst.shape) == vals.shape,
+        "shape-mismatch",
+        f"{instr}: src {list(src.shape)} transposes to {list(vals.shape)}, dst is {list(dst.shape)}",
+    )
     _store_raw(dst, np.ascontiguousarray(vals))
-    _record_dma(src, dst, dge=indirect or src.dynamic or mode != DGE.unknown,
-                efficiency=0.9 if src.buffer.is_hbm else 0.5)
+    _record_dma(
+        src, dst, dge=indirect or src.dynamic or mode != DGE.unknown, efficiency=0.9 if src.buffer.is_hbm else 0.5
+    )
 
 
 def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=OOB.error, name=None):
@@ -83,10 +103,16 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
     oob = _enum(oob_mode, OOB, "oob_mode")
     check(_reduce_op(reduce_op) is O.add, "op", f"{instr}: reduce_op must be nl.add (the only one supported)")
     check(1 <= len(srcs) <= 16, "operand", f"{instr}: 1 to 16 source tensors, got {len(srcs)}")
-    check(scales is None or all(float(s) == 1.0 for s in scales), "operand",
-          f"{instr}: every scale must be 1.0 (or scales=None), got {scales}")
-    check(scales is None or len(scales) == len(srcs), "operand", f"{instr}: {len(scales or [])} scales for "
-          f"{len(srcs)} sources")
+    check(
+        scales is None or all(float(s) == 1.0 for s in scales),
+        "operand",
+        f"{instr}: every scale must be 1.0 (or scales=None), got {scales}",
+    )
+    check(
+        scales is None or len(scales) == len(srcs),
+        "operand",
+        f"{instr}: {len(scales or [])} scales for {len(srcs)} sources",
+    )
     srcs = [_t(s, f"srcs[{i}]", instr) for i, s in enumerate(srcs)]
     for t in [dst] + srcs:
         check(t.buffer.name != "psum", "dma-psum", f"{instr}: DMA cannot access PSUM")
@@ -96,27 +122,42 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
         acc = sum(np.array(s._np()).astype(np.float32).reshape(-1) for s in srcs)
         dst._np()[...] = _cast(np.asarray(acc, np.float32), dst.dtype, instr).reshape(dst.shape)
     else:
-        check(len(srcs) == 2 and unique_indices, "operand", f"{instr}: read-modify-write needs exactly 2 sources "
-              f"and unique_indices=True")
+        check(
+            len(srcs) == 2 and unique_indices,
+            "operand",
+            f"{instr}: read-modify-write needs exactly 2 sources and unique_indices=True",
+        )
         gather, row_bytes, nrows, idx = indirect[0].gather
         valid = idx[(idx >= 0) & (idx < nrows)]
-        check(len(np.unique(valid)) == len(valid), "dma-indices",
-              f"{instr}: duplicate indices in a read-modify-write (non-unique indices are not supported)")
+        check(
+            len(np.unique(valid)) == len(valid),
+            "dma-indices",
+            f"{instr}: duplicate indices in a read-modify-write (non-unique indices are not supported)",
+        )
         if dst.gather is not None:  # scatter: dst(HBM)[idx] += src(SBUF)
             other = [s for s in srcs if not (s.gather is not None and s.gather[0] == dst.gather[0])]
-            check(len(other) == 1 and other[0].buffer.name == "sbuf", "operand",
-                  f"{instr}: scatter RMW needs srcs = (dst's indirect view, an SBUF tensor)")
+            check(
+                len(other) == 1 and other[0].buffer.name == "sbuf",
+                "operand",
+                f"{instr}: scatter RMW needs srcs = (dst's indirect view, an SBUF tensor)",
+            )
             add = np.array(other[0]._np()).astype(np.float32).reshape(dst.shape[0], -1)
             for i, row in _indirect_rows(dst, oob):
                 if row is not None:
-                    row[...] = _cast(np.array(row).astype(np.float32).reshape(-1) + add[i], dst.dtype,
-                                     instr).reshape(row.shape)
+                    row[...] = _cast(np.array(row).astype(np.float32).reshape(-1) + add[i], dst.dtype, instr).reshape(
+                        row.shape
+                    )
         else:  # gather: dst(SBUF) += src(HBM)[idx]
             hb = indirect[0]
             mine = [s for s in srcs if s is not hb]
-            check(dst.buffer.name == "sbuf" and len(mine) == 1 and mine[0].storage is dst.storage
-                  and mine[0].boffset == dst.boffset, "operand",
-                  f"{instr}: gather RMW needs dst in SBUF and srcs = (dst, an indirect HBM view)")
+            check(
+                dst.buffer.name == "sbuf"
+                and len(mine) == 1
+                and mine[0].storage is dst.storage
+                and mine[0].boffset == dst.boffset,
+                "operand",
+                f"{instr}: gather RMW needs dst in SBUF and srcs = (dst, an indirect HBM view)",
+            )
             cur = np.array(dst._np()).astype(np.float32).reshape(dst.shape[0], -1)
             got = _values(hb, oob).astype(np.float32).reshape(dst.shape[0], -1)
             if oob == OOB.skip:

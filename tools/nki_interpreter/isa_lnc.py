@@ -51,17 +51,23 @@ class LncGroup:
                 st.poison(dtype)
                 self.shared.append(st)
             st = self.shared[k]
-        check(st.shape == tuple(shape) and st.dtype == dtype, "lnc-shared",
-              f"shared_hbm allocation #{k} is {dt.name(st.dtype)}{list(st.shape)} on one core and "
-              f"{dt.name(dtype)}{list(shape)} on the other; both cores must allocate shared tensors alike")
+        check(
+            st.shape == tuple(shape) and st.dtype == dtype,
+            "lnc-shared",
+            f"shared_hbm allocation #{k} is {dt.name(st.dtype)}{list(st.shape)} on one core and "
+            f"{dt.name(dtype)}{list(shape)} on the other; both cores must allocate shared tensors alike",
+        )
         return NkiTensor._full(st, dtype, st.shape)
 
     def wait(self, what: str) -> None:
         try:
             self.barrier.wait()
         except threading.BrokenBarrierError:
-            raise NkiRuleError("lnc-deadlock", f"{what}: the other logical core did not reach the matching "
-                               f"{what} within {self.timeout_s:g} s (or failed)") from None
+            raise NkiRuleError(
+                "lnc-deadlock",
+                f"{what}: the other logical core did not reach the matching "
+                f"{what} within {self.timeout_s:g} s (or failed)",
+            ) from None
 
 
 def _group(instr: str) -> LncGroup:
@@ -72,7 +78,8 @@ def _group(instr: str) -> LncGroup:
 
 
 def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=None, name=None):
-    from .isa import _enum, _record_dma, _store_raw, dma_engine as dma_engine_cls
+    from .isa import _enum, _record_dma, _store_raw
+    from .isa import dma_engine as dma_engine_cls
     from .tensor import NkiTensor
 
     instr = "sendrecv"
@@ -80,24 +87,34 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=None, n
     ctx = current()
     engine = _enum(dma_engine_cls.dma if dma_engine is None else dma_engine, dma_engine_cls, "dma_engine")
     for what, t in (("src", src), ("dst", dst)):
-        check(isinstance(t, NkiTensor) and t.buffer.name == "sbuf", "operand-buffer",
-              f"{instr}: {what} must be an SBUF tile")
-    check(src.dtype == dst.dtype and src.shape == dst.shape, "shape-mismatch",
-          f"{instr}: src and dst need the same dtype and shape, got {dt.name(src.dtype)}{list(src.shape)} and "
-          f"{dt.name(dst.dtype)}{list(dst.shape)}")
+        check(
+            isinstance(t, NkiTensor) and t.buffer.name == "sbuf",
+            "operand-buffer",
+            f"{instr}: {what} must be an SBUF tile",
+        )
+    check(
+        src.dtype == dst.dtype and src.shape == dst.shape,
+        "shape-mismatch",
+        f"{instr}: src and dst need the same dtype and shape, got {dt.name(src.dtype)}{list(src.shape)} and "
+        f"{dt.name(dst.dtype)}{list(dst.shape)}",
+    )
     for what, r in (("send_to_rank", send_to_rank), ("recv_from_rank", recv_from_rank)):
         check(r in range(g.programs), "lnc", f"{instr}: {what} must be 0 or 1, got {r!r}")
     if engine == dma_engine_cls.gpsimd_dma:
         limit = {4: 1024, 2: 512, 1: 256}[src._itemsize]
-        check(src._free_size * src._itemsize <= limit, "free-size",
-              f"{instr}: gpsimd_dma moves at most {limit} bytes per partition of a {8 * src._itemsize}-bit type")
+        check(
+            src._free_size * src._itemsize <= limit,
+            "free-size",
+            f"{instr}: gpsimd_dma moves at most {limit} bytes per partition of a {8 * src._itemsize}-bit type",
+        )
     with g.lock:
         g.mailbox[(ctx.program, send_to_rank, pipe_id)] = np.array(src._np())
     g.wait(instr)
     with g.lock:
         got = g.mailbox.pop((recv_from_rank, ctx.program, pipe_id), None)
-    check(got is not None, "lnc", f"{instr}: core {recv_from_rank} sent nothing to core {ctx.program} on pipe "
-          f"{pipe_id}")
+    check(
+        got is not None, "lnc", f"{instr}: core {recv_from_rank} sent nothing to core {ctx.program} on pipe {pipe_id}"
+    )
     _store_raw(dst, got)
     g.wait(instr)
     _record_dma(src, dst, dge=False)
@@ -109,7 +126,10 @@ def core_barrier(data, cores=(0, 1), engine=None, name=None):
     instr = "core_barrier"
     g = _group(instr)
     check(tuple(cores) == (0, 1), "lnc", f"{instr}: only cores=(0, 1) is supported, got {cores!r}")
-    check(isinstance(data, NkiTensor) and data.buffer.name == "shared_hbm", "operand-buffer",
-          f"{instr}: data must be a shared_hbm tensor (what both cores synchronise on)")
+    check(
+        isinstance(data, NkiTensor) and data.buffer.name == "shared_hbm",
+        "operand-buffer",
+        f"{instr}: data must be a shared_hbm tensor (what both cores synchronise on)",
+    )
     g.wait(instr)
     current().cost.instr("gpsimd", instr, 1, 1)

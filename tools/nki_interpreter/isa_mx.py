@@ -28,7 +28,16 @@ import numpy as np
 from . import dtypes as dt
 from .errors import NkiRuleError, check
 from .isa import (
-    PSUM_FRESH, PSUM_MM, PSUM_OTHER, NkiTensor, _elem_addrs, _f32, _onchip, _raw, _record, _tensor_cycles,
+    PSUM_FRESH,
+    PSUM_MM,
+    PSUM_OTHER,
+    NkiTensor,
+    _elem_addrs,
+    _f32,
+    _onchip,
+    _raw,
+    _record,
+    _tensor_cycles,
 )
 from .state import current
 
@@ -37,8 +46,11 @@ _EMAX = {dt.float8_e4m3fn: 8, dt.float8_e5m2: 15}
 
 
 def _target(instr: str) -> None:
-    check(current().spec.mx, "target", f"nisa.{instr} is available only on NeuronCore-v4 (trn3); the target is "
-          f"{current().spec.name}")
+    check(
+        current().spec.mx,
+        "target",
+        f"nisa.{instr} is available only on NeuronCore-v4 (trn3); the target is {current().spec.name}",
+    )
 
 
 def decode_x4(t: NkiTensor) -> np.ndarray:
@@ -60,11 +72,13 @@ def _scale_rows(p: int) -> np.ndarray:
 
 def _scales(s: NkiTensor, p: int, cols: int, what: str, instr: str) -> np.ndarray:
     """[p, cols] float64 scale of each data partition and column, from an E8M0 (uint8) scale tile."""
-    check(s.dtype == dt.uint8, "operand-dtype", f"{instr}: {what} must be uint8 (E8M0 bytes), got "
-          f"{dt.name(s.dtype)}")
+    check(s.dtype == dt.uint8, "operand-dtype", f"{instr}: {what} must be uint8 (E8M0 bytes), got {dt.name(s.dtype)}")
     rows = _scale_rows(p)
-    check(s.shape[0] > int(rows.max()), "shape-mismatch",
-          f"{instr}: {what} needs {int(rows.max()) + 1} partitions for {p} data partitions (4 per quadrant)")
+    check(
+        s.shape[0] > int(rows.max()),
+        "shape-mismatch",
+        f"{instr}: {what} needs {int(rows.max()) + 1} partitions for {p} data partitions (4 per quadrant)",
+    )
     check(s._free_size == cols, "shape-mismatch", f"{instr}: {what} has {s._free_size} columns, data has {cols}")
     e = _raw(s).astype(np.int64)[rows]
     return np.where(e == 255, np.nan, np.exp2(e.astype(np.float64) - 127.0))
@@ -79,19 +93,32 @@ def quantize_mx(dst, src, dst_scale, name=None):
     dst = _onchip(dst, "dst", instr, allow_psum=False)
     x = _onchip(src, "src", instr, allow_psum=False)
     sc = _onchip(dst_scale, "dst_scale", instr, allow_psum=False)
-    check(x.dtype in (dt.bfloat16, dt.float16), "operand-dtype", f"{instr}: src must be bf16 or fp16, got "
-          f"{dt.name(x.dtype)}")
-    check(dst.dtype in (dt.float8_e4m3fn_x4, dt.float8_e5m2_x4), "operand-dtype",
-          f"{instr}: dst must be float8_e4m3fn_x4 or float8_e5m2_x4, got {dt.name(dst.dtype)}")
+    check(
+        x.dtype in (dt.bfloat16, dt.float16),
+        "operand-dtype",
+        f"{instr}: src must be bf16 or fp16, got {dt.name(x.dtype)}",
+    )
+    check(
+        dst.dtype in (dt.float8_e4m3fn_x4, dt.float8_e5m2_x4),
+        "operand-dtype",
+        f"{instr}: dst must be float8_e4m3fn_x4 or float8_e5m2_x4, got {dt.name(dst.dtype)}",
+    )
     check(sc.dtype == dt.uint8, "operand-dtype", f"{instr}: dst_scale must be uint8, got {dt.name(sc.dtype)}")
     p, f = x.shape[0], x._free_size
-    check(p % 32 == 0 and p <= 128, "shape-mismatch", f"{instr}: src partitions must be a multiple of 32, ≤ 128, "
-          f"got {p}")
+    check(
+        p % 32 == 0 and p <= 128, "shape-mismatch", f"{instr}: src partitions must be a multiple of 32, ≤ 128, got {p}"
+    )
     check(f % 4 == 0, "shape-mismatch", f"{instr}: src free size must be a multiple of 4, got {f}")
-    check(dst.shape[0] == p and dst._free_size == f // 4, "shape-mismatch",
-          f"{instr}: dst must be [{p}, {f // 4}] x4 elements, got {list(dst.shape)}")
-    check(sc.shape[0] >= 32 * (p // 32 - 1) + 4 and sc._free_size == f // 4, "shape-mismatch",
-          f"{instr}: dst_scale must cover 4 rows per quadrant and {f // 4} columns, got {list(sc.shape)}")
+    check(
+        dst.shape[0] == p and dst._free_size == f // 4,
+        "shape-mismatch",
+        f"{instr}: dst must be [{p}, {f // 4}] x4 elements, got {list(dst.shape)}",
+    )
+    check(
+        sc.shape[0] >= 32 * (p // 32 - 1) + 4 and sc._free_size == f // 4,
+        "shape-mismatch",
+        f"{instr}: dst_scale must cover 4 rows per quadrant and {f // 4} columns, got {list(sc.shape)}",
+    )
     check(dst._pstart == x._pstart, "cross-partition", f"{instr}: dst and src must start on the same partition")
     v = _f32(x).astype(np.float64).reshape(p, f // 4, 4)
     check(bool(np.isfinite(v).all()), "operand", f"{instr}: non-finite inputs are not modelled")
@@ -111,35 +138,55 @@ def quantize_mx(dst, src, dst_scale, name=None):
     _record("vector", instr, x, (x,), cycles=f / 4)  # "four input elements per partition per cycle" (T3)
 
 
-def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None, tile_size=None,
-                 accumulate=None, name=None):
+def nc_matmul_mx(
+    dst,
+    stationary,
+    moving,
+    stationary_scale,
+    moving_scale,
+    tile_position=None,
+    tile_size=None,
+    accumulate=None,
+    name=None,
+):
     """TensorE MX matmul (module docstring). stationary [K_p, M] and moving [K_p, N] x4 tiles in SBUF (K_p a
     multiple of 32, ≤ 128; M even, ≤ 128; N ≤ 512 for an fp32 dst, ≤ 1024 for bf16), uint8 scale tiles in SBUF,
     dst [M, N] in PSUM (fp32 or bf16). ``accumulate`` as in nc_matmul. Runs at 4× the bf16 rate (T3): the
     512-deep contraction costs one moving pass."""
     instr = "nc_matmul_mx"
     _target(instr)
-    for what, t in (("stationary", stationary), ("moving", moving), ("stationary_scale", stationary_scale),
-                    ("moving_scale", moving_scale)):
+    for what, t in (
+        ("stationary", stationary),
+        ("moving", moving),
+        ("stationary_scale", stationary_scale),
+        ("moving_scale", moving_scale),
+    ):
         _onchip(t, what, instr, allow_psum=False)
     dst = _onchip(dst, "dst", instr)
     check(dst.buffer.name == "psum", "matmul-dst-psum", f"{instr}: dst must be in PSUM")
     check(dst.dtype in (dt.float32, dt.bfloat16), "matmul-dst-dtype", f"{instr}: dst must be fp32 or bf16")
     st, mv = stationary, moving
     for what, t in (("stationary", st), ("moving", mv)):
-        check(dt.is_x4(t.dtype), "matmul-dtype", f"{instr}: {what} must be float8_e5m2_x4, float8_e4m3fn_x4 or "
-              f"float4_e2m1fn_x4, got {dt.name(t.dtype)}")
+        check(
+            dt.is_x4(t.dtype),
+            "matmul-dtype",
+            f"{instr}: {what} must be float8_e5m2_x4, float8_e4m3fn_x4 or float4_e2m1fn_x4, got {dt.name(t.dtype)}",
+        )
     kp, m, n = st.shape[0], st._free_size, mv._free_size
-    check(mv.shape[0] == kp and kp % 32 == 0 and kp <= 128, "matmul-shape",
-          f"{instr}: stationary and moving partitions must match, be a multiple of 32 and ≤ 128 ({kp}, "
-          f"{mv.shape[0]})")
-    check(st._pstart == mv._pstart, "cross-partition", f"{instr}: stationary and moving start on different "
-          f"partitions")
+    check(
+        mv.shape[0] == kp and kp % 32 == 0 and kp <= 128,
+        "matmul-shape",
+        f"{instr}: stationary and moving partitions must match, be a multiple of 32 and ≤ 128 ({kp}, {mv.shape[0]})",
+    )
+    check(st._pstart == mv._pstart, "cross-partition", f"{instr}: stationary and moving start on different partitions")
     check(m % 2 == 0 and m <= 128, "matmul-limits", f"{instr}: stationary free size must be even and ≤ 128, got {m}")
     nmax = 512 if dst.dtype == dt.float32 else 1024
     check(n <= nmax, "matmul-limits", f"{instr}: moving free size {n} > {nmax} for a {dt.name(dst.dtype)} dst")
-    check(dst.shape[0] == m and dst._free_size == n, "matmul-shape", f"{instr}: dst must be [{m}, {n}], got "
-          f"{list(dst.shape)}")
+    check(
+        dst.shape[0] == m and dst._free_size == n,
+        "matmul-shape",
+        f"{instr}: dst must be [{m}, {n}], got {list(dst.shape)}",
+    )
     if tile_position or tile_size:
         raise NkiRuleError("not-modelled", f"{instr}: row tiling (tile_position / tile_size) is not modelled")
     a = decode_x4(st) * _scales(stationary_scale, kp, m, "stationary_scale", instr)[:, :, None]
@@ -150,8 +197,11 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
     cur = state[idx]
     acc = bool(np.all(cur == PSUM_MM)) if accumulate is None else bool(accumulate)
     if acc:
-        check(not np.any(cur == PSUM_FRESH) and not np.any(cur == PSUM_OTHER), "psum-accumulate-uninitialized",
-              f"{instr}: accumulating onto PSUM that no matmul wrote is undefined")
+        check(
+            not np.any(cur == PSUM_FRESH) and not np.any(cur == PSUM_OTHER),
+            "psum-accumulate-uninitialized",
+            f"{instr}: accumulating onto PSUM that no matmul wrote is undefined",
+        )
         prod = _raw(dst).astype(np.float64) + prod
     dst._np()[...] = prod.astype(np.float32).astype(dst.dtype).reshape(dst.shape)
     state[idx] = PSUM_MM

@@ -13,8 +13,20 @@ from . import dtypes as dt
 from . import ops as O
 from .errors import NkiRuleError, check
 from .isa import (
-    NkiTensor, _accumulate, _cast, _check_op, _enum, _f32, _lanes, _onchip, _raw, _record, _reduce_op, _same_free,
-    _store_raw, _store_values,
+    NkiTensor,
+    _accumulate,
+    _cast,
+    _check_op,
+    _enum,
+    _f32,
+    _lanes,
+    _onchip,
+    _raw,
+    _record,
+    _reduce_op,
+    _same_free,
+    _store_raw,
+    _store_values,
 )
 from .isa import reduce_cmd as RC
 from .state import current
@@ -28,8 +40,7 @@ def _affine(dst: NkiTensor, pattern, offset, channel_multiplier, instr: str) -> 
     pattern = [tuple(int(v) for v in p) for p in pattern]
     check(1 <= len(pattern) <= 4, instr, f"{instr}: pattern has {len(pattern)} dims; 1 to 4 allowed")
     n = int(np.prod([c for _, c in pattern]))
-    check(n == dst._free_size, instr, f"{instr}: pattern covers {n} elements, dst has {dst._free_size} per "
-          f"partition")
+    check(n == dst._free_size, instr, f"{instr}: pattern covers {n} elements, dst has {dst._free_size} per partition")
     v = np.full((), int(offset), np.int64)
     for step, cnt in pattern:
         v = v[..., None] + np.arange(cnt, dtype=np.int64) * step
@@ -37,8 +48,9 @@ def _affine(dst: NkiTensor, pattern, offset, channel_multiplier, instr: str) -> 
     return v.reshape(1, -1) + lanes
 
 
-def _select_into(dst: NkiTensor, src: NkiTensor, mask: np.ndarray, false_value: float, instr: str,
-                 overflow_to_inf: bool = False) -> None:
+def _select_into(
+    dst: NkiTensor, src: NkiTensor, mask: np.ndarray, false_value: float, instr: str, overflow_to_inf: bool = False
+) -> None:
     """dst = where(mask, src, false_value): selected elements bit-exact when the dtypes agree (through fp32
     otherwise), the false value cast to dst's dtype."""
     if src.dtype == dst.dtype:
@@ -46,13 +58,15 @@ def _select_into(dst: NkiTensor, src: NkiTensor, mask: np.ndarray, false_value: 
     else:
         picked = _cast(_f32(src), dst.dtype, instr)
     with np.errstate(over="ignore"):
-        fill = np.asarray(np.float32(false_value)).astype(dst.dtype) if overflow_to_inf else \
-            _cast(np.full((1, 1), false_value, np.float32), dst.dtype, instr)
+        fill = (
+            np.asarray(np.float32(false_value)).astype(dst.dtype)
+            if overflow_to_inf
+            else _cast(np.full((1, 1), false_value, np.float32), dst.dtype, instr)
+        )
     _store_raw(dst, np.where(mask, picked, np.broadcast_to(fill, picked.shape).astype(dst.dtype)))
 
 
-def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=O.equal, offset=0,
-                  name=None):
+def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=O.equal, offset=0, name=None):
     """GpSimd: ``dst = on_true_tile`` where ``cmp_op(offset + partition·channel_multiplier + Σ idx·step, 0)``,
     else the fp32 scalar ``on_false_value`` (e.g. a causal mask). dst and on_true_tile in SBUF."""
     instr = "affine_select"
@@ -61,16 +75,31 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     op = _check_op(cmp_op, instr, "cmp_op", ("arith",))
     _lanes(instr, dst, on_true_tile=t)
     _same_free(instr, dst, on_true_tile=t)
-    check(isinstance(on_false_value, (int, float, np.integer, np.floating)), "operand",
-          f"{instr}: on_false_value must be a compile-time float, got {on_false_value!r}")
+    check(
+        isinstance(on_false_value, (int, float, np.integer, np.floating)),
+        "operand",
+        f"{instr}: on_false_value must be a compile-time float, got {on_false_value!r}",
+    )
     aff = _affine(dst, pattern, offset, channel_multiplier, instr).astype(np.float64)
     mask = np.asarray(op.fn(aff, 0.0)) != 0
     _select_into(dst, t, mask, float(on_false_value), instr)
     _record("gpsimd", instr, dst, (t,))
 
 
-def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_cmd=RC.reset_reduce,
-                 reduce_res=None, reduce_op=O.maximum, range_start=0, on_false_value=FP32_MIN, name=None):
+def range_select(
+    dst,
+    on_true_tile,
+    comp_op0,
+    comp_op1,
+    bound0,
+    bound1,
+    reduce_cmd=RC.reset_reduce,
+    reduce_res=None,
+    reduce_op=O.maximum,
+    range_start=0,
+    on_false_value=FP32_MIN,
+    name=None,
+):
     """VectorE (NeuronCore-v3+): keep ``on_true_tile[p, i]`` where ``comp_op0(range_start + i, bound0[p])``
     and ``comp_op1(range_start + i, bound1[p])`` (fp32 compares), else ``on_false_value`` (must be FP32_MIN;
     it becomes −inf in a narrower float dst, as the stub's numerical-stability note says), and max-reduce the
@@ -79,21 +108,25 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
     rc = RC
     dst = _onchip(dst, "dst", instr)
     t = _onchip(on_true_tile, "on_true_tile", instr)
-    check(dt.is_float(t.dtype), "operand-dtype", f"{instr}: on_true_tile must be a float dtype, got "
-          f"{dt.name(t.dtype)}")
+    check(dt.is_float(t.dtype), "operand-dtype", f"{instr}: on_true_tile must be a float dtype, got {dt.name(t.dtype)}")
     ops = [_check_op(o, instr, w, ("arith",)) for o, w in ((comp_op0, "comp_op0"), (comp_op1, "comp_op1"))]
     check(all(o.name in _CMP for o in ops), "op", f"{instr}: comparisons must be one of {_CMP}")
-    check(_reduce_op(reduce_op) is O.maximum, "op", f"{instr}: reduce_op must be nl.maximum (the only one "
-          f"supported)")
-    check(on_false_value == FP32_MIN, "operand", f"{instr}: on_false_value must be FP32_MIN ({FP32_MIN}), got "
-          f"{on_false_value!r} (hardware constraint)")
+    check(_reduce_op(reduce_op) is O.maximum, "op", f"{instr}: reduce_op must be nl.maximum (the only one supported)")
+    check(
+        on_false_value == FP32_MIN,
+        "operand",
+        f"{instr}: on_false_value must be FP32_MIN ({FP32_MIN}), got {on_false_value!r} (hardware constraint)",
+    )
     check(isinstance(range_start, (int, np.integer)), "operand", f"{instr}: range_start must be a compile-time int")
     cmd = _enum(reduce_cmd, rc, "reduce_cmd")
     bounds = []
     for what, b in (("bound0", bound0), ("bound1", bound1)):
         b = _onchip(b, what, instr)
-        check(b._free_size == 1 and b.dtype == dt.float32, "operand-shape",
-              f"{instr}: {what} must be a (P, 1) float32 tile, got {dt.name(b.dtype)}{list(b.shape)}")
+        check(
+            b._free_size == 1 and b.dtype == dt.float32,
+            "operand-shape",
+            f"{instr}: {what} must be a (P, 1) float32 tile, got {dt.name(b.dtype)}{list(b.shape)}",
+        )
         _lanes(instr, dst, **{what: b})
         bounds.append(_f32(b))
     _lanes(instr, dst, on_true_tile=t)
@@ -113,8 +146,9 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
 
 
 def _top8_input(x: NkiTensor, instr: str) -> np.ndarray:
-    check(8 <= x._free_size <= 16384, "free-size", f"{instr}: {x._free_size} elements per partition; 8 to 16384 "
-          f"allowed")
+    check(
+        8 <= x._free_size <= 16384, "free-size", f"{instr}: {x._free_size} elements per partition; 8 to 16384 allowed"
+    )
     check(x.ndim <= 3, "shape", f"{instr}: data is at most 3-D, got {list(x.shape)}")
     return _f32(x)
 
@@ -139,8 +173,12 @@ def _find_first(v: np.ndarray, vals: np.ndarray, instr: str) -> np.ndarray:
         taken = np.zeros(v.shape[1], bool)
         for j, val in enumerate(vals[p]):
             hits = np.flatnonzero((v[p] == val) & ~taken)
-            check(hits.size > 0, "value-not-found", f"{instr}: partition {p} has no (further) element equal to "
-                  f"{val!r}; the result is undefined on hardware")
+            check(
+                hits.size > 0,
+                "value-not-found",
+                f"{instr}: partition {p} has no (further) element equal to "
+                f"{val!r}; the result is undefined on hardware",
+            )
             out[p, j] = hits[0]
             taken[hits[0]] = True
     return out
@@ -148,8 +186,7 @@ def _find_first(v: np.ndarray, vals: np.ndarray, instr: str) -> np.ndarray:
 
 def _vals8(vals, dst: NkiTensor, instr: str) -> np.ndarray:
     vals = _onchip(vals, "vals", instr)
-    check(vals._free_size == 8, "shape-mismatch", f"{instr}: vals holds 8 values per partition, got "
-          f"{list(vals.shape)}")
+    check(vals._free_size == 8, "shape-mismatch", f"{instr}: vals holds 8 values per partition, got {list(vals.shape)}")
     _lanes(instr, dst, vals=vals)
     return _f32(vals)
 
@@ -182,8 +219,11 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
     _store_values(dst, out, instr)
     if dst_idx is not None:
         di = _onchip(dst_idx, "dst_idx", instr)
-        check(di._free_size == 8 and dt.is_int(di.dtype), "shape-mismatch",
-              f"{instr}: dst_idx must be an integer [P, 8] tile, got {dt.name(di.dtype)}{list(di.shape)}")
+        check(
+            di._free_size == 8 and dt.is_int(di.dtype),
+            "shape-mismatch",
+            f"{instr}: dst_idx must be an integer [P, 8] tile, got {dt.name(di.dtype)}{list(di.shape)}",
+        )
         _lanes(instr, dst, dst_idx=di)
         di._np()[...] = idx.astype(di.dtype).reshape(di.shape)
     _record("vector", instr, dst, (x,))
@@ -197,15 +237,23 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1, name=None):
     dst = _onchip(dst, "dst", instr, allow_psum=False)
     x = _onchip(src, "src", instr, allow_psum=False)
     check(current().spec.name != "trn1", "target", f"{instr} needs NeuronCore-v3 or newer")
-    check(x.dtype in (dt.float32, dt.int32), "operand-dtype", f"{instr}: src must be float32 or int32, got "
-          f"{dt.name(x.dtype)}")
+    check(
+        x.dtype in (dt.float32, dt.int32),
+        "operand-dtype",
+        f"{instr}: src must be float32 or int32, got {dt.name(x.dtype)}",
+    )
     check(dst.dtype == dt.int32, "operand-dtype", f"{instr}: dst must be int32, got {dt.name(dst.dtype)}")
-    check(dst._free_size == x._free_size + 1, "shape-mismatch",
-          f"{instr}: dst needs {x._free_size + 1} elements per partition (src's plus the count), got "
-          f"{dst._free_size}")
+    check(
+        dst._free_size == x._free_size + 1,
+        "shape-mismatch",
+        f"{instr}: dst needs {x._free_size + 1} elements per partition (src's plus the count), got {dst._free_size}",
+    )
     for what, v in (("index_offset", index_offset), ("padding_val", padding_val)):
-        check(isinstance(v, (int, np.integer)) and -(2**31) <= int(v) < 2**31, "operand",
-              f"{instr}: {what} must be an int32, got {v!r}")
+        check(
+            isinstance(v, (int, np.integer)) and -(2**31) <= int(v) < 2**31,
+            "operand",
+            f"{instr}: {what} must be an int32, got {v!r}",
+        )
     _lanes(instr, dst, src=x)
     vals, out = _raw(x), _raw(dst).copy()
     for p in range(dst.shape[0]):
@@ -213,7 +261,7 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1, name=None):
             continue
         nz = np.flatnonzero(vals[p] != 0)
         row = np.full(x._free_size + 1, int(padding_val), np.int64)
-        row[:nz.size] = nz + int(index_offset)
+        row[: nz.size] = nz + int(index_offset)
         row[-1] = nz.size
         out[p] = row.astype(np.int32)
     _store_raw(dst, out)
@@ -233,8 +281,9 @@ def nc_n_gather(dst, data, indices, name=None):
     _same_free(instr, dst, indices=ix)
     idx = _raw(ix).astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= x._free_size):
-        raise NkiRuleError("index", f"{instr}: indices must lie in [0, {x._free_size}), got "
-                           f"[{int(idx.min())}, {int(idx.max())}]")
+        raise NkiRuleError(
+            "index", f"{instr}: indices must lie in [0, {x._free_size}), got [{int(idx.min())}, {int(idx.max())}]"
+        )
     _store_raw(dst, np.take_along_axis(_raw(x), idx, axis=1))
     _record("gpsimd", instr, dst, (x, ix))
 
@@ -254,26 +303,37 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
     check(ix.dtype == dt.uint16, "operand-dtype", f"{instr}: index must be uint16, got {dt.name(ix.dtype)}")
     check(dst.dtype == x.dtype, "dtype-mismatch", f"{instr}: no dtype cast; dst must be {dt.name(x.dtype)}")
     p = x.shape[0]
-    check(ix.shape[0] == p and p % 16 == 0, "shape-mismatch",
-          f"{instr}: src_buffer and index need the same partition count, a multiple of 16 ({p}, {ix.shape[0]})")
+    check(
+        ix.shape[0] == p and p % 16 == 0,
+        "shape-mismatch",
+        f"{instr}: src_buffer and index need the same partition count, a multiple of 16 ({p}, {ix.shape[0]})",
+    )
     ne = int(num_elem_per_idx)
     check(ne in (1, 2, 4, 8, 16, 32), "operand", f"{instr}: num_elem_per_idx must be 1, 2, 4, 8, 16 or 32")
     per_core = 16 * ix._free_size
     nv = per_core if num_valid_indices is None else int(num_valid_indices)
-    check(0 < nv <= per_core and nv <= 4096, "operand",
-          f"{instr}: num_valid_indices must be in [1, min({per_core}, 4096)], got {nv}")
-    check(dst.shape[0] == p and dst._free_size == nv * ne, "shape-mismatch",
-          f"{instr}: dst needs [{p}, {nv * ne}] elements ({nv} indices × {ne}), got {list(dst.shape)}")
+    check(
+        0 < nv <= per_core and nv <= 4096,
+        "operand",
+        f"{instr}: num_valid_indices must be in [1, min({per_core}, 4096)], got {nv}",
+    )
+    check(
+        dst.shape[0] == p and dst._free_size == nv * ne,
+        "shape-mismatch",
+        f"{instr}: dst needs [{p}, {nv * ne}] elements ({nv} indices × {ne}), got {list(dst.shape)}",
+    )
     _lanes(instr, dst, src_buffer=x, index=ix)
     src, idx_all = _raw(x), _raw(ix).astype(np.int64)
     out = np.empty((p, nv * ne), src.dtype)
     for c in range(p // 16):
-        idx = idx_all[16 * c:16 * c + 16].flatten(order="F")[:nv]
+        idx = idx_all[16 * c : 16 * c + 16].flatten(order="F")[:nv]
         if idx.size and (idx.min() < 0 or idx.max() + ne > src.shape[1]):
-            raise NkiRuleError("index", f"{instr}: core {c} reads elements up to {int(idx.max()) + ne} of a "
-                               f"{src.shape[1]}-element partition")
+            raise NkiRuleError(
+                "index",
+                f"{instr}: core {c} reads elements up to {int(idx.max()) + ne} of a {src.shape[1]}-element partition",
+            )
         cols = (idx[:, None] + np.arange(ne)).reshape(-1)
-        out[16 * c:16 * c + 16] = src[16 * c:16 * c + 16][:, cols]
+        out[16 * c : 16 * c + 16] = src[16 * c : 16 * c + 16][:, cols]
     _store_raw(dst, out)
     _record("gpsimd", instr, dst, (x,))
 
@@ -288,19 +348,37 @@ def _accumulated_result(instr, dst, part, op_name, cmd, init, reduce_res):
         _store_values(rr, acc.reshape(-1, 1), instr)
 
 
-def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd=RC.idle, reduce_op=O.maximum,
-                  reverse_pred=False, name=None):
+def select_reduce(
+    dst,
+    predicate,
+    on_true,
+    on_false,
+    reduce_res=None,
+    reduce_cmd=RC.idle,
+    reduce_op=O.maximum,
+    reverse_pred=False,
+    name=None,
+):
     """VectorE ``dst = where(predicate (or not, reverse_pred), on_true, on_false)`` with an optional max into
     the VectorE accumulators (isa stub): predicate int8/uint8/int16/uint16; on_true any dtype but
     tfloat32/int32/uint32; on_false an fp32 scalar or a (P, 1) tile; on_true and predicate not both in PSUM."""
     instr = "select_reduce"
-    dst, pred, t = _onchip(dst, "dst", instr), _onchip(predicate, "predicate", instr), _onchip(on_true, "on_true",
-                                                                                                  instr)
-    check(pred.dtype in (dt.int8, dt.uint8, dt.int16, dt.uint16), "predicate-dtype",
-          f"{instr}: predicate must be int8/uint8/int16/uint16, got {dt.name(pred.dtype)}")
+    dst, pred, t = (
+        _onchip(dst, "dst", instr),
+        _onchip(predicate, "predicate", instr),
+        _onchip(on_true, "on_true", instr),
+    )
+    check(
+        pred.dtype in (dt.int8, dt.uint8, dt.int16, dt.uint16),
+        "predicate-dtype",
+        f"{instr}: predicate must be int8/uint8/int16/uint16, got {dt.name(pred.dtype)}",
+    )
     check(t.dtype not in (dt.int32, dt.uint32), "operand-dtype", f"{instr}: on_true cannot be int32/uint32")
-    check(not (t.buffer.name == "psum" and pred.buffer.name == "psum"), "psum-operands",
-          f"{instr}: on_true and predicate cannot both be in PSUM")
+    check(
+        not (t.buffer.name == "psum" and pred.buffer.name == "psum"),
+        "psum-operands",
+        f"{instr}: on_true and predicate cannot both be in PSUM",
+    )
     check(_reduce_op(reduce_op) is O.maximum, "op", f"{instr}: reduce_op must be nl.maximum")
     cmd = _enum(reduce_cmd, RC, "reduce_cmd")
     _lanes(instr, dst, predicate=pred, on_true=t)
@@ -311,8 +389,11 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
         _lanes(instr, dst, on_false=f)
         fv = _f32(f)
     else:
-        check(isinstance(on_false, (int, float, np.integer, np.floating)), "operand",
-              f"{instr}: on_false must be an fp32 scalar or a (P, 1) tile, got {on_false!r}")
+        check(
+            isinstance(on_false, (int, float, np.integer, np.floating)),
+            "operand",
+            f"{instr}: on_false must be an fp32 scalar or a (P, 1) tile, got {on_false!r}",
+        )
         fv = np.float32(on_false)
     mask = _raw(pred) != 0
     if reverse_pred:
@@ -320,8 +401,9 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
     res = np.where(mask, _f32(t), fv).astype(np.float32)
     _store_values(dst, res, instr)
     if cmd != RC.idle or reduce_res is not None:
-        _accumulated_result(instr, dst, res.max(axis=1), "maximum", RC.reset_reduce if cmd == RC.idle else cmd,
-                            None, reduce_res)
+        _accumulated_result(
+            instr, dst, res.max(axis=1), "maximum", RC.reset_reduce if cmd == RC.idle else cmd, None, reduce_res
+        )
     _record("vector", instr, dst, (pred, t))
 
 
@@ -334,14 +416,23 @@ def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=RC.
     dst, x = _onchip(dst, "dst", instr), _onchip(src, "src", instr)
     op0 = _check_op(op0, instr, "op0", ("arith", "unary"))
     op1 = _check_op(op1, instr, "op1", ("arith",))
-    check(op1.name in ("add", "subtract", "multiply", "maximum", "minimum"), "op",
-          f"{instr}: op1 must be add / subtract / multiply / maximum / minimum, got nl.{op1.name}")
+    check(
+        op1.name in ("add", "subtract", "multiply", "maximum", "minimum"),
+        "op",
+        f"{instr}: op1 must be add / subtract / multiply / maximum / minimum, got nl.{op1.name}",
+    )
     for what, t in (("src", x), ("dst", dst)):
-        check(t.dtype not in (dt.int32, dt.uint32), "operand-dtype", f"{instr}: {what} cannot be int32/uint32 "
-              f"(ISA limitation)")
+        check(
+            t.dtype not in (dt.int32, dt.uint32),
+            "operand-dtype",
+            f"{instr}: {what} cannot be int32/uint32 (ISA limitation)",
+        )
     cmd = _enum(reduce_cmd, RC, "reduce_cmd")
-    check(cmd in (RC.reset_reduce, RC.reduce, RC.load_reduce), "operand",
-          f"{instr}: reduce_cmd must be reset_reduce, reduce or load_reduce")
+    check(
+        cmd in (RC.reset_reduce, RC.reduce, RC.load_reduce),
+        "operand",
+        f"{instr}: reduce_cmd must be reset_reduce, reduce or load_reduce",
+    )
     _lanes(instr, dst, src=x)
     _same_free(instr, dst, src=x)
     from .isa import _apply_arith, _operand

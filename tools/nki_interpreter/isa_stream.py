@@ -10,7 +10,16 @@ import numpy as np
 from . import dtypes as dt
 from .errors import check
 from .isa import (
-    NkiTensor, _apply_arith, _check_op, _f32, _lanes, _onchip, _raw, _record, _same_free, _store_raw,
+    NkiTensor,
+    _apply_arith,
+    _check_op,
+    _f32,
+    _lanes,
+    _onchip,
+    _raw,
+    _record,
+    _same_free,
+    _store_raw,
     _store_values,
 )
 
@@ -24,8 +33,11 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
     dst, a, b = _onchip(dst, "dst", instr), _onchip(data0, "data0", instr), _onchip(data1, "data1", instr)
     op0 = _check_op(op0, instr, "op0", ("arith",))
     op1 = _check_op(op1, instr, "op1", ("arith",))
-    check(not (a.buffer.name == "psum" and b.buffer.name == "psum"), "psum-operands",
-          f"{instr}: data0 and data1 cannot both be in PSUM")
+    check(
+        not (a.buffer.name == "psum" and b.buffer.name == "psum"),
+        "psum-operands",
+        f"{instr}: data0 and data1 cannot both be in PSUM",
+    )
     _lanes(instr, dst, data0=a, data1=b)
     _same_free(instr, dst, data0=a, data1=b)
     if isinstance(initial, NkiTensor):
@@ -34,8 +46,11 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
         _lanes(instr, dst, initial=initial)
         carry = _f32(initial).reshape(-1)
     else:
-        check(isinstance(initial, (int, float, np.integer, np.floating)), "operand",
-              f"{instr}: initial must be a compile-time number or a (P, 1) tile, got {initial!r}")
+        check(
+            isinstance(initial, (int, float, np.integer, np.floating)),
+            "operand",
+            f"{instr}: initial must be a compile-time number or a (P, 1) tile, got {initial!r}",
+        )
         carry = np.full(dst.shape[0], np.float32(initial), np.float32)
     va, vb = _f32(a), _f32(b)
     out = np.empty_like(va)
@@ -54,10 +69,14 @@ def bn_stats(dst, data, name=None):
     instr = "bn_stats"
     dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
     _lanes(instr, dst, data=x)
-    check(x._free_size <= 512, "free-size", f"{instr}: data has {x._free_size} elements per partition; at most "
-          f"512 (nl.tile_size.bn_stats_fmax)")
-    check(dst._free_size == 6, "shape-mismatch", f"{instr}: dst holds 6 statistics per partition, got "
-          f"{list(dst.shape)}")
+    check(
+        x._free_size <= 512,
+        "free-size",
+        f"{instr}: data has {x._free_size} elements per partition; at most 512 (nl.tile_size.bn_stats_fmax)",
+    )
+    check(
+        dst._free_size == 6, "shape-mismatch", f"{instr}: dst holds 6 statistics per partition, got {list(dst.shape)}"
+    )
     v = _f32(x).astype(np.float64)
     cols = []
     for part in (v[:, 0::2], v[:, 1::2]):
@@ -75,8 +94,12 @@ def bn_aggr(dst, data, name=None):
     instr = "bn_aggr"
     dst, x = _onchip(dst, "dst", instr), _onchip(data, "data", instr)
     _lanes(instr, dst, data=x)
-    check(x._free_size % 3 == 0, "shape-mismatch", f"{instr}: data holds (count, mean, variance·count) triples; "
-          f"{x._free_size} elements per partition is not a multiple of 3")
+    check(
+        x._free_size % 3 == 0,
+        "shape-mismatch",
+        f"{instr}: data holds (count, mean, variance·count) triples; "
+        f"{x._free_size} elements per partition is not a multiple of 3",
+    )
     check(dst._free_size == 2, "shape-mismatch", f"{instr}: dst holds mean and variance, got {list(dst.shape)}")
     t = _f32(x).astype(np.float64).reshape(x.shape[0], -1, 3)
     cnt, mean, m2 = t[..., 0], t[..., 1], t[..., 2]
@@ -98,16 +121,26 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
     dst, s = _onchip(dst, "dst", instr), _onchip(src, "src", instr)
     mask = [int(m) for m in shuffle_mask]
     check(len(mask) == 32, "shuffle-mask", f"{instr}: shuffle_mask has {len(mask)} entries, expected 32")
-    check(all(0 <= m < 32 or m == 255 for m in mask), "shuffle-mask",
-          f"{instr}: shuffle_mask entries are source partitions 0..31 within the quadrant or 255 (keep)")
-    check(dst.dtype == s.dtype, "dtype-mismatch", f"{instr}: dst dtype {dt.name(dst.dtype)} must equal src dtype "
-          f"{dt.name(s.dtype)}")
+    check(
+        all(0 <= m < 32 or m == 255 for m in mask),
+        "shuffle-mask",
+        f"{instr}: shuffle_mask entries are source partitions 0..31 within the quadrant or 255 (keep)",
+    )
+    check(
+        dst.dtype == s.dtype,
+        "dtype-mismatch",
+        f"{instr}: dst dtype {dt.name(dst.dtype)} must equal src dtype {dt.name(s.dtype)}",
+    )
     _same_free(instr, dst, src=s)
     active = -(-max(s.shape[0], dst.shape[0]) // 32) * 32
     legal = (0,) if active > 64 else ((0, 64) if active > 32 else (0, 32, 64, 96))
     for what, t in (("src", s), ("dst", dst)):
-        check(t._pstart in legal, "cross-partition", f"{instr}: {what} starts at partition {t._pstart}; with "
-              f"{active} active partitions the start must be one of {legal}")
+        check(
+            t._pstart in legal,
+            "cross-partition",
+            f"{instr}: {what} starts at partition {t._pstart}; with "
+            f"{active} active partitions the start must be one of {legal}",
+        )
     src_rows, cur = _raw(s), _raw(dst)
     out = cur.copy()
     for q in range(active // 32):
@@ -115,8 +148,11 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
             di, si = 32 * q + i, 32 * q + m
             if m == 255 or di >= dst.shape[0]:
                 continue
-            check(si < s.shape[0], "shuffle-mask", f"{instr}: output partition {di} reads source partition {si}, "
-                  f"but src spans {s.shape[0]} partitions")
+            check(
+                si < s.shape[0],
+                "shuffle-mask",
+                f"{instr}: output partition {di} reads source partition {si}, but src spans {s.shape[0]} partitions",
+            )
             out[di] = src_rows[si]
     _store_raw(dst, out)
     _record("vector", instr, dst, (s,))

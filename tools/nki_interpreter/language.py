@@ -7,17 +7,42 @@ import numpy as np
 
 from . import isa as _isa
 from . import ops as _ops
-from .dtypes import (  # noqa: F401
-    bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4, float8_e5m2, float8_e5m2_x4,
-    float8_e8m0fnu, float16, float32, int8, int16, int32, tfloat32, uint8, uint16, uint32,
-)
 from .dtypes import as_dtype as _as_dtype
-from .errors import NkiRuleError, check
+from .dtypes import (  # noqa: F401
+    bfloat16,
+    bool_,
+    float4_e2m1fn_x4,
+    float8_e4m3,
+    float8_e4m3fn,
+    float8_e4m3fn_x4,
+    float8_e5m2,
+    float8_e5m2_x4,
+    float8_e8m0fnu,
+    float16,
+    float32,
+    int8,
+    int16,
+    int32,
+    tfloat32,
+    uint8,
+    uint16,
+    uint32,
+)
+from .errors import check
 from .ops import *  # noqa: F401,F403  (nl.add, nl.silu, ...)
 from .registers import dynamic_range, fori_loop, while_loop  # noqa: F401
 from .state import PMAX, current
-from .tensor import Buffer, NkiTensor, allocate, ds, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
-from .tensor import hbm  # noqa: F401
+from .tensor import (  # noqa: F401
+    Buffer,
+    NkiTensor,
+    allocate,
+    ds,
+    hbm,  # noqa: F401
+    private_hbm,
+    psum,
+    sbuf,
+    shared_hbm,
+)
 
 tensor = NkiTensor
 
@@ -133,8 +158,11 @@ def _filled(shape, value, dtype, buffer, name):
         v = int(value) if np.dtype(t.dtype).kind in "iu" else float(value)
         _isa.memset(t, v)
     else:
-        check(False, "not-modelled", "nl.zeros/ones/full in HBM: the filling instruction is undocumented; fill an "
-              "SBUF tile and dma_copy it")
+        check(
+            False,
+            "not-modelled",
+            "nl.zeros/ones/full in HBM: the filling instruction is undocumented; fill an SBUF tile and dma_copy it",
+        )
     return t
 
 
@@ -166,8 +194,11 @@ def shared_constant(constant, dtype=None) -> NkiTensor:
     from .tensor import from_numpy
 
     if isinstance(constant, (str, os.PathLike)):
-        check(str(constant).endswith(".npy"), "operand", f"nl.shared_constant: a path must name a .npy file, got "
-              f"{constant!r}")
+        check(
+            str(constant).endswith(".npy"),
+            "operand",
+            f"nl.shared_constant: a path must name a .npy file, got {constant!r}",
+        )
         constant = np.load(constant, allow_pickle=False)
     a = np.asarray(constant) if dtype is None else np.asarray(constant).astype(_as_dtype(dtype))
     return from_numpy(a, shared_hbm, "constant")
@@ -225,8 +256,9 @@ def load(src: NkiTensor, dtype=None) -> NkiTensor:
     """HBM → a new SBUF tile (optionally converting the dtype)."""
     check(isinstance(src, NkiTensor) and src.buffer.is_hbm, "operand", "nl.load reads an HBM tensor")
     shape = src.shape if len(src.shape) >= 2 else (src.shape[0], 1)
-    check(shape[0] <= PMAX, "partition-dim", f"nl.load of {list(src.shape)}: dim 0 becomes the partition dim "
-          f"(≤ {PMAX})")
+    check(
+        shape[0] <= PMAX, "partition-dim", f"nl.load of {list(src.shape)}: dim 0 becomes the partition dim (≤ {PMAX})"
+    )
     t = allocate(shape, dtype if dtype is not None else src.dtype, sbuf, "load")
     _isa.dma_copy(t, src)
     return t
@@ -235,8 +267,11 @@ def load(src: NkiTensor, dtype=None) -> NkiTensor:
 def store(dst: NkiTensor, value: NkiTensor) -> None:
     """SBUF tile → HBM (PSUM is not accepted)."""
     check(isinstance(dst, NkiTensor) and dst.buffer.is_hbm, "operand", "nl.store writes an HBM tensor")
-    check(isinstance(value, NkiTensor) and value.buffer.name == "sbuf", "operand-buffer",
-          "nl.store takes an SBUF tile (evacuate PSUM first)")
+    check(
+        isinstance(value, NkiTensor) and value.buffer.name == "sbuf",
+        "operand-buffer",
+        "nl.store takes an SBUF tile (evacuate PSUM first)",
+    )
     _isa.dma_copy(dst, value)
 
 
@@ -246,8 +281,11 @@ def _new_like(x: NkiTensor, dtype, shape=None) -> NkiTensor:
 
 def _binary_wrapper(op, x, y, dtype=None):
     if isinstance(y, NkiTensor) and isinstance(x, NkiTensor):
-        check(x.shape == y.shape, "shape-mismatch", f"nl.{op.name}: binary wrappers do not broadcast "
-              f"({list(x.shape)} vs {list(y.shape)})")
+        check(
+            x.shape == y.shape,
+            "shape-mismatch",
+            f"nl.{op.name}: binary wrappers do not broadcast ({list(x.shape)} vs {list(y.shape)})",
+        )
         out = _new_like(x, dtype)
         _isa.tensor_tensor(out, x, y, op)
     elif isinstance(x, NkiTensor):
@@ -281,8 +319,11 @@ def _reduction(op):
     def f(x: NkiTensor, axis, dtype=None, keepdims=False):
         axes = (axis,) if isinstance(axis, int) else tuple(axis)
         axes = tuple(sorted(a + x.ndim if a < 0 else a for a in axes))
-        shape = tuple(1 if i in axes else s for i, s in enumerate(x.shape)) if keepdims else \
-            tuple(s for i, s in enumerate(x.shape) if i not in axes)
+        shape = (
+            tuple(1 if i in axes else s for i, s in enumerate(x.shape))
+            if keepdims
+            else tuple(s for i, s in enumerate(x.shape) if i not in axes)
+        )
         if len(shape) < 2:
             shape = (x.shape[0], 1)
         out = allocate(shape, dtype if dtype is not None else x.dtype, sbuf, "")

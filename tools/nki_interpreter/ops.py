@@ -42,8 +42,10 @@ class Op:
 
     def __call__(self, *args, **kwargs):
         if self.wrapper is None:
-            raise NkiRuleError("nl-wrapper", f"nl.{self.name} has no tile-returning wrapper in the interpreter; "
-                               f"use the nisa instruction")
+            raise NkiRuleError(
+                "nl-wrapper",
+                f"nl.{self.name} has no tile-returning wrapper in the interpreter; use the nisa instruction",
+            )
         return self.wrapper(self, *args, **kwargs)
 
 

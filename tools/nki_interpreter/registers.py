@@ -40,8 +40,10 @@ class VirtualRegister:
         raise NkiRuleError("python-on-tensor", "a register has no truth value at trace time; use nl.while_loop")
 
     def __index__(self):
-        raise NkiRuleError("python-on-tensor", "a register is a device value, not a Python int; use it as a loop "
-                           "bound or as .ap(scalar_offset=...)")
+        raise NkiRuleError(
+            "python-on-tensor",
+            "a register is a device value, not a Python int; use it as a loop bound or as .ap(scalar_offset=...)",
+        )
 
 
 def _int32(v) -> int:
@@ -60,8 +62,11 @@ def scalar_value(x) -> int:
         check(x.size == 1, "scalar-offset", f"a runtime scalar must be a one-element tensor, got {list(x.shape)}")
         check(x.buffer.name == "sbuf" or x.buffer.is_hbm, "scalar-offset", "runtime scalars come from SBUF or HBM")
         v = x._np().reshape(-1)[0]
-        check(np.isfinite(v) if np.issubdtype(np.dtype(type(v)), np.floating) or x.dtype.kind == "V" else True,
-              "scalar-offset", f"runtime scalar is not finite: {v}")
+        check(
+            np.isfinite(v) if np.issubdtype(np.dtype(type(v)), np.floating) or x.dtype.kind == "V" else True,
+            "scalar-offset",
+            f"runtime scalar is not finite: {v}",
+        )
         return int(np.asarray(v).astype(np.int64))
     if isinstance(x, (int, np.integer)):
         return int(x)
@@ -88,12 +93,18 @@ def register_load(dst: VirtualRegister, src, name=None) -> None:
     from .tensor import NkiTensor
 
     check(isinstance(dst, VirtualRegister), "register", "register_load dst must be a register")
-    check(isinstance(src, NkiTensor) and src.size == 1 and src.buffer.name != "psum", "register",
-          "register_load src must be a one-element SBUF or HBM tensor ([1] or [1, 1])")
-    check(not (src.dynamic and src._on_chip), "sbuf-indirect-operand",
-          "register_load src is an SBUF view with a runtime offset (.ap(scalar_offset=...)); the isa page takes a "
-          "one-element tensor and documents no indirection for it (engine-side SBUF indirection is a "
-          "NeuronCore-v4 feature without an NKI API, trn3 architecture guide). Load from a static tile")
+    check(
+        isinstance(src, NkiTensor) and src.size == 1 and src.buffer.name != "psum",
+        "register",
+        "register_load src must be a one-element SBUF or HBM tensor ([1] or [1, 1])",
+    )
+    check(
+        not (src.dynamic and src._on_chip),
+        "sbuf-indirect-operand",
+        "register_load src is an SBUF view with a runtime offset (.ap(scalar_offset=...)); the isa page takes a "
+        "one-element tensor and documents no indirection for it (engine-side SBUF indirection is a "
+        "NeuronCore-v4 feature without an NKI API, trn3 architecture guide). Load from a static tile",
+    )
     dst.set(scalar_value(src))
     current().cost.instr("sync", "register_load", 1, 1)
 
@@ -102,8 +113,11 @@ def register_store(dst, src: VirtualRegister, name=None) -> None:
     from .tensor import NkiTensor
 
     check(isinstance(src, VirtualRegister), "register", "register_store src must be a register")
-    check(isinstance(dst, NkiTensor) and dst.size == 1 and dst.buffer.name != "psum", "register",
-          "register_store dst must be a one-element SBUF or HBM tensor")
+    check(
+        isinstance(dst, NkiTensor) and dst.size == 1 and dst.buffer.name != "psum",
+        "register",
+        "register_store dst must be a one-element SBUF or HBM tensor",
+    )
     from .isa import _store_values
 
     _store_values(dst, np.array([[float(src.value)]], np.float64).reshape(dst.shape), exact_int=src.value)
@@ -113,7 +127,9 @@ def register_store(dst, src: VirtualRegister, name=None) -> None:
 # ------------------------------------------------------------------------------------------------ loops
 def fori_loop(lower, upper, body_fun, step: int = 1) -> None:
     """``for i in range(lower, upper, step)`` on the device; ``body_fun(i)`` gets a read-only register."""
-    check(isinstance(step, int) and step > 0, "loop", f"fori_loop step must be a positive compile-time int, got {step!r}")
+    check(
+        isinstance(step, int) and step > 0, "loop", f"fori_loop step must be a positive compile-time int, got {step!r}"
+    )
     lo, hi = _bound(lower), _bound(upper)
     ctx = current()
     ctx.loop_depth += 1

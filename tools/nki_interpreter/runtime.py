@@ -57,7 +57,9 @@ def _torch_to_numpy(t) -> np.ndarray:
     torch = _torch()
     t = t.detach().cpu().contiguous()
     m = {
-        torch.bfloat16: dt.bfloat16, torch.float8_e4m3fn: dt.float8_e4m3fn, torch.float8_e5m2: dt.float8_e5m2,
+        torch.bfloat16: dt.bfloat16,
+        torch.float8_e4m3fn: dt.float8_e4m3fn,
+        torch.float8_e5m2: dt.float8_e5m2,
     }
     if hasattr(torch, "float8_e8m0fnu"):
         m[torch.float8_e8m0fnu] = dt.float8_e8m0fnu
@@ -78,8 +80,9 @@ def _numpy_to_torch(a: np.ndarray):
         u = {1: np.uint8, 2: np.int16}[a.dtype.itemsize]
         return torch.from_numpy(np.ascontiguousarray(a).view(u).copy()).view(m[a.dtype])
     if a.dtype == dt.float8_e4m3:
-        raise NkiRuleError("dtype-unsupported", "torch has no float8_e4m3 (trn2) dtype; return float32/bf16 or "
-                           "view the bytes as uint8")
+        raise NkiRuleError(
+            "dtype-unsupported", "torch has no float8_e4m3 (trn2) dtype; return float32/bf16 or view the bytes as uint8"
+        )
     return torch.from_numpy(np.ascontiguousarray(a).copy())
 
 
@@ -170,9 +173,12 @@ def simulate(kernel):
                 if isinstance(o, (tuple, list)):
                     return type(o)(back(v) for v in o)
                 if isinstance(o, NkiTensor):
-                    check(o.buffer is shared_hbm and o.gather is None, "output-buffer",
-                          f"returned tensor {o.name or ''} is in {o.buffer.name}; kernel outputs must be allocated "
-                          f"in nl.shared_hbm (NKI >= 0.3)")
+                    check(
+                        o.buffer is shared_hbm and o.gather is None,
+                        "output-buffer",
+                        f"returned tensor {o.name or ''} is in {o.buffer.name}; kernel outputs must be allocated "
+                        f"in nl.shared_hbm (NKI >= 0.3)",
+                    )
                     a = np.array(o._np())
                     return _numpy_to_torch(a) if any_torch else a
                 check(o is None, "output-buffer", f"kernels return shared_hbm tensors, got {type(o).__name__}")
@@ -180,9 +186,16 @@ def simulate(kernel):
 
             result = back(out)
             c0 = ctxs[0]
-            _last.append(RunInfo(c0.cost, c0.memory.sbuf_peak, c0.memory.psum_banks_peak, c0.spec.name,
-                                 programs=[c.cost for c in ctxs],
-                                 runtime_loop_depth=max(c.runtime_loop_depth_max for c in ctxs)))
+            _last.append(
+                RunInfo(
+                    c0.cost,
+                    c0.memory.sbuf_peak,
+                    c0.memory.psum_banks_peak,
+                    c0.spec.name,
+                    programs=[c.cost for c in ctxs],
+                    runtime_loop_depth=max(c.runtime_loop_depth_max for c in ctxs),
+                )
+            )
             del _last[:-1]
         return result
 

@@ -63,8 +63,13 @@ SBUF_RESERVED_BYTES = 16384 + 8
 TARGETS = {
     "trn2": TargetSpec("trn2", sbuf_bytes_per_partition=224 * KiB - SBUF_RESERVED_BYTES),
     # trn3 (NeuronCore-v4): 256 KiB physical per partition; e4m3fn is a legal matmul input; MX matmul.
-    "trn3": TargetSpec("trn3", sbuf_bytes_per_partition=256 * KiB - SBUF_RESERVED_BYTES,
-                       sbuf_physical_bytes_per_partition=256 * KiB, fp8_e4m3fn_matmul=True, mx=True),
+    "trn3": TargetSpec(
+        "trn3",
+        sbuf_bytes_per_partition=256 * KiB - SBUF_RESERVED_BYTES,
+        sbuf_physical_bytes_per_partition=256 * KiB,
+        fp8_e4m3fn_matmul=True,
+        mx=True,
+    ),
 }
 _ALIASES = {"trn2": "trn2", "gen3": "trn2", "trn3": "trn3", "gen4": "trn3"}
 
@@ -123,7 +128,8 @@ class MemoryTracker:
                     "sbuf-capacity",
                     f"allocating {name or 'a tensor'} ({bytes_per_partition} B/partition) needs "
                     f"{self.sbuf_live + bytes_per_partition} B/partition of SBUF with the live allocations; "
-                    f"the {self.spec.name} budget is {budget} B/partition. Live: {self._describe('sbuf')}")
+                    f"the {self.spec.name} budget is {budget} B/partition. Live: {self._describe('sbuf')}",
+                )
             self.sbuf_live += bytes_per_partition
             self.sbuf_peak = max(self.sbuf_peak, self.sbuf_live)
             amount = bytes_per_partition
@@ -134,7 +140,8 @@ class MemoryTracker:
                     "psum-capacity",
                     f"allocating {name or 'a PSUM tensor'} ({bytes_per_partition} B/partition = {banks} bank(s) "
                     f"of {self.spec.psum_bank_bytes} B) with {self.psum_banks_live} of "
-                    f"{self.spec.psum_num_banks} PSUM banks live. Live: {self._describe('psum')}")
+                    f"{self.spec.psum_num_banks} PSUM banks live. Live: {self._describe('psum')}",
+                )
             self.psum_banks_live += banks
             self.psum_banks_peak = max(self.psum_banks_peak, self.psum_banks_live)
             amount = banks
@@ -164,7 +171,7 @@ class MemoryTracker:
 class RunContext:
     spec: TargetSpec
     memory: MemoryTracker
-    cost: "object"
+    cost: object
     # Per-lane reduction accumulators of VectorE (tensor_scalar_reduce) and ScalarE (activation reduce).
     accumulators: dict = field(default_factory=dict)
     loop_depth: int = 0
@@ -175,7 +182,7 @@ class RunContext:
     # LNC: this logical core's rank, the number of cores, and what the cores share (None with LNC = 1)
     program: int = 0
     programs: int = 1
-    lnc: "object" = None
+    lnc: object = None
 
 
 class _Stack(threading.local):

@@ -90,23 +90,33 @@ def _normalize_shape(shape) -> tuple[int, ...]:
 def _check_x4_target(dtype) -> None:
     """The packed MX types exist for nc_matmul_mx / quantize_mx, which are NeuronCore-v4 only (isa stub)."""
     if dt.is_x4(dtype) and not current().spec.mx:
-        raise NkiRuleError("dtype-unsupported", f"nl.{dt.name(dtype)}: no FP4 datatype or MX instruction on "
-                           f"{current().spec.name} (the x4 packed types are for trn3's nc_matmul_mx); decode e2m1 "
-                           f"nibbles with integer ops")
+        raise NkiRuleError(
+            "dtype-unsupported",
+            f"nl.{dt.name(dtype)}: no FP4 datatype or MX instruction on "
+            f"{current().spec.name} (the x4 packed types are for trn3's nc_matmul_mx); decode e2m1 "
+            f"nibbles with integer ops",
+        )
 
 
-def allocate(shape, dtype, buffer: Buffer, name: str = "") -> "NkiTensor":
+def allocate(shape, dtype, buffer: Buffer, name: str = "") -> NkiTensor:
     """``nl.ndarray``: a fresh, poisoned allocation, counted against the on-chip budget."""
     dtype = dt.as_dtype(dtype)
     _check_x4_target(dtype)
-    check(isinstance(buffer, Buffer), "buffer", f"buffer must be nl.sbuf / nl.psum / nl.hbm / nl.shared_hbm, "
-          f"got {buffer!r} (strings are rejected since NKI 0.3)")
+    check(
+        isinstance(buffer, Buffer),
+        "buffer",
+        f"buffer must be nl.sbuf / nl.psum / nl.hbm / nl.shared_hbm, "
+        f"got {buffer!r} (strings are rejected since NKI 0.3)",
+    )
     shape = _normalize_shape(shape)
     if buffer.on_chip:
         check(len(shape) >= 2 or True, "shape", "")
-        check(shape[0] <= PMAX, "partition-dim",
-              f"{buffer.name} tensor {name or ''} has partition dim (dim 0) {shape[0]} > {PMAX}: dim 0 of an "
-              f"on-chip tensor is the partition dim")
+        check(
+            shape[0] <= PMAX,
+            "partition-dim",
+            f"{buffer.name} tensor {name or ''} has partition dim (dim 0) {shape[0]} > {PMAX}: dim 0 of an "
+            f"on-chip tensor is the partition dim",
+        )
     ctx = current()
     if buffer.name == SHARED_HBM and ctx.lnc is not None:
         # LNC = 2: shared_hbm is one memory for both logical cores; the k-th shared allocation of each core
@@ -119,7 +129,7 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "") -> "NkiTensor":
     return NkiTensor._full(st, dtype, shape)
 
 
-def from_numpy(a: np.ndarray, buffer: Buffer = shared_hbm, name: str = "") -> "NkiTensor":
+def from_numpy(a: np.ndarray, buffer: Buffer = shared_hbm, name: str = "") -> NkiTensor:
     """An HBM tensor holding a copy of numpy array ``a`` (any NKI dtype)."""
     a = np.ascontiguousarray(a)
     dtype = dt.as_dtype(a.dtype)
@@ -158,8 +168,9 @@ class NkiTensor:
 
     __slots__ = ("storage", "dtype", "shape", "bstrides", "boffset", "gather", "dynamic")
 
-    def __init__(self, storage: Storage, dtype: np.dtype, shape, bstrides, boffset: int, gather=None,
-                 dynamic: bool = False):
+    def __init__(
+        self, storage: Storage, dtype: np.dtype, shape, bstrides, boffset: int, gather=None, dynamic: bool = False
+    ):
         self.storage, self.dtype = storage, dtype
         # dynamic: the start address comes from a runtime value (.ap(scalar_offset=...)); a DMA on it needs
         # descriptor generation at run time (the cost model's DGE component).
@@ -170,7 +181,7 @@ class NkiTensor:
         self._check_bounds()
 
     @classmethod
-    def _full(cls, st: Storage, dtype: np.dtype, shape) -> "NkiTensor":
+    def _full(cls, st: Storage, dtype: np.dtype, shape) -> NkiTensor:
         if st.buffer.on_chip:
             bstr = (st.pbytes,) + _row_major_strides(shape[1:], dtype.itemsize)
         else:
@@ -226,20 +237,28 @@ class NkiTensor:
         return math.prod(self.shape[1:]) if self.ndim > 1 else 1
 
     def __repr__(self) -> str:
-        return (f"NkiTensor({self.buffer.name}, {dt.name(self.dtype)}{list(self.shape)}, name={self.name!r}, "
-                f"offset={self.boffset}B, strides={self.bstrides}B)")
+        return (
+            f"NkiTensor({self.buffer.name}, {dt.name(self.dtype)}{list(self.shape)}, name={self.name!r}, "
+            f"offset={self.boffset}B, strides={self.bstrides}B)"
+        )
 
     _NOT_NKI = {
-        "free_size": "math.prod(t.shape[1:])", "partition_start": "the slice you took", "itemsize": "a dtype table",
-        "on_chip": "nl.is_on_chip(t.buffer)", "numpy": "nl.store / dma_copy to a shared_hbm output",
+        "free_size": "math.prod(t.shape[1:])",
+        "partition_start": "the slice you took",
+        "itemsize": "a dtype table",
+        "on_chip": "nl.is_on_chip(t.buffer)",
+        "numpy": "nl.store / dma_copy to a shared_hbm output",
     }
 
     def __getattr__(self, name):
         # Kernels must run unchanged through the real NKI: interpreter internals are underscored, and the
         # attributes one might reach for by habit get a pointer to the NKI way.
         if name in NkiTensor._NOT_NKI:
-            raise NkiRuleError("not-nki-api", f"NkiTensor.{name} is not part of the NKI tensor API (shape, strides, "
-                               f"offset, dtype, buffer, ndim, size, name); use {NkiTensor._NOT_NKI[name]}")
+            raise NkiRuleError(
+                "not-nki-api",
+                f"NkiTensor.{name} is not part of the NKI tensor API (shape, strides, "
+                f"offset, dtype, buffer, ndim, size, name); use {NkiTensor._NOT_NKI[name]}",
+            )
         raise AttributeError(f"NkiTensor has no attribute {name!r}")
 
     def __bool__(self):
@@ -250,14 +269,20 @@ class NkiTensor:
         return True
 
     def __int__(self):
-        raise NkiRuleError("python-on-tensor", "a tensor's values are not known at trace time; load them into a "
-                           "register (nisa.register_load) for runtime control")
+        raise NkiRuleError(
+            "python-on-tensor",
+            "a tensor's values are not known at trace time; load them into a "
+            "register (nisa.register_load) for runtime control",
+        )
 
     __float__ = __index__ = __int__
 
     def __setitem__(self, key, value):
-        raise NkiRuleError("tensor-assignment", "NKI >= 0.3 tensors are written only by instructions "
-                           "(nisa.*, nl.store, nl.load); item assignment is not part of the language")
+        raise NkiRuleError(
+            "tensor-assignment",
+            "NKI >= 0.3 tensors are written only by instructions "
+            "(nisa.*, nl.store, nl.load); item assignment is not part of the language",
+        )
 
     def __len__(self):
         return self.shape[0]
@@ -268,45 +293,57 @@ class NkiTensor:
             return
         lo = self.boffset + sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.bstrides))
         hi = self.boffset + sum(max(0, (n - 1) * s) for n, s in zip(self.shape, self.bstrides)) + self._itemsize
-        check(lo >= 0 and hi <= self.storage.nbytes, "out-of-bounds",
-              f"view {dt.name(self.dtype)}{list(self.shape)} of {self.name or self.buffer.name} touches bytes "
-              f"[{lo}, {hi}) of a {self.storage.nbytes}-byte allocation")
+        check(
+            lo >= 0 and hi <= self.storage.nbytes,
+            "out-of-bounds",
+            f"view {dt.name(self.dtype)}{list(self.shape)} of {self.name or self.buffer.name} touches bytes "
+            f"[{lo}, {hi}) of a {self.storage.nbytes}-byte allocation",
+        )
         if self._on_chip and self.ndim >= 1:
             pb = self.storage.pbytes
-            check(self.bstrides[0] == pb or self.shape[0] == 1, "partition-dim",
-                  f"dim 0 of an on-chip view must step one partition ({pb} B); got stride {self.bstrides[0]} B "
-                  f"(a strided or permuted partition dim is not addressable)")
+            check(
+                self.bstrides[0] == pb or self.shape[0] == 1,
+                "partition-dim",
+                f"dim 0 of an on-chip view must step one partition ({pb} B); got stride {self.bstrides[0]} B "
+                f"(a strided or permuted partition dim is not addressable)",
+            )
             # the free-dim part of the pattern must stay inside one partition
             flo = self._foffset + sum(min(0, (n - 1) * s) for n, s in zip(self.shape[1:], self.bstrides[1:]))
             fhi = self._foffset + sum(max(0, (n - 1) * s) for n, s in zip(self.shape[1:], self.bstrides[1:]))
-            check(flo >= 0 and fhi + self._itemsize <= pb, "out-of-bounds",
-                  f"free-dim pattern of view {list(self.shape)} leaves its partition ({pb} B per partition)")
-            check(self._pstart + self.shape[0] <= self.storage.partitions, "out-of-bounds",
-                  f"partitions [{self._pstart}, {self._pstart + self.shape[0]}) of a "
-                  f"{self.storage.partitions}-partition tensor")
+            check(
+                flo >= 0 and fhi + self._itemsize <= pb,
+                "out-of-bounds",
+                f"free-dim pattern of view {list(self.shape)} leaves its partition ({pb} B per partition)",
+            )
+            check(
+                self._pstart + self.shape[0] <= self.storage.partitions,
+                "out-of-bounds",
+                f"partitions [{self._pstart}, {self._pstart + self.shape[0]}) of a "
+                f"{self.storage.partitions}-partition tensor",
+            )
 
-    def _derive(self, shape, bstrides, boffset, dtype=None) -> "NkiTensor":
+    def _derive(self, shape, bstrides, boffset, dtype=None) -> NkiTensor:
         check(self.gather is None, "indirect-view", "an indirect (vector_offset) view cannot be re-viewed")
-        return NkiTensor(self.storage, dtype if dtype is not None else self.dtype, shape, bstrides, boffset,
-                         dynamic=self.dynamic)
+        return NkiTensor(
+            self.storage, dtype if dtype is not None else self.dtype, shape, bstrides, boffset, dynamic=self.dynamic
+        )
 
     # ------------------------------------------------------------------------------------------ data access
     def _np(self) -> np.ndarray:
         """A live numpy view of the elements (writes go to the storage). Interpreter-internal."""
         if self.gather is not None:
             raise NkiRuleError("indirect-view", "indirect views are only usable as dma_copy operands")
-        return np.ndarray(self.shape, self.dtype, buffer=self.storage.data, offset=self.boffset,
-                          strides=self.bstrides)
+        return np.ndarray(self.shape, self.dtype, buffer=self.storage.data, offset=self.boffset, strides=self.bstrides)
 
     # ---------------------------------------------------------------------------------------------- indexing
-    def __getitem__(self, key) -> "NkiTensor":
+    def __getitem__(self, key) -> NkiTensor:
         if not isinstance(key, tuple):
             key = (key,)
         n_ell = sum(k is Ellipsis for k in key)
         check(n_ell <= 1, "index", "at most one ... in an index")
         if n_ell:
             i = next(j for j, k in enumerate(key) if k is Ellipsis)
-            key = key[:i] + (slice(None),) * (self.ndim - len(key) + 1) + key[i + 1:]
+            key = key[:i] + (slice(None),) * (self.ndim - len(key) + 1) + key[i + 1 :]
         check(len(key) <= self.ndim, "index", f"{len(key)} indices for a {self.ndim}-D tensor {list(self.shape)}")
         key = key + (slice(None),) * (self.ndim - len(key))
         shape, strides, off, dropped = [], [], self.boffset, []
@@ -334,17 +371,26 @@ class NkiTensor:
                 stop = n if stop is None else int(stop)
                 start = start + n if start < 0 else start
                 stop = stop + n if stop < 0 else stop
-                check(0 <= start < stop <= n, "index",
-                      f"slice [{start}:{stop}] is empty or out of range for dim {d} of size {n}")
+                check(
+                    0 <= start < stop <= n,
+                    "index",
+                    f"slice [{start}:{stop}] is empty or out of range for dim {d} of size {n}",
+                )
                 if self._on_chip and d == 0:
-                    check(step == 1, "partition-dim", "the partition dim (dim 0) of an on-chip tensor can only "
-                          "be sliced with step 1")
+                    check(
+                        step == 1,
+                        "partition-dim",
+                        "the partition dim (dim 0) of an on-chip tensor can only be sliced with step 1",
+                    )
                 off += start * s
                 shape.append(-(-(stop - start) // step))
                 strides.append(s * step)
             else:
-                raise NkiRuleError("index", f"unsupported index {k!r} (ints, slices, nl.ds and ... only; use "
-                                   f".ap(scalar_offset=...) for runtime offsets)")
+                raise NkiRuleError(
+                    "index",
+                    f"unsupported index {k!r} (ints, slices, nl.ds and ... only; use "
+                    f".ap(scalar_offset=...) for runtime offsets)",
+                )
         # An int drops its dim, except on-chip dim 0, and except where that would leave fewer than 2 dims
         # on chip.
         if dropped:
@@ -358,79 +404,101 @@ class NkiTensor:
                 shape, strides = [1], [self._itemsize]
         return self._derive(shape, strides, off)
 
-    def slice(self, dim: int, start: int, end: int, step: int = 1) -> "NkiTensor":
+    def slice(self, dim: int, start: int, end: int, step: int = 1) -> NkiTensor:
         key = [slice(None)] * self.ndim
         key[dim] = slice(start, end, step)
         return self[tuple(key)]
 
-    def select(self, dim: int, index) -> "NkiTensor":
-        check(isinstance(index, (int, np.integer)), "select", "only static (int) select is supported by the "
-              "interpreter; use .ap(scalar_offset=...) for runtime offsets")
+    def select(self, dim: int, index) -> NkiTensor:
+        check(
+            isinstance(index, (int, np.integer)),
+            "select",
+            "only static (int) select is supported by the interpreter; use .ap(scalar_offset=...) for runtime offsets",
+        )
         check(not (self._on_chip and dim == 0), "partition-dim", "select cannot remove dim 0 of an on-chip tensor")
         n = self.shape[dim]
         index = int(index) + (n if index < 0 else 0)
         check(0 <= index < n, "index", f"select index {index} out of range for dim {dim} of size {n}")
-        shape = self.shape[:dim] + self.shape[dim + 1:]
-        strides = self.bstrides[:dim] + self.bstrides[dim + 1:]
+        shape = self.shape[:dim] + self.shape[dim + 1 :]
+        strides = self.bstrides[:dim] + self.bstrides[dim + 1 :]
         return self._derive(shape or (1,), strides or (self._itemsize,), self.boffset + index * self.bstrides[dim])
 
     # ------------------------------------------------------------------------------------------- reshaping
-    def reshape(self, shape) -> "NkiTensor":
+    def reshape(self, shape) -> NkiTensor:
         shape = _normalize_shape(shape)
-        check(math.prod(shape) == self.size, "reshape",
-              f"reshape {list(self.shape)} -> {list(shape)} changes the element count")
+        check(
+            math.prod(shape) == self.size,
+            "reshape",
+            f"reshape {list(self.shape)} -> {list(shape)} changes the element count",
+        )
         if self._on_chip:
-            check(shape[0] == self.shape[0], "partition-dim",
-                  f"reshape of an on-chip tensor must keep dim 0 (the partition dim): {list(self.shape)} -> "
-                  f"{list(shape)}")
+            check(
+                shape[0] == self.shape[0],
+                "partition-dim",
+                f"reshape of an on-chip tensor must keep dim 0 (the partition dim): {list(self.shape)} -> "
+                f"{list(shape)}",
+            )
         probe = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), self.shape, self.bstrides)
         probe = probe.view()
         try:
             probe.shape = shape
         except AttributeError as e:
-            raise NkiRuleError("reshape", f"reshape {list(self.shape)} -> {list(shape)} is incompatible with the "
-                               f"view's layout (strides {self.bstrides} B); it would need a copy") from e
+            raise NkiRuleError(
+                "reshape",
+                f"reshape {list(self.shape)} -> {list(shape)} is incompatible with the "
+                f"view's layout (strides {self.bstrides} B); it would need a copy",
+            ) from e
         return self._derive(shape, probe.strides, self.boffset)
 
-    def reshape_dim(self, dim: int, shape) -> "NkiTensor":
+    def reshape_dim(self, dim: int, shape) -> NkiTensor:
         check(not (self._on_chip and dim == 0), "partition-dim", "reshape_dim cannot touch dim 0 on chip")
-        return self.reshape(self.shape[:dim] + tuple(shape) + self.shape[dim + 1:])
+        return self.reshape(self.shape[:dim] + tuple(shape) + self.shape[dim + 1 :])
 
-    def flatten_dims(self, start_dim: int, end_dim: int) -> "NkiTensor":
+    def flatten_dims(self, start_dim: int, end_dim: int) -> NkiTensor:
         check(not (self._on_chip and start_dim == 0), "partition-dim", "flatten_dims cannot touch dim 0 on chip")
-        n = math.prod(self.shape[start_dim:end_dim + 1])
-        return self.reshape(self.shape[:start_dim] + (n,) + self.shape[end_dim + 1:])
+        n = math.prod(self.shape[start_dim : end_dim + 1])
+        return self.reshape(self.shape[:start_dim] + (n,) + self.shape[end_dim + 1 :])
 
-    def expand_dim(self, dim: int) -> "NkiTensor":
+    def expand_dim(self, dim: int) -> NkiTensor:
         check(not (self._on_chip and dim == 0), "partition-dim", "expand_dim cannot insert before dim 0 on chip")
-        return self._derive(self.shape[:dim] + (1,) + self.shape[dim:],
-                            self.bstrides[:dim] + (self._itemsize,) + self.bstrides[dim:], self.boffset)
+        return self._derive(
+            self.shape[:dim] + (1,) + self.shape[dim:],
+            self.bstrides[:dim] + (self._itemsize,) + self.bstrides[dim:],
+            self.boffset,
+        )
 
-    def squeeze_dim(self, dim: int) -> "NkiTensor":
+    def squeeze_dim(self, dim: int) -> NkiTensor:
         check(not (self._on_chip and dim == 0), "partition-dim", "squeeze_dim cannot remove dim 0 on chip")
         check(self.shape[dim] == 1, "reshape", f"squeeze_dim({dim}) of a dim of size {self.shape[dim]}")
-        return self._derive(self.shape[:dim] + self.shape[dim + 1:], self.bstrides[:dim] + self.bstrides[dim + 1:],
-                            self.boffset)
+        return self._derive(
+            self.shape[:dim] + self.shape[dim + 1 :], self.bstrides[:dim] + self.bstrides[dim + 1 :], self.boffset
+        )
 
-    def permute(self, dims) -> "NkiTensor":
+    def permute(self, dims) -> NkiTensor:
         dims = tuple(int(d) for d in dims)
         check(sorted(dims) == list(range(self.ndim)), "permute", f"{dims} is not a permutation of {self.ndim} dims")
-        check(not self._on_chip or dims[0] == 0, "partition-dim",
-              "permute of an on-chip tensor must keep dim 0 first (moving data across partitions needs a "
-              "transpose instruction)")
+        check(
+            not self._on_chip or dims[0] == 0,
+            "partition-dim",
+            "permute of an on-chip tensor must keep dim 0 first (moving data across partitions needs a "
+            "transpose instruction)",
+        )
         return self._derive([self.shape[d] for d in dims], [self.bstrides[d] for d in dims], self.boffset)
 
-    def broadcast(self, dim: int, size: int) -> "NkiTensor":
-        check(not (self._on_chip and dim == 0), "cross-partition",
-              "broadcast along dim 0 of an on-chip tensor would copy across partitions; use a matmul with "
-              "ones, nc_stream_shuffle or a DMA")
+    def broadcast(self, dim: int, size: int) -> NkiTensor:
+        check(
+            not (self._on_chip and dim == 0),
+            "cross-partition",
+            "broadcast along dim 0 of an on-chip tensor would copy across partitions; use a matmul with "
+            "ones, nc_stream_shuffle or a DMA",
+        )
         check(self.shape[dim] == 1, "broadcast", f"broadcast dim {dim} has size {self.shape[dim]}, expected 1")
         shape = list(self.shape)
         strides = list(self.bstrides)
         shape[dim], strides[dim] = int(size), 0
         return self._derive(shape, strides, self.boffset)
 
-    def broadcast_to(self, shape) -> "NkiTensor":
+    def broadcast_to(self, shape) -> NkiTensor:
         shape = _normalize_shape(shape)
         check(len(shape) == self.ndim, "broadcast", f"broadcast_to {list(shape)} from {list(self.shape)}")
         t = self
@@ -439,18 +507,24 @@ class NkiTensor:
                 t = t.broadcast(d, b)
         return t
 
-    def view(self, dtype) -> "NkiTensor":
+    def view(self, dtype) -> NkiTensor:
         """Bitcast: reinterpret the bytes; the contiguous last dim is rescaled by the itemsize ratio."""
         dtype = dt.as_dtype(dtype)
         _check_x4_target(dtype)
         old, new = self._itemsize, dtype.itemsize
         if old == new:
             return self._derive(self.shape, self.bstrides, self.boffset, dtype)
-        check(self.bstrides[-1] == old or self.shape[-1] == 1, "view",
-              f"view({dt.name(dtype)}) needs a contiguous last dim; stride is {self.bstrides[-1]} B")
+        check(
+            self.bstrides[-1] == old or self.shape[-1] == 1,
+            "view",
+            f"view({dt.name(dtype)}) needs a contiguous last dim; stride is {self.bstrides[-1]} B",
+        )
         nbytes = self.shape[-1] * old
-        check(nbytes % new == 0, "view",
-              f"view({dt.name(dtype)}): last dim of {self.shape[-1]} × {old} B is not a multiple of {new} B")
+        check(
+            nbytes % new == 0,
+            "view",
+            f"view({dt.name(dtype)}): last dim of {self.shape[-1]} × {old} B is not a multiple of {new} B",
+        )
         check(not (self._on_chip and self.ndim == 1), "partition-dim", "view() would rescale the partition dim")
         shape = self.shape[:-1] + (nbytes // new,)
         strides = self.bstrides[:-1] + (new,)
@@ -477,8 +551,11 @@ class NkiTensor:
         """
         dtype = dt.as_dtype(dtype) if dtype is not None else self.dtype
         isz = dtype.itemsize
-        check(scalar_offset is None or vector_offset is None, "ap",
-              "scalar_offset and vector_offset are mutually exclusive")
+        check(
+            scalar_offset is None or vector_offset is None,
+            "ap",
+            "scalar_offset and vector_offset are mutually exclusive",
+        )
         pattern = [tuple(int(x) for x in p) for p in pattern]
         check(all(len(p) == 2 and p[1] >= 1 for p in pattern), "ap", f"pattern must be [[step, count], ...]: {pattern}")
         if offset is None:
@@ -492,23 +569,29 @@ class NkiTensor:
 
             v = scalar_value(scalar_offset)
             check(0 <= indirect_dim < self.ndim, "ap", f"indirect_dim={indirect_dim} for a {self.ndim}-D tensor")
-            unit = math.prod(self.shape[indirect_dim + 1:]) * self._itemsize
+            unit = math.prod(self.shape[indirect_dim + 1 :]) * self._itemsize
             boff += v * unit
         shape = [c for _, c in pattern]
         bstr = [s * isz for s, _ in pattern]
         if st.buffer.on_chip:
-            check(pattern[0][0] * isz == st.pbytes or pattern[0][1] == 1, "ap",
-                  f"on-chip access pattern: the first pair is the partition pair and its step must be the free "
-                  f"size of the allocation ({st.pbytes // isz} elements of {dt.name(dtype)}), got {pattern[0][0]}")
+            check(
+                pattern[0][0] * isz == st.pbytes or pattern[0][1] == 1,
+                "ap",
+                f"on-chip access pattern: the first pair is the partition pair and its step must be the free "
+                f"size of the allocation ({st.pbytes // isz} elements of {dt.name(dtype)}), got {pattern[0][0]}",
+            )
             bstr[0] = st.pbytes
         if vector_offset is not None:
-            check(indirect_dim == 0 and not st.buffer.on_chip, "ap",
-                  "vector_offset addresses rows (indirect_dim=0) of an HBM tensor only")
+            check(
+                indirect_dim == 0 and not st.buffer.on_chip,
+                "ap",
+                "vector_offset addresses rows (indirect_dim=0) of an HBM tensor only",
+            )
             # (P, N) index tiles are read partition-first ("flat_indices = indices.T.flatten()", dma_transpose
             # page); for the usual (P, 1) that is plain row order.
             idx = np.asarray(vector_offset._np()).reshape(vector_offset.shape[0], -1).T.reshape(-1).astype(np.int64)
             check(len(idx) >= shape[0], "ap", f"vector_offset has {len(idx)} indices for {shape[0]} rows")
-            idx = idx[:shape[0]]
+            idx = idx[: shape[0]]
             row = math.prod(self.shape[1:]) * self._itemsize
             gather = [boff + int(i) * row for i in idx]
             return NkiTensor(st, dtype, shape, bstr, boff, gather=(gather, row, self.shape[0], idx))
@@ -527,8 +610,9 @@ class NkiTensor:
 
     # Arithmetic on tensors is not part of NKI >= 0.3 (use nl.* or nisa.*): fail loudly.
     def _no_arith(self, *_):
-        raise NkiRuleError("python-on-tensor", "Python operators on tensors are not NKI; use nl.add / nisa.* "
-                           "instructions")
+        raise NkiRuleError(
+            "python-on-tensor", "Python operators on tensors are not NKI; use nl.add / nisa.* instructions"
+        )
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __neg__ = _no_arith
     __lt__ = __le__ = __gt__ = __ge__ = _no_arith

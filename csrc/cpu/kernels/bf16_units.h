@@ -17,7 +17,7 @@ namespace static_moe {
 namespace cpu {
 namespace {
 
-constexpr int64_t kUnit = 32;     // k per unit: one zmm of 32 bf16
+constexpr int64_t kUnit = 32;  // k per unit: one zmm of 32 bf16
 
 // Power-of-two scale whose products with any e4m3fn value are normal bf16 numbers (or inf, as in fp32).
 inline bool exact_bf16_scale(float s) {
@@ -41,11 +41,10 @@ inline bool rows_fast(const uint8_t* const* s, int64_t nb) {
   return off == 0;
 }
 
-alignas(64) constexpr uint16_t kE2m1Bf16[32] = {
-    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
-    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+alignas(64) constexpr uint16_t kE2m1Bf16[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                                0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+                                                0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                                0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
 
 // Column (within its 32-k unit) that position w of a decoded fp4 unit holds. The 16 packed bytes are broadcast to
 // the four 128-bit lanes; word v of a lane holds packed bytes 2v and 2v + 1, the nibbles of columns 4v … 4v + 3,
@@ -88,8 +87,8 @@ inline __m512i fp4_unit(const uint8_t* row, int64_t k0, __m512i lut) {
 
 // The same words, for the panel.
 inline __m512i fp4_panel_unit(const uint8_t* row, int64_t k0, __m512i lut) {
-  return _mm512_permutexvar_epi16(
-      _mm512_multishift_epi64_epi8(_mm512_load_si512(kFp4Control.b), fp4_packed(row, k0)), lut);
+  return _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(_mm512_load_si512(kFp4Control.b), fp4_packed(row, k0)),
+                                  lut);
 }
 
 // The fast path's 32-entry tables for every scale byte b in [2, 252]: kE2m1Bf16 with (b - 127) << 7 added to the
@@ -194,7 +193,9 @@ constexpr int fp8_column(int v, int w) { return 16 * (w / 8) + 8 * v + w % 8; }
 struct Fp8Decoder {
   __m512i lo0, lo1, hi0, hi1;
   explicit Fp8Decoder(const Fp8Bytes& t = kFp8Bytes)
-      : lo0(_mm512_load_si512(t.lo)), lo1(_mm512_load_si512(t.lo + 64)), hi0(_mm512_load_si512(t.hi)),
+      : lo0(_mm512_load_si512(t.lo)),
+        lo1(_mm512_load_si512(t.lo + 64)),
+        hi0(_mm512_load_si512(t.hi)),
         hi1(_mm512_load_si512(t.hi + 64)) {}
 
   // The 64 e4m3fn codes of the line at p -> its two units of 32 bf16 numbers of the same values (fp8_column order).

@@ -50,11 +50,11 @@ constexpr int64_t kFp4WeightBlock = 32;   // fp4 weight scale: one UE8M0 byte pe
 struct ExpertWeight {
   WeightFormat format = WeightFormat::Bf16;
   int64_t n = 0;
-  int64_t k = 0;                   // multiple of 32 (of 128 for fp8)
-  const uint8_t* data = nullptr;   // row r starts at data + r * row_stride
-  int64_t row_stride = 0;          // bytes
-  const void* scale = nullptr;     // fp8: float [n, k/128]; fp4: uint8 [n, k/32]; bf16: unused
-  int64_t scale_row_stride = 0;    // elements
+  int64_t k = 0;                  // multiple of 32 (of 128 for fp8)
+  const uint8_t* data = nullptr;  // row r starts at data + r * row_stride
+  int64_t row_stride = 0;         // bytes
+  const void* scale = nullptr;    // fp8: float [n, k/128]; fp4: uint8 [n, k/32]; bf16: unused
+  int64_t scale_row_stride = 0;   // elements
 };
 
 enum class OutKind : int {
@@ -92,8 +92,7 @@ bool prepare_activation(Isa isa, WeightFormat wf, ActFormat af, const void* x, c
 // streamed weight lines.
 class PreparedRows {
  public:
-  PreparedRows(int64_t rows, int64_t k)
-      : stride_(k + 16), buf_(static_cast<size_t>(rows * (k + 16) + 16)) {
+  PreparedRows(int64_t rows, int64_t k) : stride_(k + 16), buf_(static_cast<size_t>(rows * (k + 16) + 16)) {
     const uintptr_t p = reinterpret_cast<uintptr_t>(buf_.data());
     base_ = buf_.data() + ((64 - p % 64) % 64) / sizeof(float);
   }

@@ -49,11 +49,11 @@ namespace static_moe {
 namespace cpu {
 namespace {
 
-constexpr int kTile = 16;         // weight rows per A tile; activation rows per group (B, C)
-constexpr int kMaxGroups = 5;     // C tiles of a pass with one weight block: tmm3 … tmm7
-constexpr int64_t kStep = 128;    // k decoded per step: 4 units
+constexpr int kTile = 16;       // weight rows per A tile; activation rows per group (B, C)
+constexpr int kMaxGroups = 5;   // C tiles of a pass with one weight block: tmm3 … tmm7
+constexpr int64_t kStep = 128;  // k decoded per step: 4 units
 constexpr int kStepUnits = static_cast<int>(kStep / kUnit);
-constexpr int kStreamHint = 2;    // prefetcht1, as the avx512bf16 kernels
+constexpr int kStreamHint = 2;  // prefetcht1, as the avx512bf16 kernels
 
 // LDTILECFG's 64-byte operand (Intel SDM, "Tile configuration"): palette 1, then bytes per row and rows per tile.
 struct alignas(64) TileConfig {
@@ -85,13 +85,13 @@ inline TileConfig tile_config(int ng, int nr, int last) {
 
 // One unit's products of a pass: A from a (stride sa), B(g) from bg[g]. GCC's tile intrinsics paste the tile
 // number into the instruction's text, so each group's tiles are written out.
-#define SM_GROUP_PRODUCT(G, C)           \
-  if constexpr (NG == G + 1) {           \
-    _tile_loadd(2, bg[G], 4 * kTile);    \
-    _tile_dpbf16ps(C, 0, 2);             \
-  } else if constexpr (NG > G + 1) {     \
-    _tile_loadd(1, bg[G], 4 * kTile);    \
-    _tile_dpbf16ps(C, 0, 1);             \
+#define SM_GROUP_PRODUCT(G, C)        \
+  if constexpr (NG == G + 1) {        \
+    _tile_loadd(2, bg[G], 4 * kTile); \
+    _tile_dpbf16ps(C, 0, 2);          \
+  } else if constexpr (NG > G + 1) {  \
+    _tile_loadd(1, bg[G], 4 * kTile); \
+    _tile_dpbf16ps(C, 0, 1);          \
   }
 template <int NG>
 __attribute__((always_inline)) inline void unit_products(const void* a, int64_t sa, const uint32_t* const* bg) {
@@ -252,14 +252,19 @@ void tile_pass(const TileRows& t, int64_t g0, const ExpertWeight& w, const Block
 }
 
 template <WeightFormat F, bool Fold>
-void tile_pass_groups(int ng, const TileRows& t, int64_t g0, const ExpertWeight& w, const Block& blk,
-                      const Block* nxt, float (*c)[kTile][kTile]) {
+void tile_pass_groups(int ng, const TileRows& t, int64_t g0, const ExpertWeight& w, const Block& blk, const Block* nxt,
+                      float (*c)[kTile][kTile]) {
   switch (ng) {
-    case 1: return tile_pass<F, Fold, 1>(t, g0, w, blk, nxt, c);
-    case 2: return tile_pass<F, Fold, 2>(t, g0, w, blk, nxt, c);
-    case 3: return tile_pass<F, Fold, 3>(t, g0, w, blk, nxt, c);
-    case 4: return tile_pass<F, Fold, 4>(t, g0, w, blk, nxt, c);
-    default: return tile_pass<F, Fold, 5>(t, g0, w, blk, nxt, c);
+    case 1:
+      return tile_pass<F, Fold, 1>(t, g0, w, blk, nxt, c);
+    case 2:
+      return tile_pass<F, Fold, 2>(t, g0, w, blk, nxt, c);
+    case 3:
+      return tile_pass<F, Fold, 3>(t, g0, w, blk, nxt, c);
+    case 4:
+      return tile_pass<F, Fold, 4>(t, g0, w, blk, nxt, c);
+    default:
+      return tile_pass<F, Fold, 5>(t, g0, w, blk, nxt, c);
   }
 }
 
@@ -341,9 +346,12 @@ bool run(const RowsPlan& fallback, const float* const* a, int64_t m, const Exper
     tiles = &own;
   }
   switch (w.format) {
-    case WeightFormat::Fp4: return tile_gemm<WeightFormat::Fp4>(fallback, a, *tiles, w, n0, n1, out);
-    case WeightFormat::Fp8: return tile_gemm<WeightFormat::Fp8>(fallback, a, *tiles, w, n0, n1, out);
-    case WeightFormat::Bf16: break;
+    case WeightFormat::Fp4:
+      return tile_gemm<WeightFormat::Fp4>(fallback, a, *tiles, w, n0, n1, out);
+    case WeightFormat::Fp8:
+      return tile_gemm<WeightFormat::Fp8>(fallback, a, *tiles, w, n0, n1, out);
+    case WeightFormat::Bf16:
+      break;
   }
   return tile_gemm<WeightFormat::Bf16>(fallback, a, *tiles, w, n0, n1, out);
 }

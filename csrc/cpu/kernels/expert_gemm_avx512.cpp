@@ -67,8 +67,8 @@ struct V512 {
     const __m128i b = _mm_maskz_loadu_epi8(live, s);
     bad |= _mm_mask_cmpeq_epi8_mask(live, b, _mm_set1_epi8(-1)) != 0;
     const __m512i d = _mm512_cvtepu8_epi32(b);
-    const __m512i bits = _mm512_mask_mov_epi32(_mm512_slli_epi32(d, 23), _mm512_cmpeq_epi32_mask(d, _mm512_setzero_si512()),
-                                               _mm512_set1_epi32(0x00400000));
+    const __m512i bits = _mm512_mask_mov_epi32(
+        _mm512_slli_epi32(d, 23), _mm512_cmpeq_epi32_mask(d, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
     _mm512_storeu_ps(out, _mm512_castsi512_ps(bits));
   }
 

@@ -65,12 +65,12 @@ namespace static_moe {
 namespace cpu {
 namespace {
 
-constexpr int64_t kChunk = 512;   // k per prepared chunk of fp4 scales (16 blocks)
+constexpr int64_t kChunk = 512;  // k per prepared chunk of fp4 scales (16 blocks)
 // Blocking: MR activation rows × NR weight rows of accumulators, 6 × 4 = 24 of the 32 zmm registers. Each decoded
 // weight unit serves MR rows, so a larger MR spends less decode per vdpbf16ps.
-constexpr int kMR = 6;            // activation rows per block
-constexpr int kNR = 4;            // weight rows per block
-constexpr int kNR1 = 4;           // weight rows per block when there is one activation row
+constexpr int kMR = 6;   // activation rows per block
+constexpr int kNR = 4;   // weight rows per block
+constexpr int kNR1 = 4;  // weight rows per block when there is one activation row
 // fp8 weights keep two accumulators per (row, weight row) (the running sum and the 128-k block's): a smaller
 // block, 4 × 3 × 2 = 24 zmm, so that both sets stay in the 32 zmm registers next to the decode table.
 constexpr int kMRFp8 = 4;
@@ -94,7 +94,7 @@ constexpr uint8_t kFp4Lift = 64;
 // The fp4 scales of one chunk of a weight row.
 struct Fp4Chunk {
   alignas(16) uint8_t byte[16];
-  bool fast;                      // every b in [2, 252]: the exponent add is exact for all non-zero e2m1 values
+  bool fast;  // every b in [2, 252]: the exponent add is exact for all non-zero e2m1 values
 };
 
 inline void fp4_chunk(const uint8_t* s, int nb, Fp4Chunk& c, uint32_t& bad) {
@@ -172,9 +172,8 @@ struct Accumulators {
 // Out of line (and reached through a copy of the accumulators), so that this rare path does not change the
 // register allocation of dot_block's fast loop.
 template <int MR, int NR>
-__attribute__((noinline)) void slow_fp4_chunk(const uint16_t* const* ap, const uint8_t* const* rq,
-                                              const Fp4Chunk* ch, int64_t kc, int64_t kend,
-                                              Accumulators<MR, NR>& accs) {
+__attribute__((noinline)) void slow_fp4_chunk(const uint16_t* const* ap, const uint8_t* const* rq, const Fp4Chunk* ch,
+                                              int64_t kc, int64_t kend, Accumulators<MR, NR>& accs) {
   auto& acc = accs.v;
   const int nu = static_cast<int>((kend - kc) / kUnit);
   bool low[NR];
@@ -501,8 +500,7 @@ void dot_panel_fp4(const uint16_t* const* a, int64_t m, const ExpertWeight& w, i
     if (fast) {
       for (int64_t k0 = kc; k0 < kend; k0 += kUnit) {
         const int u = static_cast<int>((k0 - kc) / kUnit);
-        for (int j = 0; j < NR; ++j)
-          _mm512_store_si512(panel.w[u][j], fp4_panel_unit(rq[j], k0, fp4_table(rs[j], k0)));
+        for (int j = 0; j < NR; ++j) _mm512_store_si512(panel.w[u][j], fp4_panel_unit(rq[j], k0, fp4_table(rs[j], k0)));
       }
     }
     for (int64_t i = 0; i < m; i += kMRPanel) {
@@ -704,8 +702,8 @@ inline __m512 e4m3fn_to_ps(__m128i codes) {
   const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
   const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
   const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0.001953125f));
-  __m512i v = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), normal,
-                                      _mm512_castps_si512(sub));
+  __m512i v =
+      _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), normal, _mm512_castps_si512(sub));
   v = _mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7FC00000));
   return _mm512_castsi512_ps(_mm512_or_si512(v, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24)));
 }
@@ -777,15 +775,13 @@ bool prepare_activation(WeightFormat wf, ActFormat af, const void* x, const floa
   uint16_t* o = reinterpret_cast<uint16_t*>(row) + c0;
   if (af == ActFormat::Bf16) {
     const uint16_t* xb = static_cast<const uint16_t*>(x);
-    row_bf16(
-        wf, k, o, [&](int64_t c) { return _mm512_loadu_si512(xb + c); }, [&](int64_t c) { return xb[c]; });
+    row_bf16(wf, k, o, [&](int64_t c) { return _mm512_loadu_si512(xb + c); }, [&](int64_t c) { return xb[c]; });
   } else {  // fp8: each 32 columns in one scale group (groups of 32 or 128, csrc/checks/common.h)
     const uint8_t* xq = static_cast<const uint8_t*>(x);
     auto value = [&](int64_t c) {  // an exact bf16 number: its top 16 bits
       return static_cast<uint16_t>(float_bits(e4m3fn_to_float(xq[c]) * x_scale[c / group]) >> 16);
     };
-    row_bf16(
-        wf, k, o, [&](int64_t c) { return fp8_acts_bf16(xq + c, x_scale[c / group]); }, value);
+    row_bf16(wf, k, o, [&](int64_t c) { return fp8_acts_bf16(xq + c, x_scale[c / group]); }, value);
   }
   return true;
 }
@@ -794,9 +790,12 @@ bool run(RowPath path, const float* const* a, int64_t m, const ExpertWeight& w, 
          const OutRows& out) {
   const uint16_t* const* ab = reinterpret_cast<const uint16_t* const*>(a);  // rows hold bf16 (see prepare)
   switch (w.format) {
-    case WeightFormat::Fp4: return dot_format<WeightFormat::Fp4>(path, ab, m, w, n0, n1, out);
-    case WeightFormat::Fp8: return dot_format<WeightFormat::Fp8>(path, ab, m, w, n0, n1, out);
-    case WeightFormat::Bf16: break;
+    case WeightFormat::Fp4:
+      return dot_format<WeightFormat::Fp4>(path, ab, m, w, n0, n1, out);
+    case WeightFormat::Fp8:
+      return dot_format<WeightFormat::Fp8>(path, ab, m, w, n0, n1, out);
+    case WeightFormat::Bf16:
+      break;
   }
   return dot_format<WeightFormat::Bf16>(path, ab, m, w, n0, n1, out);
 }

@@ -95,9 +95,12 @@ struct GemmKernels {
   static inline RowPtrs row_ptrs(const ExpertWeight& w, int64_t n) {
     RowPtrs r;
     r.q = w.data + n * w.row_stride;
-    if (F == WeightFormat::Fp8) r.s = static_cast<const float*>(w.scale) + n * w.scale_row_stride;
-    else if (F == WeightFormat::Fp4) r.s = static_cast<const uint8_t*>(w.scale) + n * w.scale_row_stride;
-    else r.s = nullptr;
+    if (F == WeightFormat::Fp8)
+      r.s = static_cast<const float*>(w.scale) + n * w.scale_row_stride;
+    else if (F == WeightFormat::Fp4)
+      r.s = static_cast<const uint8_t*>(w.scale) + n * w.scale_row_stride;
+    else
+      r.s = nullptr;
     return r;
   }
 
@@ -132,15 +135,21 @@ struct GemmKernels {
 
   // k per 64-byte cache line of a weight row.
   template <WeightFormat F>
-  static constexpr int64_t line_k() { return F == WeightFormat::Fp4 ? 128 : (F == WeightFormat::Fp8 ? 64 : 32); }
+  static constexpr int64_t line_k() {
+    return F == WeightFormat::Fp4 ? 128 : (F == WeightFormat::Fp8 ? 64 : 32);
+  }
 
   // k per step of the unit loops: one cache line of a weight row, or one unit where a unit spans more.
   template <WeightFormat F>
-  static constexpr int64_t step_k() { return line_k<F>() > U ? line_k<F>() : U; }
+  static constexpr int64_t step_k() {
+    return line_k<F>() > U ? line_k<F>() : U;
+  }
 
   // The byte of column k in a weight row (k a multiple of line_k<F>()).
   template <WeightFormat F>
-  static constexpr int64_t row_byte(int64_t k) { return k * 64 / line_k<F>(); }
+  static constexpr int64_t row_byte(int64_t k) {
+    return k * 64 / line_k<F>();
+  }
 
   // Few rows: decode each unit of NR weight rows into registers and use it at once for all MR rows. With
   // `prefetch` (set when the next NR weight rows are in the caller's range), their same lines are requested one
@@ -208,10 +217,17 @@ struct GemmKernels {
     int64_t i = 0;
     for (; i + MR <= m; i += MR) fused_block<F, MR, NR>(a, i, w, n, out, prefetch && i == 0, bad);
     switch (m - i) {
-      case 1: fused_block<F, 1, NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
-      case 2: fused_block<F, (MR > 2 ? 2 : 1), NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
-      case 3: fused_block<F, (MR > 3 ? 3 : 1), NR>(a, i, w, n, out, prefetch && i == 0, bad); break;
-      default: break;
+      case 1:
+        fused_block<F, 1, NR>(a, i, w, n, out, prefetch && i == 0, bad);
+        break;
+      case 2:
+        fused_block<F, (MR > 2 ? 2 : 1), NR>(a, i, w, n, out, prefetch && i == 0, bad);
+        break;
+      case 3:
+        fused_block<F, (MR > 3 ? 3 : 1), NR>(a, i, w, n, out, prefetch && i == 0, bad);
+        break;
+      default:
+        break;
     }
   }
 
@@ -275,10 +291,17 @@ struct GemmKernels {
       int64_t i = 0;
       for (; i + MR <= m; i += MR) panel_block<MR, NR>(a, i, kc, len, panel, park + i * NR * W);
       switch (m - i) {
-        case 1: panel_block<1, NR>(a, i, kc, len, panel, park + i * NR * W); break;
-        case 2: panel_block<(MR > 2 ? 2 : 1), NR>(a, i, kc, len, panel, park + i * NR * W); break;
-        case 3: panel_block<(MR > 3 ? 3 : 1), NR>(a, i, kc, len, panel, park + i * NR * W); break;
-        default: break;
+        case 1:
+          panel_block<1, NR>(a, i, kc, len, panel, park + i * NR * W);
+          break;
+        case 2:
+          panel_block<(MR > 2 ? 2 : 1), NR>(a, i, kc, len, panel, park + i * NR * W);
+          break;
+        case 3:
+          panel_block<(MR > 3 ? 3 : 1), NR>(a, i, kc, len, panel, park + i * NR * W);
+          break;
+        default:
+          break;
       }
     }
     bad_out |= bad;
@@ -324,8 +347,8 @@ struct GemmKernels {
   }
 
   template <WeightFormat F>
-  static bool run_format(RowPath path, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0,
-                         int64_t n1, const OutRows& out) {
+  static bool run_format(RowPath path, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
+                         const OutRows& out) {
     if (path == RowPath::OneRow) return run_path<F, RowPath::OneRow>(a, m, w, n0, n1, out);
     if constexpr (V::kPanelNR > 0) {
       if (path == RowPath::Panel) return run_path<F, RowPath::Panel>(a, m, w, n0, n1, out);
@@ -337,9 +360,12 @@ struct GemmKernels {
   static bool run(RowPath path, const float* const* a, int64_t m, const ExpertWeight& w, int64_t n0, int64_t n1,
                   const OutRows& out) {
     switch (w.format) {
-      case WeightFormat::Bf16: return run_format<WeightFormat::Bf16>(path, a, m, w, n0, n1, out);
-      case WeightFormat::Fp8: return run_format<WeightFormat::Fp8>(path, a, m, w, n0, n1, out);
-      case WeightFormat::Fp4: return run_format<WeightFormat::Fp4>(path, a, m, w, n0, n1, out);
+      case WeightFormat::Bf16:
+        return run_format<WeightFormat::Bf16>(path, a, m, w, n0, n1, out);
+      case WeightFormat::Fp8:
+        return run_format<WeightFormat::Fp8>(path, a, m, w, n0, n1, out);
+      case WeightFormat::Fp4:
+        return run_format<WeightFormat::Fp4>(path, a, m, w, n0, n1, out);
     }
     return true;
   }

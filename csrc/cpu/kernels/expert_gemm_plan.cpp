@@ -12,10 +12,16 @@ bool prepare_activation(Isa isa, WeightFormat wf, ActFormat af, const void* x, c
                         int64_t c0, int64_t k, float* row) {
   switch (isa) {
     case Isa::Amx:
-    case Isa::Avx512Bf16: return avx512bf16::prepare_activation(wf, af, x, x_scale, group, c0, k, row);
-    case Isa::Avx512: avx512::prepare_activation(wf, af, x, x_scale, group, k, row + c0); return false;
-    case Isa::Avx2: avx2::prepare_activation(wf, af, x, x_scale, group, k, row + c0); return false;
-    case Isa::Scalar: break;
+    case Isa::Avx512Bf16:
+      return avx512bf16::prepare_activation(wf, af, x, x_scale, group, c0, k, row);
+    case Isa::Avx512:
+      avx512::prepare_activation(wf, af, x, x_scale, group, k, row + c0);
+      return false;
+    case Isa::Avx2:
+      avx2::prepare_activation(wf, af, x, x_scale, group, k, row + c0);
+      return false;
+    case Isa::Scalar:
+      break;
   }
   scalar::prepare_activation(wf, af, x, x_scale, group, k, row + c0);
   return false;
@@ -79,15 +85,21 @@ namespace {
 bool run_rows(const RowsPlan& p, const RowsPlan& fallback, const float* const* a, const ExpertWeight& w, int64_t n0,
               int64_t n1, const OutRows& out, const TileRows* tiles) {
   switch (p.kernel) {
-    case GemmKernel::None: return true;
+    case GemmKernel::None:
+      return true;
     case GemmKernel::Float32:
       switch (p.isa) {
-        case Isa::Avx512: return avx512::run(p.path, a, p.rows, w, n0, n1, out);
-        case Isa::Avx2: return avx2::run(p.path, a, p.rows, w, n0, n1, out);
-        default: return scalar::run(p.path, a, p.rows, w, n0, n1, out);
+        case Isa::Avx512:
+          return avx512::run(p.path, a, p.rows, w, n0, n1, out);
+        case Isa::Avx2:
+          return avx2::run(p.path, a, p.rows, w, n0, n1, out);
+        default:
+          return scalar::run(p.path, a, p.rows, w, n0, n1, out);
       }
-    case GemmKernel::Dot: return avx512bf16::run(p.path, a, p.rows, w, n0, n1, out);
-    case GemmKernel::Tiles: return amx::run(fallback, a, p.rows, w, n0, n1, out, tiles);
+    case GemmKernel::Dot:
+      return avx512bf16::run(p.path, a, p.rows, w, n0, n1, out);
+    case GemmKernel::Tiles:
+      return amx::run(fallback, a, p.rows, w, n0, n1, out, tiles);
   }
   return true;
 }
@@ -98,9 +110,12 @@ bool run_expert_gemm(const ExpertGemmPlan& plan, const float* const* a, const ui
                      int64_t n0, int64_t n1, const OutRows& out, const TileRows* tiles) {
   if (n1 <= n0) return true;
   switch (plan.forms) {
-    case RowForms::Float32: return run_rows(plan.f32, plan.fallback, a, w, n0, n1, out, tiles);
-    case RowForms::Bf16: return run_rows(plan.bf16, plan.fallback, a, w, n0, n1, out, tiles);
-    case RowForms::Mixed: break;
+    case RowForms::Float32:
+      return run_rows(plan.f32, plan.fallback, a, w, n0, n1, out, tiles);
+    case RowForms::Bf16:
+      return run_rows(plan.bf16, plan.fallback, a, w, n0, n1, out, tiles);
+    case RowForms::Mixed:
+      break;
   }
   // Both forms: each kernel over the rows of its form, in order, with their outputs.
   std::vector<const float*> rows[2];

@@ -58,20 +58,20 @@ constexpr bool float32_has_panel(Isa isa) { return isa == Isa::Avx2 || isa == Is
 // One kernel over the rows of one form.
 struct RowsPlan {
   GemmKernel kernel = GemmKernel::None;
-  Isa isa = Isa::Scalar;           // the instruction set the kernel is compiled for
+  Isa isa = Isa::Scalar;  // the instruction set the kernel is compiled for
   RowPath path = RowPath::OneRow;
-  int64_t rows = 0;                // rows of this form
+  int64_t rows = 0;  // rows of this form
 };
 
 enum class RowForms : int { Float32 = 0, Bf16, Mixed };
 
 struct ExpertGemmPlan {
-  Isa isa = Isa::Scalar;                      // the instruction set of the call
+  Isa isa = Isa::Scalar;  // the instruction set of the call
   WeightFormat weight_format = WeightFormat::Bf16;
   RowForms forms = RowForms::Float32;
-  RowsPlan f32;                               // the float32-form rows
-  RowsPlan bf16;                              // the bf16-form rows (avx512bf16, amx)
-  RowsPlan fallback;                          // Tiles: the weight rows the tiles leave, over all the bf16 rows
+  RowsPlan f32;       // the float32-form rows
+  RowsPlan bf16;      // the bf16-form rows (avx512bf16, amx)
+  RowsPlan fallback;  // Tiles: the weight rows the tiles leave, over all the bf16 rows
   // Whether run_expert_gemm reads a TileRows: pack one (TileRows::pack) before running this plan.
   bool uses_tiles() const { return bf16.kernel == GemmKernel::Tiles; }
 };

@@ -9,7 +9,7 @@
 namespace static_moe {
 namespace cpu {
 
-constexpr uint8_t kPadByte = 0xFF;            // padded rows and alignment gaps: ids read -1, fp32 reads NaN
+constexpr uint8_t kPadByte = 0xFF;               // padded rows and alignment gaps: ids read -1, fp32 reads NaN
 constexpr int64_t kCopyParallelBytes = 1 << 16;  // below this, OpenMP start-up costs more than the copy
 
 // One part of a packed row: `nbytes` bytes per row starting at `src + r * src_row_stride`, written to columns

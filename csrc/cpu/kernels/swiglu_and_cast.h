@@ -12,9 +12,9 @@
 // v crosses an fp8 rounding midpoint (SPEC §2 allows that).
 #pragma once
 
-#include "cpu/kernels/cast.h"
-
 #include <cstdint>
+
+#include "cpu/kernels/cast.h"
 
 namespace static_moe {
 namespace cpu {
@@ -32,7 +32,7 @@ inline float exp_approx(float x) {
   const float t = x * 1.44269504088896341f + 12582912.0f;
   const float n = t - 12582912.0f;
   const int32_t ni = static_cast<int32_t>(float_bits(t) - 0x4B400000u);
-  float r = x - n * 0.693145751953125f;   // ln2 head: 16 significant bits, so n * head is exact
+  float r = x - n * 0.693145751953125f;    // ln2 head: 16 significant bits, so n * head is exact
   r = r - n * 1.42860682030941723212e-6f;  // ln2 tail
   float p = 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
@@ -51,19 +51,19 @@ inline float sigmoid_approx(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
 
 struct SwigluParams {
   int64_t rows = 0;
-  int64_t inter = 0;                // I
-  const void* gate_up = nullptr;    // [rows, 2I], bf16 bits (uint16) or float32, unit column stride
+  int64_t inter = 0;              // I
+  const void* gate_up = nullptr;  // [rows, 2I], bf16 bits (uint16) or float32, unit column stride
   bool gate_up_bf16 = false;
-  int64_t gate_up_row_stride = 0;   // elements
+  int64_t gate_up_row_stride = 0;     // elements
   const float* row_weight = nullptr;  // [rows] or nullptr (weight 1)
   bool has_limit = false;
   float limit = 0.0f;
   bool out_fp8 = true;
-  int64_t group = 128;              // G (fp8 out)
+  int64_t group = 128;  // G (fp8 out)
   float fp8_max = 448.0f;
   bool pow2_scale = true;
-  void* out = nullptr;              // [rows, I]: e4m3fn codes (uint8) or bf16 bits (uint16), contiguous rows
-  float* scale = nullptr;           // [rows, I/G] contiguous (fp8 out)
+  void* out = nullptr;     // [rows, I]: e4m3fn codes (uint8) or bf16 bits (uint16), contiguous rows
+  float* scale = nullptr;  // [rows, I/G] contiguous (fp8 out)
 };
 
 constexpr float kAmaxFloor = 1e-4f;
@@ -106,9 +106,15 @@ inline void swiglu_and_cast_rows(const SwigluParams& p, int64_t r0, int64_t r1, 
   const int64_t I = p.inter;
   for (int64_t r = r0; r < r1; ++r) {
     if (p.gate_up_bf16) {
-      if (p.has_limit) swiglu_row_values<true, true>(p, r, v); else swiglu_row_values<true, false>(p, r, v);
+      if (p.has_limit)
+        swiglu_row_values<true, true>(p, r, v);
+      else
+        swiglu_row_values<true, false>(p, r, v);
     } else {
-      if (p.has_limit) swiglu_row_values<false, true>(p, r, v); else swiglu_row_values<false, false>(p, r, v);
+      if (p.has_limit)
+        swiglu_row_values<false, true>(p, r, v);
+      else
+        swiglu_row_values<false, false>(p, r, v);
     }
     if (!p.out_fp8) {
       uint16_t* o = static_cast<uint16_t*>(p.out) + r * I;

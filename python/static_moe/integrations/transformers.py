@@ -26,8 +26,9 @@ from ..module import StaticMoE
 try:
     import transformers as _transformers  # noqa: F401  (only to fail early, with the extra's name)
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("static_moe.integrations.transformers needs transformers>=5: "
-                      "pip install 'static_moe[transformers]'") from e
+    raise ImportError(
+        "static_moe.integrations.transformers needs transformers>=5: pip install 'static_moe[transformers]'"
+    ) from e
 
 from .transformers_experts import (  # noqa: E402,F401  (registers "static_moe" in the ExpertsInterface)
     EXPERTS_IMPLEMENTATION,
@@ -61,8 +62,12 @@ class MoEFamily:
 _MODELS = "transformers.models."
 FAMILIES: tuple[MoEFamily, ...] = (
     MoEFamily(_MODELS + "qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
-    MoEFamily(_MODELS + "qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock", shared_expert="shared_expert",
-              shared_expert_gate="shared_expert_gate"),
+    MoEFamily(
+        _MODELS + "qwen2_moe.modeling_qwen2_moe",
+        "Qwen2MoeSparseMoeBlock",
+        shared_expert="shared_expert",
+        shared_expert_gate="shared_expert_gate",
+    ),
     MoEFamily(_MODELS + "deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", shared_expert="shared_experts"),
     MoEFamily(_MODELS + "mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
     MoEFamily(_MODELS + "olmoe.modeling_olmoe", "OlmoeSparseMoeBlock"),
@@ -93,8 +98,9 @@ class StaticMoEBlock(nn.Module):
     T ≤ capacity (batch × prompt length during prefill).
     """
 
-    def __init__(self, router: nn.Module, moe: StaticMoE, *, returns_router_logits: bool = False,
-                 jitter_noise: float = 0.0):
+    def __init__(
+        self, router: nn.Module, moe: StaticMoE, *, returns_router_logits: bool = False, jitter_noise: float = 0.0
+    ):
         super().__init__()
         self.gate = router
         self.moe = moe
@@ -103,8 +109,10 @@ class StaticMoEBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor):
         if self.training and self.jitter_noise > 0:
-            raise RuntimeError("StaticMoEBlock is for inference: the model's router jitter noise (training only) "
-                               "is not applied; call model.eval()")
+            raise RuntimeError(
+                "StaticMoEBlock is for inference: the model's router jitter noise (training only) "
+                "is not applied; call model.eval()"
+            )
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits, weights, ids = self.gate(flat)
         ids = torch.where(ids == self.moe.num_experts, torch.full_like(ids, -1), ids)
@@ -114,27 +122,50 @@ class StaticMoEBlock(nn.Module):
 
 def _looks_like_moe(module: nn.Module) -> bool:
     return isinstance(getattr(module, "experts", None), nn.Module) and (
-        isinstance(getattr(module, "gate", None), nn.Module) or isinstance(getattr(module, "router", None), nn.Module))
+        isinstance(getattr(module, "gate", None), nn.Module) or isinstance(getattr(module, "router", None), nn.Module)
+    )
 
 
 def _convert(block: nn.Module, family: MoEFamily, capacity, weight_format, act_format, ep_group, options):
     router, experts = getattr(block, family.router), getattr(block, family.experts)
     for attr in _SHARED_ATTRS:
         if getattr(block, attr, None) is not None and attr not in (family.shared_expert, family.shared_expert_gate):
-            raise ValueError(f"{type(block).__name__}.{attr} is not in its MoEFamily entry; add it there rather than "
-                             "drop it")
+            raise ValueError(
+                f"{type(block).__name__}.{attr} is not in its MoEFamily entry; add it there rather than drop it"
+            )
     shared = getattr(block, family.shared_expert) if family.shared_expert else None
     gate = getattr(block, family.shared_expert_gate) if family.shared_expert_gate else None
-    num_experts = getattr(router, "num_experts", None) or getattr(experts, "num_experts")
-    moe = StaticMoE.from_module(experts, top_k=router.top_k, capacity=capacity, num_experts=num_experts,
-                                weight_format=weight_format, act_format=act_format, shared_expert=shared,
-                                shared_expert_gate=gate, ep_group=ep_group, **options)
-    return StaticMoEBlock(router, moe, returns_router_logits=family.returns_router_logits,
-                          jitter_noise=float(getattr(block, "jitter_noise", 0.0) or 0.0))
+    num_experts = getattr(router, "num_experts", None) or experts.num_experts
+    moe = StaticMoE.from_module(
+        experts,
+        top_k=router.top_k,
+        capacity=capacity,
+        num_experts=num_experts,
+        weight_format=weight_format,
+        act_format=act_format,
+        shared_expert=shared,
+        shared_expert_gate=gate,
+        ep_group=ep_group,
+        **options,
+    )
+    return StaticMoEBlock(
+        router,
+        moe,
+        returns_router_logits=family.returns_router_logits,
+        jitter_noise=float(getattr(block, "jitter_noise", 0.0) or 0.0),
+    )
 
 
-def replace_moe_blocks(model: nn.Module, *, capacity: int, weight_format: str = "bf16", act_format: str = "bf16",
-                       ep_group=None, families=FAMILIES, **options) -> nn.Module:
+def replace_moe_blocks(
+    model: nn.Module,
+    *,
+    capacity: int,
+    weight_format: str = "bf16",
+    act_format: str = "bf16",
+    ep_group=None,
+    families=FAMILIES,
+    **options,
+) -> nn.Module:
     """Replace every sparse-MoE block of ``model`` in place with a :class:`StaticMoEBlock`; returns ``model``.
 
     Args:
@@ -164,11 +195,15 @@ def replace_moe_blocks(model: nn.Module, *, capacity: int, weight_format: str = 
             unknown.append(f"{name} ({type(module).__name__})")
     if unknown:
         known = sorted(f.block for f in table.values())
-        raise TypeError(f"unknown MoE block class(es): {', '.join(unknown)}; known: {known}. Add a MoEFamily for "
-                        "it (replace_moe_blocks(..., families=FAMILIES + (MoEFamily(...),)))")
+        raise TypeError(
+            f"unknown MoE block class(es): {', '.join(unknown)}; known: {known}. Add a MoEFamily for "
+            "it (replace_moe_blocks(..., families=FAMILIES + (MoEFamily(...),)))"
+        )
     if not found:
-        raise ValueError(f"{type(model).__name__} has no sparse-MoE block of a known family "
-                         f"({sorted(f.block for f in table.values())})")
+        raise ValueError(
+            f"{type(model).__name__} has no sparse-MoE block of a known family "
+            f"({sorted(f.block for f in table.values())})"
+        )
     for name, block, family in found:
         new = _convert(block, family, capacity, weight_format, act_format, ep_group, dict(options))
         parent_name, _, attr = name.rpartition(".")

@@ -33,8 +33,9 @@ from ..module import StaticMoE
 try:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation
 except ImportError as e:  # pragma: no cover - exercised only without the extra or with transformers 4.x
-    raise ImportError("static_moe.integrations.transformers needs transformers>=5: "
-                      "pip install 'static_moe[transformers]'") from e
+    raise ImportError(
+        "static_moe.integrations.transformers needs transformers>=5: pip install 'static_moe[transformers]'"
+    ) from e
 
 EXPERTS_IMPLEMENTATION = "static_moe"
 # Rows per StaticMoE call when use_static_moe is not given a capacity: larger calls (a prefill) run in chunks.
@@ -179,8 +180,9 @@ def experts_swiglu_limit(module) -> float | None:
     other than the (clamped) SiLU SwiGLU)."""
     name = type(module).__name__
     variants = []
-    if getattr(module, "has_bias", False) or any(getattr(module, b, None) is not None
-                                                for b in ("gate_up_proj_bias", "down_proj_bias")):
+    if getattr(module, "has_bias", False) or any(
+        getattr(module, b, None) is not None for b in ("gate_up_proj_bias", "down_proj_bias")
+    ):
         variants.append("has_bias=True (biased projections)")
     if not getattr(module, "has_gate", True):
         variants.append("has_gate=False (up → activation → down, no gate projection)")
@@ -196,8 +198,11 @@ def experts_swiglu_limit(module) -> float | None:
             act = getattr(module, "act_fn", None)
             gate = getattr(type(module)._apply_gate, "__qualname__", "_apply_gate")
             act_name = getattr(act, "__name__", type(act).__name__)
-            variants.append(f"gate {gate}" + (f" with act_fn {act_name}" if act is not None else "")
-                            + f" is not the SiLU SwiGLU the kernels compute: {detail}")
+            variants.append(
+                f"gate {gate}"
+                + (f" with act_fn {act_name}" if act is not None else "")
+                + f" is not the SiLU SwiGLU the kernels compute: {detail}"
+            )
     if variants:
         raise UnsupportedExperts(f"{name}: static_moe cannot run these experts: {'; '.join(variants)}")
     return limit
@@ -229,9 +234,15 @@ def _convert(module, top_k: int) -> StaticMoE:
     opts = _state(module).options
     src = _CanonicalExperts(module)
     try:
-        return StaticMoE.from_module(src, top_k=top_k, capacity=opts.capacity or DEFAULT_CAPACITY,
-                                     weight_format=opts.weight_format, act_format=opts.act_format,
-                                     swiglu_limit=limit, **opts.options)
+        return StaticMoE.from_module(
+            src,
+            top_k=top_k,
+            capacity=opts.capacity or DEFAULT_CAPACITY,
+            weight_format=opts.weight_format,
+            act_format=opts.act_format,
+            swiglu_limit=limit,
+            **opts.options,
+        )
     except (ValueError, TypeError) as e:
         raise UnsupportedExperts(f"{type(module).__name__}: static_moe cannot run these experts: {e}") from e
 
@@ -246,16 +257,19 @@ def _layer(module, top_k: int) -> StaticMoE:
     return state.layer
 
 
-def static_moe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                               top_k_weights: torch.Tensor) -> torch.Tensor:
+def static_moe_experts_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """The "static_moe" experts function: ``hidden_states`` [T, H] (bf16 / fp16 / fp32), ``top_k_index`` [T, k]
     global expert ids (ids ≥ E, transformers' "no expert in this slot", contribute nothing), ``top_k_weights``
     [T, k]. Returns [T, H] in the hidden states' dtype (rounded to bf16 once, SPEC §1.6). Calls with more rows
     than the capacity run in capacity-sized chunks (tokens are independent on one rank)."""
     if hidden_states.requires_grad:
-        raise RuntimeError(f"{type(self).__name__}: the static_moe experts are inference-only (no backward); run "
-                           "under torch.no_grad() / torch.inference_mode(), or use another experts_implementation "
-                           "to train")
+        raise RuntimeError(
+            f"{type(self).__name__}: the static_moe experts are inference-only (no backward); run "
+            "under torch.no_grad() / torch.inference_mode(), or use another experts_implementation "
+            "to train"
+        )
     k, h = top_k_index.shape[-1], hidden_states.shape[-1]
     layer = _layer(self, k)
     x = hidden_states.reshape(-1, h)
@@ -263,7 +277,7 @@ def static_moe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     ids = torch.where((ids >= layer.num_experts) | (ids < 0), torch.full_like(ids, -1), ids)
     weights = top_k_weights.reshape(-1, k)
     c = layer.capacity
-    outs = [layer(x[s:s + c], ids[s:s + c], weights[s:s + c]) for s in range(0, x.shape[0], c)]
+    outs = [layer(x[s : s + c], ids[s : s + c], weights[s : s + c]) for s in range(0, x.shape[0], c)]
     out = outs[0] if len(outs) == 1 else torch.cat(outs) if outs else torch.zeros_like(x)
     return out.reshape(hidden_states.shape)
 
@@ -281,8 +295,15 @@ def _top_k_of(module) -> int | None:
     return k if isinstance(k, int) and not isinstance(k, bool) and k > 0 else None
 
 
-def use_static_moe(model: nn.Module, *, weight_format: str = "bf16", act_format: str = "bf16",
-                   capacity: int | None = None, ep_group=None, **options) -> nn.Module:
+def use_static_moe(
+    model: nn.Module,
+    *,
+    weight_format: str = "bf16",
+    act_format: str = "bf16",
+    capacity: int | None = None,
+    ep_group=None,
+    **options,
+) -> nn.Module:
     """Run every experts module of ``model`` through static_moe; returns ``model``.
 
     Args:
@@ -299,13 +320,17 @@ def use_static_moe(model: nn.Module, *, weight_format: str = "bf16", act_format:
     is switched to ``experts_implementation="static_moe"``. :func:`close_static_moe` gives the layers back.
     """
     if ep_group is not None:
-        raise NotImplementedError("use_static_moe runs the experts on one rank (ep_size 1); for expert parallelism "
-                                  "use static_moe.integrations.transformers.replace_moe_blocks(model, capacity=..., "
-                                  "ep_group=...)")
+        raise NotImplementedError(
+            "use_static_moe runs the experts on one rank (ep_size 1); for expert parallelism "
+            "use static_moe.integrations.transformers.replace_moe_blocks(model, capacity=..., "
+            "ep_group=...)"
+        )
     found = experts_modules(model)
     if not found:
-        raise ValueError(f"{type(model).__name__} has no experts module that dispatches through transformers' "
-                         "ExpertsInterface (classes decorated with @use_experts_implementation)")
+        raise ValueError(
+            f"{type(model).__name__} has no experts module that dispatches through transformers' "
+            "ExpertsInterface (classes decorated with @use_experts_implementation)"
+        )
     refused: dict[str, list[str]] = {}  # message → the modules it applies to
     for name, m in found:
         try:
@@ -358,6 +383,17 @@ def static_moe_layer(module) -> StaticMoE | None:
     return None if state is None else state.layer
 
 
-__all__ = ["ALL_EXPERTS_FUNCTIONS", "DEFAULT_CAPACITY", "EXPERTS_IMPLEMENTATION", "ExpertsOptions",
-           "UnsupportedExperts", "close_static_moe", "experts_modules", "experts_swiglu_limit", "is_experts_class",
-           "static_moe_experts_forward", "static_moe_layer", "use_static_moe"]
+__all__ = [
+    "ALL_EXPERTS_FUNCTIONS",
+    "DEFAULT_CAPACITY",
+    "EXPERTS_IMPLEMENTATION",
+    "ExpertsOptions",
+    "UnsupportedExperts",
+    "close_static_moe",
+    "experts_modules",
+    "experts_swiglu_limit",
+    "is_experts_class",
+    "static_moe_experts_forward",
+    "static_moe_layer",
+    "use_static_moe",
+]

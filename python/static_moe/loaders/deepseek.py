@@ -12,7 +12,7 @@ another format) in EOI (SPEC §1.2), checked like ``set_expert_weights`` and sto
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -35,10 +35,20 @@ from ..module import (
 from .collective import collectively
 
 
-def from_deepseek_state_dict(cls, state_dict: Mapping[str, torch.Tensor], *, top_k: int, capacity: int,
-                             num_experts: int, prefix: str = "", weight_format: str | None = None,
-                             shared_weight_format: str | None = None, ep_group=None, ep_size: int | None = None,
-                             **options):
+def from_deepseek_state_dict(
+    cls,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    top_k: int,
+    capacity: int,
+    num_experts: int,
+    prefix: str = "",
+    weight_format: str | None = None,
+    shared_weight_format: str | None = None,
+    ep_group=None,
+    ep_size: int | None = None,
+    **options,
+):
     """``cls.from_deepseek_state_dict(...)`` (StaticMoE.from_deepseek_state_dict documents the arguments): a layer
     of class ``cls``."""
     size, rank, _ = _group_info(ep_group)
@@ -58,19 +68,23 @@ def from_deepseek_state_dict(cls, state_dict: Mapping[str, torch.Tensor], *, top
         _check_hidden(state_dict, prefix, h, i, hidden_size)
         device = torch.device(options.get("device") or experts[0]["up"][0].device)
         converted = [_mlp_in_format(m, target, m["base"], device) for m in experts]
-        stacked = {k: None if converted[0][k] is None else torch.stack([m[k] for m in converted])
-                   for k in _WEIGHT_NAMES}
+        stacked = {
+            k: None if converted[0][k] is None else torch.stack([m[k] for m in converted]) for k in _WEIGHT_NAMES
+        }
         routed = _checked_weights("routed", _weight_shapes(num_local, h, i, target), target, stacked)
         if shared is None:
             return h, i, target, routed, None, None, {}
         if options.get("shared_intermediate_size", 0) is None:
-            raise ValueError(f"the state dict has {shared['base']}* keys but shared_intermediate_size=None "
-                             "was passed")
+            raise ValueError(f"the state dict has {shared['base']}* keys but shared_intermediate_size=None was passed")
         s_fmt = shared_weight_format or (shared["format"] if weight_format is None else target)
         si = shared["up"][0].shape[0]
         m = _mlp_in_format(shared, s_fmt, shared["base"], device)
-        s_checked = _checked_weights("shared expert", _weight_shapes(1, h, si, s_fmt), s_fmt,
-                                     {k: None if m[k] is None else m[k][None] for k in _WEIGHT_NAMES})
+        s_checked = _checked_weights(
+            "shared expert",
+            _weight_shapes(1, h, si, s_fmt),
+            s_fmt,
+            {k: None if m[k] is None else m[k][None] for k in _WEIGHT_NAMES},
+        )
         gate = None if gate is None else _checked_gate(f"{prefix}shared_expert_gate.weight", gate, h)
         extra = {"shared_intermediate_size": si, "shared_weight_format": s_fmt, "shared_gate": gate is not None}
         return h, i, target, routed, s_checked, gate, extra
@@ -81,8 +95,7 @@ def from_deepseek_state_dict(cls, state_dict: Mapping[str, torch.Tensor], *, top
         options.setdefault(k, v)
     if s_checked is None:
         options.setdefault("shared_weight_format", shared_weight_format)
-    layer = cls(h, i, num_experts, top_k, capacity, weight_format=target, ep_group=ep_group, ep_size=ep_size,
-                **options)
+    layer = cls(h, i, num_experts, top_k, capacity, weight_format=target, ep_group=ep_group, ep_size=ep_size, **options)
 
     def load():
         _copy_checked(layer, routed)
@@ -153,23 +166,32 @@ def _read_fused_experts(sd: Mapping, base: str, first: int, count: int) -> list[
         s = next((key + x for x in _FUSED_SCALE_SUFFIXES if key + x in sd), None)
         s = None if s is None else _checkpoint_tensor(sd, s, 3)
         if w.shape[0] < first + count or (s is not None and s.shape[0] != w.shape[0]):
-            raise ValueError(f"{key} holds {w.shape[0]} experts (scales: "
-                             f"{None if s is None else s.shape[0]}); this rank needs experts {first}…"
-                             f"{first + count - 1}")
+            raise ValueError(
+                f"{key} holds {w.shape[0]} experts (scales: "
+                f"{None if s is None else s.shape[0]}); this rank needs experts {first}…"
+                f"{first + count - 1}"
+            )
         tensors[name] = (w, s)
     (gu, gus), (d, ds) = tensors["gate_up_proj"], tensors["down_proj"]
     if gu.shape[1] % 2 or (gus is not None and gus.shape[1] % 2):
-        raise ValueError(f"{base}gate_up_proj must stack gate rows then up rows [E, 2I, …], got {list(gu.shape)}"
-                         + ("" if gus is None else f" with scales {list(gus.shape)}"))
+        raise ValueError(
+            f"{base}gate_up_proj must stack gate rows then up rows [E, 2I, …], got {list(gu.shape)}"
+            + ("" if gus is None else f" with scales {list(gus.shape)}")
+        )
     out = []
     for e in range(first, first + count):
         half, s_half = gu.shape[1] // 2, None if gus is None else gus.shape[1] // 2
         stem = f"{base}gate_up_proj[{e}]"
-        out.append(_mlp_format({
-            "gate": (gu[e, :half], None if gus is None else gus[e, :s_half], f"{stem} gate rows"),
-            "up": (gu[e, half:], None if gus is None else gus[e, s_half:], f"{stem} up rows"),
-            "down": (d[e], None if ds is None else ds[e], f"{base}down_proj[{e}]"),
-        }, f"{base}[{e}]"))
+        out.append(
+            _mlp_format(
+                {
+                    "gate": (gu[e, :half], None if gus is None else gus[e, :s_half], f"{stem} gate rows"),
+                    "up": (gu[e, half:], None if gus is None else gus[e, s_half:], f"{stem} up rows"),
+                    "down": (d[e], None if ds is None else ds[e], f"{base}down_proj[{e}]"),
+                },
+                f"{base}[{e}]",
+            )
+        )
     return out
 
 
@@ -184,8 +206,10 @@ def _read_checkpoint_experts(sd: Mapping, prefix: str, first: int, count: int) -
         for part in _DS_NAMES:
             (w, _, name), (w0, _, name0) = m[part], experts[0][part]
             if w.shape != w0.shape:
-                raise ValueError(f"{name} has shape {list(w.shape)} but {name0} has {list(w0.shape)}: every "
-                                 "expert must have the same shapes")
+                raise ValueError(
+                    f"{name} has shape {list(w.shape)} but {name0} has {list(w0.shape)}: every "
+                    "expert must have the same shapes"
+                )
     return experts
 
 
@@ -206,12 +230,19 @@ def _check_hidden(state_dict, prefix: str, h: int, i: int, hidden_size) -> None:
     router's ``{prefix}gate.weight`` [E, H] when the checkpoint has it. Shapes alone cannot tell a checkpoint whose
     every expert weight is transposed from one with H and I swapped; these two can."""
     router = state_dict.get(f"{prefix}gate.weight")
-    for what, want in ((f"{prefix}gate.weight (the router, [E, H])", router.shape[-1] if hasattr(router, "shape")
-                        and len(router.shape) == 2 else None), ("hidden_size", hidden_size)):
+    for what, want in (
+        (
+            f"{prefix}gate.weight (the router, [E, H])",
+            router.shape[-1] if hasattr(router, "shape") and len(router.shape) == 2 else None,
+        ),
+        ("hidden_size", hidden_size),
+    ):
         if want is not None and want != h:
-            raise ValueError(f"{what} gives H = {want}, but the experts' down_proj gives H = {h} (and up_proj I = "
-                             f"{i}): are the expert weights transposed? Checkpoint linears are [out, in] "
-                             "(nn.Linear's weight)")
+            raise ValueError(
+                f"{what} gives H = {want}, but the experts' down_proj gives H = {h} (and up_proj I = "
+                f"{i}): are the expert weights transposed? Checkpoint linears are [out, in] "
+                "(nn.Linear's weight)"
+            )
 
 
 def _common_format(fmts: list[str], what: str) -> str:
@@ -230,8 +261,10 @@ def _linear_in_format(w: torch.Tensor, s: torch.Tensor | None, src: str, target:
             return _check_finite(name, w).to(torch.bfloat16), None
         return quantize_weight(_check_finite(name, w).float(), target)
     if src != target:
-        raise ValueError(f"{name}: the checkpoint stores {src} weights; converting them to {target} would quantize "
-                         f"twice. Load them as {src} (weight_format=None) or dequantize them first.")
+        raise ValueError(
+            f"{name}: the checkpoint stores {src} weights; converting them to {target} would quantize "
+            f"twice. Load them as {src} (weight_format=None) or dequantize them first."
+        )
     if s is None:
         raise ValueError(f"{name}: {src} weights need a scale tensor (weight_scale_inv / scale)")
     if src == "fp8":
@@ -239,31 +272,39 @@ def _linear_in_format(w: torch.Tensor, s: torch.Tensor | None, src: str, target:
         if k % WEIGHT_FP8_BLOCK:
             raise ValueError(f"{name}: K={k} must be a multiple of {WEIGHT_FP8_BLOCK} for fp8 weights")
         if s.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} scale: fp8 weight scales must be float32 (bf16/fp16 are widened), got "
-                            f"{s.dtype}")
+            raise TypeError(f"{name} scale: fp8 weight scales must be float32 (bf16/fp16 are widened), got {s.dtype}")
         kb = k // WEIGHT_FP8_BLOCK
         s = s.float()
         if tuple(s.shape) == (-(-n // WEIGHT_FP8_BLOCK), kb):
             s = expand_block_scales(s, n)  # 128×128 blocks → 1×128
         elif tuple(s.shape) != (n, kb):
-            raise ValueError(f"{name}: fp8 scales must be 128×128 blocks [{-(-n // 128)}, {kb}] or 1×128 "
-                             f"[{n}, {kb}], got {list(s.shape)}")
+            raise ValueError(
+                f"{name}: fp8 scales must be 128×128 blocks [{-(-n // 128)}, {kb}] or 1×128 "
+                f"[{n}, {kb}], got {list(s.shape)}"
+            )
         return _normalize_weight(name, w, "fp8"), _normalize_scale(f"{name} scale", s.contiguous(), "fp8")
     w = as_uint8(w) if w.dtype != torch.int8 else w.view(torch.uint8)
     k = 2 * w.shape[1]
     s = _normalize_scale(f"{name} scale", s, "fp4")
     if tuple(s.shape) != (n, k // WEIGHT_FP4_BLOCK):
-        raise ValueError(f"{name}: fp4 UE8M0 scales must be [{n}, {k // WEIGHT_FP4_BLOCK}] (1×32 along K), "
-                         f"got {list(s.shape)}")
+        raise ValueError(
+            f"{name}: fp4 UE8M0 scales must be [{n}, {k // WEIGHT_FP4_BLOCK}] (1×32 along K), got {list(s.shape)}"
+        )
     return w, s
 
 
 def _mlp_in_format(m: dict, target: str, base: str, device) -> dict:
     """A checkpoint MLP → {"w13", "w13_scale", "w2", "w2_scale"} for one expert in ``target``."""
-    conv = {part: _linear_in_format(m[part][0], m[part][1], m["format"], target, m[part][2], device)
-            for part in ("gate", "up", "down")}
+    conv = {
+        part: _linear_in_format(m[part][0], m[part][1], m["format"], target, m[part][2], device)
+        for part in ("gate", "up", "down")
+    }
     (g, gs), (u, us), (d, ds) = conv["gate"], conv["up"], conv["down"]
     if g.shape != u.shape:
         raise ValueError(f"{base}: gate {list(g.shape)} and up {list(u.shape)} differ")
-    return {"w13": torch.cat((g, u), dim=0), "w13_scale": None if gs is None else torch.cat((gs, us), dim=0),
-            "w2": d, "w2_scale": ds}
+    return {
+        "w13": torch.cat((g, u), dim=0),
+        "w13_scale": None if gs is None else torch.cat((gs, us), dim=0),
+        "w2": d,
+        "w2_scale": ds,
+    }

@@ -10,7 +10,7 @@ device; this rank's are read as float (checked finite), quantized to the layer's
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -28,9 +28,20 @@ from ..module import (
 from .collective import collectively
 
 
-def from_module(cls, module, *, top_k: int, capacity: int, num_experts: int | None = None,
-                weight_format: str = "bf16", shared_expert: nn.Module | None = None,
-                shared_expert_gate: nn.Module | None = None, ep_group=None, ep_size: int | None = None, **options):
+def from_module(
+    cls,
+    module,
+    *,
+    top_k: int,
+    capacity: int,
+    num_experts: int | None = None,
+    weight_format: str = "bf16",
+    shared_expert: nn.Module | None = None,
+    shared_expert_gate: nn.Module | None = None,
+    ep_group=None,
+    ep_size: int | None = None,
+    **options,
+):
     """``cls.from_module(...)`` (StaticMoE.from_module documents the arguments): a layer of class ``cls``."""
     size, rank, _ = _group_info(ep_group)
     stage = "StaticMoE.from_module"
@@ -51,8 +62,17 @@ def from_module(cls, module, *, top_k: int, capacity: int, num_experts: int | No
     if shared is not None:
         options.setdefault("shared_intermediate_size", shared[0].shape[0])
         options.setdefault("shared_gate", gate_w is not None)
-    layer = cls(gate.shape[2], gate.shape[1], total, top_k, capacity, weight_format=weight_format,
-                ep_group=ep_group, ep_size=ep_size, **options)
+    layer = cls(
+        gate.shape[2],
+        gate.shape[1],
+        total,
+        top_k,
+        capacity,
+        weight_format=weight_format,
+        ep_group=ep_group,
+        ep_size=ep_size,
+        **options,
+    )
 
     def load():
         _load_float_experts(layer, gate, up, down)
@@ -89,8 +109,10 @@ def _float_weight(name: str, t, first: int = 0) -> torch.Tensor:
     """A float source weight, checked finite (``first``: global id of dim 0's first expert, for the message)."""
     t = _materialized(name, t)
     if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be a float weight (bf16/fp16/fp32) to convert, got {t.dtype}; "
-                        "quantized checkpoints load with StaticMoE.from_deepseek_state_dict")
+        raise TypeError(
+            f"{name} must be a float weight (bf16/fp16/fp32) to convert, got {t.dtype}; "
+            "quantized checkpoints load with StaticMoE.from_deepseek_state_dict"
+        )
     return _check_finite(name, t.detach(), first)
 
 
@@ -101,8 +123,9 @@ def _is_silu(act) -> bool:
 def _check_activation(owner, what: str) -> None:
     act = getattr(owner, "act_fn", None)
     if act is not None and not _is_silu(act):
-        raise ValueError(f"{what} uses the activation {type(act).__name__}: StaticMoE computes SwiGLU "
-                         "(SiLU-gated) experts only")
+        raise ValueError(
+            f"{what} uses the activation {type(act).__name__}: StaticMoE computes SwiGLU (SiLU-gated) experts only"
+        )
 
 
 def _linears_of(expert, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -117,13 +140,16 @@ def _linears_of(expert, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Te
             ws = [_float_weight(f"{what}.{n}.weight", getattr(m, "weight", m)) for n, m in zip(names, mods)]
             gate, up, down = ws
             if gate.dim() != 2 or up.shape != gate.shape or tuple(down.shape) != (gate.shape[1], gate.shape[0]):
-                raise ValueError(f"{what}: expected gate/up [I, H] and down [H, I], got {list(gate.shape)}, "
-                                 f"{list(up.shape)}, {list(down.shape)}")
+                raise ValueError(
+                    f"{what}: expected gate/up [I, H] and down [H, I], got {list(gate.shape)}, "
+                    f"{list(up.shape)}, {list(down.shape)}"
+                )
             if len({gate.device, up.device, down.device}) != 1:
                 raise ValueError(f"{what}: gate, up and down weights must share one device")
             return gate, up, down
-    raise TypeError(f"{what} must have gate_proj/up_proj/down_proj or w1/w3/w2 projections, "
-                    f"got {type(expert).__name__}")
+    raise TypeError(
+        f"{what} must have gate_proj/up_proj/down_proj or w1/w3/w2 projections, got {type(expert).__name__}"
+    )
 
 
 def _gate_of(gate, hidden: int) -> torch.Tensor:
@@ -137,28 +163,36 @@ def _local_range(n: int, num_experts: int | None, size: int, rank: int, is_shard
     """(first, count, global E): which of the ``n`` given experts this rank keeps (see from_module)."""
     if is_shard:
         if num_experts is not None and num_experts != n * size:
-            raise ValueError(f"{what} is an EP shard of {n} experts on each of {size} ranks ({n * size} in all), "
-                             f"but num_experts={num_experts} was passed")
+            raise ValueError(
+                f"{what} is an EP shard of {n} experts on each of {size} ranks ({n * size} in all), "
+                f"but num_experts={num_experts} was passed"
+            )
         return 0, n, n * size
     if num_experts is None:
         if size == 1:
             return 0, n, n
         split = f"each rank then keeps {n // size}" if n % size == 0 else f"{n} does not split over {size} ranks"
-        raise ValueError(f"{what} holds {n} experts and the EP group has {size} ranks: pass num_experts={n} if "
-                         f"they are all the model's experts ({split}), or num_experts={n * size} if they are "
-                         "this rank's own")
+        raise ValueError(
+            f"{what} holds {n} experts and the EP group has {size} ranks: pass num_experts={n} if "
+            f"they are all the model's experts ({split}), or num_experts={n * size} if they are "
+            "this rank's own"
+        )
     _positive_int("num_experts", num_experts)
     if n == num_experts:
         if num_experts % size:
-            raise ValueError(f"{what}: num_experts={num_experts} experts do not split over ep_size={size} ranks; "
-                             f"pick an ep_size that divides {num_experts}")
+            raise ValueError(
+                f"{what}: num_experts={num_experts} experts do not split over ep_size={size} ranks; "
+                f"pick an ep_size that divides {num_experts}"
+            )
         count = num_experts // size
         return rank * count, count, num_experts
     if n * size == num_experts:
         return 0, n, num_experts
     mine = f"this rank's {num_experts // size}" if num_experts % size == 0 else "a share (it does not divide)"
-    raise ValueError(f"{what} holds {n} experts, but num_experts={num_experts} over ep_size={size} needs all "
-                     f"{num_experts} (the whole model) or {mine}")
+    raise ValueError(
+        f"{what} holds {n} experts, but num_experts={num_experts} over ep_size={size} needs all "
+        f"{num_experts} (the whole model) or {mine}"
+    )
 
 
 def _fused_tensors(module):
@@ -167,13 +201,14 @@ def _fused_tensors(module):
     if not (isinstance(_maybe_local(gu), torch.Tensor) and isinstance(_maybe_local(d), torch.Tensor)):
         return None
     name = type(module).__name__
-    for flag, bad, why in (("is_transposed", True, "transposed [E, H, 2I] weights"),
-                           ("is_concatenated", False, "interleaved gate/up rows"),
-                           ("has_gate", False, "experts without a gate projection"),
-                           ("has_bias", True, "biased projections")):
+    for flag, bad, why in (
+        ("is_transposed", True, "transposed [E, H, 2I] weights"),
+        ("is_concatenated", False, "interleaved gate/up rows"),
+        ("has_gate", False, "experts without a gate projection"),
+        ("has_bias", True, "biased projections"),
+    ):
         if getattr(module, flag, not bad) == bad:
-            raise ValueError(f"{name}: {why} cannot be represented (StaticMoE takes gate rows then up rows, "
-                             "no bias)")
+            raise ValueError(f"{name}: {why} cannot be represented (StaticMoE takes gate rows then up rows, no bias)")
     for b in ("gate_up_proj_bias", "down_proj_bias"):
         if getattr(module, b, None) is not None:
             raise ValueError(f"{name}.{b}: biased projections cannot be represented")
@@ -187,27 +222,38 @@ def _experts_from_module(module, num_experts, size, rank, shared_expert=None):
     if fused is not None:
         is_shard = hasattr(fused[0], "to_local")
         gu, d = _materialized("experts.gate_up_proj", fused[0]), _materialized("experts.down_proj", fused[1])
-        if gu.dim() != 3 or d.dim() != 3 or gu.shape[1] % 2 or tuple(d.shape) != (gu.shape[0], gu.shape[2],
-                                                                                  gu.shape[1] // 2):
-            raise ValueError(f"fused experts need gate_up_proj [E, 2I, H] and down_proj [E, H, I], got "
-                             f"{list(gu.shape)} and {list(d.shape)}")
+        if (
+            gu.dim() != 3
+            or d.dim() != 3
+            or gu.shape[1] % 2
+            or tuple(d.shape) != (gu.shape[0], gu.shape[2], gu.shape[1] // 2)
+        ):
+            raise ValueError(
+                f"fused experts need gate_up_proj [E, 2I, H] and down_proj [E, H, I], got "
+                f"{list(gu.shape)} and {list(d.shape)}"
+            )
         first, count, total = _local_range(gu.shape[0], num_experts, size, rank, is_shard, "experts.gate_up_proj")
-        gu = _float_weight("experts.gate_up_proj", gu[first:first + count], first)
-        d = _float_weight("experts.down_proj", d[first:first + count], first)
+        gu = _float_weight("experts.gate_up_proj", gu[first : first + count], first)
+        d = _float_weight("experts.down_proj", d[first : first + count], first)
         if gu.device != d.device:
             raise ValueError("experts.gate_up_proj and experts.down_proj must share one device")
         i = gu.shape[1] // 2
         return gu[:, :i], gu[:, i:], d, total
-    if all(hasattr(module, n) for n in ("w1", "w2", "w3")) and isinstance(
-            _maybe_local(getattr(module, "w1")), torch.Tensor) and _maybe_local(getattr(module, "w1")).dim() == 3:
+    if (
+        all(hasattr(module, n) for n in ("w1", "w2", "w3"))
+        and isinstance(_maybe_local(module.w1), torch.Tensor)
+        and _maybe_local(module.w1).dim() == 3
+    ):
         is_shard = hasattr(module.w1, "to_local")
         ts = {n: _materialized(f"source {n}", getattr(module, n)) for n in ("w1", "w3", "w2")}
         g = ts["w1"]
         if ts["w3"].shape != g.shape or tuple(ts["w2"].shape) != (g.shape[0], g.shape[2], g.shape[1]):
-            raise ValueError(f"source expects w1/w3 [L, I, H] and w2 [L, H, I], got {list(g.shape)}, "
-                             f"{list(ts['w3'].shape)}, {list(ts['w2'].shape)}")
+            raise ValueError(
+                f"source expects w1/w3 [L, I, H] and w2 [L, H, I], got {list(g.shape)}, "
+                f"{list(ts['w3'].shape)}, {list(ts['w2'].shape)}"
+            )
         first, count, total = _local_range(g.shape[0], num_experts, size, rank, is_shard, "source w1")
-        gate, up, down = (_float_weight(f"source {n}", ts[n][first:first + count], first) for n in ("w1", "w3", "w2"))
+        gate, up, down = (_float_weight(f"source {n}", ts[n][first : first + count], first) for n in ("w1", "w3", "w2"))
         if len({gate.device, up.device, down.device}) != 1:
             raise ValueError("source w1, w3 and w2 must share one device")
         return gate, up, down, total
@@ -215,12 +261,16 @@ def _experts_from_module(module, num_experts, size, rank, shared_expert=None):
     if isinstance(inner, nn.Module) and inner is not module:
         for attr in ("shared_expert", "shared_experts"):
             if shared_expert is None and getattr(module, attr, None) is not None:
-                raise ValueError(f"{type(module).__name__} has a {attr}: pass it as shared_expert= (and its "
-                                 "shared_expert_gate=, if any), or pass module.experts; it would be dropped")
+                raise ValueError(
+                    f"{type(module).__name__} has a {attr}: pass it as shared_expert= (and its "
+                    "shared_expert_gate=, if any), or pass module.experts; it would be dropped"
+                )
         return _experts_from_module(inner, num_experts, size, rank, shared_expert)
     if isinstance(module, nn.Module) and not isinstance(module, (nn.ModuleList, nn.Sequential)):
-        raise TypeError(f"module must be fused experts (gate_up_proj/down_proj), grouped experts (w1/w3/w2 "
-                        f"tensors) or a list of SwiGLU MLPs, got {type(module).__name__}")
+        raise TypeError(
+            f"module must be fused experts (gate_up_proj/down_proj), grouped experts (w1/w3/w2 "
+            f"tensors) or a list of SwiGLU MLPs, got {type(module).__name__}"
+        )
     if not isinstance(module, Iterable):
         raise TypeError(f"module must be grouped experts or a list of experts, got {type(module).__name__}")
     experts = list(module)
@@ -228,15 +278,17 @@ def _experts_from_module(module, num_experts, size, rank, shared_expert=None):
         raise ValueError("the experts list is empty")
     first, count, total = _local_range(len(experts), num_experts, size, rank, False, "the experts list")
     mats = []
-    for j, e in enumerate(experts[first:first + count]):
+    for j, e in enumerate(experts[first : first + count]):
         if e is None:
             raise ValueError(f"expert {first + j} (owned by this rank) is None")
         mats.append(_linears_of(e, f"experts[{first + j}]"))
     for j, m in enumerate(mats):
         if m[0].shape != mats[0][0].shape or m[0].device != mats[0][0].device:
-            raise ValueError(f"experts[{first + j}] has gate {list(m[0].shape)} on {m[0].device}, but "
-                             f"experts[{first}] has {list(mats[0][0].shape)} on {mats[0][0].device}: every "
-                             "expert must have the same shapes and device")
+            raise ValueError(
+                f"experts[{first + j}] has gate {list(m[0].shape)} on {m[0].device}, but "
+                f"experts[{first}] has {list(mats[0][0].shape)} on {mats[0][0].device}: every "
+                "expert must have the same shapes and device"
+            )
     return (*(torch.stack([m[i] for m in mats]) for i in range(3)), total)
 
 

@@ -67,16 +67,39 @@ def expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert):
     return (a, a_scale, _u8(b), _u8(b_scale), row_mask.to(torch.bool), int(expert))
 
 
-def local_experts_args(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                       swiglu_limit, fp8_max, e4m3fn_native: bool):
+def local_experts_args(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    expert_offset,
+    swiglu_limit,
+    fp8_max,
+    e4m3fn_native: bool,
+):
     """Kernel arguments of ``local_experts_kernel`` from the op's arguments."""
     if x.dtype == torch.float8_e4m3fn and fp8_max > 240.0 and not e4m3fn_native:
         raise ValueError(
             f"local_experts: fp8_max={fp8_max} needs OCP float8_e4m3fn on chip (trn3); trn2's on-chip fp8 "
-            "(float8_e4m3) tops out at 240 — pass fp8_max=240 on trn2 (SPEC §1.1)")
-    return (x, x_scale, topk_idx.to(torch.int32), topk_weights.to(torch.float32), _u8(w13), _u8(w13_scale),
-            _u8(w2), _u8(w2_scale), int(expert_offset), None if swiglu_limit is None else float(swiglu_limit),
-            float(fp8_max))
+            "(float8_e4m3) tops out at 240 — pass fp8_max=240 on trn2 (SPEC §1.1)"
+        )
+    return (
+        x,
+        x_scale,
+        topk_idx.to(torch.int32),
+        topk_weights.to(torch.float32),
+        _u8(w13),
+        _u8(w13_scale),
+        _u8(w2),
+        _u8(w2_scale),
+        int(expert_offset),
+        None if swiglu_limit is None else float(swiglu_limit),
+        float(fp8_max),
+    )
 
 
 def check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_layout, e4m3fn_native: bool):
@@ -86,8 +109,13 @@ def check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_
     checks this on chip and falls back to an exact path; the fused kernel does not, so the check is here. It reads
     the values, so it runs only for host tensors (interpreter / simulator); on a Neuron device the scales must
     be powers of two, as ``quantize_activation`` and ``StaticMoE`` make them (SPEC §1.1)."""
-    if not (weight_layout == "eio" and e4m3fn_native and x.dtype == torch.float8_e4m3fn
-            and w13.dtype in (torch.uint16, torch.uint32) and x_scale is not None) or _on_neuron(x):
+    if not (
+        weight_layout == "eio"
+        and e4m3fn_native
+        and x.dtype == torch.float8_e4m3fn
+        and w13.dtype in (torch.uint16, torch.uint32)
+        and x_scale is not None
+    ) or _on_neuron(x):
         return
     from ..layouts import pow2_exponents
 
@@ -100,7 +128,8 @@ def check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_
             f"local_experts: x_scale[{r}] holds a scale that is not a power of two, and the trn3 MX path "
             "(prepared fp4 / MX fp8 weights with fp8 x) takes E8M0 scales only; quantize x with power-of-two "
             "scales (static_moe.formats.quantize_activation's default) or prepare the weights without MX "
-            "(layouts.prepare_weight(..., act_format='bf16') keeps plain fp8) (SPEC §1.1)")
+            "(layouts.prepare_weight(..., act_format='bf16') keeps plain fp8) (SPEC §1.1)"
+        )
 
 
 def check_trn2_fp8_bytes(op: str, weights, weight_layout, e4m3fn_native: bool):
@@ -116,7 +145,8 @@ def check_trn2_fp8_bytes(op: str, weights, weight_layout, e4m3fn_native: bool):
             raise ValueError(
                 f"{op}: {name} holds float8_e4m3fn codes with |q| >= 256, which trn2's float8_e4m3 reads as inf/NaN; "
                 "prepare the weights for trn2 with static_moe.layouts.prepare_weight(w, s, 'trn2') (or "
-                "reencode_fp8_for_trn2), as StaticMoE(prepare_for='trn2') does")
+                "reencode_fp8_for_trn2), as StaticMoE(prepare_for='trn2') does"
+            )
 
 
 # ----------------------------------------------------------------------------------------------- launching
@@ -163,23 +193,50 @@ def expert_gemm(a, a_scale, b, b_scale, row_mask, expert, weight_layout="eoi", *
     ``weight_layout``: "eoi" or "eio" (static_moe.layouts), handed to the kernel as a keyword (module doc)."""
     _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert, weight_layout=weight_layout)
     args = expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert)
-    check_trn2_fp8_bytes("expert_gemm", (("b", b[int(expert):int(expert) + 1]),), weight_layout, _e4m3fn_native())
+    check_trn2_fp8_bytes("expert_gemm", (("b", b[int(expert) : int(expert) + 1]),), weight_layout, _e4m3fn_native())
     return _launch("expert_gemm", args, _on_neuron(a), skip_unrouted=skip_unrouted, **_layout_flags(weight_layout))
 
 
-def local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                  swiglu_limit=None, fp8_max=448.0, weight_layout="eoi", *, skip_unrouted: bool = True):
+def local_experts(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    expert_offset,
+    swiglu_limit=None,
+    fp8_max=448.0,
+    weight_layout="eoi",
+    *,
+    skip_unrouted: bool = True,
+):
     """``torch.ops.static_moe.local_experts`` through the fused NKI kernel (device, or simulator / interpreter).
     Returns float32 [R, H]. ``weight_layout``: "eoi" or "eio", handed to the kernel as a keyword (module doc)."""
-    _check("local_experts", x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-           swiglu_limit, fp8_max, weight_layout=weight_layout)
+    _check(
+        "local_experts",
+        x,
+        x_scale,
+        topk_idx,
+        topk_weights,
+        w13,
+        w13_scale,
+        w2,
+        w2_scale,
+        expert_offset,
+        swiglu_limit,
+        fp8_max,
+        weight_layout=weight_layout,
+    )
     native = _e4m3fn_native()
     check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_layout, native)
     check_trn2_fp8_bytes("local_experts", (("w13", w13), ("w2", w2)), weight_layout, native)
-    args = local_experts_args(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                              swiglu_limit, fp8_max, native)
-    return _launch("local_experts", args, _on_neuron(x), skip_unrouted=skip_unrouted,
-                   **_layout_flags(weight_layout))
+    args = local_experts_args(
+        x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, native
+    )
+    return _launch("local_experts", args, _on_neuron(x), skip_unrouted=skip_unrouted, **_layout_flags(weight_layout))
 
 
 # ------------------------------------------------------------------------------------------- registration
@@ -233,9 +290,11 @@ def status() -> dict:
         "device": keys or None,
         "device_why_not": None if keys else why,
         "simulator": "nki.simulate" if backend == "nki" else None,
-        "simulator_why_not": None if backend == "nki" else
-        "the real nki (nki.jit/nki.simulate, Neuron's package index) is not importable here",
+        "simulator_why_not": None
+        if backend == "nki"
+        else "the real nki (nki.jit/nki.simulate, Neuron's package index) is not importable here",
         "interpreter": backend == "interpreter",
-        "interpreter_why_not": None if backend == "interpreter" else
-        (shim_error or "a real nki is importable (STATIC_MOE_NKI=interpreter forces the interpreter)"),
+        "interpreter_why_not": None
+        if backend == "interpreter"
+        else (shim_error or "a real nki is importable (STATIC_MOE_NKI=interpreter forces the interpreter)"),
     }

@@ -63,8 +63,9 @@ def _load_interpreter(real_error: ImportError | None):
 _CHOICES = ("auto", "interpreter", "nki")
 _choice = os.environ.get("STATIC_MOE_NKI", "auto").lower()
 if _choice not in _CHOICES:  # a typo must not silently mean "auto"
-    raise ValueError(f"STATIC_MOE_NKI must be one of {_CHOICES} (unset means 'auto'), got "
-                     f"{os.environ['STATIC_MOE_NKI']!r}")
+    raise ValueError(
+        f"STATIC_MOE_NKI must be one of {_CHOICES} (unset means 'auto'), got {os.environ['STATIC_MOE_NKI']!r}"
+    )
 _real = None
 _real_error = None
 if _choice != "interpreter":
@@ -100,9 +101,19 @@ def real_nki_available() -> bool:
 
 
 _TORCH_TO_NL = {
-    "float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float8_e4m3fn": "float8_e4m3fn",
-    "float8_e5m2": "float8_e5m2", "float8_e8m0fnu": "float8_e8m0fnu", "int32": "int32", "int16": "int16",
-    "int8": "int8", "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "bool": "bool_",
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+    "float8_e8m0fnu": "float8_e8m0fnu",
+    "int32": "int32",
+    "int16": "int16",
+    "int8": "int8",
+    "uint8": "uint8",
+    "uint16": "uint16",
+    "uint32": "uint32",
+    "bool": "bool_",
 }
 
 

@@ -33,5 +33,5 @@ def _expert_gemm_fake(a, a_scale, b, b_scale, row_mask, expert, weight_layout="e
     tensors = [a, b, row_mask] + [t for t in (a_scale, b_scale) if t is not None]
     if not any(isinstance(s, torch.SymInt) for t in tensors for s in t.shape) and not isinstance(expert, torch.SymInt):
         _C.check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert, weight_layout)
-    n = logical_shape(b, weight_layout)[1]   # N: b is [L, N, K] ("eoi") or [L, K, N] / [L, K/4, N] ("eio")
+    n = logical_shape(b, weight_layout)[1]  # N: b is [L, N, K] ("eoi") or [L, K, N] / [L, K/4, N] ("eio")
     return a.new_empty((a.shape[0], n), dtype=torch.bfloat16)

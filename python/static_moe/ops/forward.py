@@ -79,9 +79,24 @@ def _symbolic(*tensors: torch.Tensor | None) -> bool:
     return any(isinstance(s, torch.SymInt) for t in tensors if t is not None for s in t.shape)
 
 
-def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                  num_experts: int, capacity: int, swiglu_limit, ep_rank: int, ep_size: int,
-                  fp8_max: float = FP8_E4M3FN_MAX, weight_layout: str = "eoi") -> ForwardDims:
+def check_forward(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    shared_output,
+    num_experts: int,
+    capacity: int,
+    swiglu_limit,
+    ep_rank: int,
+    ep_size: int,
+    fp8_max: float = FP8_E4M3FN_MAX,
+    weight_layout: str = "eoi",
+) -> ForwardDims:
     """Metadata-only checks of forward's arguments (SPEC §5), shared by the kernel and the fake.
 
     What forward hands on to local_experts — activation dtype, x_scale and the activation group, routing dtypes and
@@ -102,13 +117,28 @@ def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
     if not isinstance(ep_rank, int) or not 0 <= ep_rank < ep_size:
         raise ValueError(f"forward: ep_rank must be in [0, ep_size={ep_size}), got {ep_rank!r}")
     if not isinstance(capacity, int) or capacity <= 0 or capacity > _INT32_MAX:
-        raise ValueError(f"forward: capacity must be a positive int, at most 2^31 − 1 (the packed rows and the "
-                         f"step header count rows in int32), got {capacity!r}")
+        raise ValueError(
+            f"forward: capacity must be a positive int, at most 2^31 − 1 (the packed rows and the "
+            f"step header count rows in int32), got {capacity!r}"
+        )
 
     # --- everything local_experts will be given (its offset ep_rank·L >= 0 is checked above, so 0 stands in) ----
     if not _symbolic(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale):
-        _C.check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, 0, swiglu_limit,
-                               fp8_max, "forward", weight_layout)
+        _C.check_local_experts(
+            x,
+            x_scale,
+            topk_idx,
+            topk_weights,
+            w13,
+            w13_scale,
+            w2,
+            w2_scale,
+            0,
+            swiglu_limit,
+            fp8_max,
+            "forward",
+            weight_layout,
+        )
     t, h = x.shape
     act = "fp8" if x.dtype == torch.float8_e4m3fn else "bf16"
     group = h // x_scale.shape[1] if act == "fp8" else 0
@@ -119,16 +149,22 @@ def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
     if h == 0:
         raise ValueError(f"forward: H (x.size(1)) must be a positive multiple of 128, got {h}")
     if inter == 0:
-        raise ValueError(f"forward: I (w13.size({2 if weight_layout == 'eio' else 1}) / 2) must be a positive "
-                         f"multiple of 128, got {inter}")
+        raise ValueError(
+            f"forward: I (w13.size({2 if weight_layout == 'eio' else 1}) / 2) must be a positive "
+            f"multiple of 128, got {inter}"
+        )
     if k == 0:
         raise ValueError(f"forward: topk_idx must be [T={t}, k ≥ 1], got shape {_shape(topk_idx)}")
     if t > capacity:
-        raise ValueError(f"forward: {t} tokens exceed the capacity of {capacity} (T ≤ C is required; "
-                         "raise the capacity or split the batch)")
+        raise ValueError(
+            f"forward: {t} tokens exceed the capacity of {capacity} (T ≤ C is required; "
+            "raise the capacity or split the batch)"
+        )
     if num_experts != num_local * ep_size:
-        raise ValueError(f"forward: num_experts={num_experts} must equal local experts (w13.size(0)={num_local}) "
-                         f"× ep_size={ep_size} = {num_local * ep_size}")
+        raise ValueError(
+            f"forward: num_experts={num_experts} must equal local experts (w13.size(0)={num_local}) "
+            f"× ep_size={ep_size} = {num_local * ep_size}"
+        )
     if k > num_experts:
         raise ValueError(f"forward: top-k={k} exceeds num_experts={num_experts}")
     if shared_output is not None:
@@ -137,19 +173,35 @@ def check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
         if shared_output.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"forward: shared_output must be float32, bfloat16 or float16, got {shared_output.dtype}")
         if shared_output.device != x.device:
-            raise ValueError(f"forward: shared_output must be on the same device as x ({x.device}), got "
-                             f"{shared_output.device}")
+            raise ValueError(
+                f"forward: shared_output must be on the same device as x ({x.device}), got {shared_output.device}"
+            )
     return ForwardDims(t, h, inter, num_local, k, act, group, _weight_format(w13, weight_layout))
 
 
-def workspace_spec(dims: ForwardDims, num_experts: int, capacity: int, ep_size: int,
-                   device: torch.device, swiglu_limit=None,
-                   fp8_max: float = FP8_E4M3FN_MAX) -> _workspace.WorkspaceSpec:
+def workspace_spec(
+    dims: ForwardDims,
+    num_experts: int,
+    capacity: int,
+    ep_size: int,
+    device: torch.device,
+    swiglu_limit=None,
+    fp8_max: float = FP8_E4M3FN_MAX,
+) -> _workspace.WorkspaceSpec:
     """The workspace spec a call with these dimensions looks its buffers up under."""
     return _workspace.WorkspaceSpec(
-        capacity=capacity, hidden=dims.hidden, intermediate=dims.intermediate, num_experts=num_experts,
-        topk=dims.topk, ep_size=ep_size, act_format=dims.act_format, act_group=dims.act_group or 128,
-        weight_format=dims.weight_format, device=str(device), swiglu_limit=swiglu_limit, fp8_max=fp8_max,
+        capacity=capacity,
+        hidden=dims.hidden,
+        intermediate=dims.intermediate,
+        num_experts=num_experts,
+        topk=dims.topk,
+        ep_size=ep_size,
+        act_format=dims.act_format,
+        act_group=dims.act_group or 128,
+        weight_format=dims.weight_format,
+        device=str(device),
+        swiglu_limit=swiglu_limit,
+        fp8_max=fp8_max,
     )
 
 
@@ -159,8 +211,10 @@ def check_topk_range(topk_idx: torch.Tensor, num_experts: int) -> None:
         return
     lo, hi = (int(v) for v in torch.aminmax(topk_idx))
     if lo < -1 or hi >= num_experts:
-        raise ValueError(f"forward: topk_idx must hold global expert ids in [-1, {num_experts}) (−1 = empty slot), "
-                         f"got values in [{lo}, {hi}]")
+        raise ValueError(
+            f"forward: topk_idx must hold global expert ids in [-1, {num_experts}) (−1 = empty slot), "
+            f"got values in [{lo}, {hi}]"
+        )
 
 
 def check_scale_range(x_scale: torch.Tensor | None) -> None:
@@ -171,16 +225,17 @@ def check_scale_range(x_scale: torch.Tensor | None) -> None:
     bad = ~(torch.isfinite(x_scale) & (x_scale > 0))
     if bool(bad.any()):
         row, col = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"forward: x_scale must hold positive finite scales, but x_scale[{row}, {col}] is not (NaN, "
-                         "Inf, 0 or negative: e.g. a NaN or Inf in the activation it was quantized from)")
+        raise ValueError(
+            f"forward: x_scale must hold positive finite scales, but x_scale[{row}, {col}] is not (NaN, "
+            "Inf, 0 or negative: e.g. a NaN or Inf in the activation it was quantized from)"
+        )
 
 
 def _resolve_group(group_name: str, ep_size):
     """(process group, its size, this process's rank in it). A name that names no group raises ValueError here,
     locally: without a group there is no collective to keep in step (every rank normally shares the name)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
     try:
         pg = _resolve_process_group(group_name)
@@ -191,8 +246,10 @@ def _resolve_group(group_name: str, ep_size):
 
 def _check_topology(group_name: str, size: int, rank: int, ep_rank, ep_size) -> None:
     if size != ep_size or rank != ep_rank:
-        raise ValueError(f"forward: group {group_name!r} has {size} ranks and this process is rank {rank} in it, "
-                         f"but ep_size={ep_size} and ep_rank={ep_rank} were passed")
+        raise ValueError(
+            f"forward: group {group_name!r} has {size} ranks and this process is rank {rank} in it, "
+            f"but ep_size={ep_size} and ep_rank={ep_rank} were passed"
+        )
 
 
 # Weight scales already checked for NaN, by tensor: id -> (weakref, (version, data_ptr, shape, dtype)). A layer
@@ -230,8 +287,10 @@ def check_weight_scale_values(w13_scale, w2_scale, weight_format: str) -> None:
             what = "a NaN or Inf scale"
         if bool(bad.any()):
             i = int(bad.to(torch.int32).argmax())
-            raise ValueError(f"forward: {name} holds {what} at flat index {i} (shape {list(s.shape)}); weight "
-                             "scales must be finite (UE8M0 bytes 0..254)")
+            raise ValueError(
+                f"forward: {name} holds {what} at flat index {i} (shape {list(s.shape)}); weight "
+                "scales must be finite (UE8M0 bytes 0..254)"
+            )
         if stamp is not None:
             key = id(s)
             _CHECKED_SCALES[key] = (weakref.ref(s, lambda _, k=key: _CHECKED_SCALES.pop(k, None)), stamp)
@@ -243,15 +302,63 @@ def _packed_parts(x, x_scale, topk_idx, topk_weights) -> list[torch.Tensor]:
 
 
 @torch.library.impl("static_moe::forward", "CompositeExplicitAutograd")
-def _forward_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                    num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX,
-                    weight_layout="eoi"):
+def _forward_kernel(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    shared_output,
+    num_experts,
+    capacity,
+    swiglu_limit,
+    group_name,
+    ep_rank,
+    ep_size,
+    fp8_max=FP8_E4M3FN_MAX,
+    weight_layout="eoi",
+):
     if _collective(group_name, ep_size):
-        return _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                                   num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max,
-                                   weight_layout)
-    dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                         num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max, weight_layout)
+        return _forward_collective(
+            x,
+            x_scale,
+            topk_idx,
+            topk_weights,
+            w13,
+            w13_scale,
+            w2,
+            w2_scale,
+            shared_output,
+            num_experts,
+            capacity,
+            swiglu_limit,
+            group_name,
+            ep_rank,
+            ep_size,
+            fp8_max,
+            weight_layout,
+        )
+    dims = check_forward(
+        x,
+        x_scale,
+        topk_idx,
+        topk_weights,
+        w13,
+        w13_scale,
+        w2,
+        w2_scale,
+        shared_output,
+        num_experts,
+        capacity,
+        swiglu_limit,
+        ep_rank,
+        ep_size,
+        fp8_max,
+        weight_layout,
+    )
     check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)  # the value checks of S > 1, same words
     if x.device.type == "cpu":
         check_topk_range(topk_idx, num_experts)  # free on the host; device inputs: see forward()
@@ -259,8 +366,9 @@ def _forward_kernel(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_s
     with record_function(PHASE_PREFIX + "pack"):
         parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
         packed = torch.ops.static_moe.pack_rows(parts, capacity)
-    acc = _local_step(packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, swiglu_limit, fp8_max,
-                      weight_layout)
+    acc = _local_step(
+        packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, swiglu_limit, fp8_max, weight_layout
+    )
     return _combine(acc, dims.tokens, shared_output)
 
 
@@ -271,9 +379,8 @@ def _collective(group_name: str, ep_size) -> bool:
         return True
     if not group_name:
         return False
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
     try:
         return dist.get_world_size(_resolve_process_group(group_name)) > 1
@@ -281,18 +388,22 @@ def _collective(group_name: str, ep_size) -> bool:
         return False
 
 
-def _local_step(gathered, parts, has_scale, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit,
-                fp8_max, weight_layout="eoi") -> torch.Tensor:
+def _local_step(
+    gathered, parts, has_scale, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, weight_layout="eoi"
+) -> torch.Tensor:
     """unpack every part of the gathered rows, then local_experts: fp32 [rows, H]."""
     with record_function(PHASE_PREFIX + "unpack"):
         spans, _ = pack_layout([part_nbytes(p) for p in parts])
-        g = [torch.ops.static_moe.unpack_rows(gathered, off, n, p.dtype, list(p.shape[1:]))
-             for (off, n), p in zip(spans, parts)]
+        g = [
+            torch.ops.static_moe.unpack_rows(gathered, off, n, p.dtype, list(p.shape[1:]))
+            for (off, n), p in zip(spans, parts)
+        ]
         g_x, g_xs = g[0], (g[1] if has_scale else None)
         g_idx, g_w = g[-2], g[-1]
     with record_function(PHASE_PREFIX + "local_experts"):
-        return torch.ops.static_moe.local_experts(g_x, g_xs, g_idx, g_w, w13, w13_scale, w2, w2_scale,
-                                                  expert_offset, swiglu_limit, fp8_max, weight_layout)
+        return torch.ops.static_moe.local_experts(
+            g_x, g_xs, g_idx, g_w, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, weight_layout
+        )
 
 
 def _combine(scattered, tokens, shared_output):
@@ -304,10 +415,12 @@ def _combine(scattered, tokens, shared_output):
 
 
 # --- the collective step (S > 1) -----------------------------------------------------------------------------
-def _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, ep_size,
-                 weight_layout="eoi") -> dict:
+def _call_config(
+    x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, ep_size, weight_layout="eoi"
+) -> dict:
     """What this rank's call says about the configuration every rank must share, read leniently from metadata (a
     field its arguments are too malformed to give is None); values as WorkspaceSpec spells them."""
+
     def dim(t, n, d):
         return t.shape[d] if isinstance(t, torch.Tensor) and t.dim() == n else None
 
@@ -323,12 +436,19 @@ def _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit,
     except (TypeError, AttributeError, ValueError):
         wfmt = None
     limit_ok = swiglu_limit is None or _finite_f32(swiglu_limit)
-    return dict(capacity=capacity if isinstance(capacity, int) else None, hidden=hidden,
-                intermediate=None if two_i is None else two_i // 2,
-                num_experts=num_experts if isinstance(num_experts, int) else None,
-                topk=dim(topk_idx, 2, 1), ep_size=ep_size, act_format=act, weight_format=wfmt, act_group=group,
-                swiglu_limit=swiglu_limit if limit_ok else None,
-                fp8_max=(float(fp8_max) if act == "fp8" and _finite_f32(fp8_max) else FP8_E4M3FN_MAX))
+    return dict(
+        capacity=capacity if isinstance(capacity, int) else None,
+        hidden=hidden,
+        intermediate=None if two_i is None else two_i // 2,
+        num_experts=num_experts if isinstance(num_experts, int) else None,
+        topk=dim(topk_idx, 2, 1),
+        ep_size=ep_size,
+        act_format=act,
+        weight_format=wfmt,
+        act_group=group,
+        swiglu_limit=swiglu_limit if limit_ok else None,
+        fp8_max=(float(fp8_max) if act == "fp8" and _finite_f32(fp8_max) else FP8_E4M3FN_MAX),
+    )
 
 
 def _finite_f32(v) -> bool:
@@ -339,15 +459,35 @@ def _finite_f32(v) -> bool:
 
 
 def _spec_of(cfg: dict, device) -> _workspace.WorkspaceSpec | None:
-    if any(cfg[k] is None for k in ("capacity", "hidden", "intermediate", "num_experts", "topk", "act_format",
-                                    "weight_format", "act_group")):
+    if any(
+        cfg[k] is None
+        for k in (
+            "capacity",
+            "hidden",
+            "intermediate",
+            "num_experts",
+            "topk",
+            "act_format",
+            "weight_format",
+            "act_group",
+        )
+    ):
         return None
     try:
         return _workspace.WorkspaceSpec(
-            capacity=cfg["capacity"], hidden=cfg["hidden"], intermediate=cfg["intermediate"],
-            num_experts=cfg["num_experts"], topk=cfg["topk"], ep_size=cfg["ep_size"], act_format=cfg["act_format"],
-            act_group=cfg["act_group"] or 128, weight_format=cfg["weight_format"], device=str(device),
-            swiglu_limit=cfg["swiglu_limit"], fp8_max=cfg["fp8_max"])
+            capacity=cfg["capacity"],
+            hidden=cfg["hidden"],
+            intermediate=cfg["intermediate"],
+            num_experts=cfg["num_experts"],
+            topk=cfg["topk"],
+            ep_size=cfg["ep_size"],
+            act_format=cfg["act_format"],
+            act_group=cfg["act_group"] or 128,
+            weight_format=cfg["weight_format"],
+            device=str(device),
+            swiglu_limit=cfg["swiglu_limit"],
+            fp8_max=cfg["fp8_max"],
+        )
     except (ValueError, TypeError):
         return None
 
@@ -375,15 +515,17 @@ def _frame(ws, kind, error, cfg, x_scale, topk_idx, topk_weights, x) -> tuple:
         try:
             parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
             packed = torch.ops.static_moe.pack_rows(parts, c)
-            header = _status.build_header(ws.send.device, kind, 0, _status.call_config_words(cfg, True), topk_idx,
-                                          x_scale)
+            header = _status.build_header(
+                ws.send.device, kind, 0, _status.call_config_words(cfg, True), topk_idx, x_scale
+            )
             _status.write_frame(ws.send, pw, header, packed)
             return kind, None, parts
         except Exception as e:  # noqa: BLE001  (reported like a failed check)
             kind, error = _status.error_kind(e), e
     message = b"" if kind == _status.NEED_FRAME else _status.message_bytes(_status.describe_error(error), c * pw)
-    header = _status.build_header(ws.send.device, kind, len(message),
-                                  _status.call_config_words(cfg, kind == _status.NEED_FRAME), None, None)
+    header = _status.build_header(
+        ws.send.device, kind, len(message), _status.call_config_words(cfg, kind == _status.NEED_FRAME), None, None
+    )
     _status.write_frame(ws.send, pw, header, None, message)
     return kind, error, None
 
@@ -392,13 +534,49 @@ def report_failure(error: BaseException, group_name: str, ep_rank: int, ep_size:
     """Run a collective step on the group that reports ``error`` as this rank's: every rank raises (this one
     ``error``), exactly as for a failed check of the op. For a caller whose own checks failed before it could
     call the op (StaticMoE.forward, the wrapper's argument checks), so that its peers are not left waiting."""
-    return _forward_collective(None, None, None, None, None, None, None, None, None, None, None, None,
-                               group_name, ep_rank, ep_size, FP8_E4M3FN_MAX, "eoi", preset_error=error)
+    return _forward_collective(
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        group_name,
+        ep_rank,
+        ep_size,
+        FP8_E4M3FN_MAX,
+        "eoi",
+        preset_error=error,
+    )
 
 
-def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                        num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max,
-                        weight_layout="eoi", retry: bool = True, preset_error: BaseException | None = None):
+def _forward_collective(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    shared_output,
+    num_experts,
+    capacity,
+    swiglu_limit,
+    group_name,
+    ep_rank,
+    ep_size,
+    fp8_max,
+    weight_layout="eoi",
+    retry: bool = True,
+    preset_error: BaseException | None = None,
+):
     pg, size, rank = _resolve_group(group_name, ep_size)
     # From here to the all-gather every exception, whatever its type, is this rank's verdict to report, never a
     # local raise: its peers are about to wait in the all-gather (docs/errors.md, "the rule").
@@ -407,11 +585,28 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
     if error is None:
         try:
             _check_topology(group_name, size, rank, ep_rank, ep_size)
-            dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                                 num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max, weight_layout)
+            dims = check_forward(
+                x,
+                x_scale,
+                topk_idx,
+                topk_weights,
+                w13,
+                w13_scale,
+                w2,
+                w2_scale,
+                shared_output,
+                num_experts,
+                capacity,
+                swiglu_limit,
+                ep_rank,
+                ep_size,
+                fp8_max,
+                weight_layout,
+            )
             check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)
-            cfg = _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, size,
-                               weight_layout)
+            cfg = _call_config(
+                x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, size, weight_layout
+            )
             spec = _spec_of(cfg, x.device)
         except Exception as e:  # noqa: BLE001
             if capturing:
@@ -425,8 +620,10 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
     if error is None and (spec is None or _workspace.frame_key(spec) != _workspace.frame_key(ws.spec)):
         kind = _status.NEED_FRAME  # fine, but not the current workspace's shapes: ask every rank to switch
     if kind == _status.NEED_FRAME and capturing:
-        raise RuntimeError("forward: this step's shapes need another workspace than the group's current one, which "
-                           "cannot be switched during CUDA graph capture: run one eager step with them first")
+        raise RuntimeError(
+            "forward: this step's shapes need another workspace than the group's current one, which "
+            "cannot be switched during CUDA graph capture: run one eager step with them first"
+        )
     c, pw = ws.spec.capacity, ws.spec.parts_width
 
     with record_function(PHASE_PREFIX + "pack"):
@@ -450,14 +647,42 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
             _workspace.set_current_frame(group_name, target)
             if not retry:
                 raise RuntimeError("forward: internal error: no workspace fits the step after acquiring one")
-            return _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
-                                       shared_output, num_experts, capacity, swiglu_limit, group_name, ep_rank,
-                                       ep_size, fp8_max, weight_layout, retry=False)
+            return _forward_collective(
+                x,
+                x_scale,
+                topk_idx,
+                topk_weights,
+                w13,
+                w13_scale,
+                w2,
+                w2_scale,
+                shared_output,
+                num_experts,
+                capacity,
+                swiglu_limit,
+                group_name,
+                ep_rank,
+                ep_size,
+                fp8_max,
+                weight_layout,
+                retry=False,
+            )
 
     kernel_error = None
     try:
-        acc = _local_step(gathered[:, :pw], parts, x_scale is not None, w13, w13_scale, w2, w2_scale,
-                          ep_rank * dims.num_local, swiglu_limit, fp8_max, weight_layout)
+        acc = _local_step(
+            gathered[:, :pw],
+            parts,
+            x_scale is not None,
+            w13,
+            w13_scale,
+            w2,
+            w2_scale,
+            ep_rank * dims.num_local,
+            swiglu_limit,
+            fp8_max,
+            weight_layout,
+        )
     except Exception as e:  # noqa: BLE001
         # Expected only for what is checked inside local_experts rather than before the all-gather: on CPU / CUDA
         # weight_layout="eio" is refused here (after pack and all-gather, the error prefixed "local_experts: ").
@@ -472,8 +697,7 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
         # tensor will do and the copy — S·C·H fp32, 7.3 MB at V3 T = 128 — would only lengthen the step.
         if ws.symmetric:
             acc = ws.acc.copy_(acc)
-        scattered = _c10d.wait_tensor(_c10d.reduce_scatter_tensor_out(acc, "sum", size, group_name,
-                                                                      out=ws.scattered))
+        scattered = _c10d.wait_tensor(_c10d.reduce_scatter_tensor_out(acc, "sum", size, group_name, out=ws.scattered))
     if kernel_error is not None:
         raise kernel_error
     out = _combine(scattered, dims.tokens, shared_output)
@@ -482,30 +706,88 @@ def _forward_collective(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, 
     return out
 
 
-def _report_meta_call(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output, group_name,
-                      ep_rank, ep_size) -> None:
+def _report_meta_call(
+    x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output, group_name, ep_rank, ep_size
+) -> None:
     """A collective call that reached the fake with real meta tensors (not a trace: the dispatcher sends any call
     with a meta argument here) would return shapes on this rank only: report it in a collective step instead."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    given = dict(x=x, x_scale=x_scale, topk_idx=topk_idx, topk_weights=topk_weights, w13=w13, w13_scale=w13_scale,
-                 w2=w2, w2_scale=w2_scale, shared_output=shared_output)
+    given = dict(
+        x=x,
+        x_scale=x_scale,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        w13=w13,
+        w13_scale=w13_scale,
+        w2=w2,
+        w2_scale=w2_scale,
+        shared_output=shared_output,
+    )
     meta = [n for n, t in given.items() if isinstance(t, torch.Tensor) and t.is_meta and not isinstance(t, FakeTensor)]
     if meta and not torch.compiler.is_compiling():
-        report_failure(ValueError(f"forward: {', '.join(meta)} on the meta device: a step needs real tensors, all on "
-                                  "one device"), group_name, ep_rank if isinstance(ep_rank, int) else 0, ep_size)
+        report_failure(
+            ValueError(f"forward: {', '.join(meta)} on the meta device: a step needs real tensors, all on one device"),
+            group_name,
+            ep_rank if isinstance(ep_rank, int) else 0,
+            ep_size,
+        )
 
 
 @torch.library.register_fake("static_moe::forward")
-def _forward_fake(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                  num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max=FP8_E4M3FN_MAX,
-                  weight_layout="eoi"):
+def _forward_fake(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    shared_output,
+    num_experts,
+    capacity,
+    swiglu_limit,
+    group_name,
+    ep_rank,
+    ep_size,
+    fp8_max=FP8_E4M3FN_MAX,
+    weight_layout="eoi",
+):
     if _collective(group_name, ep_size):
-        _report_meta_call(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                          group_name, ep_rank, ep_size)
+        _report_meta_call(
+            x,
+            x_scale,
+            topk_idx,
+            topk_weights,
+            w13,
+            w13_scale,
+            w2,
+            w2_scale,
+            shared_output,
+            group_name,
+            ep_rank,
+            ep_size,
+        )
     try:
-        dims = check_forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                             num_experts, capacity, swiglu_limit, ep_rank, ep_size, fp8_max, weight_layout)
+        dims = check_forward(
+            x,
+            x_scale,
+            topk_idx,
+            topk_weights,
+            w13,
+            w13_scale,
+            w2,
+            w2_scale,
+            shared_output,
+            num_experts,
+            capacity,
+            swiglu_limit,
+            ep_rank,
+            ep_size,
+            fp8_max,
+            weight_layout,
+        )
     except Exception:  # noqa: BLE001
         # A collective step: the kernel reports this error on every rank at run time. Raising here, at trace time
         # on this rank only, would leave the others' compiled steps waiting in the all-gather. The shape given
@@ -516,22 +798,58 @@ def _forward_fake(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
     return x.new_empty((dims.tokens, dims.hidden), dtype=torch.bfloat16)
 
 
-_SCHEMA_TENSORS = (("x", False), ("x_scale", True), ("topk_idx", False), ("topk_weights", False), ("w13", False),
-                   ("w13_scale", True), ("w2", False), ("w2_scale", True), ("shared_output", True))
+_SCHEMA_TENSORS = (
+    ("x", False),
+    ("x_scale", True),
+    ("topk_idx", False),
+    ("topk_weights", False),
+    ("w13", False),
+    ("w13_scale", True),
+    ("w2", False),
+    ("w2_scale", True),
+    ("shared_output", True),
+)
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-def schema_error(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output, num_experts,
-                 capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max, weight_layout) -> Exception | None:
+def schema_error(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    shared_output,
+    num_experts,
+    capacity,
+    swiglu_limit,
+    group_name,
+    ep_rank,
+    ep_size,
+    fp8_max,
+    weight_layout,
+) -> Exception | None:
     """The error the op's schema would raise for these arguments (before the op's body, on one rank), as
     TypeError / ValueError naming the argument, or None when the schema accepts them."""
-    given = dict(x=x, x_scale=x_scale, topk_idx=topk_idx, topk_weights=topk_weights, w13=w13, w13_scale=w13_scale,
-                 w2=w2, w2_scale=w2_scale, shared_output=shared_output)
+    given = dict(
+        x=x,
+        x_scale=x_scale,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        w13=w13,
+        w13_scale=w13_scale,
+        w2=w2,
+        w2_scale=w2_scale,
+        shared_output=shared_output,
+    )
     for name, optional in _SCHEMA_TENSORS:
         t = given[name]
         if not (isinstance(t, torch.Tensor) or (optional and t is None)):
-            return TypeError(f"forward: {name} must be a tensor{' or None' if optional else ''}, got "
-                             f"{type(t).__name__}")
+            return TypeError(
+                f"forward: {name} must be a tensor{' or None' if optional else ''}, got {type(t).__name__}"
+            )
     for name, v in (("num_experts", num_experts), ("capacity", capacity), ("ep_rank", ep_rank), ("ep_size", ep_size)):
         if not isinstance(v, int) or isinstance(v, bool):
             return ValueError(f"forward: {name} must be a positive int, got {v!r}")
@@ -545,8 +863,9 @@ def schema_error(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scal
         try:
             float(v)
         except OverflowError:
-            return ValueError(f"forward: {name} must be None or a positive finite number, got {v!r} (it overflows "
-                              "a float)")
+            return ValueError(
+                f"forward: {name} must be None or a positive finite number, got {v!r} (it overflows a float)"
+            )
     for name, v in (("group_name", group_name), ("weight_layout", weight_layout)):
         if not isinstance(v, str):
             return TypeError(f"forward: {name} must be a str, got {type(v).__name__}")
@@ -559,9 +878,26 @@ def _tracing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output=None, *,
-            num_experts: int, capacity: int, swiglu_limit=None, group_name: str = "", ep_rank: int = 0,
-            ep_size: int = 1, fp8_max: float = FP8_E4M3FN_MAX, weight_layout: str = "eoi") -> torch.Tensor:
+def forward(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    shared_output=None,
+    *,
+    num_experts: int,
+    capacity: int,
+    swiglu_limit=None,
+    group_name: str = "",
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    fp8_max: float = FP8_E4M3FN_MAX,
+    weight_layout: str = "eoi",
+) -> torch.Tensor:
     """bf16 [T, H]: the routed experts of one MoE layer over this rank's T ≤ capacity tokens (SPEC §0).
 
     Args:
@@ -586,9 +922,25 @@ def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, sh
     ep_size > 1 the op checks them itself, in the step header, on every device.
     """
     if _collective(group_name, ep_size):
-        error = schema_error(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output,
-                             num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, fp8_max,
-                             weight_layout)
+        error = schema_error(
+            x,
+            x_scale,
+            topk_idx,
+            topk_weights,
+            w13,
+            w13_scale,
+            w2,
+            w2_scale,
+            shared_output,
+            num_experts,
+            capacity,
+            swiglu_limit,
+            group_name,
+            ep_rank,
+            ep_size,
+            fp8_max,
+            weight_layout,
+        )
         if error is not None:
             # The op's schema would refuse these arguments before its body runs, on this rank only: report them
             # in a collective step instead, so every rank raises.
@@ -596,6 +948,22 @@ def forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, sh
     elif ep_size == 1 and not _tracing() and x.device.type != "cpu":
         check_topk_range(topk_idx, num_experts)  # a host sync: eager only
         check_scale_range(x_scale)
-    return torch.ops.static_moe.forward(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
-                                        shared_output, num_experts, capacity, swiglu_limit, group_name, ep_rank,
-                                        ep_size, fp8_max, weight_layout)
+    return torch.ops.static_moe.forward(
+        x,
+        x_scale,
+        topk_idx,
+        topk_weights,
+        w13,
+        w13_scale,
+        w2,
+        w2_scale,
+        shared_output,
+        num_experts,
+        capacity,
+        swiglu_limit,
+        group_name,
+        ep_rank,
+        ep_size,
+        fp8_max,
+        weight_layout,
+    )

@@ -13,8 +13,20 @@ from .. import _C
 from ..layouts import logical_shape
 
 
-def local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset: int,
-                  swiglu_limit=None, fp8_max: float = 448.0, weight_layout: str = "eoi") -> torch.Tensor:
+def local_experts(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    expert_offset: int,
+    swiglu_limit=None,
+    fp8_max: float = 448.0,
+    weight_layout: str = "eoi",
+) -> torch.Tensor:
     """The fused step 2 of the forward: the weighted sum of this rank's experts' SwiGLU MLPs over the rows routed
     to them, ``acc[rows_e] += bf16(GEMM2(swiglu_and_cast(bf16(GEMM1(x, W13_e)), w_e), W2_e))`` in increasing e.
 
@@ -26,17 +38,54 @@ def local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_sca
     (w13 [L, H, 2I], w2 [L, I, H]; fp8 MX uint32 / fp4 uint16 [L, H/4, 2I], [L, I/4, H]), both of one dtype;
     the reference and the NKI kernels take them, the CPU and CUDA kernels refuse them (ValueError).
     """
-    return torch.ops.static_moe.local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale,
-                                              expert_offset, swiglu_limit, fp8_max, weight_layout)
+    return torch.ops.static_moe.local_experts(
+        x,
+        x_scale,
+        topk_idx,
+        topk_weights,
+        w13,
+        w13_scale,
+        w2,
+        w2_scale,
+        expert_offset,
+        swiglu_limit,
+        fp8_max,
+        weight_layout,
+    )
 
 
 @torch.library.register_fake("static_moe::local_experts")
-def _local_experts_fake(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                        swiglu_limit, fp8_max=448.0, weight_layout="eoi"):
+def _local_experts_fake(
+    x,
+    x_scale,
+    topk_idx,
+    topk_weights,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    expert_offset,
+    swiglu_limit,
+    fp8_max=448.0,
+    weight_layout="eoi",
+):
     tensors = [x, topk_idx, topk_weights, w13, w2] + [t for t in (x_scale, w13_scale, w2_scale) if t is not None]
-    if not any(isinstance(s, torch.SymInt) for t in tensors for s in t.shape) and not isinstance(expert_offset,
-                                                                                                 torch.SymInt):
-        _C.check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                               swiglu_limit, fp8_max, weight_layout=weight_layout)
-    h = logical_shape(w2, weight_layout)[1]   # H = N of w2 in either layout
+    if not any(isinstance(s, torch.SymInt) for t in tensors for s in t.shape) and not isinstance(
+        expert_offset, torch.SymInt
+    ):
+        _C.check_local_experts(
+            x,
+            x_scale,
+            topk_idx,
+            topk_weights,
+            w13,
+            w13_scale,
+            w2,
+            w2_scale,
+            expert_offset,
+            swiglu_limit,
+            fp8_max,
+            weight_layout=weight_layout,
+        )
+    h = logical_shape(w2, weight_layout)[1]  # H = N of w2 in either layout
     return x.new_empty((x.shape[0], h), dtype=torch.float32)

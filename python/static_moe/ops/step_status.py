@@ -45,8 +45,18 @@ from ..workspace import STEP_HEADER_NBYTES
 MAGIC = 0x314D5453  # "STM1"
 OK, VALUE_ERROR, TYPE_ERROR, OTHER_ERROR, NEED_FRAME = 0, 1, 2, 3, 4
 WORDS = STEP_HEADER_NBYTES // 4
-CONFIG_FIELDS = ("capacity", "hidden", "intermediate", "num_experts", "topk", "ep_size", "formats", "act_group",
-                 "swiglu_limit", "fp8_max")
+CONFIG_FIELDS = (
+    "capacity",
+    "hidden",
+    "intermediate",
+    "num_experts",
+    "topk",
+    "ep_size",
+    "formats",
+    "act_group",
+    "swiglu_limit",
+    "fp8_max",
+)
 _CONFIG0 = 6
 UNKNOWN = -1
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -65,16 +75,41 @@ def bits_f32(b: int) -> float:
     return struct.unpack("<f", struct.pack("<i", b))[0]
 
 
-def config_words(capacity, hidden, intermediate, num_experts, topk, ep_size, act_format, weight_format, act_group,
-                 swiglu_limit, fp8_max) -> list[int]:
+def config_words(
+    capacity,
+    hidden,
+    intermediate,
+    num_experts,
+    topk,
+    ep_size,
+    act_format,
+    weight_format,
+    act_group,
+    swiglu_limit,
+    fp8_max,
+) -> list[int]:
     """The 10 configuration words; pass None for what is unknown."""
+
     def known(v):
         return UNKNOWN if v is None else int(v)
 
-    formats = UNKNOWN if act_format is None or weight_format is None else (
-        _ACT_CODES[act_format] | _WEIGHT_CODES[weight_format] << 4)
-    return [known(capacity), known(hidden), known(intermediate), known(num_experts), known(topk), known(ep_size),
-            formats, known(act_group), f32_bits(swiglu_limit), f32_bits(fp8_max)]
+    formats = (
+        UNKNOWN
+        if act_format is None or weight_format is None
+        else (_ACT_CODES[act_format] | _WEIGHT_CODES[weight_format] << 4)
+    )
+    return [
+        known(capacity),
+        known(hidden),
+        known(intermediate),
+        known(num_experts),
+        known(topk),
+        known(ep_size),
+        formats,
+        known(act_group),
+        f32_bits(swiglu_limit),
+        f32_bits(fp8_max),
+    ]
 
 
 def call_config_words(cfg: dict, call_ok: bool) -> list[int]:
@@ -83,9 +118,19 @@ def call_config_words(cfg: dict, call_ok: bool) -> list[int]:
     unknown): its failure is reported as such, and only the calls that passed are compared with each other."""
     if not call_ok:
         return [UNKNOWN] * len(CONFIG_FIELDS)
-    return config_words(cfg["capacity"], cfg["hidden"], cfg["intermediate"], cfg["num_experts"], cfg["topk"],
-                        cfg["ep_size"], cfg["act_format"], cfg["weight_format"], cfg["act_group"],
-                        cfg["swiglu_limit"], cfg["fp8_max"])
+    return config_words(
+        cfg["capacity"],
+        cfg["hidden"],
+        cfg["intermediate"],
+        cfg["num_experts"],
+        cfg["topk"],
+        cfg["ep_size"],
+        cfg["act_format"],
+        cfg["weight_format"],
+        cfg["act_group"],
+        cfg["swiglu_limit"],
+        cfg["fp8_max"],
+    )
 
 
 def error_kind(e: BaseException) -> int:
@@ -135,8 +180,14 @@ def _host_words_on(device: torch.device, words: tuple[int, ...]) -> torch.Tensor
     return t
 
 
-def build_header(device: torch.device, kind: int, length: int, config: list[int], topk_idx: torch.Tensor | None,
-                 x_scale: torch.Tensor | None) -> torch.Tensor:
+def build_header(
+    device: torch.device,
+    kind: int,
+    length: int,
+    config: list[int],
+    topk_idx: torch.Tensor | None,
+    x_scale: torch.Tensor | None,
+) -> torch.Tensor:
     """int32 [16] on ``device``. topk_idx (int32 / int64, as the call gave it: never narrowed before this range
     check) / x_scale (this rank's, or None when its call already failed) feed the value words with tensor ops
     only; ids outside int32 saturate to its bounds, which lie outside [−1, E) too."""
@@ -161,8 +212,9 @@ def build_header(device: torch.device, kind: int, length: int, config: list[int]
     return torch.cat(parts)
 
 
-def write_frame(send: torch.Tensor, parts_width: int, header: torch.Tensor, packed: torch.Tensor | None,
-                message: bytes = b"") -> None:
+def write_frame(
+    send: torch.Tensor, parts_width: int, header: torch.Tensor, packed: torch.Tensor | None, message: bytes = b""
+) -> None:
     """Fill the uint8 [C, W] send buffer: the packed parts (or, for a failed call, 0xFF and the message), then the
     header in row 0 of the last 64 columns, 0xFF below it."""
     c = send.shape[0]
@@ -182,13 +234,13 @@ def message_bytes(text: str, room: int) -> bytes:
     data = text.encode("utf-8")
     if len(data) <= room:
         return data
-    tail = " …".encode("utf-8")
+    tail = " …".encode()
     return data[: max(0, room - len(tail))].decode("utf-8", "ignore").encode("utf-8") + tail
 
 
 def gathered_headers(gathered: torch.Tensor, capacity: int, parts_width: int) -> torch.Tensor:
     """int32 [S, 16] on gathered's device: row 0 of each rank's block, header columns."""
-    return gathered[::capacity, parts_width:parts_width + STEP_HEADER_NBYTES].contiguous().view(torch.int32)
+    return gathered[::capacity, parts_width : parts_width + STEP_HEADER_NBYTES].contiguous().view(torch.int32)
 
 
 def read_messages(gathered: torch.Tensor, headers: list[list[int]], capacity: int, parts_width: int) -> dict[int, str]:
@@ -198,7 +250,7 @@ def read_messages(gathered: torch.Tensor, headers: list[list[int]], capacity: in
     for r, h in enumerate(headers):
         if h[0] == MAGIC and h[1] in (VALUE_ERROR, TYPE_ERROR, OTHER_ERROR):
             n = max(0, min(h[2], capacity * parts_width))
-            raw = gathered[r * capacity:(r + 1) * capacity, :parts_width].reshape(-1)[:n].cpu().numpy().tobytes()
+            raw = gathered[r * capacity : (r + 1) * capacity, :parts_width].reshape(-1)[:n].cpu().numpy().tobytes()
             out[r] = raw.decode("utf-8", "replace")
     return out
 
@@ -207,9 +259,9 @@ def read_messages(gathered: torch.Tensor, headers: list[list[int]], capacity: in
 class Verdict:
     """What every rank concludes from the S headers (the same on every rank)."""
 
-    config_diffs: list[str]           # "capacity: 4 on ranks [0]; 8 on ranks [1]"
+    config_diffs: list[str]  # "capacity: 4 on ranks [0]; 8 on ranks [1]"
     failures: dict[int, tuple[str, str]]  # rank -> (exception type name, message)
-    need_frame: list[int]             # ranks whose call fits no workspace
+    need_frame: list[int]  # ranks whose call fits no workspace
     bad_magic: list[int]
 
 
@@ -232,8 +284,12 @@ def decide(headers: list[list[int]], messages: dict[int, str]) -> Verdict:
         if len(set(known.values())) > 1:
             groups = _group_by_value(list(known.values()))
             ranks = list(known)
-            diffs.append(f"{field}: " + "; ".join(f"{describe_config_word(field, v)} on ranks {[ranks[j] for j in js]}"
-                                                  for v, js in groups.items()))
+            diffs.append(
+                f"{field}: "
+                + "; ".join(
+                    f"{describe_config_word(field, v)} on ranks {[ranks[j] for j in js]}" for v, js in groups.items()
+                )
+            )
     failures: dict[int, tuple[str, str]] = {}
     need = []
     for r in good:
@@ -248,27 +304,34 @@ def decide(headers: list[list[int]], messages: dict[int, str]) -> Verdict:
             e = h[_CONFIG0 + 3]
             lo, hi, bad = h[3], h[4], h[5]
             if lo < -1 or hi >= e:
-                failures[r] = ("ValueError", f"forward: topk_idx must hold global expert ids in [-1, {e}) (−1 = "
-                                             f"empty slot), got values in [{lo}, {hi}]")
+                failures[r] = (
+                    "ValueError",
+                    f"forward: topk_idx must hold global expert ids in [-1, {e}) (−1 = "
+                    f"empty slot), got values in [{lo}, {hi}]",
+                )
             elif bad >= 0:
                 groups = h[_CONFIG0 + 1] // h[_CONFIG0 + 7] if h[_CONFIG0 + 7] > 0 else 1  # H / g per row
-                failures[r] = ("ValueError", f"forward: x_scale must hold positive finite scales, but x_scale"
-                                             f"[{bad // groups}, {bad % groups}] is not (NaN, Inf, 0 or negative: e.g. a NaN "
-                                             "or Inf in the activation it was quantized from)")
+                failures[r] = (
+                    "ValueError",
+                    f"forward: x_scale must hold positive finite scales, but x_scale"
+                    f"[{bad // groups}, {bad % groups}] is not (NaN, Inf, 0 or negative: e.g. a NaN "
+                    "or Inf in the activation it was quantized from)",
+                )
         else:
             failures[r] = ("RuntimeError", f"forward: unknown step status {kind}")
     return Verdict(diffs, failures, need, bad_magic)
 
 
 def _strip(msg: str) -> str:
-    return msg[len("forward: "):] if msg.startswith("forward: ") else msg
+    return msg[len("forward: ") :] if msg.startswith("forward: ") else msg
 
 
 def others_error(failures: dict[int, tuple[str, str]]) -> RuntimeError:
     """The error the ranks whose own call passed raise when ``failures`` (rank -> (type name, message)) did not."""
     ranks = sorted(failures)
-    detail = "; ".join(f"rank {r}: {_strip(failures[r][1])}" if len(ranks) > 1 else _strip(failures[r][1])
-                       for r in ranks)
+    detail = "; ".join(
+        f"rank {r}: {_strip(failures[r][1])}" if len(ranks) > 1 else _strip(failures[r][1]) for r in ranks
+    )
     who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
     return RuntimeError(f"forward: {who} failed: {detail}")
 
@@ -281,15 +344,21 @@ def raise_verdict(v: Verdict, rank: int, size: int, error: BaseException | None)
     rank); failed calls (the failing rank raises its own error, the others :func:`others_error`); workspaces
     held on some ranks only (ValueError)."""
     if v.bad_magic:
-        raise RuntimeError(f"forward: ranks {v.bad_magic} sent no step header (their packed rows do not come from "
-                           "this version of static_moe's forward); every rank of the group must run the same code")
+        raise RuntimeError(
+            f"forward: ranks {v.bad_magic} sent no step header (their packed rows do not come from "
+            "this version of static_moe's forward); every rank of the group must run the same code"
+        )
     if v.config_diffs:
         extra = ""
         if v.failures:
             extra = " (also: " + "; ".join(f"rank {r}: {_strip(m)}" for r, (_, m) in sorted(v.failures.items())) + ")"
-        raise ValueError(f"forward: configurations differ across the EP group (group ranks {list(range(size))}): "
-                         + " | ".join(v.config_diffs) + extra + "; every rank must call forward with the same "
-                         "capacity, H, I, num_experts, top-k, formats, activation group, swiglu_limit and fp8_max")
+        raise ValueError(
+            f"forward: configurations differ across the EP group (group ranks {list(range(size))}): "
+            + " | ".join(v.config_diffs)
+            + extra
+            + "; every rank must call forward with the same "
+            "capacity, H, I, num_experts, top-k, formats, activation group, swiglu_limit and fp8_max"
+        )
     if v.failures:
         if rank in v.failures:
             if error is not None:
@@ -298,9 +367,11 @@ def raise_verdict(v: Verdict, rank: int, size: int, error: BaseException | None)
         raise others_error(v.failures)
     if v.need_frame and len(v.need_frame) != size:
         others = [r for r in range(size) if r not in v.need_frame]
-        raise ValueError(f"forward: ranks {v.need_frame} hold no workspace for this step's configuration but ranks "
-                         f"{others} do: workspaces were acquired or closed on some ranks only (acquire and close "
-                         "them on every rank of the group, in the same order)")
+        raise ValueError(
+            f"forward: ranks {v.need_frame} hold no workspace for this step's configuration but ranks "
+            f"{others} do: workspaces were acquired or closed on some ranks only (acquire and close "
+            "them on every rank of the group, in the same order)"
+        )
 
 
 def device_verdict(headers: torch.Tensor) -> torch.Tensor:

@@ -7,4 +7,12 @@ from .local_experts import local_experts
 from .pack_rows import pack_rows, unpack_rows
 from .swiglu_and_cast import swiglu_and_cast
 
-__all__ = ["pack_rows", "unpack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward", "forward_simulated"]
+__all__ = [
+    "pack_rows",
+    "unpack_rows",
+    "swiglu_and_cast",
+    "expert_gemm",
+    "local_experts",
+    "forward",
+    "forward_simulated",
+]

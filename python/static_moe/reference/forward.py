@@ -49,8 +49,10 @@ def forward_simulated(
     num_local = num_experts // s
     for idx in topk_idxs:  # in the ids' own dtype, before _parts narrows them to int32 (2^32 + 1 must not become 1)
         if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
-            raise ValueError(f"forward: topk_idx must hold global expert ids in [-1, {num_experts}) (−1 = empty "
-                             f"slot), got values in [{int(idx.min())}, {int(idx.max())}]")
+            raise ValueError(
+                f"forward: topk_idx must hold global expert ids in [-1, {num_experts}) (−1 = empty "
+                f"slot), got values in [{int(idx.min())}, {int(idx.max())}]"
+            )
     packed = [pack_rows(_parts(*a), capacity) for a in zip(xs, x_scales, topk_idxs, topk_weights)]
     gathered = torch.cat(packed, dim=0)  # [S·C, W]
     parts0 = _parts(xs[0], x_scales[0], topk_idxs[0], topk_weights[0])
@@ -61,7 +63,17 @@ def forward_simulated(
     acc = None
     for r in range(s):
         a = local_experts(
-            g_x, g_xs, g_idx, g_w, w13s[r], w13_scales[r], w2s[r], w2_scales[r], r * num_local, swiglu_limit, fp8_max,
+            g_x,
+            g_xs,
+            g_idx,
+            g_w,
+            w13s[r],
+            w13_scales[r],
+            w2s[r],
+            w2_scales[r],
+            r * num_local,
+            swiglu_limit,
+            fp8_max,
             weight_layout,
         )
         acc = a if acc is None else acc + a
@@ -100,6 +112,18 @@ def forward(
     if ep_size != 1:
         raise ValueError(f"reference forward runs S = 1 only (got ep_size={ep_size}); use forward_simulated")
     return forward_simulated(
-        [x], [x_scale], [topk_idx], [topk_weights], [w13], [w13_scale], [w2], [w2_scale],
-        [shared_output], num_experts, capacity, swiglu_limit, fp8_max, weight_layout,
+        [x],
+        [x_scale],
+        [topk_idx],
+        [topk_weights],
+        [w13],
+        [w13_scale],
+        [w2],
+        [w2_scale],
+        [shared_output],
+        num_experts,
+        capacity,
+        swiglu_limit,
+        fp8_max,
+        weight_layout,
     )[0]

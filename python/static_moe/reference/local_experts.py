@@ -55,8 +55,9 @@ def local_experts(
     if weight_layout == "eio" and w2.dtype != w13.dtype:
         # The kernels' rule (csrc/checks/local_experts.h): one prepared form for both weights — MX (uint32) and
         # plain fp8 are one format but different kernel inputs, so a mix is refused, not converted.
-        raise TypeError(f"local_experts: under weight_layout='eio' w2 must have the dtype of w13 ({_dtype(w13)}), "
-                        f"got {_dtype(w2)}")
+        raise TypeError(
+            f"local_experts: under weight_layout='eio' w2 must have the dtype of w13 ({_dtype(w13)}), got {_dtype(w2)}"
+        )
     w13, w13_scale = as_eoi(w13, w13_scale, weight_layout)
     w2, w2_scale = as_eoi(w2, w2_scale, weight_layout)
     check_swiglu_limit(swiglu_limit, "local_experts")

@@ -34,17 +34,23 @@ def unpack_rows(
     """Copy the span ``[offset, offset + nbytes)`` of every row of uint8 ``packed`` [R, W] out as
     ``dtype [R, *row_shape]``."""
     if dtype == torch.bool or dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
-        raise TypeError(f"unpack_rows: dtype {dtype} cannot be unpacked from raw bytes (bool and quantized dtypes "
-                        "are refused): unpack uint8 and convert")
+        raise TypeError(
+            f"unpack_rows: dtype {dtype} cannot be unpacked from raw bytes (bool and quantized dtypes "
+            "are refused): unpack uint8 and convert"
+        )
     width = packed.shape[1]
     if not (0 <= offset <= width and 0 <= nbytes <= width - offset):
         end = offset + nbytes if offset + nbytes < 2**63 else "(overflows int64)"
-        raise ValueError(f"unpack_rows: the span [offset, offset + nbytes) = [{offset}, {end}) must lie inside the "
-                         f"packed row width W = packed.size(1) = {width} (offset = {offset}, nbytes = {nbytes})")
+        raise ValueError(
+            f"unpack_rows: the span [offset, offset + nbytes) = [{offset}, {end}) must lie inside the "
+            f"packed row width W = packed.size(1) = {width} (offset = {offset}, nbytes = {nbytes})"
+        )
     itemsize = torch.empty((), dtype=dtype).element_size()
     if math.prod(row_shape) * itemsize != nbytes:
-        raise ValueError(f"unpack_rows: nbytes must equal prod(row_shape) * itemsize = prod({list(row_shape)}) * "
-                         f"{itemsize} = {math.prod(row_shape) * itemsize} for {dtype}, got {nbytes}")
+        raise ValueError(
+            f"unpack_rows: nbytes must equal prod(row_shape) * itemsize = prod({list(row_shape)}) * "
+            f"{itemsize} = {math.prod(row_shape) * itemsize} for {dtype}, got {nbytes}"
+        )
     rows = packed.shape[0]
     if nbytes == 0:  # a [R, 0] byte view cannot be reinterpreted as a wider dtype
         return torch.empty((rows, *row_shape), dtype=dtype, device=packed.device)

@@ -35,8 +35,13 @@ def _worker(fn, rank: int, size: int, store_path: str, pg_timeout: float, thread
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
         try:
             value = fn(rank, size, *args)
         finally:
@@ -57,8 +62,10 @@ def run_ranks(fn, size: int, *args, timeout: float = 120.0, pg_timeout: float = 
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="static_moe_dist_") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(fn, r, size, store, pg_timeout, threads, args, results),
-                             daemon=True) for r in range(size)]
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, size, store, pg_timeout, threads, args, results), daemon=True)
+            for r in range(size)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout

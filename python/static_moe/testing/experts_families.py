@@ -39,18 +39,59 @@ TOLERANCE = 1e-4
 # MLA sizes keep every projection tiny; first_k_dense_replace / decoder_sparse_step / mlp_only_layers make every
 # layer sparse.
 OVERRIDES = dict(
-    vocab_size=VOCAB, hidden_size=128, intermediate_size=128, moe_intermediate_size=128, expert_ffn_hidden_size=128,
-    shared_expert_intermediate_size=128, ffn_hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=1, head_dim=64, num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4,
-    num_experts_per_tok=2, moe_topk=2, moe_k=2, n_group=1, topk_group=1, first_k_dense_replace=0,
-    decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=64, initializer_range=0.1,
-    q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=48, v_head_dim=64, n_shared_experts=1,
-    num_shared_experts=1, zero_expert_num=0, num_layers=2, mlp_layer_types=["sparse", "sparse"],
-    enable_moe_block=True, top_k_experts=2, num_dense_layers=0, num_experts_per_token=2, num_expert_group=1,
-    vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, mamba_n_heads=4, mamba_d_state=16,
-    mamba_chunk_size=16, linear_num_heads=2, linear_head_dim=64,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=32,
-    tie_word_embeddings=False, use_cache=False,
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=128,
+    moe_intermediate_size=128,
+    expert_ffn_hidden_size=128,
+    shared_expert_intermediate_size=128,
+    ffn_hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    moe_num_experts=4,
+    num_experts_per_tok=2,
+    moe_topk=2,
+    moe_k=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=0,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=64,
+    initializer_range=0.1,
+    q_lora_rank=64,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=48,
+    v_head_dim=64,
+    n_shared_experts=1,
+    num_shared_experts=1,
+    zero_expert_num=0,
+    num_layers=2,
+    mlp_layer_types=["sparse", "sparse"],
+    enable_moe_block=True,
+    top_k_experts=2,
+    num_dense_layers=0,
+    num_experts_per_token=2,
+    num_expert_group=1,
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=16,
+    mamba_n_heads=4,
+    mamba_d_state=16,
+    mamba_chunk_size=16,
+    linear_num_heads=2,
+    linear_head_dim=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    sliding_window=32,
+    tie_word_embeddings=False,
+    use_cache=False,
 )
 # What the shared recipe cannot say, per family, and why.
 FAMILY_OVERRIDES = {
@@ -99,8 +140,11 @@ def families() -> dict[str, list[type]]:
             if "@use_experts_implementation" not in path.read_text():
                 continue
             mod = importlib.import_module(f"transformers.models.{info.name}.{path.stem}")
-            classes = [c for _, c in inspect.getmembers(mod, inspect.isclass)
-                       if c.__module__ == mod.__name__ and is_experts_class(c)]
+            classes = [
+                c
+                for _, c in inspect.getmembers(mod, inspect.isclass)
+                if c.__module__ == mod.__name__ and is_experts_class(c)
+            ]
             if classes:
                 out.setdefault(info.name, []).extend(classes)
     return out
@@ -111,15 +155,24 @@ def _model_class(family: str, experts: type):
     from transformers import PreTrainedModel
 
     mod = importlib.import_module(experts.__module__)
-    classes = [c for _, c in inspect.getmembers(mod, inspect.isclass)
-               if c.__module__ == mod.__name__ and issubclass(c, PreTrainedModel)
-               and getattr(c, "config_class", None) is not None]
+    classes = [
+        c
+        for _, c in inspect.getmembers(mod, inspect.isclass)
+        if c.__module__ == mod.__name__
+        and issubclass(c, PreTrainedModel)
+        and getattr(c, "config_class", None) is not None
+    ]
 
     def rank(c):
         name = c.__name__
         text = not getattr(c.config_class, "sub_configs", None)
-        return (not text, not name.endswith("ForCausalLM"), not name.endswith("TextModel"),
-                not name.endswith("Model"), name)
+        return (
+            not text,
+            not name.endswith("ForCausalLM"),
+            not name.endswith("TextModel"),
+            not name.endswith("Model"),
+            name,
+        )
 
     candidates = sorted((c for c in classes if c.__name__.endswith(("ForCausalLM", "Model"))), key=rank)
     if not candidates:
@@ -204,19 +257,25 @@ def run_family(family: str, experts: list[type], *, fp8: bool = True) -> FamilyR
     try:
         model, lm = tiny_model(family, experts[0])
     except Exception as e:  # a config this generic recipe cannot build: reported, not hidden
-        return FamilyResult(family, names, "skipped", f"tiny config not buildable: {type(e).__name__}: "
-                                                     f"{str(e).splitlines()[0][:400]}")
+        return FamilyResult(
+            family, names, "skipped", f"tiny config not buildable: {type(e).__name__}: {str(e).splitlines()[0][:400]}"
+        )
     ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     try:
         with torch.no_grad():
             ref = _outputs(model, ids, lm)
             want, margins = _greedy(model, ids, STEPS) if lm else (None, [])
     except Exception as e:
-        return FamilyResult(family, names, "skipped", f"tiny model does not run eagerly: {type(e).__name__}: "
-                                                     f"{str(e).splitlines()[0][:400]}")
+        return FamilyResult(
+            family,
+            names,
+            "skipped",
+            f"tiny model does not run eagerly: {type(e).__name__}: {str(e).splitlines()[0][:400]}",
+        )
     if not experts_modules(model):
-        return FamilyResult(family, names, "skipped", f"{type(model).__name__} builds no experts module "
-                                                     "with these overrides")
+        return FamilyResult(
+            family, names, "skipped", f"{type(model).__name__} builds no experts module with these overrides"
+        )
     try:
         use_static_moe(model)
     except UnsupportedExperts as e:
@@ -230,7 +289,7 @@ def run_family(family: str, experts: list[type], *, fp8: bool = True) -> FamilyR
                 seq, _ = _greedy(model, ids, STEPS)
                 # Compared up to the first near-tie of the eager run (a tie's side is rounding noise).
                 decisive = next((i for i, m in enumerate(margins) if m <= 2 * 2.0**-7), STEPS)
-                equal = bool(torch.equal(seq[:, :PROMPT + decisive], want[:, :PROMPT + decisive]))
+                equal = bool(torch.equal(seq[:, : PROMPT + decisive], want[:, : PROMPT + decisive]))
             fp8_diff = fp8_vs_bf16 = None
             if fp8:
                 use_static_moe(model, weight_format="fp8")
@@ -242,8 +301,7 @@ def run_family(family: str, experts: list[type], *, fp8: bool = True) -> FamilyR
         close_static_moe(model)
     detail = f"calc_diff {bf16:.1e}" + (f", fp8 {fp8_diff:.1e} (vs bf16 model {fp8_vs_bf16:.1e})" if fp8 else "")
     within = bf16 < TOLERANCE and equal is not False and (fp8_diff is None or fp8_diff < TOLERANCE)
-    return FamilyResult(family, names, "match" if within else "mismatch", detail, bf16, fp8_diff, fp8_vs_bf16,
-                        equal)
+    return FamilyResult(family, names, "match" if within else "mismatch", detail, bf16, fp8_diff, fp8_vs_bf16, equal)
 
 
 def _number(v: float | None) -> str:
@@ -251,13 +309,17 @@ def _number(v: float | None) -> str:
 
 
 def markdown_table(results: list[FamilyResult]) -> str:
-    rows = ["| family | experts class | result | bf16 calc_diff | greedy tokens | fp8 vs dequantized | detail |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| family | experts class | result | bf16 calc_diff | greedy tokens | fp8 vs dequantized | detail |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         tokens = "—" if r.tokens_equal is None else ("equal" if r.tokens_equal else "DIFFER")
         detail = "" if r.status == "match" else re.sub(r" \(in [^)]*\)", "", r.detail).replace("|", "\\|")
-        rows.append(f"| {r.family} | `{r.experts}` | {r.status} | {_number(r.bf16_diff)} | {tokens} | "
-                    f"{_number(r.fp8_diff)} | {detail} |")
+        rows.append(
+            f"| {r.family} | `{r.experts}` | {r.status} | {_number(r.bf16_diff)} | {tokens} | "
+            f"{_number(r.fp8_diff)} | {detail} |"
+        )
     return "\n".join(rows)
 
 

@@ -76,16 +76,18 @@ def fp8_scales_of_kind(b_scale: torch.Tensor, kind: str, g: torch.Generator) -> 
     return torch.where(use, b_scale * factor, b_scale)
 
 
-def random_weight(num_experts: int, n: int, k: int, fmt: str, g: torch.Generator,
-                  fp8_scales: str = "pow2") -> tuple[torch.Tensor, torch.Tensor | None]:
+def random_weight(
+    num_experts: int, n: int, k: int, fmt: str, g: torch.Generator, fp8_scales: str = "pow2"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Expert weights [E, N, K] drawn N(0, 1/K) from ``g`` in ``fmt`` with their scales (formats.quantize_weight);
     fp8 scales then recast as ``fp8_scales`` (fp8_scales_of_kind, from the same generator)."""
     b, b_s = quantize_weight(torch.randn(num_experts, n, k, generator=g) / k**0.5, fmt)
     return (b, fp8_scales_of_kind(b_s, fp8_scales, g)) if fmt == "fp8" else (b, b_s)
 
 
-def make_activations(rows: int, hidden: int, act_fmt: str, group: int = 128, seed: int = 0, device="cpu",
-                     scale: float = 1.0):
+def make_activations(
+    rows: int, hidden: int, act_fmt: str, group: int = 128, seed: int = 0, device="cpu", scale: float = 1.0
+):
     """``(x, x_scale)``: bf16 [R, H] with x_scale None, or fp8 e4m3fn [R, H] with float32 [R, H/group]."""
     x = torch.randn(rows, hidden, generator=gen(seed)) * scale
     if act_fmt == "bf16":
@@ -94,15 +96,28 @@ def make_activations(rows: int, hidden: int, act_fmt: str, group: int = 128, see
     return q.to(device), s.to(device)
 
 
-def make_routing(rows: int, topk: int, num_experts: int, seed: int = 0, *, empty_frac: float = 0.0,
-                 skew: float = 0.0, duplicate_frac: float = 0.0, index_dtype=torch.int32, device="cpu"):
+def make_routing(
+    rows: int,
+    topk: int,
+    num_experts: int,
+    seed: int = 0,
+    *,
+    empty_frac: float = 0.0,
+    skew: float = 0.0,
+    duplicate_frac: float = 0.0,
+    index_dtype=torch.int32,
+    device="cpu",
+):
     """``(topk_idx [R, k], topk_weights float32 [R, k])`` with distinct ids per row unless ``duplicate_frac``.
 
     skew ∈ [0, 1]: the probability that a slot is routed to expert 0 (hot expert); empty_frac: probability of a
     −1 slot; duplicate_frac: probability that slot j > 0 repeats slot 0's id."""
     g = gen(seed)
-    idx = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(rows)]) if rows else \
-        torch.zeros(0, topk, dtype=torch.long)
+    idx = (
+        torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(rows)])
+        if rows
+        else torch.zeros(0, topk, dtype=torch.long)
+    )
     if skew > 0:
         idx = torch.where(torch.rand(idx.shape, generator=g) < skew, torch.zeros_like(idx), idx)
     if duplicate_frac > 0 and topk > 1:
@@ -145,8 +160,12 @@ def sliced_routing(shape: ModelShape, tokens: list[int], kept: int, seed: int = 
     touched = torch.unique(all_idx[all_idx >= 0])
     g = gen(seed + 1)
     untouched = torch.tensor(sorted(set(range(e)) - set(touched.tolist())), dtype=torch.long)
-    order = torch.cat([touched[torch.randperm(touched.numel(), generator=g)],
-                       untouched[torch.randperm(untouched.numel(), generator=g)]])
+    order = torch.cat(
+        [
+            touched[torch.randperm(touched.numel(), generator=g)],
+            untouched[torch.randperm(untouched.numel(), generator=g)],
+        ]
+    )
     relabel = torch.full((e,), -1, dtype=torch.long)
     relabel[order[:kept]] = torch.randperm(kept, generator=g)  # spread the touched experts over the ranks
     out = [torch.where(i >= 0, relabel[i.clamp_min(0)], i).to(torch.int32) for i in idxs]

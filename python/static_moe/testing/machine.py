@@ -46,11 +46,15 @@ class MachineLimits:
     read_bandwidth: float = 0.0  # bytes/s, read-only stream (a sum over read_array_bytes): the limit for weights
     read_array_bytes: int = 0
 
-    def best(self, other: "MachineLimits") -> "MachineLimits":
+    def best(self, other: MachineLimits) -> MachineLimits:
         """The higher of two measurements of each limit (contention from other processes only lowers them)."""
-        return dataclasses.replace(self, bandwidth=max(self.bandwidth, other.bandwidth),
-                                   flops=max(self.flops, other.flops), bf16_flops=max(self.bf16_flops, other.bf16_flops),
-                                   read_bandwidth=max(self.read_bandwidth, other.read_bandwidth))
+        return dataclasses.replace(
+            self,
+            bandwidth=max(self.bandwidth, other.bandwidth),
+            flops=max(self.flops, other.flops),
+            bf16_flops=max(self.bf16_flops, other.bf16_flops),
+            read_bandwidth=max(self.read_bandwidth, other.read_bandwidth),
+        )
 
     def weight_bandwidth(self) -> float:
         """The roof for bytes that are only read (weights): the read-only stream, never below the triad (a stream
@@ -97,8 +101,14 @@ def bf16_dot_products(act_fmt: str, pow2_scale: bool = True) -> bool:
     if forced not in ("", "auto", "avx512bf16", "amx"):
         return False
     try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
+        flags = next(
+            (
+                line.split(":", 1)[1].split()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("flags")
+            ),
+            [],
+        )
     except OSError:
         return False
     need = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512vbmi"}
@@ -113,9 +123,14 @@ def cpu_isa_available(isa: str) -> bool:
     old = os.environ.get("STATIC_MOE_CPU_ISA")
     os.environ["STATIC_MOE_CPU_ISA"] = isa
     try:
-        torch.ops.static_moe.expert_gemm(torch.zeros(1, 128, dtype=torch.bfloat16), None,
-                                         torch.zeros(1, 16, 128, dtype=torch.bfloat16), None,
-                                         torch.ones(1, dtype=torch.bool), 0)
+        torch.ops.static_moe.expert_gemm(
+            torch.zeros(1, 128, dtype=torch.bfloat16),
+            None,
+            torch.zeros(1, 16, 128, dtype=torch.bfloat16),
+            None,
+            torch.ones(1, dtype=torch.bool),
+            0,
+        )
         return True
     except ValueError as e:
         if "lacks" in str(e):
@@ -148,6 +163,14 @@ def measure_machine(threads: int, *, quick: bool = False) -> MachineLimits:
     llc = llc_bytes()
     array_bytes = max(4 * llc, 128 << 20)
     n = 1024 if quick else 2048
-    return MachineLimits(threads, measure_bandwidth(array_bytes), measure_flops(n), array_bytes, llc, n,
-                         measure_flops(n, dtype=torch.bfloat16), measure_read_bandwidth(3 * array_bytes),
-                         3 * array_bytes)
+    return MachineLimits(
+        threads,
+        measure_bandwidth(array_bytes),
+        measure_flops(n),
+        array_bytes,
+        llc,
+        n,
+        measure_flops(n, dtype=torch.bfloat16),
+        measure_read_bandwidth(3 * array_bytes),
+        3 * array_bytes,
+    )

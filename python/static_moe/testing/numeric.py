@@ -45,8 +45,9 @@ def assert_gemm_close(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> N
         )
 
 
-def assert_gemm_bitwise(out: torch.Tensor, ref: torch.Tensor, what: str = "", min_equal_fraction: float = 0.99,
-                        max_bias: float = 2.0**-12) -> None:
+def assert_gemm_bitwise(
+    out: torch.Tensor, ref: torch.Tensor, what: str = "", min_equal_fraction: float = 0.99, max_bias: float = 2.0**-12
+) -> None:
     """For backends that claim bitwise agreement with the reference (the CPU kernels, on every ISA): the SPEC §2
     bound of :func:`assert_gemm_close`, and on top at least ``min_equal_fraction`` of the outputs bitwise equal
     and a near-zero signed error, ``|Σ (out − ref)·sign(ref)| ≤ max_bias · Σ|ref|``.
@@ -67,14 +68,17 @@ def assert_gemm_bitwise(out: torch.Tensor, ref: torch.Tensor, what: str = "", mi
     bits = {2: torch.int16, 4: torch.int32}[o.element_size()]
     differ = int((o.view(bits) != r.view(bits)).sum())
     allowed = int((1 - min_equal_fraction) * r.numel()) + 2  # + 2: tiny outputs may still differ in a last bit
-    assert differ <= allowed, (f"{what}: {differ} of {r.numel()} outputs differ in their bits (allowed {allowed}: "
-                               f"at least {min_equal_fraction:.0%} must be bitwise equal)")
+    assert differ <= allowed, (
+        f"{what}: {differ} of {r.numel()} outputs differ in their bits (allowed {allowed}: "
+        f"at least {min_equal_fraction:.0%} must be bitwise equal)"
+    )
     od, rd = o.double(), r.double()
     total = rd.abs().sum().item()
     bias = ((od - rd) * rd.sign()).sum().item()
     assert abs(bias) <= max_bias * total, (
         f"{what}: signed error {bias:.4g} = {bias / max(total, 1e-300):.3g} of Σ|ref| (bound {max_bias:.3g}): "
-        "outputs drift in one direction")
+        "outputs drift in one direction"
+    )
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
@@ -84,13 +88,19 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(e - 7)
 
 
-def assert_swiglu_close(out: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor],
-                        what: str = "", min_equal_fraction: float = 0.999) -> None:
+def assert_swiglu_close(
+    out: tuple[torch.Tensor, torch.Tensor],
+    ref: tuple[torch.Tensor, torch.Tensor],
+    what: str = "",
+    min_equal_fraction: float = 0.999,
+) -> None:
     """SPEC §2 for swiglu_and_cast. bf16 out: within 1 bf16 ulp. fp8 out: scales bitwise equal, dequantized
     values within one fp8 step, and at least 99.9 % of bytes equal."""
     q, s = out
     rq, rs = ref
-    assert q.dtype == rq.dtype and q.shape == rq.shape, f"{what}: {q.dtype}{tuple(q.shape)} vs {rq.dtype}{tuple(rq.shape)}"
+    assert q.dtype == rq.dtype and q.shape == rq.shape, (
+        f"{what}: {q.dtype}{tuple(q.shape)} vs {rq.dtype}{tuple(rq.shape)}"
+    )
     assert s.shape == rs.shape, f"{what}: scale shape {tuple(s.shape)} != {tuple(rs.shape)}"
     if q.dtype == torch.bfloat16:
         err = (q.float() - rq.float()).abs()
@@ -128,9 +138,13 @@ def assert_rejected_untouched(op, args, exc: type, match: str) -> None:
         assert_equal(t1, t0, "inputs untouched")
 
 
-
-def assert_nonfinite_confined(out: tuple[torch.Tensor, torch.Tensor], clean: tuple[torch.Tensor, torch.Tensor],
-                              touched: torch.Tensor, nonfinite: torch.Tensor, what: str = "") -> None:
+def assert_nonfinite_confined(
+    out: tuple[torch.Tensor, torch.Tensor],
+    clean: tuple[torch.Tensor, torch.Tensor],
+    touched: torch.Tensor,
+    nonfinite: torch.Tensor,
+    what: str = "",
+) -> None:
     """The swiglu_and_cast contract for non-finite values (NaN, ±inf in gate_up or row_weight; SPEC §1.5).
 
     ``out`` is the op on the poisoned input, ``clean`` the same op on the input with those values replaced by
@@ -144,8 +158,9 @@ def assert_nonfinite_confined(out: tuple[torch.Tensor, torch.Tensor], clean: tup
     cq, cs = clean
     if q.dtype == torch.bfloat16:
         assert bool((~torch.isfinite(q.float()[nonfinite])).all()), f"{what}: a non-finite v came out finite"
-        assert torch.equal(q.view(torch.int16)[~touched], cq.view(torch.int16)[~touched]), \
+        assert torch.equal(q.view(torch.int16)[~touched], cq.view(torch.int16)[~touched]), (
             f"{what}: outputs of untouched inputs changed"
+        )
         return
     g = q.shape[1] // s.shape[1]
     groups = lambda m: m.reshape(q.shape[0], s.shape[1], g).any(dim=-1)  # noqa: E731  [R, I] -> [R, I/g]
@@ -154,8 +169,9 @@ def assert_nonfinite_confined(out: tuple[torch.Tensor, torch.Tensor], clean: tup
     in_bad_group = groups(nonfinite).repeat_interleave(g, dim=1)
     rest = deq[in_bad_group & ~nonfinite]
     garbage = ~(torch.isnan(rest) | (rest == 0))
-    assert not bool(garbage.any()), \
+    assert not bool(garbage.any()), (
         f"{what}: {int(garbage.sum())} values next to a non-finite v dequantize to finite non-zero garbage"
+    )
     tg = groups(touched)
     t = tg.repeat_interleave(g, dim=1)
     assert torch.equal(q.view(torch.uint8)[~t], cq.view(torch.uint8)[~t]), f"{what}: q of untouched groups changed"

@@ -28,8 +28,12 @@ def find_cuda_include(nvcc: str) -> Path | None:
             candidates.append(Path(os.environ[var]) / "include")
     candidates += [Path(nvcc).resolve().parents[1] / "include", Path("/usr/local/cuda/include")]
     try:  # ask nvcc where its toolkit is (works through wrapper scripts)
-        out = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", "/dev/null", "-o", "/dev/null"],
-                             capture_output=True, text=True, timeout=60).stderr
+        out = subprocess.run(
+            [nvcc, "--dryrun", "-x", "cu", "-c", "/dev/null", "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stderr
         for line in out.splitlines():
             if line.startswith("#$ TOP="):
                 candidates.insert(0, Path(line.split("=", 1)[1].strip()) / "include")

@@ -72,8 +72,11 @@ def weights(experts, n, k, fmt, seed):
 
 def routing(rows, topk, num_experts, seed, idx_dtype=torch.int32, w_dtype=torch.float32, hot=None, pad_rows=0):
     g = gen(seed)
-    idx = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(rows)]) if rows else \
-        torch.zeros(0, topk, dtype=torch.long)
+    idx = (
+        torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(rows)])
+        if rows
+        else torch.zeros(0, topk, dtype=torch.long)
+    )
     if rows:
         if hot is not None:  # skew: half the slots of most rows go to one expert (several 32-row tiles)
             idx[torch.rand(idx.shape, generator=g) < 0.5] = hot
@@ -88,8 +91,13 @@ def routing(rows, topk, num_experts, seed, idx_dtype=torch.int32, w_dtype=torch.
 
 
 FORMAT_CASES = [  # (activation, weight, group)
-    ("bf16", "bf16", 0), ("bf16", "fp8", 0), ("bf16", "fp4", 0),
-    ("fp8", "fp8", 128), ("fp8", "fp8", 32), ("fp8", "fp4", 128), ("fp8", "fp4", 32),
+    ("bf16", "bf16", 0),
+    ("bf16", "fp8", 0),
+    ("bf16", "fp4", 0),
+    ("fp8", "fp8", 128),
+    ("fp8", "fp8", 32),
+    ("fp8", "fp4", 128),
+    ("fp8", "fp4", 32),
 ]
 FORMAT_IDS = [f"{a}x{w}" + (f"-g{g}" if g else "") for a, w, g in FORMAT_CASES]
 
@@ -137,8 +145,9 @@ def test_swiglu_and_cast_parity(dev, out_format, group, in_dtype, limit, weight)
         w[5] = 0  # weight 0: zeros, floor scale
         w = w.to(torch.float32 if weight == "f32" else torch.bfloat16)
     for fp8_max, pow2 in ((448.0, True), (240.0, True), (448.0, False)):
-        out = torch.ops.static_moe.swiglu_and_cast(gu.to(dev), None if w is None else w.to(dev), limit, out_format,
-                                                   group, fp8_max, pow2)
+        out = torch.ops.static_moe.swiglu_and_cast(
+            gu.to(dev), None if w is None else w.to(dev), limit, out_format, group, fp8_max, pow2
+        )
         out = (out[0].cpu(), out[1].cpu())
         ref = reference.swiglu_and_cast(gu, w, limit, out_format, group, fp8_max, pow2)
         what = f"swiglu {out_format} max={fp8_max} pow2={pow2}"
@@ -168,8 +177,10 @@ def assert_close_no_pow2(out, ref, what):
 # expert_gemm: SPEC §2 (calc_diff < 1e-5, elementwise bound), masked rows exact zeros and never read
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("act,wf,group", FORMAT_CASES, ids=FORMAT_IDS)
-@pytest.mark.parametrize("rows,n,k,p_active", [(1, 128, 128, 1.0), (7, 256, 512, 0.7), (100, 192, 256, 0.5),
-                                               (33, 128, 384, 0.0), (70, 128, 256, 1.0)])
+@pytest.mark.parametrize(
+    "rows,n,k,p_active",
+    [(1, 128, 128, 1.0), (7, 256, 512, 0.7), (100, 192, 256, 0.5), (33, 128, 384, 0.0), (70, 128, 256, 1.0)],
+)
 def test_expert_gemm_parity(dev, act, wf, group, rows, n, k, p_active):
     g = gen(rows * 1000 + n + k)
     a, a_s = activations(rows, k, act, group or 128, seed=rows + k)
@@ -181,8 +192,14 @@ def test_expert_gemm_parity(dev, act, wf, group, rows, n, k, p_active):
         a_s = a_s.clone()
         a_s[~mask] = float("nan")
     for expert in (0, 2):
-        out = torch.ops.static_moe.expert_gemm(a.to(dev), None if a_s is None else a_s.to(dev), b.to(dev),
-                                               None if b_s is None else b_s.to(dev), mask.to(dev), expert).cpu()
+        out = torch.ops.static_moe.expert_gemm(
+            a.to(dev),
+            None if a_s is None else a_s.to(dev),
+            b.to(dev),
+            None if b_s is None else b_s.to(dev),
+            mask.to(dev),
+            expert,
+        ).cpu()
         ref = reference.expert_gemm(a, a_s, b, b_s, mask, expert)
         assert_gemm_close(out.float(), ref.float(), f"expert_gemm {act}x{wf} e{expert}")
         assert_equal(out[~mask], torch.zeros_like(out[~mask]), "masked rows")
@@ -194,8 +211,14 @@ def test_expert_gemm_fp4_dtype_views(dev):
     b, b_s = weights(2, 128, 256, "fp4", seed=2)
     mask = torch.ones(9, dtype=torch.bool)
     out_u8 = torch.ops.static_moe.expert_gemm(a.to(dev), a_s.to(dev), b.to(dev), b_s.to(dev), mask.to(dev), 1)
-    out_x2 = torch.ops.static_moe.expert_gemm(a.to(dev), a_s.to(dev), b.view(torch.float4_e2m1fn_x2).to(dev),
-                                              b_s.view(torch.float8_e8m0fnu).to(dev), mask.to(dev), 1)
+    out_x2 = torch.ops.static_moe.expert_gemm(
+        a.to(dev),
+        a_s.to(dev),
+        b.view(torch.float4_e2m1fn_x2).to(dev),
+        b_s.view(torch.float8_e8m0fnu).to(dev),
+        mask.to(dev),
+        1,
+    )
     assert_equal(out_x2.cpu(), out_u8.cpu(), "dtype views")
 
 
@@ -207,16 +230,16 @@ def test_expert_gemm_fp4_dtype_views(dev):
 def test_local_experts_parity(dev, act, wf, group, idx_dtype, w_dtype):
     rows, hidden, inter, num_local, num_experts, topk, offset = 96, 256, 256, 6, 24, 6, 6
     x, x_s = activations(rows, hidden, act, group or 128, seed=3)
-    idx, w = routing(rows, topk, num_experts, seed=4, idx_dtype=idx_dtype, w_dtype=w_dtype, hot=offset + 2,
-                     pad_rows=8)
+    idx, w = routing(rows, topk, num_experts, seed=4, idx_dtype=idx_dtype, w_dtype=w_dtype, hot=offset + 2, pad_rows=8)
     if x_s is not None:
         x_s[-8:] = float("nan")
     w13, w13_s = weights(num_local, 2 * inter, hidden, wf, seed=5)
     w2, w2_s = weights(num_local, hidden, inter, wf, seed=6)
     for limit in (None, 3.0):
         args = (x, x_s, idx, w, w13, w13_s, w2, w2_s)
-        out = torch.ops.static_moe.local_experts(*[None if t is None else t.to(dev) for t in args], offset, limit,
-                                                 448.0).cpu()
+        out = torch.ops.static_moe.local_experts(
+            *[None if t is None else t.to(dev) for t in args], offset, limit, 448.0
+        ).cpu()
         ref = reference.local_experts(*args, offset, limit, 448.0)
         assert_gemm_close(out, ref, f"local_experts {act}x{wf} limit={limit}")
         assert_equal(out[-8:], torch.zeros_like(out[-8:]), "padded rows are exact zeros")
@@ -243,8 +266,9 @@ def test_local_experts_no_local_rows(dev):
     w = torch.rand(10, 4)
     w13, _ = weights(2, 256, 128, "bf16", seed=2)
     w2, _ = weights(2, 128, 128, "bf16", seed=3)
-    out = torch.ops.static_moe.local_experts(x.to(dev), None, idx.to(dev), w.to(dev), w13.to(dev), None, w2.to(dev),
-                                             None, 0, None, 448.0)
+    out = torch.ops.static_moe.local_experts(
+        x.to(dev), None, idx.to(dev), w.to(dev), w13.to(dev), None, w2.to(dev), None, 0, None, 448.0
+    )
     assert_equal(out.cpu(), torch.zeros(10, 128), "no local rows")
 
 
@@ -259,8 +283,19 @@ def test_local_experts_deterministic_and_batch_invariant(dev, act, wf, group):
     w13, w13_s = weights(num_local, 2 * inter, hidden, wf, seed=33)
     w2, w2_s = weights(num_local, hidden, inter, wf, seed=34)
     on = lambda t: None if t is None else t.to(dev)  # noqa: E731
-    run = lambda i, ww: torch.ops.static_moe.local_experts(on(x), on(x_s), on(i), on(ww), on(w13), on(w13_s),  # noqa: E731
-                                                            on(w2), on(w2_s), 0, None, 448.0).cpu()
+    run = lambda i, ww: torch.ops.static_moe.local_experts(
+        on(x),
+        on(x_s),
+        on(i),
+        on(ww),
+        on(w13),
+        on(w13_s),  # noqa: E731
+        on(w2),
+        on(w2_s),
+        0,
+        None,
+        448.0,
+    ).cpu()
     full = run(idx, w)
     assert_equal(run(idx, w), full, "two identical calls")
     for r in (0, 17, 63):
@@ -298,8 +333,9 @@ def test_ops_do_not_synchronize(cuda_only):
     try:
         torch.ops.static_moe.local_experts(*t, 0, 5.0, 448.0)
         torch.ops.static_moe.expert_gemm(t[0], t[1], t[4], t[5], mask, 2)
-        q, s = torch.ops.static_moe.swiglu_and_cast(torch.randn(16, 256, device=dev), None, None, "fp8", 128,
-                                                    448.0, True)
+        q, s = torch.ops.static_moe.swiglu_and_cast(
+            torch.randn(16, 256, device=dev), None, None, "fp8", 128, 448.0, True
+        )
         packed = torch.ops.static_moe.pack_rows([q, s], 32)
         torch.ops.static_moe.unpack_rows(packed, 0, 128, torch.float8_e4m3fn, [128])
     finally:
@@ -320,8 +356,10 @@ def test_graph_capture_and_replay(cuda_only):
     mask = torch.ones(rows, dtype=torch.bool, device=dev)
 
     def step():
-        return (torch.ops.static_moe.local_experts(sx, sxs, sidx, sw, *W, 0, None, 448.0),
-                torch.ops.static_moe.expert_gemm(sx, sxs, W[0], W[1], mask, 1))
+        return (
+            torch.ops.static_moe.local_experts(sx, sxs, sidx, sw, *W, 0, None, 448.0),
+            torch.ops.static_moe.expert_gemm(sx, sxs, W[0], W[1], mask, 1),
+        )
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -354,4 +392,6 @@ def test_mixed_devices_rejected(cuda_only):
     a, _ = activations(4, 128, "bf16", 128, seed=1)
     b, _ = weights(1, 128, 128, "bf16", seed=2)
     with pytest.raises(ValueError, match="device"):
-        torch.ops.static_moe.expert_gemm(a.to(cuda_only), None, b, None, torch.ones(4, dtype=torch.bool).to(cuda_only), 0)
+        torch.ops.static_moe.expert_gemm(
+            a.to(cuda_only), None, b, None, torch.ones(4, dtype=torch.bool).to(cuda_only), 0
+        )

@@ -13,6 +13,7 @@
 //                            swiglu_and_cast row code, writes q.bin and s.bin
 //   emulate local_experts <dir>  reads meta.txt + x, x_scale, idx, weights, w13(_scale), w2(_scale) .bin, runs
 //                            route, GEMM1, swiglu, GEMM2, combine over a workspace, writes out.bin (fp32 [R, H])
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -23,10 +24,8 @@
 #include <string>
 #include <vector>
 
-#include <algorithm>
-
-#include "cuda/local_experts.cuh"
 #include "cuda/expert_gemm.cuh"
+#include "cuda/local_experts.cuh"
 #include "cuda/numerics.cuh"
 #include "cuda/swiglu_and_cast.cuh"
 
@@ -64,9 +63,12 @@ std::map<std::string, double> read_meta(const std::string& dir) {
 double e4m3_value(uint32_t b) {
   const int s = (b >> 7) & 1, e = (b >> 3) & 15, m = b & 7;
   double v;
-  if (e == 15 && m == 7) v = NAN;
-  else if (e == 0) v = std::ldexp(m / 8.0, -6);
-  else v = std::ldexp(1.0 + m / 8.0, e - 7);
+  if (e == 15 && m == 7)
+    v = NAN;
+  else if (e == 0)
+    v = std::ldexp(m / 8.0, -6);
+  else
+    v = std::ldexp(1.0 + m / 8.0, e - 7);
   return s ? -v : v;
 }
 
@@ -134,8 +136,10 @@ void emulate_gemm_cfg(const ExpertGemmArgs& p) {
   if (p.row_mask != nullptr) {
     std::vector<int> active;
     for (int64_t r = 0; r < p.rows; ++r) {
-      if (p.row_mask[r]) active.push_back(static_cast<int>(r));
-      else std::memset(static_cast<uint16_t*>(p.d) + r * p.d_row_stride, 0, p.n * 2);
+      if (p.row_mask[r])
+        active.push_back(static_cast<int>(r));
+      else
+        std::memset(static_cast<uint16_t*>(p.d) + r * p.d_row_stride, 0, p.n * 2);
     }
     for (size_t m0 = 0; m0 < active.size(); m0 += kBM) {
       Tile t{static_cast<int>(p.expert), static_cast<int>(std::min<size_t>(kBM, active.size() - m0)), {}, {}};
@@ -199,7 +203,8 @@ void emulate_gemm_cfg(const ExpertGemmArgs& p) {
         }
       }
       for (int w = 0; w < gemm::kWarps; ++w)
-        for (int lane = 0; lane < 32; ++lane) gemm::store_acc<C>(stage.data(), 16 * w + lane / 4, lane % 4, acc[w][lane]);
+        for (int lane = 0; lane < 32; ++lane)
+          gemm::store_acc<C>(stage.data(), 16 * w + lane / 4, lane % 4, acc[w][lane]);
       for (int i = 0; i < tl.count; ++i)
         for (int64_t c = 0; c < kBN && n0 + c < p.n; ++c)
           std::memcpy(static_cast<uint16_t*>(p.d) + tl.d_rows[i] * p.d_row_stride + n0 + c,
@@ -215,12 +220,18 @@ void emulate_gemm(const ExpertGemmArgs& p, bool fp8_mma) {
       return emulate_gemm_cfg<WeightFmt::kBf16, 0, false>(p);
     case WeightFmt::kFp8:
       if (g == 0) return emulate_gemm_cfg<WeightFmt::kFp8, 0, false>(p);
-      if (g == 32) return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp8, 32, true>(p) : emulate_gemm_cfg<WeightFmt::kFp8, 32, false>(p);
-      return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp8, 128, true>(p) : emulate_gemm_cfg<WeightFmt::kFp8, 128, false>(p);
+      if (g == 32)
+        return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp8, 32, true>(p)
+                       : emulate_gemm_cfg<WeightFmt::kFp8, 32, false>(p);
+      return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp8, 128, true>(p)
+                     : emulate_gemm_cfg<WeightFmt::kFp8, 128, false>(p);
     case WeightFmt::kFp4:
       if (g == 0) return emulate_gemm_cfg<WeightFmt::kFp4, 0, false>(p);
-      if (g == 32) return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp4, 32, true>(p) : emulate_gemm_cfg<WeightFmt::kFp4, 32, false>(p);
-      return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp4, 128, true>(p) : emulate_gemm_cfg<WeightFmt::kFp4, 128, false>(p);
+      if (g == 32)
+        return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp4, 32, true>(p)
+                       : emulate_gemm_cfg<WeightFmt::kFp4, 32, false>(p);
+      return fp8_mma ? emulate_gemm_cfg<WeightFmt::kFp4, 128, true>(p)
+                     : emulate_gemm_cfg<WeightFmt::kFp4, 128, false>(p);
   }
 }
 
@@ -361,7 +372,8 @@ void emulate_swiglu(const SwigluArgs& a) {
         for (int lane = 0; lane < 32; ++lane)
           for (int e = 0; e < epl; ++e) {
             const int64_t col = c0 + lane + 32 * e;
-            if (col < a.inter) static_cast<uint16_t*>(a.out)[r * a.out_row_stride + col] = float_to_bf16_bits(v[lane][e]);
+            if (col < a.inter)
+              static_cast<uint16_t*>(a.out)[r * a.out_row_stride + col] = float_to_bf16_bits(v[lane][e]);
           }
         continue;
       }
@@ -369,7 +381,8 @@ void emulate_swiglu(const SwigluArgs& a) {
       a.scale[r * a.scale_row_stride + c0 / chunk] = sc;
       for (int lane = 0; lane < 32; ++lane)
         for (int e = 0; e < epl; ++e)
-          static_cast<uint8_t*>(a.out)[r * a.out_row_stride + c0 + lane + 32 * e] = quantize_e4m3(v[lane][e], sc, a.fp8_max);
+          static_cast<uint8_t*>(a.out)[r * a.out_row_stride + c0 + lane + 32 * e] =
+              quantize_e4m3(v[lane][e], sc, a.fp8_max);
     }
   }
 }
@@ -490,8 +503,10 @@ int cmd_local_experts(const std::string& dir) {
   std::vector<uint8_t> ws(static_cast<size_t>(l.bytes), 0xCD);  // poison
   const RouteArgs r = le_route_args(a, l, ws.data());
   a.weights_bf16 = meta["weights_bf16"] != 0;
-  if (a.idx_int64) a.weights_bf16 ? emulate_route<int64_t, true>(r) : emulate_route<int64_t, false>(r);
-  else a.weights_bf16 ? emulate_route<int32_t, true>(r) : emulate_route<int32_t, false>(r);
+  if (a.idx_int64)
+    a.weights_bf16 ? emulate_route<int64_t, true>(r) : emulate_route<int64_t, false>(r);
+  else
+    a.weights_bf16 ? emulate_route<int32_t, true>(r) : emulate_route<int32_t, false>(r);
   emulate_gemm(le_gemm1_args(a, l, ws.data()), fp8_mma);
   emulate_swiglu(le_swiglu_args(a, l, ws.data()));
   emulate_gemm(le_gemm2_args(a, l, ws.data()), fp8_mma);
