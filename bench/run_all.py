@@ -75,7 +75,7 @@ def run_section(name: str, report: Report, shapes, tokens, quick: bool) -> None:
             [p for p in FORMAT_PAIRS if p[1] == "fp8"],
             fp8_scales="float",
         )
-        # The opt-in AMX kernel (STATIC_MOE_CPU_ISA=amx, csrc/cpu/kernels/moe_gemm_amx.cpp) where this host has
+        # The opt-in AMX kernel (STATIC_MOE_CPU_ISA=amx, csrc/cpu/kernels/expert_gemm_amx.cpp) where this host has
         # it, at compute-bound points: a series of its own beside the default path's, its own target lines.
         if cpu_isa_available("amx"):
             amx_shapes = [sh for sh in shapes if sh in INT4_SHAPES]
