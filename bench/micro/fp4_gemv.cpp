@@ -20,7 +20,6 @@
 // MADV_HUGEPAGE before its first touch; "huge pages granted" says whether the kernel gave them), alternately)
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -30,6 +29,8 @@
 #include <cstring>
 #include <random>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "cpu/kernels/expert_gemm.h"
 #include "micro_inputs.h"

@@ -3,14 +3,14 @@
 // Header-only and torch-free; each driver gets its own copy (an anonymous namespace).
 #pragma once
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
+
+#include <unistd.h>
 
 #include "cpu/column_chunks.h"
 #include "cpu/kernels/expert_gemm.h"

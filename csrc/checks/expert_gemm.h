@@ -2,9 +2,9 @@
 // bindings and by the Python fake kernel (through static_moe._C.check_expert_gemm).
 #pragma once
 
-#include <optional>
-
 #include "checks/common.h"
+
+#include <optional>
 
 namespace static_moe {
 namespace checks {

@@ -5,10 +5,10 @@
 // are other ranks').
 #pragma once
 
+#include "checks/common.h"
+
 #include <cmath>
 #include <optional>
-
-#include "checks/common.h"
 
 namespace static_moe {
 namespace checks {

@@ -2,12 +2,12 @@
 // CUDA bindings and by the Python fake kernels (through static_moe._C.check_pack_rows / check_unpack_rows).
 #pragma once
 
+#include "checks/common.h"
+
 #include <c10/core/ScalarType.h>
 
 #include <string>
 #include <vector>
-
-#include "checks/common.h"
 
 namespace static_moe {
 namespace checks {

@@ -2,12 +2,12 @@
 // bindings and by the Python fake kernel (through static_moe._C.check_swiglu_and_cast).
 #pragma once
 
+#include "checks/common.h"
+
 #include <cmath>
 #include <optional>
 #include <string>
 #include <string_view>
-
-#include "checks/common.h"
 
 namespace static_moe {
 namespace checks {

@@ -8,8 +8,6 @@
 //      weight rows are cut in chunks of columns that the OpenMP threads take as they go, each running the plan, so
 //      each weight byte is streamed once, by one thread, and decoded on the fly for every active row;
 //   4. masked rows stay exact zeros.
-#include "checks/expert_gemm.h"
-
 #include <ATen/ATen.h>
 #include <omp.h>
 #include <torch/library.h>
@@ -19,10 +17,11 @@
 #include <optional>
 #include <vector>
 
+#include "checks/expert_gemm.h"
 #include "cpu/column_chunks.h"
-#include "cpu/expert_gemm_binding.h"
 #include "cpu/kernels/expert_gemm.h"
 #include "cpu/kernels/expert_gemm_plan.h"
+#include "cpu/expert_gemm_binding.h"
 
 namespace {
 

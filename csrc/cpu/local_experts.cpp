@@ -18,8 +18,6 @@
 //   a thread can only write zf[e % 2] again (expert e + 2) after the barrier of e + 1, which every thread reaches
 //   only after its GEMM2 chunks of e; and GEMM2 chunks of e + 1 start after that barrier too, so every acc element
 //   gets its fp32 adds in increasing expert order, as the reference, whichever threads do them.
-#include "checks/local_experts.h"
-
 #include <ATen/ATen.h>
 #include <omp.h>
 #include <torch/library.h>
@@ -29,9 +27,10 @@
 #include <optional>
 #include <vector>
 
-#include "cpu/expert_gemm_binding.h"
+#include "checks/local_experts.h"
 #include "cpu/kernels/expert_gemm.h"
 #include "cpu/kernels/expert_gemm_plan.h"
+#include "cpu/expert_gemm_binding.h"
 
 // The swiglu_and_cast kernel compiled exactly as csrc/cpu/swiglu_and_cast.cpp compiles it (same options, same
 // clones), so z here is bitwise the op's output: no trapping-math (lets the clamps vectorise), no FMA contraction.

@@ -1,12 +1,11 @@
 // CPU binding of pack_rows / unpack_rows (SPEC §1.8): checks (csrc/checks/pack_rows.h), then the raw-pointer
 // kernels of csrc/cpu/kernels/pack_rows.h. Torch types stay in this file.
-#include "checks/pack_rows.h"
-
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <vector>
 
+#include "checks/pack_rows.h"
 #include "cpu/kernels/pack_rows.h"
 
 namespace {

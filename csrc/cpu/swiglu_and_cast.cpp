@@ -1,7 +1,5 @@
 // CPU binding of swiglu_and_cast (SPEC §1.4-1.5): checks (csrc/checks/swiglu_and_cast.h), then the raw-pointer
 // kernel of csrc/cpu/kernels/swiglu_and_cast.h, OpenMP over rows. Torch types stay in this file.
-#include "checks/swiglu_and_cast.h"
-
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -10,6 +8,8 @@
 #include <string_view>
 #include <tuple>
 #include <vector>
+
+#include "checks/swiglu_and_cast.h"
 
 // Kernel code only (push/pop): the kernel's selects (clamps) are float compares, which GCC's default
 // -ftrapping-math treats as possibly trapping, blocking if-conversion, so the loops would not vectorise; no value

@@ -1,11 +1,11 @@
 // Host launcher of the CUDA expert GEMM (expert_gemm.h): picks the instantiation for the format pair, sizes a
 // persistent grid from the device's SM count and the kernel's occupancy, and enqueues it. No sync, no allocation.
+#include "cuda/device_info.h"
+#include "cuda/expert_gemm.h"
+#include "cuda/expert_gemm.cuh"
+
 #include <algorithm>
 #include <cstdint>
-
-#include "cuda/device_info.h"
-#include "cuda/expert_gemm.cuh"
-#include "cuda/expert_gemm.h"
 
 namespace static_moe {
 namespace cuda {

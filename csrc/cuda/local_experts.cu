@@ -1,5 +1,7 @@
 // CUDA local_experts (local_experts.h): the route and combine kernels, and the five-launch sequence around the
 // expert GEMM (expert_gemm.cu) and swiglu_and_cast (swiglu_and_cast.cu) launchers.
+#include "cuda/local_experts.h"
+
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -7,7 +9,6 @@
 
 #include "cuda/expert_gemm.h"
 #include "cuda/local_experts.cuh"
-#include "cuda/local_experts.h"
 #include "cuda/numerics.cuh"
 #include "cuda/swiglu_and_cast.h"
 

@@ -2,12 +2,12 @@
 // output, so every output byte is written exactly once with 16-byte stores; a piece inside one part's data with a
 // 16-byte aligned source is one 16-byte load, the rest (part tails, unaligned sources) are assembled byte by byte.
 // The part spans tile [0, W) in 16-byte aligned steps, so a piece never straddles two parts.
+#include "cuda/device_info.h"
+#include "cuda/pack_rows.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
-
-#include "cuda/device_info.h"
-#include "cuda/pack_rows.h"
 
 namespace static_moe {
 namespace cuda {

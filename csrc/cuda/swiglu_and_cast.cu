@@ -2,14 +2,14 @@
 // one value per lane; G = 128: four), or 128 columns for bf16 output. Lane l holds columns c0 + l + 32·e, so every
 // load and store instruction of the warp touches consecutive addresses. The group amax is a warp shuffle
 // reduction; each row's numbers never depend on other rows (batch invariance). Element math: swiglu_and_cast.cuh.
+#include "cuda/device_info.h"
+#include "cuda/swiglu_and_cast.h"
+#include "cuda/swiglu_and_cast.cuh"
+
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
-
-#include "cuda/device_info.h"
-#include "cuda/swiglu_and_cast.cuh"
-#include "cuda/swiglu_and_cast.h"
 
 namespace static_moe {
 namespace cuda {

@@ -5,8 +5,8 @@
 
 #include "cpu/kernels/cast.h"
 #include "cpu/kernels/expert_gemm.h"
-#include "cpu/kernels/expert_gemm_impl.h"
 #include "cpu/kernels/expert_gemm_plan.h"
+#include "cpu/kernels/expert_gemm_impl.h"
 
 namespace static_moe {
 namespace cpu {

@@ -12,9 +12,9 @@
 // v crosses an fp8 rounding midpoint (SPEC §2 allows that).
 #pragma once
 
-#include <cstdint>
-
 #include "cpu/kernels/cast.h"
+
+#include <cstdint>
 
 namespace static_moe {
 namespace cpu {

@@ -13,7 +13,6 @@
 //                            swiglu_and_cast row code, writes q.bin and s.bin
 //   emulate local_experts <dir>  reads meta.txt + x, x_scale, idx, weights, w13(_scale), w2(_scale) .bin, runs
 //                            route, GEMM1, swiglu, GEMM2, combine over a workspace, writes out.bin (fp32 [R, H])
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -24,8 +23,10 @@
 #include <string>
 #include <vector>
 
-#include "cuda/expert_gemm.cuh"
+#include <algorithm>
+
 #include "cuda/local_experts.cuh"
+#include "cuda/expert_gemm.cuh"
 #include "cuda/numerics.cuh"
 #include "cuda/swiglu_and_cast.cuh"
 
