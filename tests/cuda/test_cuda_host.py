@@ -9,65 +9,19 @@ What this cannot see: the GPU-only glue (pipeline waits, block scans, the route 
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from static_moe import formats, reference
+from static_moe.testing.cuda_emulation import fromfile, run, tofile, write_meta
 from static_moe.testing.generators import make_activations
 from static_moe.testing.numeric import assert_equal, assert_gemm_close, assert_swiglu_close
 from static_moe.testing.toolchain import find_nvcc
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 NVCC = find_nvcc()
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-
-
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("cuda_host") / "emulate"
-    cmd = [
-        NVCC,
-        "-std=c++17",
-        "-O2",
-        "-arch=sm_80",
-        "-Werror",
-        "all-warnings",
-        "-Xcompiler",
-        "-Wall,-Werror",
-        "-I",
-        str(ROOT / "csrc"),
-        str(ROOT / "tests" / "cuda" / "host" / "emulate.cu"),
-        "-o",
-        str(out),
-    ]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, f"building the emulator failed:\n{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
-    return out
-
-
-def run(emulator: Path, cmd: str, d: Path) -> None:
-    res = subprocess.run([str(emulator), cmd, str(d)], capture_output=True, text=True)
-    assert res.returncode == 0, f"emulate {cmd} failed ({res.returncode}): {res.stderr}"
-
-
-def write_meta(d: Path, **kv) -> None:
-    (d / "meta.txt").write_text("".join(f"{k} {float(v)!r}\n" for k, v in kv.items()))
-
-
-def tofile(d: Path, name: str, t: torch.Tensor | None) -> None:
-    data = b"" if t is None else t.contiguous().view(torch.uint8).numpy().tobytes()
-    (d / name).write_bytes(data)
-
-
-def fromfile(d: Path, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
-    raw = np.frombuffer((d / name).read_bytes(), dtype=np.uint8).copy()
-    return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cuda_host import emulator, fromfile, run, tofile, write_meta  # noqa: F401  (emulator: the fixture)
 
 from static_moe.reference.swiglu_and_cast import swiglu
+from static_moe.testing.cuda_emulation import fromfile, run, tofile, write_meta
 from static_moe.testing.generators import poisoned_swiglu_input
 from static_moe.testing.numeric import assert_nonfinite_confined
+from static_moe.testing.toolchain import find_nvcc
 
-pytestmark = pytest.mark.skipif(__import__("test_cuda_host").NVCC is None, reason="nvcc not found")
+pytestmark = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH)")
 
 NONFINITE = [
     ("gate", float("nan")),
@@ -24,7 +25,7 @@ NONFINITE = [
 ]
 
 
-def _swiglu(emulator, d, gu, w, limit, out_format, group, pow2):  # noqa: F811  (the fixture, as an argument)
+def _swiglu(emulator, d, gu, w, limit, out_format, group, pow2):
     rows, inter = gu.shape[0], gu.shape[1] // 2
     write_meta(
         d,

@@ -10,35 +10,12 @@ import numpy as np
 import pytest
 
 import nki_interpreter as interpreter
-from nki_interpreter import NkiRuleError, simulate
 from nki_interpreter import isa as nisa
 from nki_interpreter import language as nl
+from nki_interpreter import simulate
+from nki_interpreter.testing import arr, load, out_of, rejects
 
 F32 = np.float32
-
-
-def rejects(rule: str, kernel, *args, **kwargs) -> NkiRuleError:
-    with pytest.raises(NkiRuleError) as e:
-        simulate(kernel)(*args, **kwargs)
-    assert e.value.rule == rule, f"expected rule {rule}, got {e.value}"
-    assert f"[{rule}]" in str(e.value)
-    return e.value
-
-
-def arr(*shape, dtype=F32, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
-def load(src, dtype=None, buffer=nl.sbuf):
-    t = nl.ndarray(src.shape, dtype or src.dtype, buffer=buffer)
-    nisa.dma_copy(dst=t, src=src)
-    return t
-
-
-def out_of(t):
-    o = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=o, src=t)
-    return o
 
 
 # ------------------------------------------------------------------------------------------ partitions

@@ -10,12 +10,12 @@ import warnings
 
 import numpy as np
 import pytest
-from test_nki_interpreter import rejects  # the shared kernel-test helper
 
 import nki_interpreter as interpreter
 from nki_interpreter import NkiRuleError, simulate
 from nki_interpreter import isa as nisa
 from nki_interpreter import language as nl
+from nki_interpreter.testing import rejects
 
 F32 = np.float32
 

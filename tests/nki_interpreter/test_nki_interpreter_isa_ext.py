@@ -9,12 +9,12 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from test_nki_interpreter import arr, load, out_of, rejects  # the shared kernel-test helpers
 
 import nki_interpreter as interpreter
 from nki_interpreter import NkiRuleError, simulate
 from nki_interpreter import isa as nisa
 from nki_interpreter import language as nl
+from nki_interpreter.testing import arr, load, out_of, rejects
 
 F32 = np.float32
 
