@@ -98,6 +98,18 @@ else:
         extra_link_args=link_flags,
     )
 
+
+def _reuse_extension() -> bool:
+    if os.environ.get("STATIC_MOE_REUSE_EXTENSION", "0") != "1":
+        return False
+    if not glob.glob(os.path.join(ROOT, "python", "static_moe", "_C*.so")):
+        raise SystemExit(
+            "static_moe: STATIC_MOE_REUSE_EXTENSION=1 but no python/static_moe/_C*.so was built in place: "
+            "run `make build` first"
+        )
+    return True
+
+
 setup(
     name="static_moe",
     version=_version(),
@@ -113,7 +125,10 @@ setup(
         "static_moe.loaders",
     ],
     package_dir={"static_moe": "python/static_moe", "static_moe.nki_kernels": "nki_kernels"},
-    ext_modules=[ext],
+    # STATIC_MOE_REUSE_EXTENSION=1: install the package around an extension already built in place
+    # (python/static_moe/_C*.so, by the editable install of the main venv against the same torch) instead of
+    # compiling it again: `make venv-vllm` installs static_moe into vLLM's venv so.
+    ext_modules=[] if _reuse_extension() else [ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
     license="Apache-2.0",
@@ -121,4 +136,7 @@ setup(
     # within that minor release only.
     install_requires=["torch>=2.13,<2.14", "numpy", "ml_dtypes"],
     extras_require={"transformers": ["transformers>=5"]},
+    # vLLM loads every general plugin in each of its processes; static_moe's is inert unless STATIC_MOE_VLLM=1
+    # (static_moe.integrations.vllm).
+    entry_points={"vllm.general_plugins": ["static_moe = static_moe.integrations.vllm:register"]},
 )

@@ -1,0 +1,186 @@
+"""A tiny random Qwen3-MoE checkpoint on disk, for end-to-end tests of a serving engine (vLLM) without a download.
+
+:func:`write_qwen3_moe` writes a Hugging Face model folder: ``config.json`` (``Qwen3MoeForCausalLM``), one
+``model.safetensors`` with the hub's per-expert key names (``model.layers.{l}.mlp.experts.{e}.gate_proj.weight``
+…, as the published Qwen3-MoE checkpoints name them), and a word-level tokenizer built here from a fixed
+vocabulary (``tokenizer.json`` + ``tokenizer_config.json``, read by ``PreTrainedTokenizerFast``).
+
+``weights="fp8"`` stores the routed experts' projections as float8_e4m3fn with 128×128 block scales
+``weight_scale_inv`` [⌈N/128⌉, K/128] float32 and a ``quantization_config`` (``quant_method: fp8``,
+``weight_block_size: [128, 128]``, the DeepSeek-V3 / Qwen3-FP8 form); every other linear layer stays bf16 and is
+listed in ``modules_to_not_convert``. The scales are powers of two, so ``q · s`` is exact in bf16:
+``weights="fp8-dequantized"`` writes the same model with those products as bf16 expert weights, the reference
+an fp8 run is compared with.
+
+Needs ``safetensors`` and ``tokenizers`` (both come with transformers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+# Sizes: H and the experts' I are multiples of 128 (static_moe's kernels and the fp8 128×128 blocks).
+HIDDEN = 128
+MOE_INTERMEDIATE = 128
+NUM_EXPERTS = 8
+TOP_K = 2
+LAYERS = 2
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 64
+WORDS = 200  # tokenizer words; the vocabulary adds the special tokens and is padded to a multiple of 64
+VOCAB = 256
+SPECIAL = ("<pad>", "<unk>", "<eos>")
+
+
+def _words() -> list[str]:
+    return [f"w{i}" for i in range(WORDS)]
+
+
+def _config(weights: str) -> dict:
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "num_experts": NUM_EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": None,
+        "eos_token_id": SPECIAL.index("<eos>"),
+        "pad_token_id": SPECIAL.index("<pad>"),
+    }
+    if weights == "fp8":
+        skip = ["lm_head"]
+        for layer in range(LAYERS):
+            p = f"model.layers.{layer}"
+            skip += [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [f"{p}.mlp.gate"]
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": skip,
+        }
+    return cfg
+
+
+def _block_fp8(w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float32 → (float8_e4m3fn [N, K], power-of-two scales float32 [N/128, K/128]) with q · s ≈ w; each
+    block's scale is a random power of two (2^-9 … 2^-6) so the dequantized values are exact in bf16."""
+    n, k = w.shape
+    exps = torch.randint(-9, -5, (n // 128, k // 128), generator=g).float()
+    s = torch.exp2(exps)
+    q = (w / s.repeat_interleave(128, 0).repeat_interleave(128, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def _tensors(weights: str, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std):
+        return torch.randn(*shape, generator=g) * std
+
+    t: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": rnd(VOCAB, HIDDEN, std=1.0),
+        "model.norm.weight": 1 + rnd(HIDDEN, std=0.1),
+        "lm_head.weight": rnd(VOCAB, HIDDEN, std=0.5),
+    }
+    q_dim, kv_dim = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}"
+        t[f"{p}.input_layernorm.weight"] = 1 + rnd(HIDDEN, std=0.1)
+        t[f"{p}.post_attention_layernorm.weight"] = 1 + rnd(HIDDEN, std=0.1)
+        t[f"{p}.self_attn.q_proj.weight"] = rnd(q_dim, HIDDEN, std=HIDDEN**-0.5)
+        t[f"{p}.self_attn.k_proj.weight"] = rnd(kv_dim, HIDDEN, std=HIDDEN**-0.5)
+        t[f"{p}.self_attn.v_proj.weight"] = rnd(kv_dim, HIDDEN, std=HIDDEN**-0.5)
+        t[f"{p}.self_attn.o_proj.weight"] = rnd(HIDDEN, q_dim, std=q_dim**-0.5)
+        t[f"{p}.self_attn.q_norm.weight"] = 1 + rnd(HEAD_DIM, std=0.1)
+        t[f"{p}.self_attn.k_norm.weight"] = 1 + rnd(HEAD_DIM, std=0.1)
+        t[f"{p}.mlp.gate.weight"] = rnd(NUM_EXPERTS, HIDDEN, std=1.0)
+        for e in range(NUM_EXPERTS):
+            pe = f"{p}.mlp.experts.{e}"
+            for name, shape, fan_in in (
+                ("gate_proj", (MOE_INTERMEDIATE, HIDDEN), HIDDEN),
+                ("up_proj", (MOE_INTERMEDIATE, HIDDEN), HIDDEN),
+                ("down_proj", (HIDDEN, MOE_INTERMEDIATE), MOE_INTERMEDIATE),
+            ):
+                w = rnd(*shape, std=2.0 * fan_in**-0.5)
+                if weights in ("fp8", "fp8-dequantized"):
+                    q, s = _block_fp8(w, g)
+                    if weights == "fp8":
+                        t[f"{pe}.{name}.weight"] = q
+                        t[f"{pe}.{name}.weight_scale_inv"] = s
+                        continue
+                    w = q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+                t[f"{pe}.{name}.weight"] = w
+    dtype = torch.float16 if weights == "fp16" else torch.bfloat16
+    return {
+        k: (v if v.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv") else v.to(dtype)).contiguous()
+        for k, v in t.items()
+    }
+
+
+def _write_tokenizer(folder: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + tuple(_words()))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "pad_token": "<pad>",
+                "unk_token": "<unk>",
+                "eos_token": "<eos>",
+                "model_max_length": 512,
+            },
+            f,
+        )
+
+
+def write_qwen3_moe(folder: str, *, weights: str = "bf16", seed: int = 0) -> str:
+    """Write the tiny model into ``folder`` (created); returns ``folder``.
+
+    ``weights``: "bf16"; "fp16" (every weight float16, ``torch_dtype`` float16); "fp8" (routed experts fp8 with
+    128×128 power-of-two block scales, the rest bf16); "fp8-dequantized" (the same model as "fp8", its experts'
+    ``q · s`` stored as bf16). The same ``seed`` gives the same model for every ``weights``."""
+    if weights not in ("bf16", "fp16", "fp8", "fp8-dequantized"):
+        raise ValueError(f"weights must be 'bf16', 'fp16', 'fp8' or 'fp8-dequantized', got {weights!r}")
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    cfg = _config(weights)
+    if weights == "fp16":
+        cfg["torch_dtype"] = "float16"
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    save_file(_tensors(weights, seed), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer(folder)
+    return folder
+
+
+def prompts() -> list[str]:
+    """A handful of prompts in the tokenizer's vocabulary."""
+    w = _words()
+    return [" ".join(w[i] for i in idx) for idx in ((1, 2, 3), (10, 20, 30, 40, 50), (7,), (150, 3, 99, 12))]

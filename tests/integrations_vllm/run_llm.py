@@ -1,0 +1,38 @@
+"""Run vllm.LLM (in-process engine, eager, CPU) on model folders and print one JSON line per model: the greedy
+token ids of static_moe.testing.tiny_moe_checkpoint.prompts(), or the error. Run as a script by
+test_vllm_plugin.py, once with STATIC_MOE_VLLM=1 and once without: the plugin's registration is per process."""
+
+import json
+import sys
+
+from static_moe.integrations import vllm as plugin
+from static_moe.testing.tiny_moe_checkpoint import prompts
+
+
+def main(folders: list[str]) -> None:
+    from vllm import LLM, SamplingParams
+
+    for folder in folders:
+        before = dict(plugin.STATS)
+        try:
+            llm = LLM(
+                model=folder,
+                dtype="auto",
+                enforce_eager=True,
+                max_model_len=128,
+                max_num_seqs=4,
+                seed=0,
+                gpu_memory_utilization=0.05,
+                kv_cache_memory_bytes=64 << 20,
+            )
+            out = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+            result = {"tokens": [list(o.outputs[0].token_ids) for o in out]}
+            del llm
+        except Exception as e:  # noqa: BLE001  (the test reads the refusal's message)
+            result = {"error": f"{type(e).__name__}: {e}"}
+        result["stats"] = {k: plugin.STATS[k] - before[k] for k in before}
+        print("RESULT " + json.dumps({"folder": folder, **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
