@@ -26,7 +26,8 @@ TORCH_LIBRARY(static_moe, m) {
   m.def(
       "forward(Tensor x, Tensor? x_scale, Tensor topk_idx, Tensor topk_weights, Tensor w13, Tensor? w13_scale, "
       "Tensor w2, Tensor? w2_scale, Tensor? shared_output, int num_experts, int capacity, float? swiglu_limit, "
-      "str group_name, int ep_rank, int ep_size, float fp8_max=448., str weight_layout=\"eoi\") -> Tensor");
+      "str group_name, int ep_rank, int ep_size, float fp8_max=448., str weight_layout=\"eoi\", "
+      "str dispatch=\"all_gather\", str combine=\"fp32\", int dispatch_capacity=0) -> Tensor");
 }
 
 // `import static_moe._C` loads this library, which runs the registrations above and in every backend file.

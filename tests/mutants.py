@@ -272,6 +272,21 @@ MUTANTS = [
         "            out = out + 0 * shared_output.float()",
         ("tests/ops/test_forward.py", "-k", "s1_matches_reference"),
     ),
+    # ---------------------------------------------------------------- dispatch / combine (SPEC §7)
+    Mutant(
+        "dispatch: inclusive cumsum slots (slot 0 never used, one row too many overflows)",
+        "python/static_moe/ops/dispatch.py",
+        "    slot = torch.cumsum(mask, dim=0) - mask  # exclusive: rows before t that go to the same rank",
+        "    slot = torch.cumsum(mask, dim=0)",
+        ("tests/layer/test_expert_parallel.py", "-k", "slot_rows"),
+    ),
+    Mutant(
+        "forward: an all-to-all overflow is not recomputed (rows past Cd silently dropped)",
+        "python/static_moe/ops/forward.py",
+        "            overflowed = bool(_status.overflow_ranks(host))",
+        "            overflowed = False",
+        ("tests/layer/test_expert_parallel.py", "-k", "three_combinations"),
+    ),
     # ---------------------------------------------------------------- workspace (python/static_moe/workspace.py)
     Mutant(
         "workspace: manifest compared on the first and last rank only",

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import workspace as _workspace
+from .expert_parallel import choose_dispatch
 from .formats import (
     FP8_E4M3_TRN2_MAX,
     FP8_E4M3FN_MAX,
@@ -556,6 +557,16 @@ class StaticMoE(_FixedFormats):
             ``device`` ("cpu"; "cuda"; a Neuron device needs it given: ValueError otherwise), or one of "cpu",
             "cuda" (EOI) and "trn2", "trn3" (EIO). The shared expert is prepared alike. "trn2" with act_format
             "fp8" needs fp8_max ≤ 240 (SPEC §6.1; ValueError at construction).
+        dispatch: "all_gather" (default, SPEC §0), "all_to_all" (SPEC §7: each token only to the ranks owning
+            one of its experts, in blocks of Cd rows) or "auto" (the all-to-all when its modelled traffic is the
+            smaller, ``static_moe.expert_parallel.choose_dispatch``; decided at construction, the same on every
+            rank). See docs/expert_parallel.md for when to pick which.
+        combine: "fp32" (default: the fp32 reduce-scatter) or "bf16" (each rank's partial rounded once to bf16,
+            summed in fp32 in source-rank order; needed by "all_to_all").
+        dispatch_capacity: Cd for "all_to_all", in [1, capacity]; 0 (default) takes the 1 % overflow rule of
+            ``expert_parallel.dispatch_capacity_for`` (uniform routing) — size it from your router with
+            ``expert_parallel.dispatch_capacity_from_trace``. Ranks built with different dispatch, combine or Cd
+            fail at construction with ValueError on every rank (the workspace manifest carries them).
 
     ``forward(hidden, topk_idx, topk_weights)``: hidden bf16 [..., H] (fp16 / fp32 are cast to bf16 first: the
     experts' activation format is bf16 or fp8), or, with act_format "fp8", a tuple ``(x_q float8_e4m3fn [..., H],
@@ -590,6 +601,9 @@ class StaticMoE(_FixedFormats):
         fp8_max: float = FP8_E4M3FN_MAX,
         shared_gate: bool = False,
         prepare_for: str | None = None,
+        dispatch: str = "all_gather",
+        combine: str = "fp32",
+        dispatch_capacity: int = 0,
     ):
         super().__init__()
         self.ep_size, self.ep_rank, self.group_name = _group_info(ep_group)
@@ -614,6 +628,9 @@ class StaticMoE(_FixedFormats):
                 fp8_max,
                 shared_gate,
                 prepare_for,
+                dispatch,
+                combine,
+                dispatch_capacity,
             )
         except Exception as e:  # noqa: BLE001  (any failure, a bad device string or an allocation, reaches every rank)
             error = e
@@ -643,6 +660,9 @@ class StaticMoE(_FixedFormats):
         fp8_max,
         shared_gate,
         prepare_for=None,
+        dispatch="all_gather",
+        combine="fp32",
+        dispatch_capacity=0,
     ):
         device = torch.device("cpu") if device is None else torch.device(device)
         if device.type == "meta":
@@ -661,7 +681,24 @@ class StaticMoE(_FixedFormats):
                 "(float8_e4m3) tops out at 240 — pass fp8_max=240 with prepare_for='trn2' "
                 "(SPEC §6.1)"
             )
-        # WorkspaceSpec checks sizes, divisibility, formats and the format pair.
+        if not isinstance(dispatch_capacity, int) or isinstance(dispatch_capacity, bool) or dispatch_capacity < 0:
+            raise ValueError(f"dispatch_capacity must be an int ≥ 0 (0: the Cd rule), got {dispatch_capacity!r}")
+        self.dispatch, self.dispatch_capacity = choose_dispatch(
+            dispatch,
+            combine,
+            capacity=_positive_int("capacity", capacity),
+            hidden=_positive_int("hidden_size", hidden_size),
+            topk=_positive_int("top_k", top_k),
+            num_experts=_positive_int("num_experts", num_experts),
+            ep_size=self.ep_size,
+            act_format=act_format,
+            act_group=act_group,
+            dispatch_capacity=dispatch_capacity,
+        )
+        if self.ep_size == 1:  # one rank: no collective; the combine alone sets the maths (SPEC §7)
+            self.dispatch, self.dispatch_capacity = "all_gather", 0
+        self.combine = combine
+        # WorkspaceSpec checks sizes, divisibility, formats and the format pair (and dispatch, combine, Cd).
         self.workspace_spec = _workspace.WorkspaceSpec(
             capacity=capacity,
             hidden=hidden_size,
@@ -675,6 +712,9 @@ class StaticMoE(_FixedFormats):
             device=str(device),
             swiglu_limit=self.swiglu_limit,
             fp8_max=self.fp8_max,
+            dispatch=self.dispatch,
+            combine=self.combine,
+            dispatch_capacity=self.dispatch_capacity,
         )
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.capacity = num_experts, top_k, capacity
@@ -967,6 +1007,9 @@ class StaticMoE(_FixedFormats):
             ep_size=self.ep_size,
             fp8_max=self.fp8_max,
             weight_layout=self.weight_layout,
+            dispatch=self.dispatch,
+            combine=self.combine,
+            dispatch_capacity=self.dispatch_capacity,
         )
         return out.reshape(*lead, self.hidden_size).to(out_dtype)
 
@@ -979,5 +1022,8 @@ class StaticMoE(_FixedFormats):
             + (f", act_group={self.act_group}" if self.act_group else "")
             + (f", fp8_max={self.fp8_max}" if self.act_group else "")
             + f", swiglu_limit={self.swiglu_limit}, ep={self.ep_rank}/{self.ep_size}"
+            + (f", dispatch={self.dispatch!r}" if self.dispatch != "all_gather" else "")
+            + (f", dispatch_capacity={self.dispatch_capacity}" if self.dispatch_capacity else "")
+            + (f", combine={self.combine!r}" if self.combine != "fp32" else "")
             + (f", prepare_for={self.prepare_for!r}" if self.weight_layout != "eoi" else "")
         )

@@ -35,13 +35,19 @@ def forward_simulated(
     swiglu_limit: float | None,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    combine: str = "fp32",
 ) -> list[torch.Tensor]:
     """Per-rank lists (index = EP rank) → per-rank bf16 outputs [T_r, H].
 
     Rank r holds x [T_r, H] (bf16 or fp8 + x_scale [T_r, H/g]), routing [T_r, k], and its local weights
     w13 [L, 2I, H], w2 [L, H, I] for global experts r·L … r·L+L−1 (L = num_experts / S); with
     ``weight_layout="eio"`` every rank's weights are in the prepared form of ``static_moe.layouts``.
+    ``combine``: "fp32" sums the S fp32 partials (SPEC §0); "bf16" rounds each rank's partial once to bf16 and
+    sums them in fp32 in rank order (SPEC §7). Either dispatch of SPEC §7 gives these outputs: the dispatch only
+    decides which rows travel, not what any row computes.
     """
+    if combine not in ("fp32", "bf16"):
+        raise ValueError(f"forward: combine must be 'fp32' or 'bf16', got {combine!r}")
     check_swiglu_limit(swiglu_limit, "forward")
     if xs[0].dtype == torch.float8_e4m3fn:
         check_fp8_max(fp8_max, "forward")
@@ -76,6 +82,8 @@ def forward_simulated(
             fp8_max,
             weight_layout,
         )
+        if combine == "bf16":
+            a = a.to(torch.bfloat16).float()
         acc = a if acc is None else acc + a
     outs = []
     for r in range(s):
@@ -105,10 +113,16 @@ def forward(
     ep_size: int,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    dispatch: str = "all_gather",
+    combine: str = "fp32",
+    dispatch_capacity: int = 0,
 ) -> torch.Tensor:
     """The op's signature at S = 1 (no collective): bf16 [T, H]. fp8_max: range of the fp8 re-quantization of the
     SwiGLU output with fp8 x (448 OCP e4m3fn; 240 on trn2), as in local_experts; weight_layout: "eoi" or the
-    prepared "eio" (static_moe.layouts), as in local_experts."""
+    prepared "eio" (static_moe.layouts), as in local_experts; dispatch / combine / dispatch_capacity: SPEC §7 (at
+    S = 1 only the combine matters: "bf16" rounds the one partial to bf16 before the shared output is added)."""
+    if dispatch not in ("all_gather", "all_to_all"):
+        raise ValueError(f"forward: dispatch must be 'all_gather' or 'all_to_all', got {dispatch!r}")
     if ep_size != 1:
         raise ValueError(f"reference forward runs S = 1 only (got ep_size={ep_size}); use forward_simulated")
     return forward_simulated(
@@ -126,4 +140,5 @@ def forward(
         swiglu_limit,
         fp8_max,
         weight_layout,
+        combine,
     )[0]
