@@ -152,3 +152,25 @@ def test_compiles_fullgraph():
     w = torch.randn(2, 64, 256, dtype=torch.bfloat16)
     f = torch.compile(lambda t: quantize_weight(t, "fp4"), fullgraph=True, backend="eager")
     _assert_bitwise(f(w), reference.quantize_weight(w, "fp4"), "compiled")
+
+
+def test_quantize_weight_fast_is_the_reference_with_progress_and_log(capsys, caplog):
+    """The loaders' entry point: the reference's bits and errors, a progress bar when asked, a log record."""
+    from static_moe.ops.quantize_weight import quantize_weight_fast
+
+    w = torch.randn(3, 64, 256, dtype=torch.bfloat16)
+    for fmt in ("bf16", *FORMATS):
+        got, want = quantize_weight_fast(w, fmt, name="w13"), static_moe.formats.quantize_weight(w, fmt, name="w13")
+        if fmt == "bf16":
+            assert torch.equal(got[0], want[0]) and got[1] is None
+        else:
+            _assert_bitwise(got, want, f"fast {fmt}")
+    with caplog.at_level("DEBUG", logger="static_moe"):
+        quantize_weight_fast(w[0], "fp4", name="shared", progress=True)
+    assert "static_moe: quantizing shared to fp4" in capsys.readouterr().err
+    assert any("quantized shared [64, 256] to fp4" in r.getMessage() for r in caplog.records)
+    w[2, 5, 7] = float("nan")
+    with pytest.raises(
+        ValueError, match=r"quantize_weight_fp8: w13 holds NaN or Inf in 1 block\(s\); .* = \[2, 5, 0\]"
+    ):
+        quantize_weight_fast(w, "fp8", name="w13")
