@@ -161,11 +161,11 @@ inline void quantize_fp4_rows(const QuantizeWeightParams& p, int64_t r0, int64_t
       }
       const int32_t e = fp4_block_exponent(m);
       const float inv = pow2_neg(e);
-      for (int64_t j = 0; j < kQwFp4Block / 2; ++j) {
-        const uint8_t lo = e2m1_code(qw_value<kIn>(blk, 2 * j) * inv);
-        const uint8_t hi = e2m1_code(qw_value<kIn>(blk, 2 * j + 1) * inv);
-        qb[j] = static_cast<uint8_t>(lo | (hi << 4));
-      }
+      // Codes first (a unit-stride loop that vectorises), then the nibble pairs.
+      uint8_t codes[kQwFp4Block];
+      for (int64_t j = 0; j < kQwFp4Block; ++j) codes[j] = e2m1_code(qw_value<kIn>(blk, j) * inv);
+      for (int64_t j = 0; j < kQwFp4Block / 2; ++j)
+        qb[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
       scale[r * nb + b] = static_cast<uint8_t>(e + 127);
     }
   }
