@@ -363,9 +363,12 @@ def _load_mxfp4_fused(ck, base, ep_rank, ep_size, weight_format, progress) -> Ch
     _expect(ck, f"{base}gate_up_proj_scales", _UE8M0, (num_experts, two_i, h_blocks), "E8M0 scales")
     _expect(ck, f"{base}down_proj_scales", _UE8M0, (num_experts, hidden, i_blocks), "E8M0 scales")
     has_bias = [f"{base}{t}" in ck for t in ("gate_up_proj_bias", "down_proj_bias")]
-    if any(has_bias):
-        _expect(ck, f"{base}gate_up_proj_bias", _FLOAT, (num_experts, two_i), "a bias")
-        _expect(ck, f"{base}down_proj_bias", _FLOAT, (num_experts, hidden), "a bias")
+    bias_dtypes = (None, None)
+    if any(has_bias):  # both or neither: a missing one is named
+        bias_dtypes = (
+            _expect(ck, f"{base}gate_up_proj_bias", _FLOAT, (num_experts, two_i), "a bias")[0],
+            _expect(ck, f"{base}down_proj_bias", _FLOAT, (num_experts, hidden), "a bias")[0],
+        )
     if weight_format not in (None, "fp4"):
         raise ValueError(
             f"{gub} in {ck.file_of(gub)}: the checkpoint stores fp4 (MXFP4) experts; converting them to "
@@ -373,8 +376,9 @@ def _load_mxfp4_fused(ck, base, ep_rank, ep_size, weight_format, progress) -> Ch
         )
     first, count = _local_range(num_experts, ep_rank, ep_size, gub)
     out = _alloc(count, hidden, inter, "fp4")
-    w13_bias = torch.empty(count, two_i, dtype=torch.bfloat16) if any(has_bias) else None
-    w2_bias = torch.empty(count, hidden, dtype=torch.bfloat16) if any(has_bias) else None
+    # biases keep their stored dtype (gpt-oss ships bf16)
+    w13_bias = torch.empty(count, two_i, dtype=bias_dtypes[0]) if any(has_bias) else None
+    w2_bias = torch.empty(count, hidden, dtype=bias_dtypes[1]) if any(has_bias) else None
     bar = progress_bar(
         total=out_bytes(out), desc=f"static_moe: experts {first}…{first + count - 1} of {base}", enable=progress
     )
