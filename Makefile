@@ -25,7 +25,7 @@ $(STAMP): Makefile   # a changed dependency list re-runs the installs in an exis
 	@echo "== installing the pinned dependencies into $(VENV) (torch is ~200 MB: a few minutes on a fresh machine)"
 	set -o pipefail; $(VPY) -m pip install --progress-bar off --upgrade pip setuptools wheel | $(QUIET_SATISFIED)
 	set -o pipefail; $(VPY) -m pip install --progress-bar off torch==2.13.0 numpy ml_dtypes pytest hypothesis \
-		ninja matplotlib 'transformers>=5' $(LINT_DEPS) | $(QUIET_SATISFIED)
+		ninja matplotlib 'transformers>=5' safetensors tqdm $(LINT_DEPS) | $(QUIET_SATISFIED)
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -7,6 +7,7 @@
 #include "checks/expert_gemm.h"
 #include "checks/local_experts.h"
 #include "checks/pack_rows.h"
+#include "checks/quantize_weight.h"
 #include "checks/swiglu_and_cast.h"
 #include "cpu/kernels/cast.h"
 
@@ -27,6 +28,8 @@ TORCH_LIBRARY(static_moe, m) {
       "forward(Tensor x, Tensor? x_scale, Tensor topk_idx, Tensor topk_weights, Tensor w13, Tensor? w13_scale, "
       "Tensor w2, Tensor? w2_scale, Tensor? shared_output, int num_experts, int capacity, float? swiglu_limit, "
       "str group_name, int ep_rank, int ep_size, float fp8_max=448., str weight_layout=\"eoi\") -> Tensor");
+  // Offline weight quantization (SPEC §1.9): bf16 / float16 / float32 [..., N, K] -> fp8 1x128 or fp4 1x32 + UE8M0.
+  m.def("quantize_weight(Tensor w, str weight_format) -> (Tensor, Tensor)");
 }
 
 // `import static_moe._C` loads this library, which runs the registrations above and in every backend file.
@@ -78,6 +81,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("x_scale"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("w13"), py::arg("w13_scale"),
       py::arg("w2"), py::arg("w2_scale"), py::arg("expert_offset"), py::arg("swiglu_limit"), py::arg("fp8_max"),
       py::arg("op") = "local_experts", py::arg("weight_layout") = "eoi");
+  m.def(
+      "check_quantize_weight",
+      [](const at::Tensor& w, const std::string& weight_format) {
+        static_moe::checks::check_quantize_weight(w, weight_format);
+      },
+      "quantize_weight argument checks");
   // Test hooks: the CPU kernels' exact float32 -> e4m3fn / bf16 casts, elementwise (tests/ops/test_swiglu_and_cast.py
   // compares them with torch's casts bit for bit).
   m.def("_cast_e4m3fn", [](const at::Tensor& x) {

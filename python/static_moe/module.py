@@ -823,6 +823,45 @@ class StaticMoE(_FixedFormats):
             **options,
         )
 
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path,
+        *,
+        family: str,
+        layer: int,
+        top_k: int,
+        capacity: int,
+        weight_format: str | None = None,
+        prefix: str | None = None,
+        ep_group=None,
+        ep_size: int | None = None,
+        progress: bool | None = None,
+        **options,
+    ) -> StaticMoE:
+        """Build a layer from one MoE layer's routed experts in a safetensors checkpoint on disk (the
+        ``model.safetensors.index.json`` + shards layout), reading only this rank's experts, lazily
+        (``static_moe.loaders.checkpoint_experts.load_checkpoint_experts`` documents ``family``, ``layer``,
+        ``weight_format``, ``prefix`` and ``progress``; docs/checkpoints.md the layouts). H, I and the number of
+        experts come from the checkpoint; ``options`` go to the constructor. Collective over ``ep_group`` like
+        :meth:`from_module`."""
+        from .loaders.checkpoint_experts import from_checkpoint  # imported when called, as in from_module
+
+        return from_checkpoint(
+            cls,
+            path,
+            family=family,
+            layer=layer,
+            top_k=top_k,
+            capacity=capacity,
+            weight_format=weight_format,
+            prefix=prefix,
+            ep_group=ep_group,
+            ep_size=ep_size,
+            progress=progress,
+            **options,
+        )
+
     # --- lifecycle ---------------------------------------------------------------------------------------------
     @property
     def workspace(self) -> _workspace.Workspace:
