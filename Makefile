@@ -66,6 +66,8 @@ asan:
 
 # Fault injection on the suite itself (slow, not part of `make test`): applies each mutant of tests/mutants.py
 # to a scratch copy, rebuilds incrementally, runs the tests that should kill it. MUTATE_ARGS="--only NAME".
+# Each mutant: its test selection first, the whole suite (-x) only if it survives that (a mutant the selection
+# kills, the whole suite kills too: the selection is a subset). MUTATE_ARGS=--selection-only for a quick pass.
 mutate: venv
 	MAX_JOBS=1 OMP_NUM_THREADS=$(THREADS) $(VPY) tests/mutate.py $(MUTATE_ARGS)
 
