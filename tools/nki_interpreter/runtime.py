@@ -4,7 +4,10 @@ Arguments: numpy arrays (any NKI dtype, ml_dtypes for bf16/fp8) or torch tensors
 Python scalars, tuples of those, and other constants pass through. Lists are rejected (NKI 0.3 kernels take
 tuples). The kernel runs eagerly in program order; HBM arguments it wrote are copied back into the caller's
 arrays/tensors (as the NKI simulator does); returned tensors must live in ``nl.shared_hbm`` and come back as
-numpy arrays (torch tensors if any argument was a torch tensor).
+numpy arrays (torch tensors if any argument was a torch tensor). Torch tensors on a device other than the CPU
+(the test ``neuron`` device of tools/neuron_test_device.py) are read through ``.cpu()`` and written back with
+``copy_``, and the results come back on the first tensor argument's device, as ``nki.jit`` returns device
+tensors for device arguments.
 
 After a run, :func:`last_run` gives its :class:`~.cost.CostRecord` and memory peaks.
 """
@@ -55,6 +58,8 @@ def _torch():
 
 def _torch_to_numpy(t) -> np.ndarray:
     torch = _torch()
+    if t.device.type != "cpu":
+        t = t.cpu()
     t = t.detach().cpu().contiguous()
     m = {
         torch.bfloat16: dt.bfloat16,
@@ -131,16 +136,18 @@ def simulate(kernel):
     def run(*args, **kwargs):
         with run_context() as ctx:
             any_torch = False
+            device = None  # the first torch argument's device: where torch results go
             bound = []  # (caller object, hbm tensor)
 
             def convert(x, where):
-                nonlocal any_torch
+                nonlocal any_torch, device
                 if isinstance(x, list):
                     raise NkiRuleError("kernel-args", f"{where} is a list; NKI kernels take tuples")
                 if isinstance(x, tuple):
                     return tuple(convert(v, f"{where}[{i}]") for i, v in enumerate(x))
                 if _is_torch(x):
                     any_torch = True
+                    device = x.device if device is None else device
                     h = from_numpy(_torch_to_numpy(x), name=where)
                     bound.append((x, h))
                     return h
@@ -180,7 +187,10 @@ def simulate(kernel):
                         f"in nl.shared_hbm (NKI >= 0.3)",
                     )
                     a = np.array(o._np())
-                    return _numpy_to_torch(a) if any_torch else a
+                    if not any_torch:
+                        return a
+                    t = _numpy_to_torch(a)
+                    return t if device.type == "cpu" else t.to(device)
                 check(o is None, "output-buffer", f"kernels return shared_hbm tensors, got {type(o).__name__}")
                 return o
 
