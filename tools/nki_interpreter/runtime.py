@@ -237,18 +237,18 @@ def jit(fn=None, **kwargs):
 
 
 def profile(kernel, *args, model=None, ideal_hbm_bytes: int | None = None, **kwargs) -> tuple:
-    """Run ``kernel`` through the interpreter and estimate its trn2 time.
+    """Run ``kernel`` through the interpreter and estimate its time on the run's target (``cost.model_for``).
 
     Returns ``(result, report)``; report has the cost summary, the model's estimate (``time_s``, per-engine
     and DMA times, ``bound``), the HBM roofline of the bytes the kernel moved (``hbm_roofline_s``) and, when
     ``ideal_hbm_bytes`` is given (the bytes the op must move at least), ``ideal_s`` and
     ``roofline_fraction = ideal_s / time_s``. Reusable by any kernel's benchmark.
     """
-    from .cost import TRN2
+    from .cost import model_for
 
-    model = model or TRN2
     result = simulate(kernel)(*args, **kwargs)
     info = last_run()
+    model = model or model_for(info.target)
     est = model.estimate(info.cost)
     report = {
         **info.cost.summary(),
@@ -261,5 +261,5 @@ def profile(kernel, *args, model=None, ideal_hbm_bytes: int | None = None, **kwa
     if ideal_hbm_bytes is not None:
         report["ideal_hbm_bytes"] = ideal_hbm_bytes
         report["ideal_s"] = model.hbm_roofline(ideal_hbm_bytes)
-        report["roofline_fraction"] = report["ideal_s"] / est["time_s"] if est["time_s"] else float("nan")
+        report["roofline_fraction"] = model.mbu(ideal_hbm_bytes, est["time_s"])
     return result, report
