@@ -301,8 +301,7 @@ def _packed_parts(x, x_scale, topk_idx, topk_weights) -> list[torch.Tensor]:
     return parts + [topk_idx.to(torch.int32), topk_weights.to(torch.float32)]
 
 
-@torch.library.impl("static_moe::forward", "CompositeExplicitAutograd")
-def _forward_kernel(
+def forward_kernel(
     x,
     x_scale,
     topk_idx,
@@ -370,6 +369,11 @@ def _forward_kernel(
         packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, swiglu_limit, fp8_max, weight_layout
     )
     return _combine(acc, dims.tokens, shared_output)
+
+
+# Registered by a call, not as a decorator: torch.library.impl's decorator returns None, which would leave
+# ``forward_kernel`` None for the Neuron registrations (static_moe.nki.dispatch) that reuse it.
+torch.library.impl("static_moe::forward", "CompositeExplicitAutograd")(forward_kernel)
 
 
 def _collective(group_name: str, ep_size) -> bool:
