@@ -1,4 +1,4 @@
-"""Benchmark of torch.ops.static_moe.quantize_weight (SPEC §1.9) against a plain copy of the same bytes and the
+"""Benchmark of torch.ops.static_moe.quantize_weight (SPEC §1.10) against a plain copy of the same bytes and the
 pure-torch reference quantizers (static_moe.formats), per weight format.
 
 Input: bf16 expert weights [E, N, K] (a 30B-A3B-class layer by default: 32 experts of 2048 × 768). The op reads

@@ -28,7 +28,7 @@ TORCH_LIBRARY(static_moe, m) {
       "forward(Tensor x, Tensor? x_scale, Tensor topk_idx, Tensor topk_weights, Tensor w13, Tensor? w13_scale, "
       "Tensor w2, Tensor? w2_scale, Tensor? shared_output, int num_experts, int capacity, float? swiglu_limit, "
       "str group_name, int ep_rank, int ep_size, float fp8_max=448., str weight_layout=\"eoi\") -> Tensor");
-  // Offline weight quantization (SPEC §1.9): bf16 / float16 / float32 [..., N, K] -> fp8 1x128 or fp4 1x32 + UE8M0.
+  // Offline weight quantization (SPEC §1.10): bf16 / float16 / float32 [..., N, K] -> fp8 1x128 or fp4 1x32 + UE8M0.
   m.def("quantize_weight(Tensor w, str weight_format) -> (Tensor, Tensor)");
 }
 

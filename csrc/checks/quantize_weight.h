@@ -1,4 +1,4 @@
-// Argument checks of quantize_weight (SPEC §1.9, §4, §5), over tensor metadata only: used by the CPU binding and by
+// Argument checks of quantize_weight (SPEC §1.10, §4, §5), over tensor metadata only: used by the CPU binding and by
 // the Python fake kernel (through static_moe._C.check_quantize_weight).
 #pragma once
 

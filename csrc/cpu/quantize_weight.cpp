@@ -1,4 +1,4 @@
-// CPU binding of quantize_weight (SPEC §1.9): checks (csrc/checks/quantize_weight.h), then the raw-pointer kernel of
+// CPU binding of quantize_weight (SPEC §1.10): checks (csrc/checks/quantize_weight.h), then the raw-pointer kernel of
 // csrc/cpu/kernels/quantize_weight.h, OpenMP over rows, on the instruction set csrc/cpu/simd.h selects (one
 // instance of the kernel per set, auto-vectorised; every instance gives the same bits: integer ops, exact
 // multiplications, IEEE compares). Torch types stay in this file.

@@ -1,7 +1,7 @@
 """quantize_weight: the CPU kernel vs the Python quantizers (static_moe.formats, the reference) bit for bit, on
 every CPU instruction set, over random weights and the edge cases of the formats (zeros and signed zeros,
 subnormals, amax exactly at a power of two, the largest and smallest scales, e2m1 / e4m3 rounding midpoints), the
-non-finite refusal, and argument errors (SPEC §1.9, §5)."""
+non-finite refusal, and argument errors (SPEC §1.10, §5)."""
 
 from __future__ import annotations
 

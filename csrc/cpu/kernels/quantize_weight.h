@@ -1,4 +1,4 @@
-// quantize_weight CPU kernel (SPEC §1.9), torch-free: raw pointers and sizes. The same arithmetic as the Python
+// quantize_weight CPU kernel (SPEC §1.10), torch-free: raw pointers and sizes. The same arithmetic as the Python
 // quantizers it must equal bit for bit (static_moe.formats.quantize_weight_fp8 / quantize_weight_fp4):
 //
 //   fp8, per 1x128 block:  amax = max(max|v|, 1e-4); s = round_up_pow2(amax / 448); q = e4m3fn(clamp(v / s, ±448))

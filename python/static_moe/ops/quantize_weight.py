@@ -1,4 +1,4 @@
-"""quantize_weight: wrapper and fake kernel (SPEC §1.9).
+"""quantize_weight: wrapper and fake kernel (SPEC §1.10).
 
 The fake kernel runs the same C++ argument checks as the CPU kernel (csrc/checks/quantize_weight.h, through
 ``static_moe._C``), so a traced graph rejects bad inputs with the eager messages; under dynamic shapes (symbolic

@@ -1,4 +1,4 @@
-"""Reference quantize_weight (SPEC §1.9): the Python quantizers of static_moe.formats, behind the op's signature."""
+"""Reference quantize_weight (SPEC §1.10): the Python quantizers of static_moe.formats, behind the op's signature."""
 
 from __future__ import annotations
 
