@@ -98,6 +98,25 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
     return NeuronTensor(torch.empty_strided(size, stride, dtype=dtype))
 
 
+def _backend_module():
+    """``torch.neuron``: the dummy device module plus the RNG state calls ``torch.random.fork_rng`` makes for every
+    device type (torch.compile / opcheck fork the RNG of all devices): the device has no generator of its own,
+    so its state is an empty byte tensor and setting it does nothing."""
+    from torch.utils.backend_registration import _DummyBackendModule
+
+    class _Module(_DummyBackendModule):
+        def get_rng_state(self, device=None):
+            return torch.empty(0, dtype=torch.uint8)
+
+        def set_rng_state(self, state, device=None):
+            pass
+
+        def manual_seed(self, seed):
+            pass
+
+    return _Module()
+
+
 def install() -> torch.device:
     """Rename PrivateUse1 to ``neuron`` (once per process), give it CPU-backed tensors, and register static_moe's
     NKI kernels for it (``register_neuron_kernels(keys=["PrivateUse1"])``). Returns ``torch.device("neuron:0")``.
@@ -109,7 +128,7 @@ def install() -> torch.device:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
         if current != NAME:
-            _setup_privateuseone_for_python_backend(NAME)
+            _setup_privateuseone_for_python_backend(NAME, backend_module=_backend_module())
         lib = torch.library.Library("aten", "IMPL")
         lib.impl("empty.memory_format", _empty, "PrivateUse1")
         lib.impl("empty_strided", _empty_strided, "PrivateUse1")
