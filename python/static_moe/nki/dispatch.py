@@ -187,11 +187,31 @@ def _e4m3fn_native() -> bool:
     return shim.interpreter.get_target().name == "trn3"
 
 
-def expert_gemm(a, a_scale, b, b_scale, row_mask, expert, weight_layout="eoi", *, skip_unrouted: bool = True):
+def refuse_variants(op: str, activation="silu", biases=()) -> None:
+    """The NKI kernels compute the SiLU experts without biases (SPEC §1.7); the SPEC §1.9 variants are refused with
+    a ValueError naming the argument, after the shared checks have validated it."""
+    if activation != "silu":
+        raise ValueError(
+            f'{op} (NKI): activation="{activation}" is not implemented by the NKI kernels yet (only "silu"); '
+            "run these experts on CPU or CUDA"
+        )
+    for name, t in biases:
+        if t is not None:
+            raise ValueError(
+                f"{op} (NKI): {name} is not implemented by the NKI kernels yet (experts without biases only); "
+                "run these experts on CPU or CUDA"
+            )
+
+
+def expert_gemm(
+    a, a_scale, b, b_scale, row_mask, expert, weight_layout="eoi", bias=None, *, skip_unrouted: bool = True
+):
     """``torch.ops.static_moe.expert_gemm`` through the NKI kernel: on the Neuron device when the tensors live
     there, else through the simulator / interpreter. Returns bf16 [R, N] on the inputs' device.
-    ``weight_layout``: "eoi" or "eio" (static_moe.layouts), handed to the kernel as a keyword (module doc)."""
-    _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert, weight_layout=weight_layout)
+    ``weight_layout``: "eoi" or "eio" (static_moe.layouts), handed to the kernel as a keyword (module doc).
+    ``bias`` (SPEC §1.9) is refused: the NKI kernel has no bias epilogue yet."""
+    _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert, weight_layout=weight_layout, bias=bias)
+    refuse_variants("expert_gemm", biases=(("bias", bias),))
     args = expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert)
     check_trn2_fp8_bytes("expert_gemm", (("b", b[int(expert) : int(expert) + 1]),), weight_layout, _e4m3fn_native())
     return _launch("expert_gemm", args, _on_neuron(a), skip_unrouted=skip_unrouted, **_layout_flags(weight_layout))
@@ -210,11 +230,16 @@ def local_experts(
     swiglu_limit=None,
     fp8_max=448.0,
     weight_layout="eoi",
+    activation="silu",
+    alpha=1.702,
+    w13_bias=None,
+    w2_bias=None,
     *,
     skip_unrouted: bool = True,
 ):
     """``torch.ops.static_moe.local_experts`` through the fused NKI kernel (device, or simulator / interpreter).
-    Returns float32 [R, H]. ``weight_layout``: "eoi" or "eio", handed to the kernel as a keyword (module doc)."""
+    Returns float32 [R, H]. ``weight_layout``: "eoi" or "eio", handed to the kernel as a keyword (module doc).
+    The SPEC §1.9 variants (an activation other than "silu", biases) are checked, then refused (ValueError)."""
     _check(
         "local_experts",
         x,
@@ -229,7 +254,12 @@ def local_experts(
         swiglu_limit,
         fp8_max,
         weight_layout=weight_layout,
+        activation=activation,
+        alpha=alpha,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
+    refuse_variants("local_experts", activation, (("w13_bias", w13_bias), ("w2_bias", w2_bias)))
     native = _e4m3fn_native()
     check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_layout, native)
     check_trn2_fp8_bytes("local_experts", (("w13", w13), ("w2", w2)), weight_layout, native)
