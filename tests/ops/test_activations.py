@@ -271,3 +271,33 @@ def _bad_on_rank_one_worker(rank: int, size: int) -> list[str]:
 
 def test_bad_variant_arguments_raise_on_every_rank():
     run_ranks(_bad_on_rank_one_worker, 2, timeout=150)
+
+
+def test_static_moe_takes_the_variants_and_saves_the_biases():
+    w = make_weights(4, H, I, "bf16", seed=71)
+    b13, b2 = torch.randn(4, 2 * I, generator=gen(72)), torch.randn(4, H, generator=gen(73))
+    kw = dict(activation="swiglu_oai", alpha=1.702, swiglu_limit=7.0, expert_biases=True)
+    layer = static_moe.StaticMoE(H, I, 4, 2, 8, **kw)
+    layer.set_expert_weights(w["w13"], None, w["w2"], None)
+    layer.set_expert_biases(b13, b2.to(torch.bfloat16))
+    x, _ = make_activations(5, H, "bf16", seed=74)
+    idx, wts = make_routing(5, 2, 4, seed=75)
+    out = layer(x, idx, wts)
+    ref = reference.forward(
+        x, None, idx, wts, w["w13"], None, w["w2"], None, None, 4, 8, 7.0, "", 0, 1,
+        activation="swiglu_oai", w13_bias=b13, w2_bias=b2.to(torch.bfloat16).float(),
+    )  # fmt: skip
+    assert calc_diff(out, ref) < 1e-5
+    state = layer.state_dict()
+    assert torch.equal(state["w13_bias"], b13)
+    other = static_moe.StaticMoE(H, I, 4, 2, 8, **kw)
+    other.load_state_dict(state)
+    assert torch.equal(other(x, idx, wts), out)
+    plain = static_moe.StaticMoE(H, I, 4, 2, 8)
+    assert "w13_bias" not in plain.state_dict()
+    with pytest.raises(ValueError, match="expert_biases=True"):
+        plain.set_expert_biases(b13, b2)
+    with pytest.raises(ValueError, match="w2_bias"):
+        layer.set_expert_biases(b13, b2[:, :8])
+    for m in (layer, other, plain):
+        m.close()
