@@ -200,6 +200,22 @@ def _e4m3fn_native() -> bool:
     return shim.interpreter.get_target().name == "trn3"
 
 
+def refuse_variants(op: str, activation="silu", biases=()) -> None:
+    """The NKI kernels compute the SiLU experts without biases (SPEC §1.7); the SPEC §1.9 variants are refused with
+    a ValueError naming the argument, after the shared checks have validated it."""
+    if activation != "silu":
+        raise ValueError(
+            f'{op} (NKI): activation="{activation}" is not implemented by the NKI kernels yet (only "silu"); '
+            "run these experts on CPU or CUDA"
+        )
+    for name, t in biases:
+        if t is not None:
+            raise ValueError(
+                f"{op} (NKI): {name} is not implemented by the NKI kernels yet (experts without biases only); "
+                "run these experts on CPU or CUDA"
+            )
+
+
 def _byte_rows(t):
     """A part [T, ...] as the uint8 [T, bytes per row] it packs to (a free view of a contiguous tensor)."""
     return t.contiguous().reshape(t.shape[0], -1).view(torch.uint8)
@@ -249,15 +265,27 @@ def unpack_rows(packed, offset, nbytes, dtype, row_shape):
 
 
 def swiglu_and_cast(
-    gate_up, row_weight, swiglu_limit, out_format="fp8", group_size=128, fp8_max=448.0, pow2_scale=True
+    gate_up,
+    row_weight,
+    swiglu_limit,
+    out_format="fp8",
+    group_size=128,
+    fp8_max=448.0,
+    pow2_scale=True,
+    activation="silu",
+    alpha=1.702,
 ):
     """``torch.ops.static_moe.swiglu_and_cast`` through the NKI kernel (nki_kernels/swiglu_and_cast.py). Returns
     (q, s) on gate_up's device: fp8 (float8_e4m3fn [R, I], float32 [R, I/g]) or bf16 (bf16 [R, I], float32
     [R, 0]: NKI tensors have no zero-sized dim, so the empty scale is made here). fp8_max > 240 needs native
-    e4m3fn (trn3), as for local_experts."""
+    e4m3fn (trn3), as for local_experts. An ``activation`` other than "silu" (SPEC §1.9) is checked, then refused.
+    """
     from .. import _C
 
-    _C.check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max, pow2_scale)
+    _C.check_swiglu_and_cast(
+        gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max, pow2_scale, activation, alpha
+    )
+    refuse_variants("swiglu_and_cast", activation)
     if out_format == "fp8" and fp8_max > 240.0 and not _e4m3fn_native():
         raise ValueError(
             f"swiglu_and_cast: fp8_max={fp8_max} needs OCP float8_e4m3fn on chip (trn3); trn2's on-chip fp8 "
@@ -289,11 +317,15 @@ def swiglu_and_cast(
     return tuple(out)
 
 
-def expert_gemm(a, a_scale, b, b_scale, row_mask, expert, weight_layout="eoi", *, skip_unrouted: bool = True):
+def expert_gemm(
+    a, a_scale, b, b_scale, row_mask, expert, weight_layout="eoi", bias=None, *, skip_unrouted: bool = True
+):
     """``torch.ops.static_moe.expert_gemm`` through the NKI kernel: on the Neuron device when the tensors live
     there, else through the simulator / interpreter. Returns bf16 [R, N] on the inputs' device.
-    ``weight_layout``: "eoi" or "eio" (static_moe.layouts), handed to the kernel as a keyword (module doc)."""
-    _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert, weight_layout=weight_layout)
+    ``weight_layout``: "eoi" or "eio" (static_moe.layouts), handed to the kernel as a keyword (module doc).
+    ``bias`` (SPEC §1.9) is refused: the NKI kernel has no bias epilogue yet."""
+    _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert, weight_layout=weight_layout, bias=bias)
+    refuse_variants("expert_gemm", biases=(("bias", bias),))
     args = expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert)
     check_trn2_fp8_bytes("expert_gemm", (("b", b[int(expert) : int(expert) + 1]),), weight_layout, _e4m3fn_native())
     return _launch("expert_gemm", args, _on_neuron(a), skip_unrouted=skip_unrouted, **_layout_flags(weight_layout))
@@ -312,11 +344,16 @@ def local_experts(
     swiglu_limit=None,
     fp8_max=448.0,
     weight_layout="eoi",
+    activation="silu",
+    alpha=1.702,
+    w13_bias=None,
+    w2_bias=None,
     *,
     skip_unrouted: bool = True,
 ):
     """``torch.ops.static_moe.local_experts`` through the fused NKI kernel (device, or simulator / interpreter).
-    Returns float32 [R, H]. ``weight_layout``: "eoi" or "eio", handed to the kernel as a keyword (module doc)."""
+    Returns float32 [R, H]. ``weight_layout``: "eoi" or "eio", handed to the kernel as a keyword (module doc).
+    The SPEC §1.9 variants (an activation other than "silu", biases) are checked, then refused (ValueError)."""
     _check(
         "local_experts",
         x,
@@ -331,7 +368,12 @@ def local_experts(
         swiglu_limit,
         fp8_max,
         weight_layout=weight_layout,
+        activation=activation,
+        alpha=alpha,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
+    refuse_variants("local_experts", activation, (("w13_bias", w13_bias), ("w2_bias", w2_bias)))
     native = _e4m3fn_native()
     check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_layout, native)
     check_trn2_fp8_bytes("local_experts", (("w13", w13), ("w2", w2)), weight_layout, native)

@@ -40,6 +40,7 @@ from torch.profiler import record_function
 
 from .. import _C
 from .. import workspace as _workspace
+from ..activations import DEFAULT_ALPHA
 from ..formats import FP8_E4M3FN_MAX, as_uint8
 from ..layouts import layout_format as _layout_format
 from ..packed_layout import pack_layout, part_nbytes
@@ -96,6 +97,7 @@ def check_forward(
     ep_size: int,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    variant: dict | None = None,
 ) -> ForwardDims:
     """Metadata-only checks of forward's arguments (SPEC §5), shared by the kernel and the fake.
 
@@ -107,7 +109,8 @@ def check_forward(
     what is forward's own — positive H, I and k (the workspace is sized by them), T ≤ C, the EP topology and
     shared_output. Under symbolic sizes (torch.compile with dynamic shapes) the C++ check cannot read sizes and
     is left to the kernel, as in local_experts' fake. ``weight_layout`` ("eoi" or the prepared "eio") says how
-    w13 / w2 are laid out; local_experts' check validates it and the shapes it implies.
+    w13 / w2 are laid out; local_experts' check validates it and the shapes it implies. ``variant``: the SPEC
+    §1.9 keyword arguments (activation, alpha, w13_bias, w2_bias) handed on to local_experts, checked by it too.
 
     Raises ValueError / TypeError naming the argument, what was expected and what came. Reads no tensor values.
     """
@@ -138,6 +141,7 @@ def check_forward(
             fp8_max,
             "forward",
             weight_layout,
+            **(variant or {}),
         )
     t, h = x.shape
     act = "fp8" if x.dtype == torch.float8_e4m3fn else "bf16"
@@ -319,7 +323,12 @@ def forward_kernel(
     ep_size,
     fp8_max=FP8_E4M3FN_MAX,
     weight_layout="eoi",
+    activation="silu",
+    alpha=DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
 ):
+    variant = _variant(activation, alpha, w13_bias, w2_bias)
     if _collective(group_name, ep_size):
         return _forward_collective(
             x,
@@ -339,6 +348,7 @@ def forward_kernel(
             ep_size,
             fp8_max,
             weight_layout,
+            variant=variant,
         )
     dims = check_forward(
         x,
@@ -357,6 +367,7 @@ def forward_kernel(
         ep_size,
         fp8_max,
         weight_layout,
+        variant,
     )
     check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)  # the value checks of S > 1, same words
     if x.device.type == "cpu":
@@ -366,7 +377,18 @@ def forward_kernel(
         parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
         packed = torch.ops.static_moe.pack_rows(parts, capacity)
     acc = _local_step(
-        packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, swiglu_limit, fp8_max, weight_layout
+        packed,
+        parts,
+        x_scale is not None,
+        w13,
+        w13_scale,
+        w2,
+        w2_scale,
+        0,
+        swiglu_limit,
+        fp8_max,
+        weight_layout,
+        variant,
     )
     return _combine(acc, dims.tokens, shared_output)
 
@@ -392,8 +414,24 @@ def _collective(group_name: str, ep_size) -> bool:
         return False
 
 
+def _variant(activation, alpha, w13_bias, w2_bias) -> dict:
+    """The SPEC §1.9 arguments, as local_experts (and its check) take them by keyword."""
+    return dict(activation=activation, alpha=alpha, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
 def _local_step(
-    gathered, parts, has_scale, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, weight_layout="eoi"
+    gathered,
+    parts,
+    has_scale,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    expert_offset,
+    swiglu_limit,
+    fp8_max,
+    weight_layout="eoi",
+    variant=None,
 ) -> torch.Tensor:
     """unpack every part of the gathered rows, then local_experts: fp32 [rows, H]."""
     with record_function(PHASE_PREFIX + "unpack"):
@@ -406,7 +444,19 @@ def _local_step(
         g_idx, g_w = g[-2], g[-1]
     with record_function(PHASE_PREFIX + "local_experts"):
         return torch.ops.static_moe.local_experts(
-            g_x, g_xs, g_idx, g_w, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, weight_layout
+            g_x,
+            g_xs,
+            g_idx,
+            g_w,
+            w13,
+            w13_scale,
+            w2,
+            w2_scale,
+            expert_offset,
+            swiglu_limit,
+            fp8_max,
+            weight_layout,
+            **(variant or {}),
         )
 
 
@@ -580,6 +630,7 @@ def _forward_collective(
     weight_layout="eoi",
     retry: bool = True,
     preset_error: BaseException | None = None,
+    variant: dict | None = None,
 ):
     pg, size, rank = _resolve_group(group_name, ep_size)
     # From here to the all-gather every exception, whatever its type, is this rank's verdict to report, never a
@@ -606,6 +657,7 @@ def _forward_collective(
                 ep_size,
                 fp8_max,
                 weight_layout,
+                variant,
             )
             check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)
             cfg = _call_config(
@@ -670,6 +722,7 @@ def _forward_collective(
                 fp8_max,
                 weight_layout,
                 retry=False,
+                variant=variant,
             )
 
     kernel_error = None
@@ -686,6 +739,7 @@ def _forward_collective(
             swiglu_limit,
             fp8_max,
             weight_layout,
+            variant,
         )
     except Exception as e:  # noqa: BLE001
         # Expected only for what is checked inside local_experts rather than before the all-gather: on CPU / CUDA
@@ -757,6 +811,10 @@ def _forward_fake(
     ep_size,
     fp8_max=FP8_E4M3FN_MAX,
     weight_layout="eoi",
+    activation="silu",
+    alpha=DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
 ):
     if _collective(group_name, ep_size):
         _report_meta_call(
@@ -791,6 +849,7 @@ def _forward_fake(
             ep_size,
             fp8_max,
             weight_layout,
+            _variant(activation, alpha, w13_bias, w2_bias),
         )
     except Exception:  # noqa: BLE001
         # A collective step: the kernel reports this error on every rank at run time. Raising here, at trace time
@@ -812,6 +871,8 @@ _SCHEMA_TENSORS = (
     ("w2", False),
     ("w2_scale", True),
     ("shared_output", True),
+    ("w13_bias", True),
+    ("w2_bias", True),
 )
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -834,6 +895,10 @@ def schema_error(
     ep_size,
     fp8_max,
     weight_layout,
+    activation="silu",
+    alpha=DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
 ) -> Exception | None:
     """The error the op's schema would raise for these arguments (before the op's body, on one rank), as
     TypeError / ValueError naming the argument, or None when the schema accepts them."""
@@ -847,6 +912,8 @@ def schema_error(
         w2=w2,
         w2_scale=w2_scale,
         shared_output=shared_output,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
     for name, optional in _SCHEMA_TENSORS:
         t = given[name]
@@ -859,7 +926,11 @@ def schema_error(
             return ValueError(f"forward: {name} must be a positive int, got {v!r}")
         if not _INT64[0] <= v <= _INT64[1]:
             return ValueError(f"forward: {name} must fit in int64, got {v!r}")
-    for name, v, optional in (("swiglu_limit", swiglu_limit, True), ("fp8_max", fp8_max, False)):
+    for name, v, optional in (
+        ("swiglu_limit", swiglu_limit, True),
+        ("fp8_max", fp8_max, False),
+        ("alpha", alpha, False),
+    ):
         if optional and v is None:
             continue
         if not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -870,7 +941,7 @@ def schema_error(
             return ValueError(
                 f"forward: {name} must be None or a positive finite number, got {v!r} (it overflows a float)"
             )
-    for name, v in (("group_name", group_name), ("weight_layout", weight_layout)):
+    for name, v in (("group_name", group_name), ("weight_layout", weight_layout), ("activation", activation)):
         if not isinstance(v, str):
             return TypeError(f"forward: {name} must be a str, got {type(v).__name__}")
     return None
@@ -901,6 +972,10 @@ def forward(
     ep_size: int = 1,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    activation: str = "silu",
+    alpha: float = DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
 ) -> torch.Tensor:
     """bf16 [T, H]: the routed experts of one MoE layer over this rank's T ≤ capacity tokens (SPEC §0).
 
@@ -919,6 +994,10 @@ def forward(
         weight_layout: "eoi" (nn.Linear [L, N, K], above) or "eio", the prepared K-major forms of
             ``static_moe.layouts`` (SPEC §1.2: w13 [L, H, 2I], w2 [L, I, H]; fp8 MX uint32 / fp4 uint16
             [L, K/4, N]). The reference and the NKI kernels take both; the CPU and CUDA kernels only "eoi".
+        activation, alpha: the experts' gated activation (SPEC §1.9): "silu", "swiglu_oai" (gpt-oss, with
+            ``alpha``) or "gelu_tanh".
+        w13_bias, w2_bias: optional float32 / bf16 biases of this rank's experts, [L, 2I] and [L, H], added in
+            fp32 before each GEMM's bf16 rounding (SPEC §1.9).
 
     All tensors live on one device. Collective over the EP group when ep_size > 1: every rank must call it, and
     an error on any rank raises on every rank (docs/errors.md). With ep_size = 1 and device inputs in eager mode
@@ -944,6 +1023,10 @@ def forward(
             ep_size,
             fp8_max,
             weight_layout,
+            activation,
+            alpha,
+            w13_bias,
+            w2_bias,
         )
         if error is not None:
             # The op's schema would refuse these arguments before its body runs, on this rank only: report them
@@ -970,4 +1053,8 @@ def forward(
         ep_size,
         fp8_max,
         weight_layout,
+        activation=activation,
+        alpha=alpha,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
