@@ -609,6 +609,10 @@ class WorkspaceManager:
                     )
         except Exception as e:  # noqa: BLE001  (any allocation failure rolls back; the caller re-raises)
             buffers.clear()
+            # The error's traceback keeps this frame, and with it ``t``, alive for as long as the caller holds
+            # the error (it raises it, converge() reports it): drop the last buffer here, or it outlives the
+            # rollback.
+            t = None  # noqa: F841
             return buffers, e
         return buffers, None
 

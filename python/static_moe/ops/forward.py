@@ -40,6 +40,7 @@ from torch.profiler import record_function
 
 from .. import _C
 from .. import workspace as _workspace
+from ..activations import DEFAULT_ALPHA
 from ..formats import FP8_E4M3FN_MAX, as_uint8
 from ..layouts import layout_format as _layout_format
 from ..packed_layout import pack_layout, part_nbytes
@@ -98,6 +99,7 @@ def check_forward(
     ep_size: int,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    variant: dict | None = None,
     dispatch: str = "all_gather",
     combine: str = "fp32",
     dispatch_capacity: int = 0,
@@ -112,7 +114,8 @@ def check_forward(
     what is forward's own — positive H, I and k (the workspace is sized by them), T ≤ C, the EP topology and
     shared_output. Under symbolic sizes (torch.compile with dynamic shapes) the C++ check cannot read sizes and
     is left to the kernel, as in local_experts' fake. ``weight_layout`` ("eoi" or the prepared "eio") says how
-    w13 / w2 are laid out; local_experts' check validates it and the shapes it implies.
+    w13 / w2 are laid out; local_experts' check validates it and the shapes it implies. ``variant``: the SPEC
+    §1.9 keyword arguments (activation, alpha, w13_bias, w2_bias) handed on to local_experts, checked by it too.
 
     Raises ValueError / TypeError naming the argument, what was expected and what came. Reads no tensor values.
     """
@@ -144,6 +147,7 @@ def check_forward(
             fp8_max,
             "forward",
             weight_layout,
+            **(variant or {}),
         )
     t, h = x.shape
     act = "fp8" if x.dtype == torch.float8_e4m3fn else "bf16"
@@ -337,8 +341,7 @@ def _packed_parts(x, x_scale, topk_idx, topk_weights) -> list[torch.Tensor]:
     return parts + [topk_idx.to(torch.int32), topk_weights.to(torch.float32)]
 
 
-@torch.library.impl("static_moe::forward", "CompositeExplicitAutograd")
-def _forward_kernel(
+def forward_kernel(
     x,
     x_scale,
     topk_idx,
@@ -356,10 +359,15 @@ def _forward_kernel(
     ep_size,
     fp8_max=FP8_E4M3FN_MAX,
     weight_layout="eoi",
+    activation="silu",
+    alpha=DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
     dispatch="all_gather",
     combine="fp32",
     dispatch_capacity=0,
 ):
+    variant = _variant(activation, alpha, w13_bias, w2_bias)
     if _collective(group_name, ep_size):
         return _forward_collective(
             x,
@@ -379,6 +387,7 @@ def _forward_kernel(
             ep_size,
             fp8_max,
             weight_layout,
+            variant=variant,
             dispatch=dispatch,
             combine=combine,
             dispatch_capacity=dispatch_capacity,
@@ -400,6 +409,7 @@ def _forward_kernel(
         ep_size,
         fp8_max,
         weight_layout,
+        variant,
         dispatch,
         combine,
         dispatch_capacity,
@@ -412,11 +422,27 @@ def _forward_kernel(
         parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
         packed = torch.ops.static_moe.pack_rows(parts, capacity)
     acc = _local_step(
-        packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, swiglu_limit, fp8_max, weight_layout
+        packed,
+        parts,
+        x_scale is not None,
+        w13,
+        w13_scale,
+        w2,
+        w2_scale,
+        0,
+        swiglu_limit,
+        fp8_max,
+        weight_layout,
+        variant,
     )
     if combine == "bf16":  # SPEC §7: the one rank's partial, rounded once (S = 1: no collective either way)
         acc = acc.to(torch.bfloat16).float()
     return _combine(acc, dims.tokens, shared_output)
+
+
+# Registered by a call, not as a decorator: torch.library.impl's decorator returns None, which would leave
+# ``forward_kernel`` None for the Neuron registrations (static_moe.nki.dispatch) that reuse it.
+torch.library.impl("static_moe::forward", "CompositeExplicitAutograd")(forward_kernel)
 
 
 def _collective(group_name: str, ep_size) -> bool:
@@ -435,8 +461,24 @@ def _collective(group_name: str, ep_size) -> bool:
         return False
 
 
+def _variant(activation, alpha, w13_bias, w2_bias) -> dict:
+    """The SPEC §1.9 arguments, as local_experts (and its check) take them by keyword."""
+    return dict(activation=activation, alpha=alpha, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
 def _local_step(
-    gathered, parts, has_scale, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, weight_layout="eoi"
+    gathered,
+    parts,
+    has_scale,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    expert_offset,
+    swiglu_limit,
+    fp8_max,
+    weight_layout="eoi",
+    variant=None,
 ) -> torch.Tensor:
     """unpack every part of the gathered rows, then local_experts: fp32 [rows, H]."""
     with record_function(PHASE_PREFIX + "unpack"):
@@ -449,7 +491,19 @@ def _local_step(
         g_idx, g_w = g[-2], g[-1]
     with record_function(PHASE_PREFIX + "local_experts"):
         return torch.ops.static_moe.local_experts(
-            g_x, g_xs, g_idx, g_w, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, weight_layout
+            g_x,
+            g_xs,
+            g_idx,
+            g_w,
+            w13,
+            w13_scale,
+            w2,
+            w2_scale,
+            expert_offset,
+            swiglu_limit,
+            fp8_max,
+            weight_layout,
+            **(variant or {}),
         )
 
 
@@ -642,6 +696,7 @@ def _forward_collective(
     weight_layout="eoi",
     retry: bool = True,
     preset_error: BaseException | None = None,
+    variant: dict | None = None,
     dispatch: str = "all_gather",
     combine: str = "fp32",
     dispatch_capacity: int = 0,
@@ -671,6 +726,7 @@ def _forward_collective(
                 ep_size,
                 fp8_max,
                 weight_layout,
+                variant,
                 dispatch,
                 combine,
                 dispatch_capacity,
@@ -770,6 +826,7 @@ def _forward_collective(
                 fp8_max,
                 weight_layout,
                 retry=False,
+                variant=variant,
                 dispatch=dispatch,
                 combine=combine,
                 dispatch_capacity=dispatch_capacity,
@@ -804,6 +861,7 @@ def _forward_collective(
             swiglu_limit,
             fp8_max,
             weight_layout,
+            variant,
         )
     except Exception as e:  # noqa: BLE001
         # Expected only for what is checked inside local_experts rather than before the all-gather: on CPU / CUDA
@@ -886,6 +944,10 @@ def _forward_fake(
     ep_size,
     fp8_max=FP8_E4M3FN_MAX,
     weight_layout="eoi",
+    activation="silu",
+    alpha=DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
     dispatch="all_gather",
     combine="fp32",
     dispatch_capacity=0,
@@ -923,6 +985,7 @@ def _forward_fake(
             ep_size,
             fp8_max,
             weight_layout,
+            _variant(activation, alpha, w13_bias, w2_bias),
             dispatch,
             combine,
             dispatch_capacity,
@@ -947,6 +1010,8 @@ _SCHEMA_TENSORS = (
     ("w2", False),
     ("w2_scale", True),
     ("shared_output", True),
+    ("w13_bias", True),
+    ("w2_bias", True),
 )
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -969,6 +1034,10 @@ def schema_error(
     ep_size,
     fp8_max,
     weight_layout,
+    activation="silu",
+    alpha=DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
     dispatch="all_gather",
     combine="fp32",
     dispatch_capacity=0,
@@ -985,6 +1054,8 @@ def schema_error(
         w2=w2,
         w2_scale=w2_scale,
         shared_output=shared_output,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
     for name, optional in _SCHEMA_TENSORS:
         t = given[name]
@@ -1003,7 +1074,11 @@ def schema_error(
             return ValueError(f"forward: {name} must be a positive int, got {v!r}")
         if not _INT64[0] <= v <= _INT64[1]:
             return ValueError(f"forward: {name} must fit in int64, got {v!r}")
-    for name, v, optional in (("swiglu_limit", swiglu_limit, True), ("fp8_max", fp8_max, False)):
+    for name, v, optional in (
+        ("swiglu_limit", swiglu_limit, True),
+        ("fp8_max", fp8_max, False),
+        ("alpha", alpha, False),
+    ):
         if optional and v is None:
             continue
         if not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -1017,6 +1092,7 @@ def schema_error(
     for name, v in (
         ("group_name", group_name),
         ("weight_layout", weight_layout),
+        ("activation", activation),
         ("dispatch", dispatch),
         ("combine", combine),
     ):
@@ -1050,6 +1126,10 @@ def forward(
     ep_size: int = 1,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    activation: str = "silu",
+    alpha: float = DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
     dispatch: str = "all_gather",
     combine: str = "fp32",
     dispatch_capacity: int = 0,
@@ -1071,6 +1151,10 @@ def forward(
         weight_layout: "eoi" (nn.Linear [L, N, K], above) or "eio", the prepared K-major forms of
             ``static_moe.layouts`` (SPEC §1.2: w13 [L, H, 2I], w2 [L, I, H]; fp8 MX uint32 / fp4 uint16
             [L, K/4, N]). The reference and the NKI kernels take both; the CPU and CUDA kernels only "eoi".
+        activation, alpha: the experts' gated activation (SPEC §1.9): "silu", "swiglu_oai" (gpt-oss, with
+            ``alpha``) or "gelu_tanh".
+        w13_bias, w2_bias: optional float32 / bf16 biases of this rank's experts, [L, 2I] and [L, H], added in
+            fp32 before each GEMM's bf16 rounding (SPEC §1.9).
         dispatch, combine, dispatch_capacity: SPEC §7. "all_gather" + "fp32" (default) is SPEC §0's step;
             combine "bf16" rounds each rank's partial sums once to bf16 and sums them in fp32 in source-rank
             order; dispatch "all_to_all" (needs "bf16") sends each token only to the ranks that own one of its
@@ -1103,6 +1187,10 @@ def forward(
             ep_size,
             fp8_max,
             weight_layout,
+            activation,
+            alpha,
+            w13_bias,
+            w2_bias,
             dispatch,
             combine,
             dispatch_capacity,
@@ -1132,6 +1220,10 @@ def forward(
         ep_size,
         fp8_max,
         weight_layout,
+        activation=activation,
+        alpha=alpha,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
         dispatch=dispatch,
         combine=combine,
         dispatch_capacity=dispatch_capacity,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..activations import DEFAULT_ALPHA
 from ..formats import FP8_E4M3FN_MAX, check_fp8_max, check_swiglu_limit
 from .local_experts import local_experts
 from .pack_rows import pack_layout, pack_rows, part_nbytes, unpack_rows
@@ -35,6 +36,10 @@ def forward_simulated(
     swiglu_limit: float | None,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    activation: str = "silu",
+    alpha: float = DEFAULT_ALPHA,
+    w13_biases: list[torch.Tensor | None] | None = None,
+    w2_biases: list[torch.Tensor | None] | None = None,
     combine: str = "fp32",
 ) -> list[torch.Tensor]:
     """Per-rank lists (index = EP rank) → per-rank bf16 outputs [T_r, H].
@@ -42,6 +47,7 @@ def forward_simulated(
     Rank r holds x [T_r, H] (bf16 or fp8 + x_scale [T_r, H/g]), routing [T_r, k], and its local weights
     w13 [L, 2I, H], w2 [L, H, I] for global experts r·L … r·L+L−1 (L = num_experts / S); with
     ``weight_layout="eio"`` every rank's weights are in the prepared form of ``static_moe.layouts``.
+    ``activation`` / ``alpha`` and each rank's ``w13_biases[r]`` [L, 2I] / ``w2_biases[r]`` [L, H]: SPEC §1.9.
     ``combine``: "fp32" sums the S fp32 partials (SPEC §0); "bf16" rounds each rank's partial once to bf16 and
     sums them in fp32 in rank order (SPEC §7). Either dispatch of SPEC §7 gives these outputs: the dispatch only
     decides which rows travel, not what any row computes.
@@ -81,6 +87,10 @@ def forward_simulated(
             swiglu_limit,
             fp8_max,
             weight_layout,
+            activation,
+            alpha,
+            None if w13_biases is None else w13_biases[r],
+            None if w2_biases is None else w2_biases[r],
         )
         if combine == "bf16":
             a = a.to(torch.bfloat16).float()
@@ -113,6 +123,10 @@ def forward(
     ep_size: int,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    activation: str = "silu",
+    alpha: float = DEFAULT_ALPHA,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
     dispatch: str = "all_gather",
     combine: str = "fp32",
     dispatch_capacity: int = 0,
@@ -140,5 +154,9 @@ def forward(
         swiglu_limit,
         fp8_max,
         weight_layout,
+        activation,
+        alpha,
+        [w13_bias],
+        [w2_bias],
         combine,
     )[0]
