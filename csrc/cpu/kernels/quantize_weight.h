@@ -2,9 +2,8 @@
 // quantizers it must equal bit for bit (static_moe.formats.quantize_weight_fp8 / quantize_weight_fp4):
 //
 //   fp8, per 1x128 block:  amax = max(max|v|, 1e-4); s = round_up_pow2(amax / 448); q = e4m3fn(clamp(v / s, ±448))
-//   fp4, per 1x32 block:   amax = max|v|; e = -127 if amax == 0, else clamp(ceil(log2(amax / 6)), -127, 127)
-//                          with ceil(log2 y) taken as frexp does (y = 0, an amax of at most 3 * 2^-149 divided by
-//                          6, gives e = 0, as the reference's frexp(0) = (0, 0) does); byte = e + 127;
+//   fp4, per 1x32 block:   amax = max|v|; y = amax / 6 in float32; e = -127 if y == 0 (amax == 0, or at most
+//                          3 * 2^-149 so that y underflows), else clamp(ceil(log2 y), -127, 127); byte = e + 127;
 //                          code = e2m1(v / 2^e) (round-to-nearest-even, saturating at 6, sign of zero kept);
 //                          element k in byte k/2, low nibble for even k
 //
@@ -110,7 +109,7 @@ inline void quantize_fp8_rows(const QuantizeWeightParams& p, int64_t r0, int64_t
 }
 
 // The UE8M0 exponent e of a 1x32 block from its largest |v| bits m (finite), as the reference computes it:
-// e = -127 for amax == 0, else clamp(ceil(log2(amax / 6)), -127, 127) with frexp's view of y = amax / 6.
+// e = -127 when y = amax / 6 is 0 in float32, else clamp(ceil(log2 y), -127, 127) with frexp's view of y.
 inline int32_t fp4_block_exponent(uint32_t m) {
   if (m == 0) return -127;
   const uint32_t y = float_bits(bits_float(m) / 6.0f);
@@ -120,7 +119,7 @@ inline int32_t fp4_block_exponent(uint32_t m) {
   if (ey != 0) {
     c = my == 0 ? ey - 127 : ey - 126;  // y = 1.m * 2^(ey-127): a power of two is its own ceiling
   } else if (my == 0) {
-    c = 0;  // y rounded to 0: frexp(0) gives exponent 0 (and mantissa 0, not 0.5)
+    c = -127;  // y rounded to 0 (amax at most 3 * 2^-149): as amax == 0, the clamp's lower end
   } else {
     c = my > (1u << 22) ? -126 : -127;  // subnormal y = my * 2^-149 < 2^-126: its ceiling is -126 or at most -127
   }
