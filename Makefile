@@ -25,7 +25,7 @@ $(STAMP): Makefile   # a changed dependency list re-runs the installs in an exis
 	@echo "== installing the pinned dependencies into $(VENV) (torch is ~200 MB: a few minutes on a fresh machine)"
 	set -o pipefail; $(VPY) -m pip install --progress-bar off --upgrade pip setuptools wheel | $(QUIET_SATISFIED)
 	set -o pipefail; $(VPY) -m pip install --progress-bar off torch==2.13.0 numpy ml_dtypes pytest hypothesis \
-		ninja matplotlib 'transformers>=5' $(LINT_DEPS) | $(QUIET_SATISFIED)
+		ninja matplotlib 'transformers>=5' safetensors tqdm $(LINT_DEPS) | $(QUIET_SATISFIED)
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -111,6 +111,8 @@ asan:
 
 # Fault injection on the suite itself (slow, not part of `make test`): applies each mutant of tests/mutants.py
 # to a scratch copy, rebuilds incrementally, runs the tests that should kill it. MUTATE_ARGS="--only NAME".
+# Each mutant: its test selection first, the whole suite (-x) only if it survives that (a mutant the selection
+# kills, the whole suite kills too: the selection is a subset). MUTATE_ARGS=--selection-only for a quick pass.
 mutate: venv
 	MAX_JOBS=1 OMP_NUM_THREADS=$(THREADS) $(VPY) tests/mutate.py $(MUTATE_ARGS)
 

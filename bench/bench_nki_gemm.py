@@ -90,11 +90,12 @@ def _combine(terms) -> dict:
     return out
 
 
-def _finish(rec: dict, ideal_bytes: int) -> dict:
-    """Overlapped estimate (max of the components), serial bound (their sum) and binding component."""
+def _finish(rec: dict, ideal_bytes: int, target: str = "trn2") -> dict:
+    """Overlapped estimate (max of the components), serial bound (their sum) and binding component; ``fraction``
+    is the MBU: the ideal bytes over the estimate, at the target's per-core HBM bandwidth."""
     parts = {k: rec[k] for k in COMPONENTS}
     t = max(parts.values())
-    ideal = interpreter.TRN2.hbm_roofline(ideal_bytes)
+    ideal = interpreter.model_for(target).hbm_roofline(ideal_bytes)
     return {
         **rec,
         "time_s": t,
@@ -266,7 +267,7 @@ def row_local_experts(shape, act, wfmt, tokens, ep, r: dict, target: str, seed=0
         "items": n,
         "shape": f"H={shape.hidden} I={shape.intermediate} L={n_local}",
         "routed": f"{n_routed}/{n_local} experts",
-        **_finish(rec, ideal),
+        **_finish(rec, ideal, target),
     }
 
 

@@ -69,8 +69,15 @@ Every construct used, and where it is documented (aws-neuron-sdk ``nki/api/nki/i
   free axis), ``.broadcast`` / ``.permute`` of free dims (``nki.language`` tensor views).
 - masked rows by a gathering DMA: ``.ap(vector_offset=<(P, 1) int32 SBUF>)`` on the HBM side with
   ``oob_mode.skip`` (``dma_copy`` page, ``deep-dives/nki-aps.rst``), indices from ``iota``; ``memset`` on GpSimd.
-- DMA transposes of fp32 scales (4-byte dtype, HBM → SBUF) and of fp8 activation words (uint32, SBUF → SBUF):
-  ``dma_transpose``; trn2 arch guide "DMA Transpose" (2- and 4-byte dtypes).
+- fp8 per-block weight scales (fp32, at a runtime expert address): ``dma_copy`` of the stored rows, then fp32
+  TensorE transposes (``nc_transpose``, bit-exact, 2× a moving pass in transpose mode: T2 "Built-in Transpose
+  Support") — what nki-library ``core/mlp/mlp_tkg/mlp_tkg_gate_up_projection.py`` does instead of a
+  ``dma_transpose`` ("dynamic access not supported by dma_transpose (NKI-415)"); the ``dma_transpose`` API
+  page allows only 2-byte dtypes on both of its DGE lowerings.
+- fp8 activation words on the trn3 MX path (uint32, SBUF → SBUF, static addresses): ``dma_transpose``; trn2
+  arch guide "DMA Transpose" (2- and 4-byte dtypes). RISK: the API page lists 2-byte dtypes for its hwdge and
+  swdge lowerings; with ``dge_mode=unknown`` the compiler picks the lowering, and no public kernel transposes
+  4-byte words this way.
 - bf16 TensorE transposes into bf16 PSUM: ``nc_transpose``; nki-library ``moe_tkg`` (identity transposes).
   No fp8 TensorE transpose is used anywhere.
 - bit ops only in ``tensor_scalar`` on VectorE ("must run on Vector Engine"), with immediates that are exact
@@ -287,10 +294,16 @@ class WeightRing:
         ]
         self.scale = []
         if plan.path == "fp8_block":
+            assert plan.k // P <= P, f"K={plan.k}: at most 128 scale blocks (one per partition of the staging tile)"
             self.scale = [
                 nl.ndarray((P, plan.ncols // P, plan.k // P), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_scale{i}")
                 for i in range(WEIGHT_BUFS)
             ]
+            # the scales as stored ([K/128 rows, ncols]) and the PSUM tile of their TensorE transposes
+            self.scale_rows = nl.ndarray(
+                (plan.k // P, plan.ncols), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_scale_rows"
+            )
+            self.scale_psum = nl.ndarray((P, plan.k // P), dtype=nl.float32, buffer=nl.psum, name=f"{name}_scale_t")
         elif plan.path == "quad_grp":  # transposed 2^(b - 121) per (n, group), bf16
             self.scale = [
                 nl.ndarray(
@@ -369,8 +382,13 @@ def load_weight_slab(ring: WeightRing, w, w_scale, e, n0: int) -> WeightSlab:
     if plan.path == "fp8_block":
         sc = ring.scale[i]
         nkb, g = plan.k // P, plan.ncols // P
-        # s [L, K/128, N] -> [n, g, kb]: src [kb, g, 128] transposed (2, 1, 0) by the DMA (4-byte dtype)
-        nisa.dma_transpose(dst=sc, src=_hbm_ap(w_scale, e, [[plan.n, nkb], [P, g], [1, P]], n0))
+        # s [L, K/128, N] -> [n, g, kb]: the rows [kb, ncols] by dma_copy (a runtime expert id is a dynamic
+        # address, which dma_transpose does not take: NKI-415), then one TensorE transpose per 128 columns
+        rows = ring.scale_rows
+        nisa.dma_copy(dst=rows, src=_hbm_ap(w_scale, e, [[plan.n, nkb], [1, plan.ncols]], n0))
+        for j in range(g):
+            nisa.nc_transpose(dst=ring.scale_psum, data=rows[:, j * P : (j + 1) * P])
+            nisa.tensor_copy(dst=sc[:, j, :], src=ring.scale_psum)
         fp8 = nl.float8_e4m3fn if is_trn3() else nl.float8_e4m3
         return WeightSlab(plan, n0, raw.view(fp8), sc)
     sc = ring.scale[i]

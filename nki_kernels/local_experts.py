@@ -62,8 +62,18 @@ Documented constructs used, and where they are documented or used publicly
   (APS; ``all_expert_mx_impl.py`` loads its per-block indices so; ``selective_expert_impl.py`` addresses
   expert weights by an SBUF index through ``scalar_offset``). No SBUF ``.ap(scalar_offset=...)`` is used as a
   compute operand or register source, and no runtime loop is nested.
-- Row scatter-add: ISA ``dma_compute`` (read-modify-write scatter, unique indices, fp32 add).
-- TensorE transposes of bf16 (x, h, z, d) into bf16 PSUM: ISA ``nc_transpose``; fp32 never transposed.
+- Row scatter-add: ISA ``dma_compute`` (read-modify-write scatter, unique indices, fp32 add). The
+  ``dma_copy`` page documents the same read-modify-write into HBM at dynamic offsets (``dst_rmw_op`` add:
+  "unique dynamic offsets must be used"; duplicates get compiler-added synchronization), which is this
+  kernel's pattern: an item's M rows are distinct tokens (a token that names an expert twice is one row with
+  the summed weight), and items run one after another. RISK: it runs on software DGE only and no public kernel
+  accumulates into HBM this way; nki-library's ``experimental/misc/scatter_add.py`` gathers, adds on an
+  engine and scatters instead (not done here).
+- Runtime loop: ``nl.fori_loop`` with a register trip count is documented (LANG, NKI 0.6) but public kernels
+  use ``nl.dynamic_range`` or ``while reg:`` (RISK, noted).
+- TensorE transposes of bf16 (x, h, z, d) into bf16 PSUM: ISA ``nc_transpose``; fp32 is transposed only for
+  the trn2 fp8 per-block weight scales (``expert_gemm_tiles``, instead of a ``dma_transpose`` at a runtime
+  address, NKI-415).
 
 Buffers: the per-item tiles are allocated once outside the runtime loop (static addresses, as runtime loops
 require); the weight tiles inside ``load_weight_group`` are fresh per weight group, so consecutive groups'

@@ -31,6 +31,14 @@ PK = "tests/ops/test_pack_rows.py"
 BL = "tests/ops/test_expert_gemm_blocking.py"
 TE = "tests/integrations/test_transformers_experts.py"
 TE_FILE = "python/static_moe/integrations/transformers_experts.py"
+EDGE = "tests/ops/test_edge_cases.py"
+QP = "tests/formats/test_quantiser_properties.py"
+LIFE = "tests/layer/test_lifecycle_state.py"
+VERDICT = "tests/layer/test_step_verdict.py"
+CUDA_CASES = "tests/cuda/test_cuda_host_cases.py"
+FMT = "python/static_moe/formats.py"
+WS = "python/static_moe/workspace.py"
+SS = "python/static_moe/ops/step_status.py"
 
 MUTANTS = [
     # ---------------------------------------------------------------- local_experts (csrc/cpu/local_experts.cpp)
@@ -272,6 +280,21 @@ MUTANTS = [
         "            out = out + 0 * shared_output.float()",
         ("tests/ops/test_forward.py", "-k", "s1_matches_reference"),
     ),
+    # ---------------------------------------------------------------- dispatch / combine (SPEC §7)
+    Mutant(
+        "dispatch: inclusive cumsum slots (slot 0 never used, one row too many overflows)",
+        "python/static_moe/ops/dispatch.py",
+        "    slot = torch.cumsum(mask, dim=0) - mask  # exclusive: rows before t that go to the same rank",
+        "    slot = torch.cumsum(mask, dim=0)",
+        ("tests/layer/test_expert_parallel.py", "-k", "slot_rows"),
+    ),
+    Mutant(
+        "forward: an all-to-all overflow is not recomputed (rows past Cd silently dropped)",
+        "python/static_moe/ops/forward.py",
+        "            overflowed = bool(_status.overflow_ranks(host))",
+        "            overflowed = False",
+        ("tests/layer/test_expert_parallel.py", "-k", "three_combinations"),
+    ),
     # ---------------------------------------------------------------- workspace (python/static_moe/workspace.py)
     Mutant(
         "workspace: manifest compared on the first and last rank only",
@@ -347,5 +370,236 @@ MUTANTS = [
         '        "maximum": np.maximum,',
         '        "maximum": np.fmax,',
         ("tests/nki/test_nki_swiglu_and_cast.py", "-k", "nonfinite"),
+    ),
+    # ---------------------------------------------------------------- quantisers' edges (python/static_moe/formats.py)
+    Mutant(
+        "formats: round_up_pow2 doubles a power of two",
+        FMT,
+        "    exponent = exponent + (mantissa != 0).to(torch.int32)",
+        "    exponent = exponent + 1",
+        (QP, "-k", "quantize_activation"),
+    ),
+    Mutant(
+        "formats: activation amax floor dropped",
+        FMT,
+        "    amax = v.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)",
+        "    amax = v.abs().amax(dim=-1)",
+        (EDGE, "-k", "quantisers"),
+        why="an all-zero group gets scale 0 and NaN codes",
+    ),
+    Mutant(
+        "formats: fp4 nibbles unpacked high first",
+        FMT,
+        "    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)",
+        "    return torch.stack((packed >> 4, packed & 0x0F), dim=-1).flatten(-2)",
+        (QP, "-k", "fp4"),
+    ),
+    Mutant(
+        "formats: UE8M0 bias 126",
+        FMT,
+        "b.to(torch.int32) - 127)",
+        "b.to(torch.int32) - 126)",
+        (EDGE, "-k", "quantisers"),
+    ),
+    Mutant(
+        "formats: e2m1 tie at 0.25 rounds away from the even code",
+        FMT,
+        "    code = torch.where(a <= 0.25, 0, code).to(torch.uint8)",
+        "    code = torch.where(a < 0.25, 0, code).to(torch.uint8)",
+        ("tests/formats/test_formats.py",),
+    ),
+    Mutant(
+        "formats: fp4 scale of an amax that is 6 times a power of two one step too big",
+        FMT,
+        "    ceil_log2 = torch.where(mant == 0.5, exp - 1, exp)",
+        "    ceil_log2 = exp",
+        (EDGE, "-k", "quantisers"),
+        why="the edge inputs' blocks of 6·2^k (the midpoints case) sit exactly on the boundary",
+    ),
+    Mutant(
+        "formats: fp4 scale byte 127 for a block whose amax / 6 underflows",
+        FMT,
+        "    e = torch.where(y == 0, torch.full_like(exp, -127), ceil_log2.clamp(-127, 127))",
+        "    e = torch.where(amax == 0, torch.full_like(exp, -127), ceil_log2.clamp(-127, 127))",
+        (EDGE, "-k", "quantisers"),
+        why="a lone 2^-149 in a block (the zeros edge input)",
+    ),
+    # ---------------------------------------------------------------- packed layout (python/static_moe/packed_layout.py)
+    Mutant(
+        "packed layout: a part of a multiple of 16 bytes takes 16 more",
+        "python/static_moe/packed_layout.py",
+        "    return -(-nbytes // ALIGN) * ALIGN",
+        "    return (nbytes // ALIGN + 1) * ALIGN",
+        (QP, "-k", "packed_layout"),
+    ),
+    Mutant(
+        "packed layout: padding byte 0xFE (Python side)",
+        "python/static_moe/packed_layout.py",
+        "PAD_BYTE = 0xFF",
+        "PAD_BYTE = 0xFE",
+        (QP, "-k", "packed_layout"),
+    ),
+    # ---------------------------------------------------------------- the reference's expert order
+    Mutant(
+        "reference local_experts: experts summed in decreasing id",
+        "python/static_moe/reference/local_experts.py",
+        "    for e in range(num_local):",
+        "    for e in reversed(range(num_local)):",
+        (EDGE, "-k", "local_experts and scalar and bf16xbf16"),
+        why="the shared case's exact result (0) holds the reference too",
+    ),
+    # ---------------------------------------------------------------- workspace lifecycle (python/static_moe/workspace.py)
+    Mutant(
+        "workspace: a closed workspace keeps its buffers",
+        WS,
+        "            ws._buffers.clear()\n",
+        "",
+        (LIFE, "-k", "failed_allocation"),
+    ),
+    Mutant(
+        "workspace: a closed workspace stays registered",
+        WS,
+        "                del self._by_key[ws.key]",
+        "                pass",
+        (LIFE, "-k", "failed_allocation"),
+    ),
+    Mutant(
+        "workspace: a failed allocation's last buffer lives on in the error's traceback",
+        WS,
+        "            t = None  # noqa: F841",
+        "            pass",
+        (LIFE, "-k", "failed_allocation"),
+    ),
+    Mutant(
+        "workspace: close() leaves the count to garbage collection",
+        WS,
+        "        self._finalizer()  # runs _release exactly once",
+        "        pass",
+        (LIFE, "-k", "static_moe_close"),
+    ),
+    # ---------------------------------------------------------------- the collective verdict (ops/step_status.py)
+    Mutant(
+        "verdict: configurations compared without the last rank",
+        SS,
+        "known = {r: headers[r][_CONFIG0 + i] for r in good if",
+        "known = {r: headers[r][_CONFIG0 + i] for r in good[:-1] if",
+        (VERDICT, "-k", "differing_rank"),
+    ),
+    Mutant(
+        "verdict: id E accepted",
+        SS,
+        "            if lo < -1 or hi >= e:",
+        "            if lo < -1 or hi > e:",
+        (VERDICT, "-k", "id_out_of_range"),
+    ),
+    Mutant(
+        "verdict: the first x_scale never checked",
+        SS,
+        "first = torch.where(bad.any(), bad.to(torch.int32).argmax(), -1).to(torch.int32)",
+        "first = torch.where(bad[1:].any(), bad[1:].to(torch.int32).argmax() + 1, -1).to(torch.int32)",
+        (VERDICT, "-k", "bad_activation_scale"),
+    ),
+    Mutant(
+        "verdict: device verdict misses a bad first x_scale",
+        SS,
+        "| (h[:, 5] >= 0)",
+        "| (h[:, 5] > 0)",
+        (VERDICT, "-k", "bad_activation_scale"),
+        why="the host and device verdicts must agree (CUDA graph replay reads the device one)",
+    ),
+    Mutant(
+        "verdict: device verdict accepts id -2",
+        SS,
+        "(h[:, 3] < -1)",
+        "(h[:, 3] < -2)",
+        (VERDICT, "-k", "id_out_of_range"),
+    ),
+    Mutant(
+        "verdict: header column of row 1 left unpadded",
+        SS,
+        "    send[1:, parts_width:].fill_(0xFF)",
+        "    send[2:, parts_width:].fill_(0xFF)",
+        (VERDICT, "-k", "message_travels"),
+    ),
+    Mutant(
+        "verdict: a padding header from the last rank goes unnoticed",
+        SS,
+        "    bad_magic = [r for r in range(s) if headers[r][0] != MAGIC]",
+        "    bad_magic = [r for r in range(s - 1) if headers[r][0] != MAGIC]",
+        (VERDICT, "-k", "padding_header"),
+    ),
+    # ---------------------------------------------------------------- pack / unpack edges (cpu/kernels/pack_rows.h)
+    Mutant(
+        "pack: row T copied instead of padded",
+        "csrc/cpu/kernels/pack_rows.h",
+        "    if (r >= rows) {",
+        "    if (r > rows) {",
+        (QP, "-k", "packed_layout"),
+        asan=True,
+    ),
+    Mutant(
+        "pack: last byte of a row's trailing gap left unwritten",
+        "csrc/cpu/kernels/pack_rows.h",
+        "    if (width > col) std::memset(dst + col, kPadByte, static_cast<size_t>(width - col));",
+        "    if (width > col + 1) std::memset(dst + col, kPadByte, static_cast<size_t>(width - col - 1));",
+        (EDGE, "-k", "pack_rows"),
+    ),
+    Mutant(
+        "unpack: the first row not copied",
+        "csrc/cpu/kernels/pack_rows.h",
+        "  for (int64_t r = 0; r < rows; ++r)\n    std::memcpy(out + r * nbytes,",
+        "  for (int64_t r = 1; r < rows; ++r)\n    std::memcpy(out + r * nbytes,",
+        (EDGE, "-k", "pack_rows"),
+    ),
+    # ---------------------------------------------------------------- expert GEMM decode (scalar ISA)
+    Mutant(
+        "scalar: fp4 decode drops the sign of odd k",
+        "csrc/cpu/kernels/expert_gemm_scalar.cpp",
+        "    hi = kE2m1[q >> 4] * *s;",
+        "    hi = kE2m1[(q >> 4) & 0x7] * *s;",
+        (EDGE, "-k", "expert_gemm and scalar and bf16xfp4"),
+    ),
+    Mutant(
+        "scalar: scale byte 0 decoded as byte 1",
+        "csrc/cpu/kernels/expert_gemm_scalar.cpp",
+        "      out[i] = ue8m0_to_float(s[i]);",
+        "      out[i] = ue8m0_to_float(s[i] == 0 ? 1 : s[i]);",
+        (EDGE, "-k", "expert_gemm and scalar and bf16xfp4"),
+        why="the shared case puts byte 0 at the first and last block",
+    ),
+    # ---------------------------------------------------------------- swiglu's quantiser (cpu/kernels/swiglu_and_cast.h)
+    Mutant(
+        "swiglu: a group's first value left out of its amax",
+        "csrc/cpu/kernels/swiglu_and_cast.h",
+        "      for (int64_t j = 0; j < G; ++j) {\n        const int32_t a",
+        "      for (int64_t j = 1; j < G; ++j) {\n        const int32_t a",
+        (EDGE, "-k", "swiglu"),
+    ),
+    Mutant(
+        "swiglu: a group's last value left out of its amax",
+        "csrc/cpu/kernels/swiglu_and_cast.h",
+        "      for (int64_t j = 0; j < G; ++j) {\n        const int32_t a",
+        "      for (int64_t j = 0; j < G - 1; ++j) {\n        const int32_t a",
+        (EDGE, "-k", "swiglu"),
+    ),
+    # ---------------------------------------------------------------- CUDA per-thread code (host emulation)
+    Mutant(
+        "cuda: scale byte 0 decoded as 2^-126",
+        "csrc/cuda/numerics.cuh",
+        "b == 0u ? 0x00400000u : (b << 23)",
+        "b == 0u ? 0x00800000u : (b << 23)",
+        (CUDA_CASES, "-k", "expert_gemm and bf16xfp4"),
+    ),
+    Mutant(
+        "cuda: a row's experts combined in decreasing id",
+        "csrc/cuda/local_experts.cuh",
+        "  int prev = -1;\n  while (true) {\n    int best_e = INT_MAX, best_p = -1;\n"
+        "    for (int64_t j = 0; j < topk; ++j) {\n      const int p = sp[j], e = se[j];\n"
+        "      if (p >= 0 && e > prev && e < best_e) {",
+        "  int prev = INT_MAX;\n  while (true) {\n    int best_e = -1, best_p = -1;\n"
+        "    for (int64_t j = 0; j < topk; ++j) {\n      const int p = sp[j], e = se[j];\n"
+        "      if (p >= 0 && e < prev && e > best_e) {",
+        (CUDA_CASES, "-k", "local_experts and bf16xbf16"),
+        why="the CUDA path's order was invisible to its own cases before the shared ones",
     ),
 ]

@@ -2,12 +2,15 @@
 rebuild, run the tests that should catch it, and report killed / survived. Not part of `make test` (one C++
 rebuild per kernel mutant): run it with `make mutate` or
 
-    .venv/bin/python tests/mutate.py [--only SUBSTRING ...] [--scratch DIR] [--timeout S] [--list]
+    .venv/bin/python tests/mutate.py [--only SUBSTRING ...] [--scratch DIR] [--timeout S] [--selection-only] [--list]
 
 The scratch copy lives outside the repository (default: $TMPDIR/static_moe_mutate) and is kept between runs, so
 its build directory lets ninja recompile only the files a mutant touches (MAX_JOBS=1 unless set). Before any
 mutant, every test selection of the table runs on the unmutated copy and must pass — otherwise a "killed" would
-mean nothing. A mutant whose rebuild fails counts as an error, not as killed. Exit status 0 only when every
+mean nothing. Each mutant runs its own selection first (a fast kill); one that survives it then runs the whole
+suite (``pytest -x tests``), so the table is judged against everything the suite asserts. A mutant the selection
+kills is killed by the whole suite too (the selection is a subset of it), so the whole suite runs only for
+survivors; ``--selection-only`` skips it (a quick pass). A mutant whose rebuild fails counts as an error, not as killed. Exit status 0 only when every
 selected mutant is killed. The last result is written to <scratch>/last_result.json and printed as a table.
 """
 
@@ -153,6 +156,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per test run")
     ap.add_argument("--list", action="store_true", help="print the table and exit")
     ap.add_argument("--skip-baseline", action="store_true", help="trust that the selections pass unmutated")
+    ap.add_argument(
+        "--selection-only", action="store_true", help="judge each mutant by its selection only (no whole-suite run)"
+    )
+    ap.add_argument("--suite-timeout", type=float, default=3600, help="seconds for a whole-suite run")
     a = ap.parse_args()
 
     mutants = [m for m in MUTANTS if a.only is None or any(s in m.name for s in a.only)]
@@ -216,6 +223,16 @@ def main() -> int:
                     status, detail = "killed", (failed[0] if failed else out.strip().splitlines()[-1])[:200]
                 elif rc == 5:
                     status, detail = "error", "the selection collected no tests"
+            if status == "survived" and not a.selection_only:
+                rc, out, _ = pytest(src, env, ("tests",), a.suite_timeout)
+                if rc == 124:
+                    status, detail = "killed", "whole suite timed out"
+                elif rc != 0:
+                    failed = [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+                    status, detail = (
+                        "killed",
+                        "whole suite: " + (failed[0] if failed else out.strip().splitlines()[-1])[:180],
+                    )
             if status == "survived" and m.asan:
                 rc, out = asan(src, env, a.timeout)
                 if rc > 0:
@@ -242,6 +259,7 @@ def main() -> int:
         "errors": [r["name"] for r in results if r["status"] == "error"],
         "results": results,
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "mode": "selection only" if a.selection_only else "selection, then the whole suite for survivors",
     }
     (a.scratch / "last_result.json").write_text(json.dumps(summary, indent=1))
     print(

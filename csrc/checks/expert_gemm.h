@@ -2,6 +2,7 @@
 // bindings and by the Python fake kernel (through static_moe._C.check_expert_gemm).
 #pragma once
 
+#include "checks/activation.h"
 #include "checks/common.h"
 
 #include <optional>
@@ -24,10 +25,12 @@ struct ExpertGemmShape {
 // [L, N, K/128]) or uint8 / float4_e2m1fn_x2 [L, N, K/2] (+ UE8M0 [L, N, K/32]); row_mask bool [R];
 // 0 <= expert < L; K a multiple of 128; a supported format pair; everything on a's device. Under
 // layout = EIO, b and b_scale are the prepared forms of common.h (check_weight_eio), N = b.size(2).
+// bias: None or float32 / bf16 [L, N] (SPEC §1.9).
 inline ExpertGemmShape check_expert_gemm(const at::Tensor& a, const std::optional<at::Tensor>& a_scale,
                                          const at::Tensor& b, const std::optional<at::Tensor>& b_scale,
                                          const at::Tensor& row_mask, int64_t expert,
-                                         WeightLayout layout = WeightLayout::Eoi) {
+                                         WeightLayout layout = WeightLayout::Eoi,
+                                         const std::optional<at::Tensor>& bias = std::nullopt) {
   const char* op = "expert_gemm";
   ExpertGemmShape sh;
   sh.layout = layout;
@@ -50,6 +53,7 @@ inline ExpertGemmShape check_expert_gemm(const at::Tensor& a, const std::optiona
   TORCH_CHECK_VALUE(expert >= 0 && expert < sh.num_experts, op,
                     ": expert must index b's experts, 0 <= expert < L = ", sh.num_experts, " (b.size(0)), got ",
                     expert);
+  check_bias(bias, op, "bias", sh.num_experts, sh.n, "[L, N] (one row per expert of b)", a, "a");
   return sh;
 }
 

@@ -5,10 +5,12 @@
 // are other ranks').
 #pragma once
 
+#include "checks/activation.h"
 #include "checks/common.h"
 
 #include <cmath>
 #include <optional>
+#include <string_view>
 
 namespace static_moe {
 namespace checks {
@@ -23,6 +25,7 @@ struct LocalExpertsShape {
   Format weight = Format::BF16;
   int64_t group = 0;  // activation group g (fp8 x; z uses the same), 0 for bf16
   WeightLayout layout = WeightLayout::Eoi;
+  Activation activation = Activation::Silu;
 };
 
 // x bf16 / float8_e4m3fn [R, H] (+ x_scale float32 [R, H/g], g in {32, 128}); topk_idx int32 / int64 [R, k];
@@ -30,14 +33,17 @@ struct LocalExpertsShape {
 // H and I multiples of 128; a supported format pair; expert_offset >= 0; swiglu_limit None or positive finite in
 // float32; for fp8 x, 2 <= fp8_max <= 448 (common.h says why); everything on x's device. `op` prefixes the messages.
 // Under layout = EIO, w13 [L, H, 2I] / w2 [L, I, H] (packed: [L, H/4, 2I] / [L, I/4, H]) are the prepared forms
-// of common.h (check_weight_eio), both of one dtype.
+// of common.h (check_weight_eio), both of one dtype. activation / alpha / w13_bias [L, 2I] / w2_bias [L, H]: SPEC
+// §1.9 (activation.h).
 inline LocalExpertsShape check_local_experts(const at::Tensor& x, const std::optional<at::Tensor>& x_scale,
                                              const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                                              const at::Tensor& w13, const std::optional<at::Tensor>& w13_scale,
                                              const at::Tensor& w2, const std::optional<at::Tensor>& w2_scale,
                                              int64_t expert_offset, std::optional<double> swiglu_limit, double fp8_max,
-                                             const char* op = "local_experts",
-                                             WeightLayout layout = WeightLayout::Eoi) {
+                                             const char* op = "local_experts", WeightLayout layout = WeightLayout::Eoi,
+                                             std::string_view activation = "silu", double alpha = 1.702,
+                                             const std::optional<at::Tensor>& w13_bias = std::nullopt,
+                                             const std::optional<at::Tensor>& w2_bias = std::nullopt) {
   LocalExpertsShape sh;
   sh.layout = layout;
   const bool eio = layout == WeightLayout::Eio;
@@ -83,6 +89,10 @@ inline LocalExpertsShape check_local_experts(const at::Tensor& x, const std::opt
                     expert_offset);
   check_swiglu_limit(swiglu_limit, op);
   if (sh.act == Format::FP8) check_fp8_max(fp8_max, op);
+  sh.activation = parse_activation(activation, op);
+  check_alpha(alpha, op);
+  check_bias(w13_bias, op, "w13_bias", sh.num_local, 2 * sh.inter, "[L, 2I] (gate columns, then up columns)", x, "x");
+  check_bias(w2_bias, op, "w2_bias", sh.num_local, sh.hidden, "[L, H]", x, "x");
   return sh;
 }
 

@@ -7,7 +7,7 @@
 //   3. the GEMM is planned once (kernel and path per row form, csrc/cpu/kernels/expert_gemm_plan.h); the expert's N
 //      weight rows are cut in chunks of columns that the OpenMP threads take as they go, each running the plan, so
 //      each weight byte is streamed once, by one thread, and decoded on the fly for every active row;
-//   4. masked rows stay exact zeros.
+//   4. masked rows stay exact zeros; an optional bias [L, N] is added in fp32 before the bf16 rounding (SPEC §1.9).
 #include <ATen/ATen.h>
 #include <omp.h>
 #include <torch/library.h>
@@ -31,10 +31,10 @@ constexpr int64_t kParallelMacs = 1 << 18;  // below this many multiply-adds one
 
 at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>& a_scale, const at::Tensor& b,
                            const std::optional<at::Tensor>& b_scale, const at::Tensor& row_mask, int64_t expert,
-                           c10::string_view weight_layout) {
+                           c10::string_view weight_layout, const std::optional<at::Tensor>& bias) {
   const char* op = "expert_gemm";
   const checks::WeightLayout layout = checks::parse_weight_layout({weight_layout.data(), weight_layout.size()}, op);
-  const checks::ExpertGemmShape sh = checks::check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert, layout);
+  const checks::ExpertGemmShape sh = checks::check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert, layout, bias);
   checks::check_device_type(a, op, "a", c10::DeviceType::CPU);
   checks::refuse_prepared_layout(layout, op, "CPU");
   const cpu::Isa isa = cpu::isa_for_call(op);
@@ -83,6 +83,10 @@ at::Tensor expert_gemm_cpu(const at::Tensor& a, const std::optional<at::Tensor>&
   o.kind = cpu::OutKind::StoreBf16;
   o.rows = out_rows.data();
   o.col0 = 0;
+  // SPEC §1.9: the expert's bias row, widened once to float32, added before the bf16 rounding.
+  const at::Tensor bias_f =
+      checks::has_tensor(bias) ? bias->select(0, expert).to(at::kFloat).contiguous() : at::Tensor();
+  if (bias_f.defined()) o.bias = bias_f.const_data_ptr<float>();
   const int threads = parallel ? omp_get_max_threads() : 1;
   const std::vector<int64_t> bounds = cpu::column_chunk_bounds(N, threads);
   const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;

@@ -8,11 +8,11 @@
 //   per expert e with rows, in increasing e (experts without rows: no work, no weight reads), each of its two
 //   GEMMs planned once (csrc/cpu/kernels/expert_gemm_plan.h) and the plan run on every chunk:
 //     for each chunk [i0, i1) of intermediate columns (whole 128-column groups), by whichever thread takes it:
-//       GEMM1  gate rows [i0, i1) and up rows [I+i0, I+i1) of W13_e -> h = bf16 [m, gate | up]  (thread-local)
+//       GEMM1  gate rows [i0, i1) and up rows [I+i0, I+i1) of W13_e (+ b13) -> h = bf16 [m, gate | up]  (thread-local)
 //       SwiGLU + cast of h with w (kernel of csrc/cpu/kernels/swiglu_and_cast.h; an fp8 group never straddles
 //              chunks, so scales are those of the whole row) -> z columns [i0, i1) -> prepared into zf[e % 2]
 //     barrier (GEMM2 needs every column of z)
-//     for each chunk [h0, h1) of hidden columns: GEMM2 rows [h0, h1) of W2_e over zf[e % 2]
+//     for each chunk [h0, h1) of hidden columns: GEMM2 rows [h0, h1) of W2_e over zf[e % 2] (+ w·b2)
 //                                                -> acc[row, h0:h1] += float(bf16(d))
 //   No barrier after GEMM2: a thread moves on to the next expert's GEMM1. zf is double-buffered, so that is safe:
 //   a thread can only write zf[e % 2] again (expert e + 2) after the barrier of e + 1, which every thread reaches
@@ -125,12 +125,14 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
                              const at::Tensor& topk_weights, const at::Tensor& w13,
                              const std::optional<at::Tensor>& w13_scale, const at::Tensor& w2,
                              const std::optional<at::Tensor>& w2_scale, int64_t expert_offset,
-                             std::optional<double> swiglu_limit, double fp8_max, c10::string_view weight_layout) {
+                             std::optional<double> swiglu_limit, double fp8_max, c10::string_view weight_layout,
+                             c10::string_view activation, double alpha, const std::optional<at::Tensor>& w13_bias,
+                             const std::optional<at::Tensor>& w2_bias) {
   const char* op = "local_experts";
   const checks::WeightLayout layout = checks::parse_weight_layout({weight_layout.data(), weight_layout.size()}, op);
-  const checks::LocalExpertsShape sh =
-      checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                                  swiglu_limit, fp8_max, op, layout);
+  const checks::LocalExpertsShape sh = checks::check_local_experts(
+      x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, op,
+      layout, {activation.data(), activation.size()}, alpha, w13_bias, w2_bias);
   checks::check_device_type(x, op, "x", c10::DeviceType::CPU);
   checks::refuse_prepared_layout(layout, op, "CPU");
   const cpu::Isa isa = cpu::isa_for_call(op);
@@ -153,6 +155,12 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
   const uint8_t* x_base = static_cast<const uint8_t*>(x_c.const_data_ptr());
   const int64_t x_row_bytes = x_c.stride(0) * x_c.element_size();
   float* acc_base = acc.mutable_data_ptr<float>();
+
+  // SPEC §1.9 biases, widened once to float32: [L, 2I] and [L, H], one row per local expert.
+  const at::Tensor b13 = checks::has_tensor(w13_bias) ? w13_bias->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor b2 = checks::has_tensor(w2_bias) ? w2_bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b13_base = b13.defined() ? b13.const_data_ptr<float>() : nullptr;
+  const float* b2_base = b2.defined() ? b2.const_data_ptr<float>() : nullptr;
 
   const int64_t M = rt.max_rows;
   cpu::PreparedRows xf(n_routed, H);       // routed rows of x, prepared for W13
@@ -205,7 +213,8 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         cpu::OutRows o;
         o.kind = cpu::OutKind::StoreBf16;
         o.rows = out_rows.data();
-        o.col0 = i0;  // gate rows [i0, i1) -> h[i][0, It)
+        o.bias = b13_base != nullptr ? b13_base + e * 2 * I : nullptr;  // indexed by the w13 row
+        o.col0 = i0;                                                    // gate rows [i0, i1) -> h[i][0, It)
         if (!cpu::run_expert_gemm(plan1, a_rows.data(), a_bf16.data(), w1, i0, i1, o, &tiles)) bad13 = 1;
         o.col0 = I + i0 - It;  // up rows [I+i0, I+i1) -> h[i][It, 2It)
         if (!cpu::run_expert_gemm(plan1, a_rows.data(), a_bf16.data(), w1, I + i0, I + i1, o, &tiles)) bad13 = 1;
@@ -219,6 +228,8 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
         sp.row_weight = rt.weights.data() + b;
         sp.has_limit = swiglu_limit.has_value();
         sp.limit = sp.has_limit ? static_cast<float>(*swiglu_limit) : 0.0f;
+        sp.act = static_cast<cpu::Act>(sh.activation);
+        sp.alpha = static_cast<float>(alpha);
         sp.out_fp8 = fp8;
         sp.group = group;
         sp.fp8_max = static_cast<float>(fp8_max);
@@ -246,6 +257,8 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
       o.kind = cpu::OutKind::AddBf16ToF32;
       o.rows = out_rows.data();
       o.col0 = 0;
+      o.bias = b2_base != nullptr ? b2_base + e * H : nullptr;  // d = bf16(z·W2ᵀ + w·b2), SPEC §1.9
+      o.bias_scale = rt.weights.data() + b;
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t c = 0; c < n_hidden_chunks; ++c) {
         if (mixed_z) continue;  // never happens (see zf_bf16); reported below rather than computed wrongly

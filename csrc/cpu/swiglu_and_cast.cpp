@@ -42,10 +42,12 @@ constexpr int64_t kParallelElems = 1 << 14;  // below this many outputs one thre
 std::tuple<at::Tensor, at::Tensor> swiglu_and_cast_cpu(const at::Tensor& gate_up,
                                                        const std::optional<at::Tensor>& row_weight,
                                                        std::optional<double> swiglu_limit, c10::string_view out_format,
-                                                       int64_t group_size, double fp8_max, bool pow2_scale) {
+                                                       int64_t group_size, double fp8_max, bool pow2_scale,
+                                                       c10::string_view activation, double alpha) {
   const std::string_view fmt(out_format.data(), out_format.size());
   const checks::SwigluShape sh =
-      checks::check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, fmt, group_size, fp8_max, pow2_scale);
+      checks::check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, fmt, group_size, fp8_max, pow2_scale,
+                                    {activation.data(), activation.size()}, alpha);
   checks::check_device_type(gate_up, "swiglu_and_cast", "gate_up", c10::DeviceType::CPU);
   const bool has_weight = row_weight.has_value() && row_weight->defined();
   if (has_weight) checks::check_device_type(*row_weight, "swiglu_and_cast", "row_weight", c10::DeviceType::CPU);
@@ -68,6 +70,8 @@ std::tuple<at::Tensor, at::Tensor> swiglu_and_cast_cpu(const at::Tensor& gate_up
   p.row_weight = has_weight ? w.const_data_ptr<float>() : nullptr;
   p.has_limit = swiglu_limit.has_value();
   p.limit = p.has_limit ? static_cast<float>(*swiglu_limit) : 0.0f;
+  p.act = static_cast<cpu::Act>(sh.activation);
+  p.alpha = static_cast<float>(alpha);
   p.out_fp8 = sh.out_fp8;
   p.group = group_size;
   p.fp8_max = static_cast<float>(fp8_max);

@@ -261,16 +261,26 @@ __host__ __device__ inline void apply_scales(const uint8_t* stage, int row, int 
   }
 }
 
-// Writes the thread's accumulators as bf16 (round-to-nearest-even) into the epilogue tile [kBM][kBN].
+// Writes the thread's accumulators as bf16 (round-to-nearest-even) into the epilogue tile [kBM][kBN]. SPEC §1.9:
+// with `bias` (the expert's bias from this tile's first weight row; `n_left` weight rows remain), each output first
+// gets bias[col], or tok_scale[tok] · bias[col] with `tok_scale` (one fp32 product), added in fp32 (_rn on the
+// device: no FMA contraction, the host's rounding).
 template <class C>
-__host__ __device__ inline void store_acc(uint8_t* tile, int row, int t, const float (&acc)[kNT][4]) {
+__host__ __device__ inline void store_acc(uint8_t* tile, int row, int t, const float (&acc)[kNT][4],
+                                          const float* bias = nullptr, int64_t n_left = 0,
+                                          const float* tok_scale = nullptr) {
   STATIC_MOE_UNROLL
   for (int nt = 0; nt < kNT; ++nt) {
     STATIC_MOE_UNROLL
     for (int c = 0; c < 4; ++c) {
       const int tok = 8 * nt + 2 * t + (c & 1);
       const int col = row + 8 * (c >> 1);
-      const uint16_t v = float_to_bf16_bits(acc[nt][c]);
+      float x = acc[nt][c];
+      if (bias != nullptr && col < n_left) {
+        const float b = tok_scale != nullptr ? mul_rn(tok_scale[tok], bias[col]) : bias[col];
+        x = add_rn(x, b);
+      }
+      const uint16_t v = float_to_bf16_bits(x);
 #ifdef __CUDA_ARCH__
       *reinterpret_cast<uint16_t*>(tile + tok * C::kOutStride + col * 2) = v;
 #else
@@ -350,6 +360,7 @@ __global__ void __launch_bounds__(kThreads) expert_gemm_kernel(const ExpertGemmA
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_arow[kBM];
   __shared__ int s_drow[kBM];
+  __shared__ float s_bscale[kBM];  // list mode with bias_row_scale: the scale of each tile row's bias
   __shared__ int s_red[kWarps];
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -386,6 +397,7 @@ __global__ void __launch_bounds__(kThreads) expert_gemm_kernel(const ExpertGemmA
         const int i = tl.start + (tid < count ? tid : 0);
         s_arow[tid] = p.row_index != nullptr ? p.row_index[i] : i;
         s_drow[tid] = tl.start + tid;
+        if (p.bias_row_scale != nullptr) s_bscale[tid] = p.bias_row_scale[i];
       }
     }
     __syncthreads();
@@ -449,7 +461,8 @@ __global__ void __launch_bounds__(kThreads) expert_gemm_kernel(const ExpertGemmA
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the stages: reuse them for the epilogue tile
 
-    store_acc<C>(smem, wrow, t, acc);
+    const float* bias_e = p.bias != nullptr ? p.bias + expert * p.bias_expert_stride + n0 : nullptr;
+    store_acc<C>(smem, wrow, t, acc, bias_e, p.n - n0, !mask_mode && p.bias_row_scale != nullptr ? s_bscale : nullptr);
     __syncthreads();
     constexpr int kOutChunks = kBN * 2 / 16;
     for (int c = tid; c < kBM * kOutChunks; c += kThreads) {

@@ -1,6 +1,6 @@
 // Host entry of the CUDA expert GEMM (SPEC §1.6), torch-free: raw device pointers, sizes and strides.
 //
-//   D[m, n] = bf16( Σ_k A[m, k] · B_e[n, k] )   on dequantized values, fp32 accumulation
+//   D[m, n] = bf16( Σ_k A[m, k] · B_e[n, k] (+ bias) )   on dequantized values, fp32 accumulation
 //
 // One kernel serves two callers:
 //   * mask mode (the expert_gemm op): one expert e, a bool mask over the R rows of A. Rows with mask 0 get exact
@@ -57,6 +57,12 @@ struct ExpertGemmArgs {
   // D bf16 [*, N], row stride in elements.
   void* d = nullptr;
   int64_t d_row_stride = 0;
+
+  // SPEC §1.9: optional float32 bias [L, N] (unit column stride), added to the fp32 sum before the bf16 rounding;
+  // in list mode optionally times bias_row_scale[D row] (local_experts' w·b2, one fp32 product).
+  const float* bias = nullptr;
+  int64_t bias_expert_stride = 0;  // elements
+  const float* bias_row_scale = nullptr;
 
   // Mask mode (row_mask != nullptr): rows [0, rows) of A and D, one expert.
   const uint8_t* row_mask = nullptr;

@@ -21,10 +21,10 @@ using namespace static_moe;
 
 at::Tensor expert_gemm_cuda(const at::Tensor& a, const std::optional<at::Tensor>& a_scale, const at::Tensor& b,
                             const std::optional<at::Tensor>& b_scale, const at::Tensor& row_mask, int64_t expert,
-                            c10::string_view weight_layout) {
+                            c10::string_view weight_layout, const std::optional<at::Tensor>& bias) {
   const char* op = "expert_gemm";
   const checks::WeightLayout wlayout = checks::parse_weight_layout({weight_layout.data(), weight_layout.size()}, op);
-  const checks::ExpertGemmShape sh = checks::check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert, wlayout);
+  const checks::ExpertGemmShape sh = checks::check_expert_gemm(a, a_scale, b, b_scale, row_mask, expert, wlayout, bias);
   checks::check_device_type(a, op, "a", c10::DeviceType::CUDA);
   checks::refuse_prepared_layout(wlayout, op, "CUDA");
   const c10::cuda::CUDAGuard guard(a.device());
@@ -35,6 +35,8 @@ at::Tensor expert_gemm_cuda(const at::Tensor& a, const std::optional<at::Tensor>
   const at::Tensor s_c = sh.act == checks::Format::FP8 ? a_scale->contiguous() : at::Tensor();
   const at::Tensor mask = row_mask.contiguous();
   const cuda::WeightView w = cuda::weight_view(b, b_scale, sh.weight);
+  // SPEC §1.9: the bias widened to float32 once (a bf16 bias exactly), [L, N] contiguous.
+  const at::Tensor bias_f = checks::has_tensor(bias) ? bias->to(at::kFloat).contiguous() : at::Tensor();
 
   cuda::ExpertGemmArgs p;
   p.a = a_c.const_data_ptr();
@@ -56,6 +58,8 @@ at::Tensor expert_gemm_cuda(const at::Tensor& a, const std::optional<at::Tensor>
   p.row_mask = static_cast<const uint8_t*>(mask.const_data_ptr());
   p.rows = sh.rows;
   p.expert = expert;
+  p.bias = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+  p.bias_expert_stride = sh.n;
   const char* why = cuda::expert_gemm_unsupported(p);
   TORCH_CHECK_VALUE(why == nullptr, op, " (CUDA): ", why ? why : "");
   const cudaError_t err = cuda::launch_expert_gemm(p, c10::cuda::getCurrentCUDAStream());

@@ -126,7 +126,7 @@ inline RouteArgs le_route_args(const LocalExpertsArgs& a, const LocalExpertsLayo
                    ws_part<GemmTile>(ws, l.tiles)};
 }
 
-// h[pair] = x[pair_row[pair]] · W13_eᵀ over the route's tiles.
+// h[pair] = x[pair_row[pair]] · W13_eᵀ (+ b13_e) over the route's tiles.
 inline ExpertGemmArgs le_gemm1_args(const LocalExpertsArgs& a, const LocalExpertsLayout& l, uint8_t* ws) {
   ExpertGemmArgs g;
   g.a = a.x;
@@ -149,6 +149,8 @@ inline ExpertGemmArgs le_gemm1_args(const LocalExpertsArgs& a, const LocalExpert
   g.num_tiles = ws_part<int>(ws, l.counters) != nullptr ? ws_part<int>(ws, l.counters) + 1 : nullptr;
   g.max_tiles = l.max_tiles;
   g.row_index = ws_part<int>(ws, l.pair_row);
+  g.bias = a.w13_bias;
+  g.bias_expert_stride = 2 * a.inter;
   return g;
 }
 
@@ -166,6 +168,8 @@ inline SwigluArgs le_swiglu_args(const LocalExpertsArgs& a, const LocalExpertsLa
   s.row_weight_bf16 = false;
   s.has_limit = a.has_limit;
   s.limit = a.limit;
+  s.act = a.act;
+  s.alpha = a.alpha;
   s.out_fp8 = a.x_group != 0;
   s.group = a.x_group != 0 ? a.x_group : 128;
   s.fp8_max = a.fp8_max;
@@ -200,6 +204,9 @@ inline ExpertGemmArgs le_gemm2_args(const LocalExpertsArgs& a, const LocalExpert
   g.num_tiles = ws_part<int>(ws, l.counters) != nullptr ? ws_part<int>(ws, l.counters) + 1 : nullptr;
   g.max_tiles = l.max_tiles;
   g.row_index = nullptr;
+  g.bias = a.w2_bias;  // d = bf16(z·W2ᵀ + w·b2): the pair's routing weight times the bias (SPEC §1.9)
+  g.bias_expert_stride = a.hidden;
+  g.bias_row_scale = a.w2_bias != nullptr ? ws_part<float>(ws, l.pair_w) : nullptr;
   return g;
 }
 

@@ -1,7 +1,8 @@
 // Host entry of the CUDA local_experts (SPEC §1.7), torch-free: the fused step 2 of the forward on one EP rank.
 //
 //   for each local expert e (increasing id), over the rows routed to it (weight w = sum of the row's top-k weights
-//   naming e): h = bf16(x·W13_eᵀ); z = swiglu_and_cast(h, w); d = bf16(z·W2_eᵀ); acc[row] += d   (fp32)
+//   naming e): h = bf16(x·W13_eᵀ + b13_e); z = swiglu_and_cast(h, w, act); d = bf16(z·W2_eᵀ + w·b2_e);
+//   acc[row] += d   (fp32; activations and biases: SPEC §1.9)
 //
 // Five launches on one stream, no host synchronization, no allocation (the caller passes `workspace`):
 //   1. route    (1 block): per-expert pair counts, tile list, pair lists (row, weight), per-row pair slots
@@ -57,7 +58,11 @@ struct LocalExpertsArgs {
   bool has_limit = false;
   float limit = 0.0f;
   float fp8_max = 448.0f;
-  float* out = nullptr;  // [R, H] float32, contiguous
+  int act = 0;                      // SPEC §1.9 activation (Act in swiglu_and_cast.cuh)
+  float alpha = 1.702f;             // swiglu_oai
+  const float* w13_bias = nullptr;  // float32 [L, 2I] contiguous, or nullptr
+  const float* w2_bias = nullptr;   // float32 [L, H] contiguous, or nullptr
+  float* out = nullptr;             // [R, H] float32, contiguous
 };
 
 constexpr int64_t kLocalExpertsAlign = 256;  // workspace base and parts

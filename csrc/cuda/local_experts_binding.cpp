@@ -28,12 +28,14 @@ at::Tensor local_experts_cuda(const at::Tensor& x, const std::optional<at::Tenso
                               const at::Tensor& topk_weights, const at::Tensor& w13,
                               const std::optional<at::Tensor>& w13_scale, const at::Tensor& w2,
                               const std::optional<at::Tensor>& w2_scale, int64_t expert_offset,
-                              std::optional<double> swiglu_limit, double fp8_max, c10::string_view weight_layout) {
+                              std::optional<double> swiglu_limit, double fp8_max, c10::string_view weight_layout,
+                              c10::string_view activation, double alpha, const std::optional<at::Tensor>& w13_bias,
+                              const std::optional<at::Tensor>& w2_bias) {
   const char* op = "local_experts";
   const checks::WeightLayout wlayout = checks::parse_weight_layout({weight_layout.data(), weight_layout.size()}, op);
-  const checks::LocalExpertsShape sh =
-      checks::check_local_experts(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset,
-                                  swiglu_limit, fp8_max, op, wlayout);
+  const checks::LocalExpertsShape sh = checks::check_local_experts(
+      x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, op,
+      wlayout, {activation.data(), activation.size()}, alpha, w13_bias, w2_bias);
   checks::check_device_type(x, op, "x", c10::DeviceType::CUDA);
   checks::refuse_prepared_layout(wlayout, op, "CUDA");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -46,6 +48,9 @@ at::Tensor local_experts_cuda(const at::Tensor& x, const std::optional<at::Tenso
   const at::Tensor wts = topk_weights.stride(1) == 1 ? topk_weights : topk_weights.contiguous();
   const cuda::WeightView w1 = cuda::weight_view(w13, w13_scale, sh.weight);
   const cuda::WeightView w2v = cuda::weight_view(w2, w2_scale, sh.weight);
+  // SPEC §1.9 biases widened to float32 once (bf16 exactly), contiguous [L, 2I] / [L, H].
+  const at::Tensor b13 = checks::has_tensor(w13_bias) ? w13_bias->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor b2 = checks::has_tensor(w2_bias) ? w2_bias->to(at::kFloat).contiguous() : at::Tensor();
 
   cuda::LocalExpertsArgs a;
   a.x = x_c.const_data_ptr();
@@ -81,6 +86,10 @@ at::Tensor local_experts_cuda(const at::Tensor& x, const std::optional<at::Tenso
   a.has_limit = swiglu_limit.has_value();
   a.limit = a.has_limit ? static_cast<float>(*swiglu_limit) : 0.0f;
   a.fp8_max = static_cast<float>(fp8_max);
+  a.act = static_cast<int>(sh.activation);
+  a.alpha = static_cast<float>(alpha);
+  a.w13_bias = b13.defined() ? b13.const_data_ptr<float>() : nullptr;
+  a.w2_bias = b2.defined() ? b2.const_data_ptr<float>() : nullptr;
   a.out = out.mutable_data_ptr<float>();
   const char* why = cuda::local_experts_unsupported(a);
   TORCH_CHECK_VALUE(why == nullptr, op, " (CUDA): ", why ? why : "");

@@ -41,6 +41,24 @@ __host__ __device__ inline uint32_t f32_bits(float f) {
 #endif
 }
 
+// a · b and a + b rounded once each: on the device the _rn intrinsics, which nvcc never contracts into an FMA, so
+// device code rounds exactly as the same code compiled for the host (tests/cuda/host/).
+__host__ __device__ inline float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+__host__ __device__ inline float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
 __host__ __device__ inline float bits_f32(uint32_t u) {
 #ifdef __CUDA_ARCH__
   return __uint_as_float(u);

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const SwigluArgs a) {
       if (col < a.inter) {
         const float g = load_elem<kBf16In>(a.gate_up, row0 + col);
         const float up = load_elem<kBf16In>(a.gate_up, row0 + a.inter + col);
-        v[e] = swiglu_value(g, up, w, a.has_limit, a.limit);
+        v[e] = swiglu_value(g, up, w, a.has_limit, a.limit, static_cast<Act>(a.act), a.alpha);
         const uint32_t b = f32_bits(v[e]) & 0x7FFFFFFFu;
         amax_bits = b > amax_bits ? b : amax_bits;
       }

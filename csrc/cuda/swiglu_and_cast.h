@@ -20,6 +20,8 @@ struct SwigluArgs {
   bool row_weight_bf16 = false;
   bool has_limit = false;
   float limit = 0.0f;
+  int act = 0;           // SPEC §1.9 activation (Act in swiglu_and_cast.cuh)
+  float alpha = 1.702f;  // swiglu_oai
   bool out_fp8 = true;
   int group = 128;  // 32 or 128 (fp8 out)
   float fp8_max = 448.0f;

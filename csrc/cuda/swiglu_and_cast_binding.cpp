@@ -19,11 +19,13 @@ using namespace static_moe;
 std::tuple<at::Tensor, at::Tensor> swiglu_and_cast_cuda(const at::Tensor& gate_up,
                                                         const std::optional<at::Tensor>& row_weight,
                                                         std::optional<double> swiglu_limit, c10::string_view out_format,
-                                                        int64_t group_size, double fp8_max, bool pow2_scale) {
+                                                        int64_t group_size, double fp8_max, bool pow2_scale,
+                                                        c10::string_view activation, double alpha) {
   const char* op = "swiglu_and_cast";
   const std::string_view fmt(out_format.data(), out_format.size());
   const checks::SwigluShape sh =
-      checks::check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, fmt, group_size, fp8_max, pow2_scale);
+      checks::check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, fmt, group_size, fp8_max, pow2_scale,
+                                    {activation.data(), activation.size()}, alpha);
   checks::check_device_type(gate_up, op, "gate_up", c10::DeviceType::CUDA);
   const bool has_weight = row_weight.has_value() && row_weight->defined();
   const c10::cuda::CUDAGuard guard(gate_up.device());
@@ -45,6 +47,8 @@ std::tuple<at::Tensor, at::Tensor> swiglu_and_cast_cuda(const at::Tensor& gate_u
   a.row_weight_bf16 = has_weight && w.scalar_type() == at::kBFloat16;
   a.has_limit = swiglu_limit.has_value();
   a.limit = a.has_limit ? static_cast<float>(*swiglu_limit) : 0.0f;
+  a.act = static_cast<int>(sh.activation);
+  a.alpha = static_cast<float>(alpha);
   a.out_fp8 = sh.out_fp8;
   a.group = static_cast<int>(group_size);
   a.fp8_max = static_cast<float>(fp8_max);

@@ -286,7 +286,9 @@ def quantize_weight_fp4(w: torch.Tensor, *, name: str = "w") -> tuple[torch.Tens
     y = amax / E2M1_MAX
     mant, exp = torch.frexp(y)  # y = mant · 2^exp, mant in [0.5, 1)
     ceil_log2 = torch.where(mant == 0.5, exp - 1, exp)
-    e = torch.where(amax == 0, torch.full_like(exp, -127), ceil_log2.clamp(-127, 127))
+    # y == 0: an all-zero block, or an amax below 3·2^-149 whose quotient underflows float32; either way the
+    # SPEC's clamp gives -127 (frexp(0) would give exponent 0, byte 127).
+    e = torch.where(y == 0, torch.full_like(exp, -127), ceil_log2.clamp(-127, 127))
     scale_byte = (e + 127).to(torch.uint8)
     s = torch.ldexp(torch.ones_like(y), e)
     codes = e2m1_encode(v / s.unsqueeze(-1)).reshape(w.shape)

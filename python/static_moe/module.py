@@ -47,6 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import workspace as _workspace
+from .activations import DEFAULT_ALPHA, check_activation
+from .expert_parallel import choose_dispatch
 from .formats import (
     FP8_E4M3_TRN2_MAX,
     FP8_E4M3FN_MAX,
@@ -540,6 +542,10 @@ class StaticMoE(_FixedFormats):
         act_format: "bf16" or "fp8": what the experts consume; bf16 hidden states are quantized per SPEC §1.1
             with ``act_group`` (32 or 128) when "fp8".
         swiglu_limit: optional SwiGLU clamp (SPEC §1.4).
+        activation, alpha: the routed experts' gated activation (SPEC §1.9): "silu" (default), "swiglu_oai"
+            (gpt-oss, with ``alpha``) or "gelu_tanh". The shared expert stays SiLU.
+        expert_biases: True for experts with biases (gpt-oss): float32 parameters ``w13_bias`` [L, 2I] and
+            ``w2_bias`` [L, H] (zero until :meth:`set_expert_biases` or ``load_state_dict``; in the state dict).
         fp8_max: with act_format "fp8", the range of the experts' fp8 re-quantization of the SwiGLU output
             (SPEC §1.5, §1.7; shared expert included), in [2, 448]. 448 (default) is OCP float8_e4m3fn; use 240
             on Trainium2 (trn2), whose on-chip float8_e4m3 tops out at 240 — its kernels refuse 448 rather than
@@ -556,6 +562,16 @@ class StaticMoE(_FixedFormats):
             ``device`` ("cpu"; "cuda"; a Neuron device needs it given: ValueError otherwise), or one of "cpu",
             "cuda" (EOI) and "trn2", "trn3" (EIO). The shared expert is prepared alike. "trn2" with act_format
             "fp8" needs fp8_max ≤ 240 (SPEC §6.1; ValueError at construction).
+        dispatch: "all_gather" (default, SPEC §0), "all_to_all" (SPEC §7: each token only to the ranks owning
+            one of its experts, in blocks of Cd rows) or "auto" (the all-to-all when its modelled traffic is the
+            smaller, ``static_moe.expert_parallel.choose_dispatch``; decided at construction, the same on every
+            rank). See docs/expert_parallel.md for when to pick which.
+        combine: "fp32" (default: the fp32 reduce-scatter) or "bf16" (each rank's partial rounded once to bf16,
+            summed in fp32 in source-rank order; needed by "all_to_all").
+        dispatch_capacity: Cd for "all_to_all", in [1, capacity]; 0 (default) takes the 1 % overflow rule of
+            ``expert_parallel.dispatch_capacity_for`` (uniform routing) — size it from your router with
+            ``expert_parallel.dispatch_capacity_from_trace``. Ranks built with different dispatch, combine or Cd
+            fail at construction with ValueError on every rank (the workspace manifest carries them).
 
     ``forward(hidden, topk_idx, topk_weights)``: hidden bf16 [..., H] (fp16 / fp32 are cast to bf16 first: the
     experts' activation format is bf16 or fp8), or, with act_format "fp8", a tuple ``(x_q float8_e4m3fn [..., H],
@@ -590,6 +606,12 @@ class StaticMoE(_FixedFormats):
         fp8_max: float = FP8_E4M3FN_MAX,
         shared_gate: bool = False,
         prepare_for: str | None = None,
+        activation: str = "silu",
+        alpha: float = DEFAULT_ALPHA,
+        expert_biases: bool = False,
+        dispatch: str = "all_gather",
+        combine: str = "fp32",
+        dispatch_capacity: int = 0,
     ):
         super().__init__()
         self.ep_size, self.ep_rank, self.group_name = _group_info(ep_group)
@@ -614,6 +636,12 @@ class StaticMoE(_FixedFormats):
                 fp8_max,
                 shared_gate,
                 prepare_for,
+                activation,
+                alpha,
+                expert_biases,
+                dispatch,
+                combine,
+                dispatch_capacity,
             )
         except Exception as e:  # noqa: BLE001  (any failure, a bad device string or an allocation, reaches every rank)
             error = e
@@ -643,6 +671,12 @@ class StaticMoE(_FixedFormats):
         fp8_max,
         shared_gate,
         prepare_for=None,
+        activation="silu",
+        alpha=DEFAULT_ALPHA,
+        expert_biases=False,
+        dispatch="all_gather",
+        combine="fp32",
+        dispatch_capacity=0,
     ):
         device = torch.device("cpu") if device is None else torch.device(device)
         if device.type == "meta":
@@ -654,6 +688,8 @@ class StaticMoE(_FixedFormats):
         self.prepare_for = _resolve_target(prepare_for, device)
         self.swiglu_limit = _check_swiglu_limit("swiglu_limit", swiglu_limit)
         self.fp8_max = _check_fp8_max(fp8_max)
+        self.activation = check_activation(activation, alpha, "StaticMoE")
+        self.alpha = float(alpha)
         if self.prepare_for == "trn2" and act_format == "fp8" and self.fp8_max > FP8_E4M3_TRN2_MAX:
             # SPEC §6.1: refused here rather than at the first forward's NKI dispatch (same rule, same words).
             raise ValueError(
@@ -661,7 +697,24 @@ class StaticMoE(_FixedFormats):
                 "(float8_e4m3) tops out at 240 — pass fp8_max=240 with prepare_for='trn2' "
                 "(SPEC §6.1)"
             )
-        # WorkspaceSpec checks sizes, divisibility, formats and the format pair.
+        if not isinstance(dispatch_capacity, int) or isinstance(dispatch_capacity, bool) or dispatch_capacity < 0:
+            raise ValueError(f"dispatch_capacity must be an int ≥ 0 (0: the Cd rule), got {dispatch_capacity!r}")
+        self.dispatch, self.dispatch_capacity = choose_dispatch(
+            dispatch,
+            combine,
+            capacity=_positive_int("capacity", capacity),
+            hidden=_positive_int("hidden_size", hidden_size),
+            topk=_positive_int("top_k", top_k),
+            num_experts=_positive_int("num_experts", num_experts),
+            ep_size=self.ep_size,
+            act_format=act_format,
+            act_group=act_group,
+            dispatch_capacity=dispatch_capacity,
+        )
+        if self.ep_size == 1:  # one rank: no collective; the combine alone sets the maths (SPEC §7)
+            self.dispatch, self.dispatch_capacity = "all_gather", 0
+        self.combine = combine
+        # WorkspaceSpec checks sizes, divisibility, formats and the format pair (and dispatch, combine, Cd).
         self.workspace_spec = _workspace.WorkspaceSpec(
             capacity=capacity,
             hidden=hidden_size,
@@ -675,6 +728,9 @@ class StaticMoE(_FixedFormats):
             device=str(device),
             swiglu_limit=self.swiglu_limit,
             fp8_max=self.fp8_max,
+            dispatch=self.dispatch,
+            combine=self.combine,
+            dispatch_capacity=self.dispatch_capacity,
         )
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.capacity = num_experts, top_k, capacity
@@ -683,6 +739,10 @@ class StaticMoE(_FixedFormats):
         self.act_group = act_group if act_format == "fp8" else None
         self.prepare_act = act_format
         _init_weights(self, self.num_local_experts, hidden_size, intermediate_size, weight_format, device)
+        # SPEC §1.9 biases: float32 parameters (zero until set_expert_biases or load_state_dict), or none.
+        for name, n in (("w13_bias", 2 * intermediate_size), ("w2_bias", hidden_size)):
+            t = torch.zeros(self.num_local_experts, n, dtype=torch.float32, device=device) if expert_biases else None
+            self.register_parameter(name, None if t is None else nn.Parameter(t, requires_grad=False))
         if shared_intermediate_size is not None:
             limit = self.swiglu_limit if shared_swiglu_limit == "same" else shared_swiglu_limit
             self.shared = SharedExpert(
@@ -716,6 +776,28 @@ class StaticMoE(_FixedFormats):
         Local to this rank (no collective). The ``from_*`` constructors run the same checks collectively."""
         given = {"w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale}
         _copy_checked(self, _checked_weights("routed", self._weight_shapes(), self.weight_format, given))
+
+    def set_expert_biases(self, w13_bias, w2_bias) -> None:
+        """Copy this rank's expert biases (SPEC §1.9): float32 / bf16 ``w13_bias`` [L, 2I] (gate columns, then up
+        columns, as w13's rows) and ``w2_bias`` [L, H], finite, on the layer's device; stored in float32. The
+        layer must have been built with ``expert_biases=True`` (ValueError otherwise). Local to this rank."""
+        if self.w13_bias is None:
+            raise ValueError("set_expert_biases: this layer was built without expert_biases=True")
+        checked = {}
+        for name, t, n in (("w13_bias", w13_bias, 2 * self.intermediate_size), ("w2_bias", w2_bias, self.hidden_size)):
+            t = _materialized(name, t)
+            if t.dtype not in (torch.float32, torch.bfloat16):
+                raise TypeError(f"set_expert_biases: {name} must be float32 or bfloat16, got {t.dtype}")
+            if tuple(t.shape) != (self.num_local_experts, n):
+                raise ValueError(
+                    f"set_expert_biases: {name} must have shape {[self.num_local_experts, n]}, got {list(t.shape)}"
+                )
+            if t.device != self.w13_bias.device:
+                raise ValueError(f"set_expert_biases: {name} must be on {self.w13_bias.device}, got {t.device}")
+            checked[name] = _check_finite(f"set_expert_biases: {name}", t)
+        with torch.no_grad():
+            self.w13_bias.copy_(checked["w13_bias"])
+            self.w2_bias.copy_(checked["w2_bias"])
 
     @classmethod
     def from_module(
@@ -820,6 +902,45 @@ class StaticMoE(_FixedFormats):
             shared_weight_format=shared_weight_format,
             ep_group=ep_group,
             ep_size=ep_size,
+            **options,
+        )
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path,
+        *,
+        family: str,
+        layer: int,
+        top_k: int,
+        capacity: int,
+        weight_format: str | None = None,
+        prefix: str | None = None,
+        ep_group=None,
+        ep_size: int | None = None,
+        progress: bool | None = None,
+        **options,
+    ) -> StaticMoE:
+        """Build a layer from one MoE layer's routed experts in a safetensors checkpoint on disk (the
+        ``model.safetensors.index.json`` + shards layout), reading only this rank's experts, lazily
+        (``static_moe.loaders.checkpoint_experts.load_checkpoint_experts`` documents ``family``, ``layer``,
+        ``weight_format``, ``prefix`` and ``progress``; docs/checkpoints.md the layouts). H, I and the number of
+        experts come from the checkpoint; ``options`` go to the constructor. Collective over ``ep_group`` like
+        :meth:`from_module`."""
+        from .loaders.checkpoint_experts import from_checkpoint  # imported when called, as in from_module
+
+        return from_checkpoint(
+            cls,
+            path,
+            family=family,
+            layer=layer,
+            top_k=top_k,
+            capacity=capacity,
+            weight_format=weight_format,
+            prefix=prefix,
+            ep_group=ep_group,
+            ep_size=ep_size,
+            progress=progress,
             **options,
         )
 
@@ -967,6 +1088,13 @@ class StaticMoE(_FixedFormats):
             ep_size=self.ep_size,
             fp8_max=self.fp8_max,
             weight_layout=self.weight_layout,
+            activation=self.activation,
+            alpha=self.alpha,
+            w13_bias=self.w13_bias,
+            w2_bias=self.w2_bias,
+            dispatch=self.dispatch,
+            combine=self.combine,
+            dispatch_capacity=self.dispatch_capacity,
         )
         return out.reshape(*lead, self.hidden_size).to(out_dtype)
 
@@ -979,5 +1107,11 @@ class StaticMoE(_FixedFormats):
             + (f", act_group={self.act_group}" if self.act_group else "")
             + (f", fp8_max={self.fp8_max}" if self.act_group else "")
             + f", swiglu_limit={self.swiglu_limit}, ep={self.ep_rank}/{self.ep_size}"
+            + (f", activation={self.activation!r}" if self.activation != "silu" else "")
+            + (f", alpha={self.alpha}" if self.activation == "swiglu_oai" else "")
+            + (", expert_biases=True" if self.w13_bias is not None else "")
+            + (f", dispatch={self.dispatch!r}" if self.dispatch != "all_gather" else "")
+            + (f", dispatch_capacity={self.dispatch_capacity}" if self.dispatch_capacity else "")
+            + (f", combine={self.combine!r}" if self.combine != "fp32" else "")
             + (f", prepare_for={self.prepare_for!r}" if self.weight_layout != "eoi" else "")
         )

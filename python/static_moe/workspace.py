@@ -12,6 +12,16 @@ buffer         shape               dtype    role
 ``scattered``  [C, H]              float32  the summed rows this rank owns: reduce-scatter output
 =============  ==================  =======  ====================================================================
 
+and, with the bf16 combine or the all-to-all dispatch of SPEC §7 (Cd = dispatch capacity), also
+
+=============  ==================  =======  ====================================================================
+``partial``    [S·C or S·Cd, H]    bf16     this rank's expert sums rounded once: combine all-to-all input
+``returned``   [S·C or S·Cd, H]    bf16     every rank's partials of this rank's rows: its output
+``blocks``     [S·Cd, W + 16]      uint8    rows slotted per receiving rank (with the source row id): input
+``received``   [S·Cd, W + 16]      uint8    the rows this rank's experts serve: output of the dispatch
+``overflow``   [1]                 int32    the last all-to-all step's overflow flag (device-side)
+=============  ==================  =======  ====================================================================
+
 where W is the bytes of one packed row plus the 64-byte step header (``STEP_HEADER_NBYTES``: every rank's status
 and configuration, read by every rank after the all-gather — ops/step_status.py, docs/errors.md), so a workspace
 takes ``(S + 1)·C·(W + 4·H)`` bytes (:func:`memory_plan` gives the figure without allocating).
@@ -51,10 +61,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .expert_parallel import COMBINES, DISPATCHES, ROW_ID_NBYTES
 from .formats import FP8_E4M3FN_MAX, check_fp8_max, check_swiglu_limit
 from .packed_layout import aligned
 
-PROTOCOL_VERSION = 2  # 2: packed rows carry the step header; the manifest carries swiglu_limit and fp8_max
+# 2: packed rows carry the step header; the manifest carries swiglu_limit and fp8_max. 3: the manifest carries the
+# dispatch, the combine and the dispatch capacity Cd (SPEC §7).
+PROTOCOL_VERSION = 3
 
 # Bytes at the end of every packed row that the forward reserves for its step header (its layout:
 # ops/step_status.py). Fixed by the protocol, so every rank's row width agrees whatever its inputs.
@@ -66,7 +79,7 @@ ACT_GROUPS = (32, 128)
 # SPEC §1.2: activation × weight pairs with a defined maths.
 SUPPORTED_PAIRS = frozenset({("bf16", "bf16"), ("bf16", "fp8"), ("bf16", "fp4"), ("fp8", "fp8"), ("fp8", "fp4")})
 
-BUFFER_NAMES = ("send", "gathered", "acc", "scattered")
+BUFFER_NAMES = ("send", "gathered", "acc", "scattered", "partial", "returned", "blocks", "received", "overflow")
 
 
 def _positive_int(name: str, value) -> int:
@@ -94,6 +107,10 @@ class WorkspaceSpec:
             that ranks which disagree fail at creation.
         fp8_max: the fp8 re-quantization range in [2, 448] (normalised to 448 for bf16 activations, which do
             not use it). Same reason.
+        dispatch: "all_gather" (SPEC §0) or "all_to_all" (the capacity all-to-all of SPEC §7).
+        combine: "fp32" (the reduce-scatter of SPEC §0) or "bf16" (SPEC §7); "all_to_all" needs "bf16".
+        dispatch_capacity: Cd, the most rows one rank sends to one rank with "all_to_all", in [1, C]; 0 with
+            "all_gather" (normalised to 0 there).
     """
 
     capacity: int
@@ -108,6 +125,9 @@ class WorkspaceSpec:
     device: str = "cpu"
     swiglu_limit: float | None = None
     fp8_max: float = FP8_E4M3FN_MAX
+    dispatch: str = "all_gather"
+    combine: str = "fp32"
+    dispatch_capacity: int = 0
 
     def __post_init__(self):
         for name in ("capacity", "hidden", "intermediate", "num_experts", "topk", "ep_size"):
@@ -145,6 +165,22 @@ class WorkspaceSpec:
         object.__setattr__(self, "swiglu_limit", check_swiglu_limit(self.swiglu_limit))
         fp8_max = check_fp8_max(self.fp8_max) if self.act_format == "fp8" else FP8_E4M3FN_MAX
         object.__setattr__(self, "fp8_max", fp8_max)
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {DISPATCHES}, got {self.dispatch!r}")
+        if self.combine not in COMBINES:
+            raise ValueError(f"combine must be one of {COMBINES}, got {self.combine!r}")
+        cd = self.dispatch_capacity
+        if not isinstance(cd, int) or isinstance(cd, bool):
+            raise ValueError(f"dispatch_capacity must be an int, got {cd!r}")
+        if self.dispatch == "all_to_all":
+            if self.combine != "bf16":
+                raise ValueError("dispatch='all_to_all' returns bf16 partials: it needs combine='bf16'")
+            if not 1 <= cd <= self.capacity:
+                raise ValueError(
+                    f"dispatch_capacity must lie in [1, capacity={self.capacity}] with dispatch='all_to_all', got {cd}"
+                )
+        else:
+            object.__setattr__(self, "dispatch_capacity", 0)
 
     @property
     def num_local_experts(self) -> int:
@@ -165,6 +201,11 @@ class WorkspaceSpec:
     def row_width(self) -> int:
         """W: bytes of one row the forward sends: the packed parts, then the 64-byte step header."""
         return self.parts_width + STEP_HEADER_NBYTES
+
+    @property
+    def block_width(self) -> int:
+        """Bytes of one row the all-to-all sends: the packed parts, the source row id column, the step header."""
+        return self.parts_width + ROW_ID_NBYTES + STEP_HEADER_NBYTES
 
     def fields(self) -> tuple[tuple[str, object], ...]:
         return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
@@ -204,22 +245,37 @@ class MemoryPlan:
 def memory_plan(spec: WorkspaceSpec) -> MemoryPlan:
     """Shapes and bytes of every buffer of a workspace for ``spec``, without allocating.
 
-    Total = (S + 1)·C·(W + 4·H) bytes for S > 1, 0 for S = 1. Temporaries the forward allocates per call (the
-    unpacked gathered parts, the expert kernels' own scratch) come from the caching allocator and are not
-    counted.
+    Total = (S + 1)·C·(W + 4·H) bytes for S > 1, 0 for S = 1, with the all-gather and the fp32 combine; the
+    bf16 combine adds its two bf16 ``[S·C, H]`` buffers (``partial``, ``returned``: 4·S·C·H bytes); the all-to-all
+    keeps the all-gather's buffers (its exact recomputation after an overflow, SPEC §7) and adds ``blocks`` and
+    ``received`` (uint8 ``[S·Cd, W + 16]``), ``partial`` and ``returned`` (bf16 ``[S·Cd, H]``) and the int32
+    ``overflow`` flag. Temporaries the forward allocates per call (the unpacked rows, the expert kernels' own
+    scratch, the slot table) come from the caching allocator and are not counted.
     """
     s, c, w, h = spec.ep_size, spec.capacity, spec.row_width, spec.hidden
     if s == 1:
         return MemoryPlan(spec, ())
-    return MemoryPlan(
-        spec,
-        (
-            BufferPlan("send", (c, w), torch.uint8),
-            BufferPlan("gathered", (s * c, w), torch.uint8),
-            BufferPlan("acc", (s * c, h), torch.float32),
-            BufferPlan("scattered", (c, h), torch.float32),
-        ),
-    )
+    bufs = [
+        BufferPlan("send", (c, w), torch.uint8),
+        BufferPlan("gathered", (s * c, w), torch.uint8),
+        BufferPlan("acc", (s * c, h), torch.float32),
+        BufferPlan("scattered", (c, h), torch.float32),
+    ]
+    if spec.dispatch == "all_to_all":
+        cd, bw = spec.dispatch_capacity, spec.block_width
+        bufs += [
+            BufferPlan("blocks", (s * cd, bw), torch.uint8),
+            BufferPlan("received", (s * cd, bw), torch.uint8),
+            BufferPlan("partial", (s * cd, h), torch.bfloat16),
+            BufferPlan("returned", (s * cd, h), torch.bfloat16),
+            BufferPlan("overflow", (1,), torch.int32),
+        ]
+    elif spec.combine == "bf16":
+        bufs += [
+            BufferPlan("partial", (s * c, h), torch.bfloat16),
+            BufferPlan("returned", (s * c, h), torch.bfloat16),
+        ]
+    return MemoryPlan(spec, tuple(bufs))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -276,6 +332,15 @@ class Workspace:
     gathered = property(lambda self: self.buffer("gathered"), doc="uint8 [S·C, W]: all-gather output")
     acc = property(lambda self: self.buffer("acc"), doc="float32 [S·C, H]: reduce-scatter input")
     scattered = property(lambda self: self.buffer("scattered"), doc="float32 [C, H]: reduce-scatter output")
+    partial = property(lambda self: self.buffer("partial"), doc="bf16 [S·C or S·Cd, H]: bf16 combine input")
+    returned = property(lambda self: self.buffer("returned"), doc="bf16 [S·C or S·Cd, H]: bf16 combine output")
+    blocks = property(lambda self: self.buffer("blocks"), doc="uint8 [S·Cd, W + 16]: all-to-all dispatch input")
+    received = property(lambda self: self.buffer("received"), doc="uint8 [S·Cd, W + 16]: all-to-all output")
+    overflow = property(
+        lambda self: self.buffer("overflow"),
+        doc="int32 [1]: 1 when the group's last all-to-all step overflowed (its output is then exact in eager "
+        "mode, NaN under CUDA graph capture), else 0 (SPEC §7)",
+    )
 
     def data_ptrs(self) -> dict[str, int]:
         """Address of every buffer (stable for the workspace's life)."""
@@ -544,6 +609,10 @@ class WorkspaceManager:
                     )
         except Exception as e:  # noqa: BLE001  (any allocation failure rolls back; the caller re-raises)
             buffers.clear()
+            # The error's traceback keeps this frame, and with it ``t``, alive for as long as the caller holds
+            # the error (it raises it, converge() reports it): drop the last buffer here, or it outlives the
+            # rollback.
+            t = None  # noqa: F841
             return buffers, e
         return buffers, None
 
@@ -576,7 +645,16 @@ class WorkspaceManager:
 
 def frame_key(spec: WorkspaceSpec) -> tuple:
     """What fixes the shapes of a workspace's buffers: two specs with equal keys can use each other's."""
-    return spec.capacity, spec.row_width, spec.hidden, spec.ep_size, spec.device
+    return (
+        spec.capacity,
+        spec.row_width,
+        spec.hidden,
+        spec.ep_size,
+        spec.device,
+        spec.dispatch,
+        spec.combine,
+        spec.dispatch_capacity,
+    )
 
 
 def _symmetric_memory_importable() -> bool:

@@ -433,6 +433,8 @@ def _count_collectives(fn) -> dict:
     import torch.distributed as dist
 
     fwd = importlib.import_module("static_moe.ops.forward")  # the module (static_moe.ops.forward is the wrapper)
+    # The forward's collectives are issued by its dispatch and combine pieces (SPEC §7), next to it.
+    mods = [fwd, importlib.import_module("static_moe.ops.dispatch"), importlib.import_module("static_moe.ops.combine")]
 
     counts = {"all_gather": 0, "reduce_scatter": 0, "object": 0}
     real_c10d, real_obj = fwd._c10d, dist.all_gather_object
@@ -450,11 +452,15 @@ def _count_collectives(fn) -> dict:
         counts["object"] += 1
         return real_obj(*a, **k)
 
-    fwd._c10d, dist.all_gather_object = Counting(), counting_obj
+    dist.all_gather_object = counting_obj
+    for m in mods:
+        m._c10d = Counting()
     try:
         fn()
     finally:
-        fwd._c10d, dist.all_gather_object = real_c10d, real_obj
+        dist.all_gather_object = real_obj
+        for m in mods:
+            m._c10d = real_c10d
     return counts
 
 

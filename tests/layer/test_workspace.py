@@ -288,12 +288,19 @@ def _other_value(name: str, value):
         if c == value:
             continue
         try:
-            varied = _spec3(**{name: c})
+            varied = _spec3(**{**_COMPANIONS.get(name, {}), name: c})
         except (ValueError, TypeError):
             continue
         if getattr(varied, name) != value:
             return c
     raise AssertionError(f"no alternative value for WorkspaceSpec.{name} = {value!r}: teach _other_value its type")
+
+
+# Fields that only take another value together with others (SPEC §7: the all-to-all needs the bf16 combine and a Cd).
+_COMPANIONS = {
+    "dispatch": dict(combine="bf16", dispatch_capacity=2),
+    "dispatch_capacity": dict(dispatch="all_to_all", combine="bf16"),
+}
 
 
 def _middle_rank_worker(rank: int, size: int) -> dict:
@@ -308,7 +315,7 @@ def _middle_rank_worker(rank: int, size: int) -> dict:
     mgr = WorkspaceManager()
     for f in dataclasses.fields(WorkspaceSpec):
         base = getattr(_spec3(), f.name)
-        other = _spec3(**{f.name: _other_value(f.name, base)})
+        other = _spec3(**{**_COMPANIONS.get(f.name, {}), f.name: _other_value(f.name, base)})
         mine = other if rank == 1 else _spec3()
         want = f"{f.name}: {base!r} on ranks [0, 2]; {getattr(other, f.name)!r} on ranks [1]"
         messages[f.name] = expect_raises(ValueError, lambda: mgr.acquire(mine, group), want, "group ranks [0, 1, 2]")

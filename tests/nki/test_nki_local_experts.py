@@ -215,7 +215,7 @@ def test_skip_variant_reads_exactly_the_routed_experts():
     m = chunk_rows_for(rows, 2, num_local)
     args = list(_case("bf16", "fp8", 128, rows, hidden, inter, num_local, num_local, 2, 0, 4))
     per_expert = (2 * inter * hidden + 2 * inter * hidden // 128 * 4) + (hidden * inter + hidden * inter // 128 * 4)
-    per_item = per_expert + (8 * m + 4) + m * hidden * 2 + m * hidden * 4
+    per_item = per_expert + (8 * m + 4) + m * hidden * 2 + 2 * m * hidden * 4  # acc rows: read and written
     idx = torch.full((rows, 2), -1, dtype=torch.int32)
     hbm = {}
     for routed in ([], [2], [0, 3]):
@@ -380,7 +380,7 @@ def test_work_list_reads_each_item_weights_once():
         moved = last_run().cost.hbm_bytes - base
         # 4 items, each: one expert's weights, its table row (M pairs) and expert id, M gathered bf16 x rows and
         # the fp32 read-modify-write of M acc rows (the cost record charges whole M-row DMAs)
-        per_item = per_expert + (8 * m + 4) + m * hidden * 2 + m * hidden * 4
+        per_item = per_expert + (8 * m + 4) + m * hidden * 2 + 2 * m * hidden * 4  # acc rows: read and written
         assert moved == 4 * per_item, (rows, moved, 4 * per_item)
 
 

@@ -142,6 +142,25 @@ def test_dma_transpose_limits():
     simulate(hwdge_shape)(np.zeros((16, 128), ml_dtypes.bfloat16))
 
 
+def test_dma_transpose_refuses_a_runtime_address_nki_415():
+    """A register (scalar_offset) address on a dma_transpose is refused, as the compiler does (NKI-415, quoted by
+    nki-library's mlp_tkg_gate_up_projection.py); the same rows by dma_copy at that address are fine."""
+
+    def k(x, transpose):
+        e = nisa.register_alloc(1)
+        src = x.ap(pattern=[[16, 16], [1, 16]], offset=0, scalar_offset=e, indirect_dim=0)
+        if transpose:
+            d = nl.ndarray((16, 16), x.dtype, buffer=nl.sbuf)
+            nisa.dma_transpose(dst=d, src=src)
+        else:
+            d = nl.ndarray((16, 16), x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=d, src=src)
+
+    x = np.zeros((2, 16, 16), ml_dtypes.bfloat16)
+    rejects("dma-transpose-dynamic", k, x, True)
+    simulate(k)(x, False)
+
+
 def test_dma_transpose_indirect_gathers_rows_then_transposes():
     """dma_transpose page: gathered = src[indices.T.flatten()[:rows]]; dst = gathered.T."""
 

@@ -198,3 +198,44 @@ def test_transpose_modes_agree_with_torch(nki_api):
     a, b = transposes(x)
     assert torch.equal(a.view(torch.int16), x.T.contiguous().view(torch.int16))
     assert torch.equal(b.view(torch.int16), x.T.contiguous().view(torch.int16))
+
+
+def test_config_objects_tolerate_missing_annotated_fields(nki_api):
+    """Released nki-library kernels build their nl.NKIObject dataclasses without every annotated field
+    (mlp_tkg_constants' MLPTKGConstantsDimensionSizes without remainderIFused): the field reads None."""
+    from dataclasses import dataclass, field
+
+    nl = nki_api[1]
+
+    @dataclass
+    class Dims(nl.NKIObject):
+        rows: int
+        tail: int
+        extra: list = field(default_factory=list)
+
+    d = Dims(rows=4)
+    assert d.rows == 4 and d.tail is None and d.extra == []
+    assert Dims(4, 2).tail == 2
+
+
+def test_nki_dtype_module_and_legacy_neuronxcc_names(nki_api):
+    """``from nki.dtype import float8_e4m3fn_x4`` and ``dtype: nki.dtype`` (nki-library), and the legacy
+    ``neuronxcc.nki`` / ``neuronxcc.nki.typing`` imports of older public kernels, over the same interpreter."""
+    nki, nl = nki_api[0], nki_api[1]
+    dtypes = importlib.import_module("nki.dtype")
+    assert dtypes.float8_e4m3fn_x4 is nl.float8_e4m3fn_x4 and dtypes.bfloat16 is nl.bfloat16
+    assert nki.dtype is dtypes
+    nt = importlib.import_module("neuronxcc.nki.typing")
+    legacy = importlib.import_module("neuronxcc.nki")
+    assert legacy.language is nl and nt.tensor[128, 512] is nt.tensor and nt.mutable_tensor is not nt.tensor
+
+    def annotated(x: nt.tensor, dtype: nki.dtype = nl.bfloat16):  # annotations evaluate at def time
+        return dtype
+
+    assert annotated(None) is nl.bfloat16
+
+
+def test_legacy_names_are_removed_after_the_block():
+    with as_nki.installed():
+        importlib.import_module("neuronxcc.nki.language")
+    assert "neuronxcc" not in sys.modules and "nki.dtype" not in sys.modules

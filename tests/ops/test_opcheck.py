@@ -3,7 +3,7 @@
 
 opcheck runs the op's schema check (inputs not mutated, outputs not aliased), its autograd registration, its fake
 kernel against the real one, and AOT dispatch with dynamic shapes. The per-op test files hold the numerics; this
-file holds the registration contract, for all six ops at once, on every device this machine has.
+file holds the registration contract, for all seven ops at once, on every device this machine has.
 """
 
 from __future__ import annotations
@@ -36,20 +36,30 @@ def sample_inputs(device: str) -> list[tuple[str, str, tuple]]:
     def experts(x, x_s, i, t, w, *rest):
         return (x, x_s, i, t, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], *rest)
 
-    return [
-        ("pack_rows", "bf16_and_int32", ([xb, ints[:3]], 4)),
-        ("pack_rows", "empty_batch", ([ints[:0]], 2)),
-        ("unpack_rows", "bf16", (packed[:3], 0, 512, torch.bfloat16, [256])),  # real rows: padding is NaN
-        ("unpack_rows", "int32_rows", (packed, 512, 12, torch.int32, [3])),
-        ("swiglu_and_cast", "fp8_out", (gate_up, row_w, 7.0)),
-        ("swiglu_and_cast", "bf16_out", (gate_up.to(torch.bfloat16), None, None, "bf16")),
-        ("expert_gemm", "fp8xfp8", (x8, x8_s, w8["w13"], w8["w13_scale"], mask, 1)),
-        ("expert_gemm", "bf16xfp4", (xb, None, w4["w13"], w4["w13_scale"], mask[:3], 0)),
-        ("local_experts", "fp8xfp8", experts(x8, x8_s, idx, tw, w8, 0, 7.0)),
-        ("local_experts", "bf16xfp4", experts(xb, None, idx3, tw3, w4, 0, None)),
-        ("forward", "fp8xfp8_s1", experts(x8, x8_s, idx, tw, w8, None, 2, 8, None, "", 0, 1)),
-        ("forward", "bf16xfp4_s1", experts(xb, None, idx3, tw3, w4, None, 2, 4, 7.0, "", 0, 1)),
-    ]
+    return (
+        [
+            ("pack_rows", "bf16_and_int32", ([xb, ints[:3]], 4)),
+            ("pack_rows", "empty_batch", ([ints[:0]], 2)),
+            ("unpack_rows", "bf16", (packed[:3], 0, 512, torch.bfloat16, [256])),  # real rows: padding is NaN
+            ("unpack_rows", "int32_rows", (packed, 512, 12, torch.int32, [3])),
+            ("swiglu_and_cast", "fp8_out", (gate_up, row_w, 7.0)),
+            ("swiglu_and_cast", "bf16_out", (gate_up.to(torch.bfloat16), None, None, "bf16")),
+            ("expert_gemm", "fp8xfp8", (x8, x8_s, w8["w13"], w8["w13_scale"], mask, 1)),
+            ("expert_gemm", "bf16xfp4", (xb, None, w4["w13"], w4["w13_scale"], mask[:3], 0)),
+            ("local_experts", "fp8xfp8", experts(x8, x8_s, idx, tw, w8, 0, 7.0)),
+            ("local_experts", "bf16xfp4", experts(xb, None, idx3, tw3, w4, 0, None)),
+            ("forward", "fp8xfp8_s1", experts(x8, x8_s, idx, tw, w8, None, 2, 8, None, "", 0, 1)),
+            ("forward", "bf16xfp4_s1", experts(xb, None, idx3, tw3, w4, None, 2, 4, 7.0, "", 0, 1)),
+        ]
+        + (
+            [  # quantize_weight has a CPU kernel only (weights are quantized once, on load)
+                ("quantize_weight", "bf16_to_fp8", (xb.reshape(3, 2, 128), "fp8")),
+                ("quantize_weight", "fp32_to_fp4", (gate_up.reshape(2, 2, 256), "fp4")),
+            ]
+            if device == "cpu"
+            else []
+        )
+    )
 
 
 def _cases():
@@ -66,6 +76,7 @@ def test_every_op_has_samples():
         "expert_gemm",
         "local_experts",
         "forward",
+        "quantize_weight",
     }
 
 

@@ -12,7 +12,7 @@ import torch
 import static_moe  # noqa: F401  (registers the schemas)
 from static_moe import reference
 
-OPS = ["pack_rows", "unpack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward"]
+OPS = ["pack_rows", "unpack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward", "quantize_weight"]
 NO_DEFAULT = "<no default>"
 
 

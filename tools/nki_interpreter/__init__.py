@@ -14,7 +14,7 @@ rules (each violation raises :class:`NkiRuleError` naming the rule) and records 
 """
 
 from . import as_nki, cost, isa, language  # noqa: F401
-from .cost import TRN2, CostModel, CostRecord, estimate  # noqa: F401
+from .cost import TRN2, TRN3, CostModel, CostRecord, estimate, model_for  # noqa: F401
 from .errors import NkiRuleError  # noqa: F401
 from .runtime import Kernel, jit, last_run, profile, simulate  # noqa: F401
 from .state import get_target, set_target, target  # noqa: F401

@@ -598,8 +598,9 @@ def dma_copy(
     _record_dma(src, dst, dge=dge)
 
 
-def _record_dma(src: NkiTensor, dst: NkiTensor, dge: bool, efficiency: float = 1.0) -> None:
-    """The cost record of one DMA from src to dst (bytes, HBM side, contiguous runs, partition bytes)."""
+def _record_dma(src: NkiTensor, dst: NkiTensor, dge: bool, efficiency: float = 1.0, rmw: bool = False) -> None:
+    """The cost record of one DMA from src to dst (bytes, HBM side, contiguous runs, partitions and bytes per
+    partition of the on-chip side, indirect or not; ``rmw``: it accumulates into dst, which is read too)."""
     sb, db = src.size * src._itemsize, dst.size * dst._itemsize
     hbm = (sb if src.buffer.is_hbm else 0) + (db if dst.buffer.is_hbm else 0)
     (rs, runs_s), (rd, runs_d) = _runs(src), _runs(dst)
@@ -609,10 +610,23 @@ def _record_dma(src: NkiTensor, dst: NkiTensor, dge: bool, efficiency: float = 1
         rd, runs_d = dst.shape[0], math.prod(dst.shape[1:]) * dst._itemsize
     chip = [t for t in (src, dst) if t._on_chip]
     pbytes = min(t._free_size * t._itemsize for t in chip) if chip else 0
+    parts = min(t.shape[0] for t in chip) if chip else 0
     from .cost import DmaRecord
 
     current().cost.dma(
-        DmaRecord(max(sb, db), hbm, max(rs, rd), min(runs_s, runs_d), pbytes, dge=dge, efficiency=efficiency)
+        DmaRecord(
+            max(sb, db),
+            hbm,
+            max(rs, rd),
+            min(runs_s, runs_d),
+            pbytes,
+            dge=dge,
+            efficiency=efficiency,
+            partitions=parts,
+            indirect=src.gather is not None or dst.gather is not None,
+            rmw=rmw,
+            rmw_hbm_read=db if rmw and dst.buffer.is_hbm else 0,
+        )
     )
 
 

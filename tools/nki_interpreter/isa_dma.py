@@ -31,6 +31,8 @@ def _values(t: NkiTensor, oob) -> np.ndarray:
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_mode=OOB.error, name=None):
     """Transpose over DMA into SBUF: 2-D ``(1, 0)``, 3-D ``(2, 1, 0)``, 4-D ``(3, 1, 2, 0)``; ``dst[...] =
     src.transpose(axes)``, bit-exact for 2- and 4-byte dtypes (trn2 guide), src in HBM or SBUF, dtypes equal.
+    No runtime (``scalar_offset`` register) address on either side: the compiler refuses it (NKI-415, quoted in
+    nki-library ``mlp_tkg_gate_up_projection.py``, which loads with ``dma_copy`` and transposes on TensorE).
     ``dge_mode=hwdge`` adds: ``src.shape[0] == 16``, ``src.shape[-1] % 128 == 0``, 2-byte dtype. An indirect
     src (``.ap(vector_offset=...)``, HBM) gathers rows first (software DGE): 2-byte dtype, last dim ≤ 128,
     rows a multiple of 16. Throughput: 90 % (HBM→SBUF) / 50 % (SBUF→SBUF) of a copy (trn2 guide)."""
@@ -55,6 +57,12 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_
     axes = want if axes is None else tuple(int(a) for a in axes)
     check(axes == want, "dma-transpose-shape", f"{instr}: axes for a {src.ndim}-D tile must be {want}, got {axes}")
     check(priority is None, "target", f"{instr}: priority= is NeuronCore-v4 only")
+    check(
+        not any(t.dynamic and t.gather is None for t in (src, dst)),  # indirect (vector_offset) views: below
+        "dma-transpose-dynamic",
+        f"{instr}: a runtime (register) address is not supported by dma_transpose (NKI-415; nki-library "
+        f"mlp_tkg_gate_up_projection.py): dma_copy the rows, then transpose them on TensorE (nc_transpose)",
+    )
     indirect = src.gather is not None
     if indirect:
         check(
@@ -164,6 +172,7 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
                 inb = ((idx >= 0) & (idx < nrows))[:, None]
                 got = np.where(inb, got, 0.0)
             dst._np()[...] = _cast(cur + got, dst.dtype, instr).reshape(dst.shape)
+    rmw = any(s.storage is dst.storage for s in srcs)  # dst is read back: a read-modify-write
     for s in srcs:
         if s.storage is not dst.storage:
-            _record_dma(s, dst, dge=bool(indirect) or s.dynamic or dst.dynamic)
+            _record_dma(s, dst, dge=bool(indirect) or s.dynamic or dst.dynamic, rmw=rmw)

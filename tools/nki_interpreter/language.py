@@ -49,8 +49,18 @@ tensor = NkiTensor
 
 class NKIObject:
     """``nl.NKIObject``: the base class public kernels derive their trace-time config objects (often
-    dataclasses) from. It carries no behaviour in the interpreter: such objects are plain Python values at
-    trace time."""
+    dataclasses) from; such objects are plain Python values at trace time.
+
+    Annotated fields without a default get the default ``None``: released nki-library kernels construct these
+    dataclasses without every annotated field (``mlp_tkg_constants.MLPTKGConstantsDimensionSizes`` is built
+    without ``remainderIFused``), so the real front end tolerates a missing field; a plain ``@dataclass`` would
+    raise TypeError in ``__init__``. A field read before it is set reads ``None``."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in cls.__dict__.get("__annotations__", {}):
+            if name not in cls.__dict__:
+                setattr(cls, name, None)
 
 
 # ------------------------------------------------------------------------------------------------ tile sizes

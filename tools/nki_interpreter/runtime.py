@@ -4,7 +4,10 @@ Arguments: numpy arrays (any NKI dtype, ml_dtypes for bf16/fp8) or torch tensors
 Python scalars, tuples of those, and other constants pass through. Lists are rejected (NKI 0.3 kernels take
 tuples). The kernel runs eagerly in program order; HBM arguments it wrote are copied back into the caller's
 arrays/tensors (as the NKI simulator does); returned tensors must live in ``nl.shared_hbm`` and come back as
-numpy arrays (torch tensors if any argument was a torch tensor).
+numpy arrays (torch tensors if any argument was a torch tensor). Torch tensors on a device other than the CPU
+(the test ``neuron`` device of tools/neuron_test_device.py) are read through ``.cpu()`` and written back with
+``copy_``, and the results come back on the first tensor argument's device, as ``nki.jit`` returns device
+tensors for device arguments.
 
 After a run, :func:`last_run` gives its :class:`~.cost.CostRecord` and memory peaks.
 """
@@ -55,6 +58,8 @@ def _torch():
 
 def _torch_to_numpy(t) -> np.ndarray:
     torch = _torch()
+    if t.device.type != "cpu":
+        t = t.cpu()
     t = t.detach().cpu().contiguous()
     m = {
         torch.bfloat16: dt.bfloat16,
@@ -131,16 +136,18 @@ def simulate(kernel):
     def run(*args, **kwargs):
         with run_context() as ctx:
             any_torch = False
+            device = None  # the first torch argument's device: where torch results go
             bound = []  # (caller object, hbm tensor)
 
             def convert(x, where):
-                nonlocal any_torch
+                nonlocal any_torch, device
                 if isinstance(x, list):
                     raise NkiRuleError("kernel-args", f"{where} is a list; NKI kernels take tuples")
                 if isinstance(x, tuple):
                     return tuple(convert(v, f"{where}[{i}]") for i, v in enumerate(x))
                 if _is_torch(x):
                     any_torch = True
+                    device = x.device if device is None else device
                     h = from_numpy(_torch_to_numpy(x), name=where)
                     bound.append((x, h))
                     return h
@@ -180,7 +187,10 @@ def simulate(kernel):
                         f"in nl.shared_hbm (NKI >= 0.3)",
                     )
                     a = np.array(o._np())
-                    return _numpy_to_torch(a) if any_torch else a
+                    if not any_torch:
+                        return a
+                    t = _numpy_to_torch(a)
+                    return t if device.type == "cpu" else t.to(device)
                 check(o is None, "output-buffer", f"kernels return shared_hbm tensors, got {type(o).__name__}")
                 return o
 
@@ -227,18 +237,18 @@ def jit(fn=None, **kwargs):
 
 
 def profile(kernel, *args, model=None, ideal_hbm_bytes: int | None = None, **kwargs) -> tuple:
-    """Run ``kernel`` through the interpreter and estimate its trn2 time.
+    """Run ``kernel`` through the interpreter and estimate its time on the run's target (``cost.model_for``).
 
     Returns ``(result, report)``; report has the cost summary, the model's estimate (``time_s``, per-engine
     and DMA times, ``bound``), the HBM roofline of the bytes the kernel moved (``hbm_roofline_s``) and, when
     ``ideal_hbm_bytes`` is given (the bytes the op must move at least), ``ideal_s`` and
     ``roofline_fraction = ideal_s / time_s``. Reusable by any kernel's benchmark.
     """
-    from .cost import TRN2
+    from .cost import model_for
 
-    model = model or TRN2
     result = simulate(kernel)(*args, **kwargs)
     info = last_run()
+    model = model or model_for(info.target)
     est = model.estimate(info.cost)
     report = {
         **info.cost.summary(),
@@ -251,5 +261,5 @@ def profile(kernel, *args, model=None, ideal_hbm_bytes: int | None = None, **kwa
     if ideal_hbm_bytes is not None:
         report["ideal_hbm_bytes"] = ideal_hbm_bytes
         report["ideal_s"] = model.hbm_roofline(ideal_hbm_bytes)
-        report["roofline_fraction"] = report["ideal_s"] / est["time_s"] if est["time_s"] else float("nan")
+        report["roofline_fraction"] = model.mbu(ideal_hbm_bytes, est["time_s"])
     return result, report

@@ -66,6 +66,10 @@ struct OutRows {
   OutKind kind = OutKind::StoreBf16;
   void* const* rows = nullptr;  // one pointer per prepared activation row
   int64_t col0 = 0;             // column of rows[i][0]
+  // SPEC §1.9: C[i, n] + bias[n] (bias_scale null) or C[i, n] + bias_scale[i] * bias[n] (one fp32 product), added
+  // in fp32 before the bf16 rounding; bias null: no bias. bias is indexed by the absolute weight row n.
+  const float* bias = nullptr;
+  const float* bias_scale = nullptr;  // one per row, like `rows`
 };
 
 // Converts columns [c0, c0 + k) of one activation row into the form the GEMM of `isa` reads for weights of format

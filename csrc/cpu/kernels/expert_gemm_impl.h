@@ -35,8 +35,13 @@ inline float e4m3fn_to_float(uint8_t c) {
 // UE8M0 byte -> 2^(b-127), exactly (b = 0 is the subnormal 2^-127; b = 255 gives +inf, callers flag it).
 inline float ue8m0_to_float(uint8_t b) { return bits_float(b == 0 ? 0x00400000u : static_cast<uint32_t>(b) << 23); }
 
-// C[i, n] = c through `out` (rounded to bf16 first, as the reference's GEMM output).
+// C[i, n] = c (+ the bias, SPEC §1.9) through `out` (rounded to bf16 first, as the reference's GEMM output).
+// Separate IEEE operations (the build does not contract them into an FMA), so every ISA adds the same bits.
 inline void emit_output(const OutRows& out, int64_t i, int64_t n, float c) {
+  if (out.bias != nullptr) {
+    const float b = out.bias_scale != nullptr ? out.bias_scale[i] * out.bias[n] : out.bias[n];
+    c = c + b;
+  }
   const uint16_t h = float_to_bf16(c);
   if (out.kind == OutKind::StoreBf16) {
     static_cast<uint16_t*>(out.rows[i])[n - out.col0] = h;

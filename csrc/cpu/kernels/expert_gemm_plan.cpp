@@ -120,13 +120,19 @@ bool run_expert_gemm(const ExpertGemmPlan& plan, const float* const* a, const ui
   // Both forms: each kernel over the rows of its form, in order, with their outputs.
   std::vector<const float*> rows[2];
   std::vector<void*> outs[2];
+  std::vector<float> bias_scales[2];
   for (int64_t i = 0; i < plan.f32.rows + plan.bf16.rows; ++i) {
     rows[a_bf16[i] != 0].push_back(a[i]);
     outs[a_bf16[i] != 0].push_back(out.rows[i]);
+    if (out.bias_scale != nullptr) bias_scales[a_bf16[i] != 0].push_back(out.bias_scale[i]);
   }
   OutRows o32 = out, o16 = out;
   o32.rows = outs[0].data();
   o16.rows = outs[1].data();
+  if (out.bias_scale != nullptr) {
+    o32.bias_scale = bias_scales[0].data();
+    o16.bias_scale = bias_scales[1].data();
+  }
   const bool ok32 = run_rows(plan.f32, plan.fallback, rows[0].data(), w, n0, n1, o32, tiles);
   const bool ok16 = run_rows(plan.bf16, plan.fallback, rows[1].data(), w, n0, n1, o16, tiles);
   return ok32 && ok16;

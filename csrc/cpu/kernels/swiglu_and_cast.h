@@ -1,7 +1,10 @@
 // swiglu_and_cast CPU kernel (SPEC §1.4-1.5), torch-free: raw pointers, sizes and strides.
 //
 //   g = gate_up[r, :I], u = gate_up[r, I:] in fp32; with a limit L: g = min(g, L), u = clamp(u, -L, L)
-//   v = ((g * sigmoid(g)) * u) * w[r]            (the reference's rounding order)
+//   v = act(g, u) * w[r], act by SPEC §1.9, each in the reference's rounding order:
+//     silu        (g * sigmoid(g)) * u
+//     swiglu_oai  (u + 1) * (g * sigmoid(g * alpha))
+//     gelu_tanh   (g * sigmoid(kGeluTanh * (g + ((0.044715 * g) * g) * g))) * u     (0.5(1 + tanh y) = sigmoid(2y))
 //   bf16 out: v -> bf16 (RNE)
 //   fp8 out, per group of G columns: amax = max(max|v|, 1e-4); s = amax / fp8_max (rounded up to a power of
 //            two with pow2_scale); q = e4m3fn(clamp(v / s, -fp8_max, fp8_max)) (RNE)
@@ -49,6 +52,23 @@ inline float exp_approx(float x) {
 
 inline float sigmoid_approx(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
 
+// The activations of SPEC §1.9, as checks::Activation numbers them.
+enum class Act : int { Silu = 0, SwigluOai = 1, GeluTanh = 2 };
+
+constexpr float kGeluTanh = 1.5957691216057308f;  // 2 * sqrt(2 / pi): gelu_tanh(g) = g * sigmoid(kGeluTanh * ...)
+constexpr float kGeluCubic = 0.044715f;
+
+// act(g, u) of SPEC §1.9, unweighted; the rounding order of the reference (static_moe.activations.gated).
+template <Act kAct>
+inline float gated_value(float g, float u, float alpha) {
+  if (kAct == Act::SwigluOai) return (u + 1.0f) * (g * sigmoid_approx(g * alpha));
+  if (kAct == Act::GeluTanh) {
+    const float y = kGeluTanh * (g + ((kGeluCubic * g) * g) * g);
+    return (g * sigmoid_approx(y)) * u;
+  }
+  return (g * sigmoid_approx(g)) * u;
+}
+
 struct SwigluParams {
   int64_t rows = 0;
   int64_t inter = 0;              // I
@@ -58,6 +78,8 @@ struct SwigluParams {
   const float* row_weight = nullptr;  // [rows] or nullptr (weight 1)
   bool has_limit = false;
   float limit = 0.0f;
+  Act act = Act::Silu;
+  float alpha = 1.702f;  // swiglu_oai
   bool out_fp8 = true;
   int64_t group = 128;  // G (fp8 out)
   float fp8_max = 448.0f;
@@ -69,11 +91,12 @@ struct SwigluParams {
 constexpr float kAmaxFloor = 1e-4f;
 
 // v[0, I) = the weighted SwiGLU of row r. Templated so the per-element loop has no branches.
-template <bool kBf16In, bool kLimit>
+template <bool kBf16In, bool kLimit, Act kAct>
 inline void swiglu_row_values(const SwigluParams& p, int64_t r, float* v) {
   const int64_t I = p.inter;
   const float w = p.row_weight ? p.row_weight[r] : 1.0f;  // x * 1 == x exactly: same as not weighting
   const float lim = p.limit;
+  const float alpha = p.alpha;
   if (kBf16In) {
     const uint16_t* g_row = static_cast<const uint16_t*>(p.gate_up) + r * p.gate_up_row_stride;
     const uint16_t* u_row = g_row + I;
@@ -84,7 +107,7 @@ inline void swiglu_row_values(const SwigluParams& p, int64_t r, float* v) {
         g = g > lim ? lim : g;
         u = u > lim ? lim : (u < -lim ? -lim : u);
       }
-      v[i] = ((g * sigmoid_approx(g)) * u) * w;
+      v[i] = gated_value<kAct>(g, u, alpha) * w;
     }
   } else {
     const float* g_row = static_cast<const float*>(p.gate_up) + r * p.gate_up_row_stride;
@@ -96,8 +119,23 @@ inline void swiglu_row_values(const SwigluParams& p, int64_t r, float* v) {
         g = g > lim ? lim : g;
         u = u > lim ? lim : (u < -lim ? -lim : u);
       }
-      v[i] = ((g * sigmoid_approx(g)) * u) * w;
+      v[i] = gated_value<kAct>(g, u, alpha) * w;
     }
+  }
+}
+
+template <Act kAct>
+inline void swiglu_row_values_for(const SwigluParams& p, int64_t r, float* v) {
+  if (p.gate_up_bf16) {
+    if (p.has_limit)
+      swiglu_row_values<true, true, kAct>(p, r, v);
+    else
+      swiglu_row_values<true, false, kAct>(p, r, v);
+  } else {
+    if (p.has_limit)
+      swiglu_row_values<false, true, kAct>(p, r, v);
+    else
+      swiglu_row_values<false, false, kAct>(p, r, v);
   }
 }
 
@@ -105,16 +143,16 @@ inline void swiglu_row_values(const SwigluParams& p, int64_t r, float* v) {
 inline void swiglu_and_cast_rows(const SwigluParams& p, int64_t r0, int64_t r1, float* v) {
   const int64_t I = p.inter;
   for (int64_t r = r0; r < r1; ++r) {
-    if (p.gate_up_bf16) {
-      if (p.has_limit)
-        swiglu_row_values<true, true>(p, r, v);
-      else
-        swiglu_row_values<true, false>(p, r, v);
-    } else {
-      if (p.has_limit)
-        swiglu_row_values<false, true>(p, r, v);
-      else
-        swiglu_row_values<false, false>(p, r, v);
+    switch (p.act) {
+      case Act::Silu:
+        swiglu_row_values_for<Act::Silu>(p, r, v);
+        break;
+      case Act::SwigluOai:
+        swiglu_row_values_for<Act::SwigluOai>(p, r, v);
+        break;
+      case Act::GeluTanh:
+        swiglu_row_values_for<Act::GeluTanh>(p, r, v);
+        break;
     }
     if (!p.out_fp8) {
       uint16_t* o = static_cast<uint16_t*>(p.out) + r * I;

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..activations import DEFAULT_ALPHA, gated
 from ..module import StaticMoE
 
 try:
@@ -47,6 +48,9 @@ _STATE = "_static_moe_state"
 # Module attributes that may hold the clamp of a clamped SwiGLU (DeepSeek-V4 ``limit``, GLM / HunYuan
 # ``swiglu_limit``).
 _LIMIT_ATTRS = ("limit", "swiglu_limit")
+# Module attributes that may hold the alpha of gpt-oss's GLU (gpt-oss ``alpha``, MiniMax-M3 ``swiglu_alpha``).
+_ALPHA_ATTRS = ("alpha", "swiglu_alpha")
+_BIAS_ATTRS = ("gate_up_proj_bias", "down_proj_bias")
 
 
 class UnsupportedExperts(ValueError):
@@ -118,31 +122,46 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 # ----------------------------------------------------------------------------------------------------------------
 # Which experts the kernels compute
 # ----------------------------------------------------------------------------------------------------------------
-def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """SiLU(min(gate, L)) · clamp(up, −L, L) in float32 (no clamp for L None): what the kernels compute
-    (SPEC §1.4)."""
+@dataclass(frozen=True)
+class ExpertsVariant:
+    """What an experts module computes, in the kernels' terms (SPEC §1.9): the gated activation, its alpha, the
+    clamp (None: none) and whether the projections carry biases."""
+
+    activation: str = "silu"
+    alpha: float = DEFAULT_ALPHA
+    swiglu_limit: float | None = None
+    biases: bool = False
+
+
+def _clamped_gate(gate: torch.Tensor, up: torch.Tensor, limit: float | None, activation: str, alpha: float):
+    """The kernels' activation (SPEC §1.4 clamp, then §1.9 ``activation``) in float32, unweighted."""
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return nn.functional.silu(gate) * up
+    return gated(gate, up, activation, alpha)
 
 
-def _limit_candidates(module) -> list[float]:
+def _number_attrs(module, attrs) -> list[float]:
     out = []
-    for attr in _LIMIT_ATTRS:
+    for attr in attrs:
         v = getattr(module, attr, None)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and float(v) not in out:
             out.append(float(v))
     return out
 
 
-def _gate_limit(module, inter: int, concatenated: bool) -> tuple[bool, float | None, str]:
-    """Whether ``module._apply_gate`` is a (clamped) SwiGLU the kernels compute: (matches, swiglu_limit, detail).
+def _limit_candidates(module) -> list[float]:
+    return _number_attrs(module, _LIMIT_ATTRS)
+
+
+def _gate_variant(module, inter: int, concatenated: bool) -> tuple[ExpertsVariant | None, str]:
+    """Which kernel activation ``module._apply_gate`` is: (variant without biases, "") or (None, why not).
 
     The gate is probed, not read: gate and up values spanning ±4·max(L, 8) for every candidate limit L (the
     module's ``limit`` / ``swiglu_limit``, and none), packed in the module's own layout (concatenated halves or
-    interleaved columns), in float32. It matches when its output equals :func:`_clamped_swiglu` for one candidate
-    to float32 rounding — so a clamp after the activation (Step-3.7, Ling), an alpha-GLU (gpt-oss), a softcap or
-    an activation other than SiLU is refused, whatever the code looks like."""
+    interleaved columns), in float32. It matches when its output equals one of the kernels' activations (SiLU,
+    gpt-oss's swiglu_oai with the module's ``alpha`` / ``swiglu_alpha``, GELU-tanh; SPEC §1.9) with one candidate
+    clamp to float32 rounding — so a clamp after the activation (Step-3.7, Ling), a softcap or another activation
+    is refused, whatever the code looks like."""
     limits = _limit_candidates(module)
     span = 4.0 * max([8.0, *limits])
     rows = 16
@@ -154,17 +173,23 @@ def _gate_limit(module, inter: int, concatenated: bool) -> tuple[bool, float | N
         with torch.no_grad():
             got = module._apply_gate(packed.to(device)).float().cpu()
     except Exception as e:  # any failure of a foreign gate on the probe means: not recognised
-        return False, None, f"it fails on a float32 probe ({type(e).__name__}: {e})"
+        return None, f"it fails on a float32 probe ({type(e).__name__}: {e})"
     if tuple(got.shape) != (rows, inter):
-        return False, None, f"it maps [R, 2I] to {list(got.shape)}, not [R, I]"
+        return None, f"it maps [R, 2I] to {list(got.shape)}, not [R, I]"
+    candidates = [("silu", DEFAULT_ALPHA), ("gelu_tanh", DEFAULT_ALPHA)]
+    candidates += [("swiglu_oai", a) for a in (_number_attrs(module, _ALPHA_ATTRS) or [DEFAULT_ALPHA])]
     best = None
-    for limit in (None, *limits):
-        want = _clamped_swiglu(g, u, limit)
-        err = float((got - want).abs().max() / want.abs().max())
-        if err <= 1e-5:
-            return True, limit, ""
-        best = err if best is None else min(best, err)
-    return False, None, f"its output differs from SiLU(gate)·up by {best:.1e} (relative), with or without the clamp"
+    for activation, alpha in candidates:
+        for limit in (None, *limits):
+            want = _clamped_gate(g, u, limit, activation, alpha)
+            err = float((got - want).abs().max() / want.abs().max())
+            if err <= 1e-5:
+                return ExpertsVariant(activation, alpha, limit), ""
+            best = err if best is None else min(best, err)
+    return None, (
+        f"its output differs from every gated activation the kernels compute (SiLU, swiglu_oai, GELU-tanh) by at "
+        f"least {best:.1e} (relative), with or without the clamp"
+    )
 
 
 def _experts_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,38 +199,75 @@ def _experts_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
     return gu, d
 
 
-def experts_swiglu_limit(module) -> float | None:
-    """The kernels' ``swiglu_limit`` for this experts module (None: no clamp), or UnsupportedExperts naming the
-    class and every variant the kernels do not compute (biases, no gate projection, a post-expert norm, a gate
-    other than the (clamped) SiLU SwiGLU)."""
+def _has_bias(module) -> bool:
+    return bool(getattr(module, "has_bias", False)) or any(getattr(module, b, None) is not None for b in _BIAS_ATTRS)
+
+
+def experts_variant(module) -> ExpertsVariant:
+    """The kernels' activation, alpha, clamp and biases for this experts module, or UnsupportedExperts naming the
+    class and every variant the kernels do not compute (no gate projection, a post-expert norm, a gate other than
+    the kernels' activations, biases of an unexpected shape)."""
     name = type(module).__name__
     variants = []
-    if getattr(module, "has_bias", False) or any(
-        getattr(module, b, None) is not None for b in ("gate_up_proj_bias", "down_proj_bias")
-    ):
-        variants.append("has_bias=True (biased projections)")
     if not getattr(module, "has_gate", True):
         variants.append("has_gate=False (up → activation → down, no gate projection)")
     if getattr(module, "has_post_expert_norm", False):
         variants.append("has_post_expert_norm=True (a norm after each expert's down projection)")
-    limit = None
+    found = ExpertsVariant()
     if getattr(module, "has_gate", True):  # the gate is probed even next to another variant: every one is named
         gu, _ = _experts_weights(module)
         transposed = getattr(module, "is_transposed", False)
         inter = (gu.shape[2] if transposed else gu.shape[1]) // 2
-        ok, limit, detail = _gate_limit(module, inter, getattr(module, "is_concatenated", True))
-        if not ok:
+        got, detail = _gate_variant(module, inter, getattr(module, "is_concatenated", True))
+        if got is None:
             act = getattr(module, "act_fn", None)
             gate = getattr(type(module)._apply_gate, "__qualname__", "_apply_gate")
             act_name = getattr(act, "__name__", type(act).__name__)
             variants.append(
                 f"gate {gate}"
                 + (f" with act_fn {act_name}" if act is not None else "")
-                + f" is not the SiLU SwiGLU the kernels compute: {detail}"
+                + f" is not an activation the kernels compute: {detail}"
             )
+        else:
+            found = got
+    if _has_bias(module):
+        try:
+            _biases(module)
+            found = ExpertsVariant(found.activation, found.alpha, found.swiglu_limit, True)
+        except UnsupportedExperts as e:
+            variants.append(str(e))
     if variants:
         raise UnsupportedExperts(f"{name}: static_moe cannot run these experts: {'; '.join(variants)}")
-    return limit
+    return found
+
+
+def experts_swiglu_limit(module) -> float | None:
+    """The kernels' ``swiglu_limit`` for this experts module (None: no clamp); UnsupportedExperts as
+    :func:`experts_variant`."""
+    return experts_variant(module).swiglu_limit
+
+
+def _biases(module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's biases in the canonical order: gate_up [E, 2I] (gate columns, then up columns) and down
+    [E, H], float32 (a missing one is zero)."""
+    gu, d = _experts_weights(module)
+    transposed = getattr(module, "is_transposed", False)
+    e = gu.shape[0]
+    two_i = gu.shape[2] if transposed else gu.shape[1]
+    h = d.shape[2] if transposed else d.shape[1]
+    out = []
+    for attr, n in zip(_BIAS_ATTRS, (two_i, h)):
+        b = getattr(module, attr, None)
+        if b is None:
+            b = torch.zeros(e, n)
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != (e, n):
+            got = list(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+            raise UnsupportedExperts(f"has_bias=True with {attr} {got}, not [E, {n}] (one bias per expert output)")
+        out.append(b.detach().float())
+    b13, b2 = out
+    if not getattr(module, "is_concatenated", True):  # columns g0, u0, g1, u1, ...
+        b13 = torch.cat((b13[:, 0::2], b13[:, 1::2]), dim=1)
+    return b13.contiguous(), b2.contiguous()
 
 
 class _CanonicalExperts:
@@ -225,24 +287,36 @@ class _CanonicalExperts:
 
 def _source_key(module) -> tuple:
     """Identifies the weights a layer was converted from: replaced or modified in place, the key changes."""
-    return tuple((t.data_ptr(), t._version) for t in _experts_weights(module))
+    tensors = [*_experts_weights(module), *(getattr(module, b, None) for b in _BIAS_ATTRS)]
+    return tuple((t.data_ptr(), t._version) for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _convert(module, top_k: int) -> StaticMoE:
     """The experts module's weights converted once into a StaticMoE layer (ep_size 1) with its options."""
-    limit = experts_swiglu_limit(module)
+    variant = experts_variant(module)
     opts = _state(module).options
     src = _CanonicalExperts(module)
     try:
-        return StaticMoE.from_module(
+        layer = StaticMoE.from_module(
             src,
             top_k=top_k,
             capacity=opts.capacity or DEFAULT_CAPACITY,
             weight_format=opts.weight_format,
             act_format=opts.act_format,
-            swiglu_limit=limit,
+            swiglu_limit=variant.swiglu_limit,
+            activation=variant.activation,
+            alpha=variant.alpha,
+            expert_biases=variant.biases,
             **opts.options,
         )
+        if variant.biases:
+            try:
+                b13, b2 = _biases(module)
+                layer.set_expert_biases(b13.to(layer.w13_bias.device), b2.to(layer.w2_bias.device))
+            except BaseException:
+                layer.close()
+                raise
+        return layer
     except (ValueError, TypeError) as e:
         raise UnsupportedExperts(f"{type(module).__name__}: static_moe cannot run these experts: {e}") from e
 
@@ -334,7 +408,7 @@ def use_static_moe(
     refused: dict[str, list[str]] = {}  # message → the modules it applies to
     for name, m in found:
         try:
-            experts_swiglu_limit(m)
+            experts_variant(m)
         except UnsupportedExperts as e:
             refused.setdefault(str(e), []).append(name or "(the model)")
     if refused:
@@ -388,10 +462,12 @@ __all__ = [
     "DEFAULT_CAPACITY",
     "EXPERTS_IMPLEMENTATION",
     "ExpertsOptions",
+    "ExpertsVariant",
     "UnsupportedExperts",
     "close_static_moe",
     "experts_modules",
     "experts_swiglu_limit",
+    "experts_variant",
     "is_experts_class",
     "static_moe_experts_forward",
     "static_moe_layer",

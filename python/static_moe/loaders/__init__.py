@@ -9,6 +9,9 @@ torch_modules     ``StaticMoE.from_module``               an nn.Module's float e
                                                           list of SwiGLU MLPs; a shared expert and its gate
 deepseek          ``StaticMoE.from_deepseek_state_dict``  a checkpoint's MoE block: per-expert or fused keys,
                                                           bf16 / fp8 with 128×128 block scales / fp4 + UE8M0
+checkpoint_       ``StaticMoE.from_checkpoint``           a safetensors checkpoint on disk (index + shards), this
+experts           (and ``load_checkpoint_experts``)       rank's experts only, read lazily through
+                                                          safetensors_sharded (docs/checkpoints.md)
 ================  ======================================  ======================================================
 
 Every loader works in two collective steps (collective.py): read this rank's experts into checked EOI weights

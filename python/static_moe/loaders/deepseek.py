@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..formats import WEIGHT_FP4_BLOCK, WEIGHT_FP8_BLOCK, as_uint8, expand_block_scales, quantize_weight
+from ..formats import WEIGHT_FP4_BLOCK, WEIGHT_FP8_BLOCK, as_uint8, expand_block_scales
 from ..module import (
     _FLOAT_DTYPES,
     _WEIGHT_NAMES,
@@ -32,6 +32,7 @@ from ..module import (
     _positive_int,
     _weight_shapes,
 )
+from ..ops.quantize_weight import quantize_weight_fast
 from .collective import collectively
 
 
@@ -259,7 +260,7 @@ def _linear_in_format(w: torch.Tensor, s: torch.Tensor | None, src: str, target:
     if src == "bf16":
         if target == "bf16":
             return _check_finite(name, w).to(torch.bfloat16), None
-        return quantize_weight(_check_finite(name, w).float(), target)
+        return quantize_weight_fast(_check_finite(name, w), target, name=name)
     if src != target:
         raise ValueError(
             f"{name}: the checkpoint stores {src} weights; converting them to {target} would quantize "

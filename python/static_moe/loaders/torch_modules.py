@@ -25,6 +25,7 @@ from ..module import (
     _materialized,
     _positive_int,
 )
+from ..ops.quantize_weight import quantize_weight_fast
 from .collective import collectively
 
 
@@ -91,8 +92,8 @@ def _load_float_experts(layer, gate: torch.Tensor, up: torch.Tensor, down: torch
     """This rank's float experts (gate / up [L, I, H], down [L, H, I]) quantized to the layer's weight_format and
     stored on the layer's device."""
     w13 = torch.cat((gate, up), dim=1)
-    w13_q, w13_s = quantize_weight(w13.to(layer.w13.device), layer.weight_format)
-    w2_q, w2_s = quantize_weight(down.to(layer.w13.device), layer.weight_format)
+    w13_q, w13_s = quantize_weight_fast(w13.to(layer.w13.device), layer.weight_format, name="w13")
+    w2_q, w2_s = quantize_weight_fast(down.to(layer.w13.device), layer.weight_format, name="w2")
     layer.set_expert_weights(w13_q, w13_s, w2_q, w2_s)
 
 

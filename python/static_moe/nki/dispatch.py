@@ -1,12 +1,16 @@
-"""Dispatch of ``torch.ops.static_moe.expert_gemm`` / ``local_experts`` to the NKI kernels.
+"""Dispatch of the ``torch.ops.static_moe`` ops to the NKI kernels.
 
 Three paths, each taken only where it can run (:func:`status` says which and why not):
 
 1. **Neuron device.** Where torch-neuronx is importable, tensors live on its device: the XLA device
    (``torch_xla``, dispatch key ``XLA``) or the native ``neuron`` device (``PrivateUse1`` renamed ``neuron``).
-   :func:`register_neuron_kernels` registers, for each such key, an implementation of the two ops that launches
-   the kernel through ``nki.jit`` on the op's device tensors. ``import static_moe`` calls it; it is a no-op
-   (returns ``[]``) where neither backend is importable. The op's argument checks run first (SPEC §5).
+   :func:`register_neuron_kernels` registers, for each such key, all six ops: ``pack_rows``, ``unpack_rows``,
+   ``swiglu_and_cast``, ``expert_gemm`` and ``local_experts`` launch their kernel through ``nki.jit`` on the
+   op's device tensors, and ``forward`` is its composite body (ops/forward.py), which calls those. ``import
+   static_moe`` calls it; it is a no-op (returns ``[]``) where neither backend is importable. The op's argument
+   checks run first (SPEC §5). The repository's test device (``tools/neuron_test_device.py``, a PrivateUse1
+   ``neuron`` device on CPU memory) registers the same functions with ``keys=["PrivateUse1"]``, its ``jit`` being
+   the interpreter's, so the tests run this path.
 2. **Real NKI without a device.** :func:`expert_gemm` / :func:`local_experts` on CPU tensors run the kernel
    through ``nki.simulate`` (the target is forced to trn2 unless ``NEURON_PLATFORM_TARGET_OVERRIDE`` says
    otherwise: off-device the simulator would default to trn3).
@@ -32,7 +36,7 @@ import os
 
 import torch
 
-_OPS = ("expert_gemm", "local_experts")
+_OPS = ("pack_rows", "unpack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward")
 _registered: list[str] = []
 
 
@@ -161,8 +165,17 @@ def _shim():
 def _kernels():
     from ..nki_kernels.expert_gemm import expert_gemm_kernel
     from ..nki_kernels.local_experts import local_experts_kernel
+    from ..nki_kernels.pack_rows import pack_rows as pack_rows_kernel
+    from ..nki_kernels.pack_rows import unpack_rows as unpack_rows_kernel
+    from ..nki_kernels.swiglu_and_cast import swiglu_and_cast as swiglu_and_cast_kernel
 
-    return {"expert_gemm": expert_gemm_kernel, "local_experts": local_experts_kernel}
+    return {
+        "expert_gemm": expert_gemm_kernel,
+        "local_experts": local_experts_kernel,
+        "pack_rows": pack_rows_kernel,
+        "unpack_rows": unpack_rows_kernel,
+        "swiglu_and_cast": swiglu_and_cast_kernel,
+    }
 
 
 def _on_neuron(t: torch.Tensor) -> bool:
@@ -187,11 +200,132 @@ def _e4m3fn_native() -> bool:
     return shim.interpreter.get_target().name == "trn3"
 
 
-def expert_gemm(a, a_scale, b, b_scale, row_mask, expert, weight_layout="eoi", *, skip_unrouted: bool = True):
+def refuse_variants(op: str, activation="silu", biases=()) -> None:
+    """The NKI kernels compute the SiLU experts without biases (SPEC §1.7); the SPEC §1.9 variants are refused with
+    a ValueError naming the argument, after the shared checks have validated it."""
+    if activation != "silu":
+        raise ValueError(
+            f'{op} (NKI): activation="{activation}" is not implemented by the NKI kernels yet (only "silu"); '
+            "run these experts on CPU or CUDA"
+        )
+    for name, t in biases:
+        if t is not None:
+            raise ValueError(
+                f"{op} (NKI): {name} is not implemented by the NKI kernels yet (experts without biases only); "
+                "run these experts on CPU or CUDA"
+            )
+
+
+def _byte_rows(t):
+    """A part [T, ...] as the uint8 [T, bytes per row] it packs to (a free view of a contiguous tensor)."""
+    return t.contiguous().reshape(t.shape[0], -1).view(torch.uint8)
+
+
+def pack_rows(parts, capacity):
+    """``torch.ops.static_moe.pack_rows`` through the NKI kernel (nki_kernels/pack_rows.py): uint8 [C, W] on the
+    parts' device. Every part goes to the kernel as its uint8 bytes [T, row bytes] (the kernel copies bytes
+    anyway, and so takes dtypes NKI lacks, such as int64). T = 0 (a rank without tokens) is all padding: the
+    kernel needs T ≥ 1, so the 0xFF buffer is made by a fill on the device instead."""
+    from ..packed_layout import PAD_BYTE
+
+    parts = list(parts)
+    if not parts:
+        raise ValueError("pack_rows: parts must hold at least one tensor [T, ...], got an empty list")
+    from .. import _C
+
+    width = _C.check_pack_rows(parts, capacity)
+    if parts[0].shape[0] == 0:
+        return torch.full((capacity, width), PAD_BYTE, dtype=torch.uint8, device=parts[0].device)
+    byte_parts = tuple(_byte_rows(p) for p in parts)
+    return _launch("pack_rows", (byte_parts, int(capacity)), _on_neuron(parts[0]))
+
+
+def unpack_rows(packed, offset, nbytes, dtype, row_shape):
+    """``torch.ops.static_moe.unpack_rows`` through the NKI kernel: ``dtype [R, *row_shape]`` on packed's device.
+    The kernel copies the span as bytes into an NKI tensor of ``dtype`` where NKI has that dtype; other dtypes
+    (int64, float64, fp4 / e8m0 pairs) and R = 0 come back as the uint8 span viewed as ``dtype`` on the device."""
+    from .. import _C
+
+    _C.check_unpack_rows(packed, offset, nbytes, dtype, list(row_shape))
+    rows, row_shape = packed.shape[0], tuple(int(d) for d in row_shape)
+    shim = _shim()
+    try:
+        nl_dtype = shim.nl_dtype(dtype)
+    except ValueError:
+        nl_dtype = None
+    if nl_dtype is not None and rows > 0 and nbytes > 0 and row_shape:
+        return _launch("unpack_rows", (packed, int(offset), int(nbytes), nl_dtype, row_shape), _on_neuron(packed))
+    if rows > 0 and nbytes > 0:
+        span = _launch(
+            "unpack_rows", (packed, int(offset), int(nbytes), shim.nl.uint8, (int(nbytes),)), _on_neuron(packed)
+        )
+    else:
+        span = packed[:, offset : offset + nbytes].clone()
+    return span.view(dtype).reshape(rows, *row_shape)
+
+
+def swiglu_and_cast(
+    gate_up,
+    row_weight,
+    swiglu_limit,
+    out_format="fp8",
+    group_size=128,
+    fp8_max=448.0,
+    pow2_scale=True,
+    activation="silu",
+    alpha=1.702,
+):
+    """``torch.ops.static_moe.swiglu_and_cast`` through the NKI kernel (nki_kernels/swiglu_and_cast.py). Returns
+    (q, s) on gate_up's device: fp8 (float8_e4m3fn [R, I], float32 [R, I/g]) or bf16 (bf16 [R, I], float32
+    [R, 0]: NKI tensors have no zero-sized dim, so the empty scale is made here). fp8_max > 240 needs native
+    e4m3fn (trn3), as for local_experts. An ``activation`` other than "silu" (SPEC §1.9) is checked, then refused.
+    """
+    from .. import _C
+
+    _C.check_swiglu_and_cast(
+        gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max, pow2_scale, activation, alpha
+    )
+    refuse_variants("swiglu_and_cast", activation)
+    if out_format == "fp8" and fp8_max > 240.0 and not _e4m3fn_native():
+        raise ValueError(
+            f"swiglu_and_cast: fp8_max={fp8_max} needs OCP float8_e4m3fn on chip (trn3); trn2's on-chip fp8 "
+            "(float8_e4m3) tops out at 240 — pass fp8_max=240 on trn2 (SPEC §1.1)"
+        )
+    rows = gate_up.shape[0]
+    inter = gate_up.shape[1] // 2
+    if rows == 0:
+        if out_format == "bf16":
+            return gate_up.new_empty((0, inter), dtype=torch.bfloat16), gate_up.new_empty((0, 0), dtype=torch.float32)
+        groups = inter // group_size
+        return (
+            gate_up.new_empty((0, inter), dtype=torch.float8_e4m3fn),
+            gate_up.new_empty((0, groups), dtype=torch.float32),
+        )
+    weight = None if row_weight is None else row_weight.to(torch.float32)
+    out = _launch(
+        "swiglu_and_cast",
+        (gate_up, weight),
+        _on_neuron(gate_up),
+        swiglu_limit=None if swiglu_limit is None else float(swiglu_limit),
+        out_format=out_format,
+        group_size=int(group_size),
+        fp8_max=float(fp8_max),
+        pow2_scale=bool(pow2_scale),
+    )
+    if out_format == "bf16":
+        return out, gate_up.new_empty((rows, 0), dtype=torch.float32)
+    return tuple(out)
+
+
+def expert_gemm(
+    a, a_scale, b, b_scale, row_mask, expert, weight_layout="eoi", bias=None, *, skip_unrouted: bool = True
+):
     """``torch.ops.static_moe.expert_gemm`` through the NKI kernel: on the Neuron device when the tensors live
     there, else through the simulator / interpreter. Returns bf16 [R, N] on the inputs' device.
-    ``weight_layout``: "eoi" or "eio" (static_moe.layouts), handed to the kernel as a keyword (module doc)."""
-    _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert, weight_layout=weight_layout)
+    ``weight_layout``: "eoi" or "eio" (static_moe.layouts), handed to the kernel as a keyword (module doc).
+    ``bias`` (SPEC §1.9) is refused: the NKI kernel has no bias epilogue yet."""
+    _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert, weight_layout=weight_layout, bias=bias)
+    refuse_variants("expert_gemm", biases=(("bias", bias),))
     args = expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert)
     check_trn2_fp8_bytes("expert_gemm", (("b", b[int(expert) : int(expert) + 1]),), weight_layout, _e4m3fn_native())
     return _launch("expert_gemm", args, _on_neuron(a), skip_unrouted=skip_unrouted, **_layout_flags(weight_layout))
@@ -210,11 +344,16 @@ def local_experts(
     swiglu_limit=None,
     fp8_max=448.0,
     weight_layout="eoi",
+    activation="silu",
+    alpha=1.702,
+    w13_bias=None,
+    w2_bias=None,
     *,
     skip_unrouted: bool = True,
 ):
     """``torch.ops.static_moe.local_experts`` through the fused NKI kernel (device, or simulator / interpreter).
-    Returns float32 [R, H]. ``weight_layout``: "eoi" or "eio", handed to the kernel as a keyword (module doc)."""
+    Returns float32 [R, H]. ``weight_layout``: "eoi" or "eio", handed to the kernel as a keyword (module doc).
+    The SPEC §1.9 variants (an activation other than "silu", biases) are checked, then refused (ValueError)."""
     _check(
         "local_experts",
         x,
@@ -229,7 +368,12 @@ def local_experts(
         swiglu_limit,
         fp8_max,
         weight_layout=weight_layout,
+        activation=activation,
+        alpha=alpha,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
+    refuse_variants("local_experts", activation, (("w13_bias", w13_bias), ("w2_bias", w2_bias)))
     native = _e4m3fn_native()
     check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_layout, native)
     check_trn2_fp8_bytes("local_experts", (("w13", w13), ("w2", w2)), weight_layout, native)
@@ -266,15 +410,33 @@ def neuron_dispatch_keys() -> tuple[list[str], str]:
     return keys, "; ".join(why)
 
 
-def register_neuron_kernels() -> list[str]:
-    """Register the NKI kernels as the Neuron-device implementations of ``static_moe::expert_gemm`` and
-    ``static_moe::local_experts``. Idempotent; returns the keys registered (``[]`` without a Neuron backend)."""
-    if _registered:
-        return list(_registered)
-    keys, _ = neuron_dispatch_keys()
+def _implementations() -> dict:
+    from ..ops.forward import forward_kernel
+
+    return {
+        "pack_rows": pack_rows,
+        "unpack_rows": unpack_rows,
+        "swiglu_and_cast": swiglu_and_cast,
+        "expert_gemm": expert_gemm,
+        "local_experts": local_experts,
+        "forward": forward_kernel,
+    }
+
+
+def register_neuron_kernels(keys=None) -> list[str]:
+    """Register the Neuron-device implementations of all six ``static_moe`` ops (module doc, path 1) for each
+    dispatch key in ``keys`` (default: :func:`neuron_dispatch_keys`, ``[]`` without a Neuron backend; the test
+    device passes ``["PrivateUse1"]``). Idempotent per key; returns every key registered so far."""
+    if keys is None:
+        keys, _ = neuron_dispatch_keys()
+    impls = _implementations() if keys else {}
     for key in keys:
-        torch.library.impl("static_moe::expert_gemm", key)(expert_gemm)
-        torch.library.impl("static_moe::local_experts", key)(local_experts)
+        if key in _registered:
+            continue
+        if key not in ("XLA", "PrivateUse1"):
+            raise ValueError(f"register_neuron_kernels: keys must be 'XLA' or 'PrivateUse1', got {key!r}")
+        for op in _OPS:
+            torch.library.impl(f"static_moe::{op}", key)(impls[op])
         _registered.append(key)
     return list(_registered)
 

@@ -40,9 +40,12 @@ from torch.profiler import record_function
 
 from .. import _C
 from .. import workspace as _workspace
+from ..activations import DEFAULT_ALPHA
 from ..formats import FP8_E4M3FN_MAX, as_uint8
 from ..layouts import layout_format as _layout_format
 from ..packed_layout import pack_layout, part_nbytes
+from . import combine as _combine_ops
+from . import dispatch as _dispatch
 from . import step_status as _status
 
 _c10d = torch.ops._c10d_functional
@@ -96,6 +99,10 @@ def check_forward(
     ep_size: int,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    variant: dict | None = None,
+    dispatch: str = "all_gather",
+    combine: str = "fp32",
+    dispatch_capacity: int = 0,
 ) -> ForwardDims:
     """Metadata-only checks of forward's arguments (SPEC §5), shared by the kernel and the fake.
 
@@ -107,7 +114,8 @@ def check_forward(
     what is forward's own — positive H, I and k (the workspace is sized by them), T ≤ C, the EP topology and
     shared_output. Under symbolic sizes (torch.compile with dynamic shapes) the C++ check cannot read sizes and
     is left to the kernel, as in local_experts' fake. ``weight_layout`` ("eoi" or the prepared "eio") says how
-    w13 / w2 are laid out; local_experts' check validates it and the shapes it implies.
+    w13 / w2 are laid out; local_experts' check validates it and the shapes it implies. ``variant``: the SPEC
+    §1.9 keyword arguments (activation, alpha, w13_bias, w2_bias) handed on to local_experts, checked by it too.
 
     Raises ValueError / TypeError naming the argument, what was expected and what came. Reads no tensor values.
     """
@@ -121,6 +129,7 @@ def check_forward(
             f"forward: capacity must be a positive int, at most 2^31 − 1 (the packed rows and the "
             f"step header count rows in int32), got {capacity!r}"
         )
+    check_dispatch(dispatch, combine, dispatch_capacity, capacity)
 
     # --- everything local_experts will be given (its offset ep_rank·L >= 0 is checked above, so 0 stands in) ----
     if not _symbolic(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale):
@@ -138,6 +147,7 @@ def check_forward(
             fp8_max,
             "forward",
             weight_layout,
+            **(variant or {}),
         )
     t, h = x.shape
     act = "fp8" if x.dtype == torch.float8_e4m3fn else "bf16"
@@ -179,6 +189,30 @@ def check_forward(
     return ForwardDims(t, h, inter, num_local, k, act, group, _weight_format(w13, weight_layout))
 
 
+def check_dispatch(dispatch, combine, dispatch_capacity, capacity: int) -> None:
+    """SPEC §7's arguments: dispatch "all_gather" | "all_to_all", combine "fp32" | "bf16" ("all_to_all" needs
+    "bf16"), dispatch_capacity 0 with "all_gather", in [1, capacity] with "all_to_all". ValueError naming them."""
+    if dispatch not in _workspace.DISPATCHES:
+        raise ValueError(f"forward: dispatch must be one of {_workspace.DISPATCHES}, got {dispatch!r}")
+    if combine not in _workspace.COMBINES:
+        raise ValueError(f"forward: combine must be one of {_workspace.COMBINES}, got {combine!r}")
+    if not isinstance(dispatch_capacity, int) or isinstance(dispatch_capacity, bool):
+        raise ValueError(f"forward: dispatch_capacity must be an int, got {dispatch_capacity!r}")
+    if dispatch == "all_to_all":
+        if combine != "bf16":
+            raise ValueError("forward: dispatch='all_to_all' returns bf16 partials: it needs combine='bf16'")
+        if not 1 <= dispatch_capacity <= capacity:
+            raise ValueError(
+                f"forward: dispatch_capacity must lie in [1, capacity={capacity}] with dispatch='all_to_all', "
+                f"got {dispatch_capacity}"
+            )
+    elif dispatch_capacity != 0:
+        raise ValueError(
+            f"forward: dispatch_capacity must be 0 with dispatch='all_gather' (it sizes the all-to-all's "
+            f"blocks), got {dispatch_capacity}"
+        )
+
+
 def workspace_spec(
     dims: ForwardDims,
     num_experts: int,
@@ -187,6 +221,9 @@ def workspace_spec(
     device: torch.device,
     swiglu_limit=None,
     fp8_max: float = FP8_E4M3FN_MAX,
+    dispatch: str = "all_gather",
+    combine: str = "fp32",
+    dispatch_capacity: int = 0,
 ) -> _workspace.WorkspaceSpec:
     """The workspace spec a call with these dimensions looks its buffers up under."""
     return _workspace.WorkspaceSpec(
@@ -202,6 +239,9 @@ def workspace_spec(
         device=str(device),
         swiglu_limit=swiglu_limit,
         fp8_max=fp8_max,
+        dispatch=dispatch,
+        combine=combine,
+        dispatch_capacity=dispatch_capacity,
     )
 
 
@@ -301,8 +341,7 @@ def _packed_parts(x, x_scale, topk_idx, topk_weights) -> list[torch.Tensor]:
     return parts + [topk_idx.to(torch.int32), topk_weights.to(torch.float32)]
 
 
-@torch.library.impl("static_moe::forward", "CompositeExplicitAutograd")
-def _forward_kernel(
+def forward_kernel(
     x,
     x_scale,
     topk_idx,
@@ -320,7 +359,15 @@ def _forward_kernel(
     ep_size,
     fp8_max=FP8_E4M3FN_MAX,
     weight_layout="eoi",
+    activation="silu",
+    alpha=DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
+    dispatch="all_gather",
+    combine="fp32",
+    dispatch_capacity=0,
 ):
+    variant = _variant(activation, alpha, w13_bias, w2_bias)
     if _collective(group_name, ep_size):
         return _forward_collective(
             x,
@@ -340,6 +387,10 @@ def _forward_kernel(
             ep_size,
             fp8_max,
             weight_layout,
+            variant=variant,
+            dispatch=dispatch,
+            combine=combine,
+            dispatch_capacity=dispatch_capacity,
         )
     dims = check_forward(
         x,
@@ -358,6 +409,10 @@ def _forward_kernel(
         ep_size,
         fp8_max,
         weight_layout,
+        variant,
+        dispatch,
+        combine,
+        dispatch_capacity,
     )
     check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)  # the value checks of S > 1, same words
     if x.device.type == "cpu":
@@ -367,9 +422,27 @@ def _forward_kernel(
         parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
         packed = torch.ops.static_moe.pack_rows(parts, capacity)
     acc = _local_step(
-        packed, parts, x_scale is not None, w13, w13_scale, w2, w2_scale, 0, swiglu_limit, fp8_max, weight_layout
+        packed,
+        parts,
+        x_scale is not None,
+        w13,
+        w13_scale,
+        w2,
+        w2_scale,
+        0,
+        swiglu_limit,
+        fp8_max,
+        weight_layout,
+        variant,
     )
+    if combine == "bf16":  # SPEC §7: the one rank's partial, rounded once (S = 1: no collective either way)
+        acc = acc.to(torch.bfloat16).float()
     return _combine(acc, dims.tokens, shared_output)
+
+
+# Registered by a call, not as a decorator: torch.library.impl's decorator returns None, which would leave
+# ``forward_kernel`` None for the Neuron registrations (static_moe.nki.dispatch) that reuse it.
+torch.library.impl("static_moe::forward", "CompositeExplicitAutograd")(forward_kernel)
 
 
 def _collective(group_name: str, ep_size) -> bool:
@@ -388,8 +461,24 @@ def _collective(group_name: str, ep_size) -> bool:
         return False
 
 
+def _variant(activation, alpha, w13_bias, w2_bias) -> dict:
+    """The SPEC §1.9 arguments, as local_experts (and its check) take them by keyword."""
+    return dict(activation=activation, alpha=alpha, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
 def _local_step(
-    gathered, parts, has_scale, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, weight_layout="eoi"
+    gathered,
+    parts,
+    has_scale,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    expert_offset,
+    swiglu_limit,
+    fp8_max,
+    weight_layout="eoi",
+    variant=None,
 ) -> torch.Tensor:
     """unpack every part of the gathered rows, then local_experts: fp32 [rows, H]."""
     with record_function(PHASE_PREFIX + "unpack"):
@@ -402,7 +491,19 @@ def _local_step(
         g_idx, g_w = g[-2], g[-1]
     with record_function(PHASE_PREFIX + "local_experts"):
         return torch.ops.static_moe.local_experts(
-            g_x, g_xs, g_idx, g_w, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, weight_layout
+            g_x,
+            g_xs,
+            g_idx,
+            g_w,
+            w13,
+            w13_scale,
+            w2,
+            w2_scale,
+            expert_offset,
+            swiglu_limit,
+            fp8_max,
+            weight_layout,
+            **(variant or {}),
         )
 
 
@@ -416,7 +517,19 @@ def _combine(scattered, tokens, shared_output):
 
 # --- the collective step (S > 1) -----------------------------------------------------------------------------
 def _call_config(
-    x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, ep_size, weight_layout="eoi"
+    x,
+    x_scale,
+    topk_idx,
+    w13,
+    num_experts,
+    capacity,
+    swiglu_limit,
+    fp8_max,
+    ep_size,
+    weight_layout="eoi",
+    dispatch="all_gather",
+    combine="fp32",
+    dispatch_capacity=0,
 ) -> dict:
     """What this rank's call says about the configuration every rank must share, read leniently from metadata (a
     field its arguments are too malformed to give is None); values as WorkspaceSpec spells them."""
@@ -448,6 +561,9 @@ def _call_config(
         act_group=group,
         swiglu_limit=swiglu_limit if limit_ok else None,
         fp8_max=(float(fp8_max) if act == "fp8" and _finite_f32(fp8_max) else FP8_E4M3FN_MAX),
+        dispatch=dispatch,
+        combine=combine,
+        dispatch_capacity=dispatch_capacity,
     )
 
 
@@ -487,6 +603,9 @@ def _spec_of(cfg: dict, device) -> _workspace.WorkspaceSpec | None:
             device=str(device),
             swiglu_limit=cfg["swiglu_limit"],
             fp8_max=cfg["fp8_max"],
+            dispatch=cfg["dispatch"],
+            combine=cfg["combine"],
+            dispatch_capacity=cfg["dispatch_capacity"],
         )
     except (ValueError, TypeError):
         return None
@@ -506,10 +625,11 @@ def _capturing(t) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _frame(ws, kind, error, cfg, x_scale, topk_idx, topk_weights, x) -> tuple:
+def _frame(ws, kind, error, cfg, x_scale, topk_idx, topk_weights, x, room: int) -> tuple:
     """Pack this rank's send buffer: its rows and a header with the value words (kind OK), or its error's message
-    (an error kind), or nothing (NEED_FRAME). Returns (kind, error, parts): a failure while packing an OK call
-    becomes that call's error, so the step still reports it on every rank."""
+    (an error kind, cut to ``room`` bytes: what one sender's block carries), or nothing (NEED_FRAME). Returns
+    (kind, error, parts): a failure while packing an OK call becomes that call's error, so the step still reports
+    it on every rank."""
     c, pw = ws.spec.capacity, ws.spec.parts_width
     if kind == _status.OK:
         try:
@@ -522,7 +642,7 @@ def _frame(ws, kind, error, cfg, x_scale, topk_idx, topk_weights, x) -> tuple:
             return kind, None, parts
         except Exception as e:  # noqa: BLE001  (reported like a failed check)
             kind, error = _status.error_kind(e), e
-    message = b"" if kind == _status.NEED_FRAME else _status.message_bytes(_status.describe_error(error), c * pw)
+    message = b"" if kind == _status.NEED_FRAME else _status.message_bytes(_status.describe_error(error), room)
     header = _status.build_header(
         ws.send.device, kind, len(message), _status.call_config_words(cfg, kind == _status.NEED_FRAME), None, None
     )
@@ -576,6 +696,10 @@ def _forward_collective(
     weight_layout="eoi",
     retry: bool = True,
     preset_error: BaseException | None = None,
+    variant: dict | None = None,
+    dispatch: str = "all_gather",
+    combine: str = "fp32",
+    dispatch_capacity: int = 0,
 ):
     pg, size, rank = _resolve_group(group_name, ep_size)
     # From here to the all-gather every exception, whatever its type, is this rank's verdict to report, never a
@@ -602,10 +726,26 @@ def _forward_collective(
                 ep_size,
                 fp8_max,
                 weight_layout,
+                variant,
+                dispatch,
+                combine,
+                dispatch_capacity,
             )
             check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)
             cfg = _call_config(
-                x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, fp8_max, size, weight_layout
+                x,
+                x_scale,
+                topk_idx,
+                w13,
+                num_experts,
+                capacity,
+                swiglu_limit,
+                fp8_max,
+                size,
+                weight_layout,
+                dispatch,
+                combine,
+                dispatch_capacity,
             )
             spec = _spec_of(cfg, x.device)
         except Exception as e:  # noqa: BLE001
@@ -625,20 +765,40 @@ def _forward_collective(
             "cannot be switched during CUDA graph capture: run one eager step with them first"
         )
     c, pw = ws.spec.capacity, ws.spec.parts_width
+    # The step runs the group's current workspace's dispatch and combine (the same on every rank); a call that
+    # asks for others is NEED_FRAME above, and the verdict switches every rank alike.
+    slotted = ws.spec.dispatch == "all_to_all"
+    block = ws.spec.dispatch_capacity if slotted else c  # rows of one sender's block in the dispatched buffer
 
     with record_function(PHASE_PREFIX + "pack"):
-        kind, error, parts = _frame(ws, kind, error, cfg, x_scale, topk_idx, topk_weights, x)
+        kind, error, parts = _frame(ws, kind, error, cfg, x_scale, topk_idx, topk_weights, x, block * pw)
 
-    with record_function(PHASE_PREFIX + "all_gather"):
-        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(ws.send, size, group_name, out=ws.gathered))
+    slots = None
+    if slotted:
+        with record_function(PHASE_PREFIX + "all_to_all"):
+            header = ws.send[0, pw:].view(torch.int32).clone()
+            if kind == _status.OK:
+                slots = _dispatch.slot_rows(topk_idx, c, num_experts, size, block)
+                header[2:3] = slots.overflow  # word 2 of an OK header: rows this rank could not slot
+            _dispatch.fill_blocks(ws.blocks, ws.send, pw, block, slots, header)
+            rows = _dispatch.all_to_all(ws.received, ws.blocks, pg, "dispatch_all_to_all")
+        headers = _dispatch.block_headers(rows, pw, block)
+    else:
+        with record_function(PHASE_PREFIX + "all_gather"):
+            rows = _dispatch.all_gather(ws.send, ws.gathered, size, group_name)
+        headers = _status.gathered_headers(rows, c, pw)
 
-    headers = _status.gathered_headers(gathered, c, pw)
     poison = None
+    overflowed = False
     if _capturing(headers):
         poison = _status.device_verdict(headers)
+        if slotted:
+            flag = _status.device_overflow(headers)
+            ws.overflow.copy_(flag.to(torch.int32).reshape(1))
+            poison = poison | flag
     else:
         host = headers.cpu().tolist()  # the step's one host read (a stream sync on CUDA)
-        verdict = _status.decide(host, _status.read_messages(gathered, host, c, pw))
+        verdict = _status.decide(host, _status.read_messages(rows, host, block, pw))
         _status.raise_verdict(verdict, rank, size, error)
         if verdict.need_frame:  # every rank's call is fine and needs other shapes: switch, on every rank alike
             target = _workspace.find_frame(group_name, spec)
@@ -666,12 +826,31 @@ def _forward_collective(
                 fp8_max,
                 weight_layout,
                 retry=False,
+                variant=variant,
+                dispatch=dispatch,
+                combine=combine,
+                dispatch_capacity=dispatch_capacity,
             )
+        if slotted:
+            overflowed = bool(_status.overflow_ranks(host))
+            ws.overflow.fill_(int(overflowed))
+
+    if overflowed:
+        # SPEC §7: some sender had more rows for a rank than Cd. Every rank read the same S counts, so every rank
+        # recomputes the step here with the all-gather dispatch (its send frame is still in ws.send) and the same
+        # bf16 combine: the exact result, bitwise what a large enough Cd would have given.
+        with record_function(PHASE_PREFIX + "all_gather"):
+            rows = _dispatch.all_gather(ws.send, ws.gathered, size, group_name)
+        slotted, slots = False, None
+        partial_buf = returned_buf = None
+    else:
+        partial_buf, returned_buf = (ws.partial, ws.returned) if ws.spec.combine == "bf16" else (None, None)
 
     kernel_error = None
+    nrows = rows.shape[0]
     try:
         acc = _local_step(
-            gathered[:, :pw],
+            rows[:, :pw],
             parts,
             x_scale is not None,
             w13,
@@ -682,25 +861,37 @@ def _forward_collective(
             swiglu_limit,
             fp8_max,
             weight_layout,
+            variant,
         )
     except Exception as e:  # noqa: BLE001
         # Expected only for what is checked inside local_experts rather than before the all-gather: on CPU / CUDA
         # weight_layout="eio" is refused here (after pack and all-gather, the error prefixed "local_experts: ").
-        # The other ranks are already on their way to the reduce-scatter: take part with NaN, so their outputs
-        # show it, then raise.
+        # The other ranks are already on their way to the combine: take part with NaN, so their outputs show it,
+        # then raise.
         kernel_error = e
-        acc = torch.full((size * c, dims.hidden), float("nan"), dtype=torch.float32, device=x.device)
+        acc = torch.full((nrows, dims.hidden), float("nan"), dtype=torch.float32, device=x.device)
 
-    with record_function(PHASE_PREFIX + "reduce_scatter"):
-        # On symmetric memory the reduce-scatter's input must be the registered buffer, so local_experts' result
-        # is copied there (until local_experts can write into a given buffer). Elsewhere (gloo, plain NCCL) any
-        # tensor will do and the copy — S·C·H fp32, 7.3 MB at V3 T = 128 — would only lengthen the step.
-        if ws.symmetric:
-            acc = ws.acc.copy_(acc)
-        scattered = _c10d.wait_tensor(_c10d.reduce_scatter_tensor_out(acc, "sum", size, group_name, out=ws.scattered))
+    if ws.spec.combine == "fp32":
+        with record_function(PHASE_PREFIX + "reduce_scatter"):
+            # On symmetric memory the reduce-scatter's input must be the registered buffer, so local_experts'
+            # result is copied there (until local_experts can write into a given buffer). Elsewhere (gloo, plain
+            # NCCL) any tensor will do and the copy — S·C·H fp32, 7.3 MB at V3 T = 128 — would only lengthen the
+            # step.
+            if ws.symmetric:
+                acc = ws.acc.copy_(acc)
+            summed = _combine_ops.reduce_scatter_fp32(acc, ws.scattered, size, group_name)
+    else:
+        with record_function(PHASE_PREFIX + "combine_all_to_all"):
+            if partial_buf is None:  # the recomputation after an overflow: bf16 [S·C, H] temporaries
+                partial_buf = torch.empty(acc.shape, dtype=torch.bfloat16, device=acc.device)
+                returned_buf = torch.empty_like(partial_buf)
+            if slotted:
+                summed = _combine_ops.combine_bf16_slotted(acc, partial_buf, returned_buf, pg, slots.dest)
+            else:
+                summed = _combine_ops.combine_bf16_gathered(acc, partial_buf, returned_buf, pg, size)
     if kernel_error is not None:
         raise kernel_error
-    out = _combine(scattered, dims.tokens, shared_output)
+    out = _combine(summed, dims.tokens, shared_output)
     if poison is not None:
         out = torch.where(poison, torch.full_like(out, float("nan")), out)
     return out
@@ -753,6 +944,13 @@ def _forward_fake(
     ep_size,
     fp8_max=FP8_E4M3FN_MAX,
     weight_layout="eoi",
+    activation="silu",
+    alpha=DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
+    dispatch="all_gather",
+    combine="fp32",
+    dispatch_capacity=0,
 ):
     if _collective(group_name, ep_size):
         _report_meta_call(
@@ -787,6 +985,10 @@ def _forward_fake(
             ep_size,
             fp8_max,
             weight_layout,
+            _variant(activation, alpha, w13_bias, w2_bias),
+            dispatch,
+            combine,
+            dispatch_capacity,
         )
     except Exception:  # noqa: BLE001
         # A collective step: the kernel reports this error on every rank at run time. Raising here, at trace time
@@ -808,6 +1010,8 @@ _SCHEMA_TENSORS = (
     ("w2", False),
     ("w2_scale", True),
     ("shared_output", True),
+    ("w13_bias", True),
+    ("w2_bias", True),
 )
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -830,6 +1034,13 @@ def schema_error(
     ep_size,
     fp8_max,
     weight_layout,
+    activation="silu",
+    alpha=DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
+    dispatch="all_gather",
+    combine="fp32",
+    dispatch_capacity=0,
 ) -> Exception | None:
     """The error the op's schema would raise for these arguments (before the op's body, on one rank), as
     TypeError / ValueError naming the argument, or None when the schema accepts them."""
@@ -843,6 +1054,8 @@ def schema_error(
         w2=w2,
         w2_scale=w2_scale,
         shared_output=shared_output,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
     for name, optional in _SCHEMA_TENSORS:
         t = given[name]
@@ -850,12 +1063,22 @@ def schema_error(
             return TypeError(
                 f"forward: {name} must be a tensor{' or None' if optional else ''}, got {type(t).__name__}"
             )
-    for name, v in (("num_experts", num_experts), ("capacity", capacity), ("ep_rank", ep_rank), ("ep_size", ep_size)):
+    for name, v in (
+        ("num_experts", num_experts),
+        ("capacity", capacity),
+        ("ep_rank", ep_rank),
+        ("ep_size", ep_size),
+        ("dispatch_capacity", dispatch_capacity),
+    ):
         if not isinstance(v, int) or isinstance(v, bool):
             return ValueError(f"forward: {name} must be a positive int, got {v!r}")
         if not _INT64[0] <= v <= _INT64[1]:
             return ValueError(f"forward: {name} must fit in int64, got {v!r}")
-    for name, v, optional in (("swiglu_limit", swiglu_limit, True), ("fp8_max", fp8_max, False)):
+    for name, v, optional in (
+        ("swiglu_limit", swiglu_limit, True),
+        ("fp8_max", fp8_max, False),
+        ("alpha", alpha, False),
+    ):
         if optional and v is None:
             continue
         if not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -866,7 +1089,13 @@ def schema_error(
             return ValueError(
                 f"forward: {name} must be None or a positive finite number, got {v!r} (it overflows a float)"
             )
-    for name, v in (("group_name", group_name), ("weight_layout", weight_layout)):
+    for name, v in (
+        ("group_name", group_name),
+        ("weight_layout", weight_layout),
+        ("activation", activation),
+        ("dispatch", dispatch),
+        ("combine", combine),
+    ):
         if not isinstance(v, str):
             return TypeError(f"forward: {name} must be a str, got {type(v).__name__}")
     return None
@@ -897,6 +1126,13 @@ def forward(
     ep_size: int = 1,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    activation: str = "silu",
+    alpha: float = DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
+    dispatch: str = "all_gather",
+    combine: str = "fp32",
+    dispatch_capacity: int = 0,
 ) -> torch.Tensor:
     """bf16 [T, H]: the routed experts of one MoE layer over this rank's T ≤ capacity tokens (SPEC §0).
 
@@ -915,6 +1151,17 @@ def forward(
         weight_layout: "eoi" (nn.Linear [L, N, K], above) or "eio", the prepared K-major forms of
             ``static_moe.layouts`` (SPEC §1.2: w13 [L, H, 2I], w2 [L, I, H]; fp8 MX uint32 / fp4 uint16
             [L, K/4, N]). The reference and the NKI kernels take both; the CPU and CUDA kernels only "eoi".
+        activation, alpha: the experts' gated activation (SPEC §1.9): "silu", "swiglu_oai" (gpt-oss, with
+            ``alpha``) or "gelu_tanh".
+        w13_bias, w2_bias: optional float32 / bf16 biases of this rank's experts, [L, 2I] and [L, H], added in
+            fp32 before each GEMM's bf16 rounding (SPEC §1.9).
+        dispatch, combine, dispatch_capacity: SPEC §7. "all_gather" + "fp32" (default) is SPEC §0's step;
+            combine "bf16" rounds each rank's partial sums once to bf16 and sums them in fp32 in source-rank
+            order; dispatch "all_to_all" (needs "bf16") sends each token only to the ranks that own one of its
+            experts, in blocks of ``dispatch_capacity`` = Cd ∈ [1, capacity] rows per rank pair (0 with
+            "all_gather"); a step where some block would need more is recomputed exactly with the all-gather on
+            every rank (under CUDA graph capture: NaN output and the workspace's ``overflow`` flag set).
+            ``static_moe.expert_parallel`` models their traffic and sizes Cd.
 
     All tensors live on one device. Collective over the EP group when ep_size > 1: every rank must call it, and
     an error on any rank raises on every rank (docs/errors.md). With ep_size = 1 and device inputs in eager mode
@@ -940,6 +1187,13 @@ def forward(
             ep_size,
             fp8_max,
             weight_layout,
+            activation,
+            alpha,
+            w13_bias,
+            w2_bias,
+            dispatch,
+            combine,
+            dispatch_capacity,
         )
         if error is not None:
             # The op's schema would refuse these arguments before its body runs, on this rank only: report them
@@ -966,4 +1220,11 @@ def forward(
         ep_size,
         fp8_max,
         weight_layout,
+        activation=activation,
+        alpha=alpha,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        dispatch=dispatch,
+        combine=combine,
+        dispatch_capacity=dispatch_capacity,
     )

@@ -13,11 +13,13 @@ word  field               meaning
                           a host-side check, its message (UTF-8, ``length`` bytes) fills the rank's data
                           columns row by row; ``NEED_FRAME``: the rank's call is fine but no workspace of
                           the group fits it (every rank then acquires one, if all say so)
-2     length              bytes of that message
+2     length / overflow   error kinds: bytes of that message; ``OK`` with the all-to-all dispatch (SPEC §7):
+                          the rows this rank could not slot (past Cd), 0 otherwise
 3, 4  ids_lo, ids_hi      min / max of the rank's topk_idx (−1, −1 for T = 0): computed on the device
 5     bad_scale           flat index of the first x_scale that is not a positive finite number, or −1;
                           computed on the device
-6…15  configuration       capacity, H, I, E, k, ep_size, formats (activation | weight << 4), activation
+6…15  configuration       capacity, H, I, E, k, ep_size, formats (activation | weight << 4 | dispatch << 8
+                          | combine << 12), activation
                           group, swiglu_limit and fp8_max as float32 bits (0 = no limit); −1 = unknown
                           (the rank's arguments were too malformed to tell: not compared)
 ====  ==================  ===========================================================================
@@ -62,6 +64,8 @@ UNKNOWN = -1
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _ACT_CODES = {"bf16": 0, "fp8": 1}
 _WEIGHT_CODES = {"bf16": 0, "fp8": 1, "fp4": 2}
+_DISPATCH_CODES = {"all_gather": 0, "all_to_all": 1}
+_COMBINE_CODES = {"fp32": 0, "bf16": 1}
 
 
 def f32_bits(v: float | None) -> int:
@@ -87,6 +91,8 @@ def config_words(
     act_group,
     swiglu_limit,
     fp8_max,
+    dispatch="all_gather",
+    combine="fp32",
 ) -> list[int]:
     """The 10 configuration words; pass None for what is unknown."""
 
@@ -95,8 +101,16 @@ def config_words(
 
     formats = (
         UNKNOWN
-        if act_format is None or weight_format is None
-        else (_ACT_CODES[act_format] | _WEIGHT_CODES[weight_format] << 4)
+        if act_format is None
+        or weight_format is None
+        or dispatch not in _DISPATCH_CODES
+        or combine not in _COMBINE_CODES
+        else (
+            _ACT_CODES[act_format]
+            | _WEIGHT_CODES[weight_format] << 4
+            | _DISPATCH_CODES[dispatch] << 8
+            | _COMBINE_CODES[combine] << 12
+        )
     )
     return [
         known(capacity),
@@ -130,6 +144,8 @@ def call_config_words(cfg: dict, call_ok: bool) -> list[int]:
         cfg["act_group"],
         cfg["swiglu_limit"],
         cfg["fp8_max"],
+        cfg.get("dispatch", "all_gather"),
+        cfg.get("combine", "fp32"),
     )
 
 
@@ -155,8 +171,11 @@ def describe_config_word(field: str, value: int) -> str:
         return "unknown"
     if field == "formats":
         act = {v: k for k, v in _ACT_CODES.items()}.get(value & 0xF, "?")
-        wgt = {v: k for k, v in _WEIGHT_CODES.items()}.get(value >> 4, "?")
-        return f"{act} x {wgt}"
+        wgt = {v: k for k, v in _WEIGHT_CODES.items()}.get(value >> 4 & 0xF, "?")
+        dsp = {v: k for k, v in _DISPATCH_CODES.items()}.get(value >> 8 & 0xF, "?")
+        cmb = {v: k for k, v in _COMBINE_CODES.items()}.get(value >> 12 & 0xF, "?")
+        extra = (f", dispatch {dsp}" if value >> 8 & 0xF else "") + (f", combine {cmb}" if value >> 12 & 0xF else "")
+        return f"{act} x {wgt}{extra}"  # the defaults (all-gather, fp32) unnamed
     if field == "swiglu_limit":
         return "None" if value == 0 else repr(bits_f32(value))
     if field == "fp8_max":
@@ -357,7 +376,8 @@ def raise_verdict(v: Verdict, rank: int, size: int, error: BaseException | None)
             + " | ".join(v.config_diffs)
             + extra
             + "; every rank must call forward with the same "
-            "capacity, H, I, num_experts, top-k, formats, activation group, swiglu_limit and fp8_max"
+            "capacity, H, I, num_experts, top-k, formats, dispatch, combine, activation group, swiglu_limit and "
+            "fp8_max"
         )
     if v.failures:
         if rank in v.failures:
@@ -372,6 +392,17 @@ def raise_verdict(v: Verdict, rank: int, size: int, error: BaseException | None)
             f"{others} do: workspaces were acquired or closed on some ranks only (acquire and close "
             "them on every rank of the group, in the same order)"
         )
+
+
+def overflow_ranks(headers: list[list[int]]) -> list[int]:
+    """Ranks whose (OK) header reports rows it could not slot with the all-to-all dispatch (SPEC §7)."""
+    return [r for r, h in enumerate(headers) if h[0] == MAGIC and h[1] == OK and h[2] > 0]
+
+
+def device_overflow(headers: torch.Tensor) -> torch.Tensor:
+    """bool [] on the headers' device: :func:`overflow_ranks` is not empty (for CUDA graph capture)."""
+    h = headers.to(torch.int64)
+    return ((h[:, 0] == MAGIC) & (h[:, 1] == OK) & (h[:, 2] > 0)).any()
 
 
 def device_verdict(headers: torch.Tensor) -> torch.Tensor:

@@ -13,27 +13,54 @@ from .. import _C
 
 
 def swiglu_and_cast(
-    gate_up, row_weight=None, swiglu_limit=None, out_format="fp8", group_size=128, fp8_max=448.0, pow2_scale=True
+    gate_up,
+    row_weight=None,
+    swiglu_limit=None,
+    out_format="fp8",
+    group_size=128,
+    fp8_max=448.0,
+    pow2_scale=True,
+    activation="silu",
+    alpha=1.702,
 ):
     """SwiGLU with clamp and routing weight, then a cast.
 
     gate_up bf16/float32 [R, 2I] (gate half, then up half); row_weight float32 [R] or None; ``v = g·σ(g)·u·w``
     with ``g = min(g, limit)``, ``u = clamp(u, ±limit)``. Returns for "fp8" (float8_e4m3fn [R, I], float32
     [R, I/group_size]) quantized per 1×group_size with amax/fp8_max scales (power of two with pow2_scale), and for
-    "bf16" (bf16 [R, I], float32 [R, 0]). Same device as gate_up.
+    "bf16" (bf16 [R, I], float32 [R, 0]). Same device as gate_up. ``activation`` ("silu", "swiglu_oai" with
+    ``alpha``, "gelu_tanh") replaces ``g·σ(g)·u`` by the SPEC §1.9 function, in the same single pass.
     """
     return torch.ops.static_moe.swiglu_and_cast(
-        gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max, pow2_scale
+        gate_up,
+        row_weight,
+        swiglu_limit,
+        out_format,
+        group_size,
+        fp8_max,
+        pow2_scale,
+        activation=activation,
+        alpha=alpha,
     )
 
 
 @torch.library.register_fake("static_moe::swiglu_and_cast")
 def _swiglu_and_cast_fake(
-    gate_up, row_weight, swiglu_limit, out_format="fp8", group_size=128, fp8_max=448.0, pow2_scale=True
+    gate_up,
+    row_weight,
+    swiglu_limit,
+    out_format="fp8",
+    group_size=128,
+    fp8_max=448.0,
+    pow2_scale=True,
+    activation="silu",
+    alpha=1.702,
 ):
     tensors = [gate_up] + ([row_weight] if row_weight is not None else [])
     if not any(isinstance(s, torch.SymInt) for t in tensors for s in t.shape):
-        _C.check_swiglu_and_cast(gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max, pow2_scale)
+        _C.check_swiglu_and_cast(
+            gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max, pow2_scale, activation, alpha
+        )
     r, i = gate_up.shape[0], gate_up.shape[1] // 2
     if out_format == "bf16":
         return gate_up.new_empty((r, i), dtype=torch.bfloat16), gate_up.new_empty((r, 0), dtype=torch.float32)

@@ -5,6 +5,7 @@ from .expert_gemm import expert_gemm
 from .forward import forward, forward_simulated
 from .local_experts import local_experts
 from .pack_rows import pack_rows, unpack_rows
+from .quantize_weight import quantize_weight
 from .swiglu_and_cast import swiglu_and_cast
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "local_experts",
     "forward",
     "forward_simulated",
+    "quantize_weight",
 ]

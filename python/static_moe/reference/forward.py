@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..activations import DEFAULT_ALPHA
 from ..formats import FP8_E4M3FN_MAX, check_fp8_max, check_swiglu_limit
 from .local_experts import local_experts
 from .pack_rows import pack_layout, pack_rows, part_nbytes, unpack_rows
@@ -35,13 +36,24 @@ def forward_simulated(
     swiglu_limit: float | None,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    activation: str = "silu",
+    alpha: float = DEFAULT_ALPHA,
+    w13_biases: list[torch.Tensor | None] | None = None,
+    w2_biases: list[torch.Tensor | None] | None = None,
+    combine: str = "fp32",
 ) -> list[torch.Tensor]:
     """Per-rank lists (index = EP rank) → per-rank bf16 outputs [T_r, H].
 
     Rank r holds x [T_r, H] (bf16 or fp8 + x_scale [T_r, H/g]), routing [T_r, k], and its local weights
     w13 [L, 2I, H], w2 [L, H, I] for global experts r·L … r·L+L−1 (L = num_experts / S); with
     ``weight_layout="eio"`` every rank's weights are in the prepared form of ``static_moe.layouts``.
+    ``activation`` / ``alpha`` and each rank's ``w13_biases[r]`` [L, 2I] / ``w2_biases[r]`` [L, H]: SPEC §1.9.
+    ``combine``: "fp32" sums the S fp32 partials (SPEC §0); "bf16" rounds each rank's partial once to bf16 and
+    sums them in fp32 in rank order (SPEC §7). Either dispatch of SPEC §7 gives these outputs: the dispatch only
+    decides which rows travel, not what any row computes.
     """
+    if combine not in ("fp32", "bf16"):
+        raise ValueError(f"forward: combine must be 'fp32' or 'bf16', got {combine!r}")
     check_swiglu_limit(swiglu_limit, "forward")
     if xs[0].dtype == torch.float8_e4m3fn:
         check_fp8_max(fp8_max, "forward")
@@ -75,7 +87,13 @@ def forward_simulated(
             swiglu_limit,
             fp8_max,
             weight_layout,
+            activation,
+            alpha,
+            None if w13_biases is None else w13_biases[r],
+            None if w2_biases is None else w2_biases[r],
         )
+        if combine == "bf16":
+            a = a.to(torch.bfloat16).float()
         acc = a if acc is None else acc + a
     outs = []
     for r in range(s):
@@ -105,10 +123,20 @@ def forward(
     ep_size: int,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    activation: str = "silu",
+    alpha: float = DEFAULT_ALPHA,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    dispatch: str = "all_gather",
+    combine: str = "fp32",
+    dispatch_capacity: int = 0,
 ) -> torch.Tensor:
     """The op's signature at S = 1 (no collective): bf16 [T, H]. fp8_max: range of the fp8 re-quantization of the
     SwiGLU output with fp8 x (448 OCP e4m3fn; 240 on trn2), as in local_experts; weight_layout: "eoi" or the
-    prepared "eio" (static_moe.layouts), as in local_experts."""
+    prepared "eio" (static_moe.layouts), as in local_experts; dispatch / combine / dispatch_capacity: SPEC §7 (at
+    S = 1 only the combine matters: "bf16" rounds the one partial to bf16 before the shared output is added)."""
+    if dispatch not in ("all_gather", "all_to_all"):
+        raise ValueError(f"forward: dispatch must be 'all_gather' or 'all_to_all', got {dispatch!r}")
     if ep_size != 1:
         raise ValueError(f"reference forward runs S = 1 only (got ep_size={ep_size}); use forward_simulated")
     return forward_simulated(
@@ -126,4 +154,9 @@ def forward(
         swiglu_limit,
         fp8_max,
         weight_layout,
+        activation,
+        alpha,
+        [w13_bias],
+        [w2_bias],
+        combine,
     )[0]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..activations import DEFAULT_ALPHA, check_activation, check_bias
 from ..formats import FP8_E4M3FN_MAX, check_fp8_max, check_swiglu_limit
 from ..layouts import as_eoi, check_weight_layout
-from .expert_gemm import expert_gemm
+from .expert_gemm import expert_gemm, expert_gemm_scaled_bias
 from .swiglu_and_cast import swiglu_and_cast
 
 
@@ -40,6 +41,10 @@ def local_experts(
     swiglu_limit: float | None,
     fp8_max: float = FP8_E4M3FN_MAX,
     weight_layout: str = "eoi",
+    activation: str = "silu",
+    alpha: float = DEFAULT_ALPHA,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the L local experts (global ids expert_offset … expert_offset+L−1) over the rows routed to them.
 
@@ -50,6 +55,9 @@ def local_experts(
     ``weight_layout="eio"``: the weights are the prepared K-major forms of ``static_moe.layouts`` (w13
     [L, H, 2I], w2 [L, I, H], packed forms [L, K/4, N]); they are brought back to EOI exactly (a byte
     permutation) and the maths is the same, so prepared and unprepared weights give the same bits.
+
+    ``activation`` / ``alpha`` choose the gated activation and ``w13_bias`` float32 / bf16 [L, 2I], ``w2_bias``
+    [L, H] the biases of SPEC §1.9: ``h = bf16(x·W13ᵀ + b13)``, ``d = bf16(z·W2ᵀ + w·b2)``.
     """
     check_weight_layout(weight_layout, "local_experts")
     if weight_layout == "eio" and w2.dtype != w13.dtype:
@@ -61,6 +69,9 @@ def local_experts(
     w13, w13_scale = as_eoi(w13, w13_scale, weight_layout)
     w2, w2_scale = as_eoi(w2, w2_scale, weight_layout)
     check_swiglu_limit(swiglu_limit, "local_experts")
+    check_activation(activation, alpha, "local_experts")
+    check_bias(w13_bias, "local_experts", "w13_bias", (w13.shape[0], w13.shape[1]), x)
+    check_bias(w2_bias, "local_experts", "w2_bias", (w2.shape[0], w2.shape[1]), x)
     fp8_act = x.dtype == torch.float8_e4m3fn
     if fp8_act:
         check_fp8_max(fp8_max, "local_experts")
@@ -76,10 +87,10 @@ def local_experts(
             continue  # no row selects this expert: no work, no weight reads
         xs = None if x_scale is None else x_scale.index_select(0, rows)
         sub_mask = torch.ones(rows.numel(), dtype=torch.bool, device=x.device)
-        h = expert_gemm(x.index_select(0, rows), xs, w13, w13_scale, sub_mask, e)
-        z, z_s = swiglu_and_cast(
-            h, w_e.index_select(0, rows), swiglu_limit, "fp8" if fp8_act else "bf16", group, fp8_max, True
-        )
-        d = expert_gemm(z, z_s if fp8_act else None, w2, w2_scale, sub_mask, e)
+        h = expert_gemm(x.index_select(0, rows), xs, w13, w13_scale, sub_mask, e, bias=w13_bias)
+        w_rows = w_e.index_select(0, rows)
+        fmt = "fp8" if fp8_act else "bf16"
+        z, z_s = swiglu_and_cast(h, w_rows, swiglu_limit, fmt, group, fp8_max, True, activation, alpha)
+        d = expert_gemm_scaled_bias(z, z_s if fp8_act else None, w2, w2_scale, sub_mask, e, "eoi", w2_bias, w_rows)
         acc.index_add_(0, rows, d.float())
     return acc

@@ -203,9 +203,16 @@ void emulate_gemm_cfg(const ExpertGemmArgs& p) {
           }
         }
       }
+      // The bias epilogue as the kernel wires it: the expert's bias from weight row n0; in list mode each tile
+      // row's scale is bias_row_scale of its D row.
+      const float* bias_e = p.bias ? p.bias + tl.expert * p.bias_expert_stride + n0 : nullptr;
+      float tok_scale[kBM] = {};
+      const bool scaled = p.row_mask == nullptr && p.bias_row_scale != nullptr;
+      for (int i = 0; scaled && i < kBM; ++i) tok_scale[i] = p.bias_row_scale[tl.d_rows[i < tl.count ? i : 0]];
       for (int w = 0; w < gemm::kWarps; ++w)
         for (int lane = 0; lane < 32; ++lane)
-          gemm::store_acc<C>(stage.data(), 16 * w + lane / 4, lane % 4, acc[w][lane]);
+          gemm::store_acc<C>(stage.data(), 16 * w + lane / 4, lane % 4, acc[w][lane], bias_e, p.n - n0,
+                             scaled ? tok_scale : nullptr);
       for (int i = 0; i < tl.count; ++i)
         for (int64_t c = 0; c < kBN && n0 + c < p.n; ++c)
           std::memcpy(static_cast<uint16_t*>(p.d) + tl.d_rows[i] * p.d_row_stride + n0 + c,
@@ -255,6 +262,7 @@ int cmd_gemm(const std::string& dir) {
   const std::vector<uint8_t> a = read_file(dir + "/a.bin"), as = read_file(dir + "/a_scale.bin");
   const std::vector<uint8_t> b = read_file(dir + "/b.bin"), bs = read_file(dir + "/b_scale.bin");
   const std::vector<uint8_t> mask = read_file(dir + "/mask.bin");
+  const std::vector<uint8_t> bias = meta["has_bias"] != 0 ? read_file(dir + "/bias.bin") : std::vector<uint8_t>();
   std::vector<uint16_t> d(static_cast<size_t>(rows * n), 0x7FC0);  // NaN: every row must be written
   ExpertGemmArgs p;
   p.a = a.data();
@@ -270,6 +278,8 @@ int cmd_gemm(const std::string& dir) {
   p.row_mask = mask.data();
   p.rows = rows;
   p.expert = static_cast<int64_t>(meta["expert"]);
+  p.bias = bias.empty() ? nullptr : reinterpret_cast<const float*>(bias.data());
+  p.bias_expert_stride = n;
   emulate_gemm(p, meta["fp8_mma"] != 0);
   write_file(dir + "/d.bin", d.data(), d.size() * 2);
   return 0;
@@ -365,7 +375,7 @@ void emulate_swiglu(const SwigluArgs& a) {
             g = static_cast<const float*>(a.gate_up)[i0];
             u = static_cast<const float*>(a.gate_up)[i1];
           }
-          v[lane][e] = swiglu_value(g, u, w, a.has_limit, a.limit);
+          v[lane][e] = swiglu_value(g, u, w, a.has_limit, a.limit, static_cast<Act>(a.act), a.alpha);
           const uint32_t bits = f32_bits(v[lane][e]) & 0x7FFFFFFFu;
           m = bits > m ? bits : m;
         }
@@ -405,6 +415,8 @@ int cmd_swiglu(const std::string& dir) {
   a.group = static_cast<int>(meta["group"]);
   a.fp8_max = static_cast<float>(meta["fp8_max"]);
   a.pow2_scale = meta["pow2"] != 0;
+  a.act = static_cast<int>(meta["act"]);
+  a.alpha = meta.count("alpha") ? static_cast<float>(meta["alpha"]) : 1.702f;
   std::vector<uint8_t> q(static_cast<size_t>(rows * inter * (a.out_fp8 ? 1 : 2)));
   std::vector<float> s(static_cast<size_t>(a.out_fp8 ? rows * (inter / a.group) : 0));
   a.out = q.data();
@@ -469,7 +481,14 @@ int cmd_local_experts(const std::string& dir) {
   a.has_limit = meta["has_limit"] != 0;
   a.limit = static_cast<float>(meta["limit"]);
   a.fp8_max = static_cast<float>(meta["fp8_max"]);
+  a.act = static_cast<int>(meta["act"]);
+  a.alpha = meta.count("alpha") ? static_cast<float>(meta["alpha"]) : 1.702f;
   const bool fp8_mma = meta["fp8_mma"] != 0;
+  const bool has_bias = meta["has_bias"] != 0;
+  const std::vector<uint8_t> b13 = has_bias ? read_file(dir + "/w13_bias.bin") : std::vector<uint8_t>();
+  const std::vector<uint8_t> b2 = has_bias ? read_file(dir + "/w2_bias.bin") : std::vector<uint8_t>();
+  a.w13_bias = has_bias ? reinterpret_cast<const float*>(b13.data()) : nullptr;
+  a.w2_bias = has_bias ? reinterpret_cast<const float*>(b2.data()) : nullptr;
   const std::vector<uint8_t> x = read_file(dir + "/x.bin"), xs = read_file(dir + "/x_scale.bin");
   const std::vector<uint8_t> idx = read_file(dir + "/idx.bin"), wts = read_file(dir + "/weights.bin");
   const std::vector<uint8_t> w13 = read_file(dir + "/w13.bin"), w13s = read_file(dir + "/w13_scale.bin");
