@@ -31,12 +31,21 @@ $(STAMP): Makefile   # a changed dependency list re-runs the installs in an exis
 venv: $(STAMP)
 
 # The extension build prints one line per compiled file (ninja's [n/N] counter), not minutes of silence; the
-# whole compiler output is kept in build/pip-install.log.
-build: venv
+# whole compiler output is kept in build/pip-install.log. pip's editable install compiles every source again on
+# each call, so the build is stamped: it reruns only when a C++/CUDA source, setup.py or the dependencies changed,
+# or the built module is gone (`make test` reaches `build` twice, once through test-vllm).
+BUILD_STAMP := build/.extension-built
+EXT_SOURCES  = $(shell find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh')
+$(BUILD_STAMP): $(STAMP) setup.py $(EXT_SOURCES)
 	@echo "== building the C++ extension (pip install --no-build-isolation -e .; 2-4 minutes on 2 cores)"
 	@mkdir -p build
 	set -o pipefail; $(VPY) -m pip install -v --no-build-isolation -e . 2>&1 | tee build/pip-install.log | \
 		sed -un -E 's@^ *(\[[0-9]+/[0-9]+\]) .* -c (\S+) .*@  \1 \2@p; s@^(Successfully installed .*)@  \1@p'
+	touch $(BUILD_STAMP)
+
+build: venv
+	@ls python/static_moe/_C*.so > /dev/null 2>&1 || rm -f $(BUILD_STAMP)
+	@$(MAKE) --no-print-directory $(BUILD_STAMP)
 
 test: build lint asan
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q tests
