@@ -27,11 +27,13 @@ after the all-gather and reaches the same verdict: either the step goes on, or e
 rank its own error, the others RuntimeError naming it; configurations that differ: ValueError everywhere) and
 skips the reduce-scatter, so no collective is left half-issued and the next step works. The header read is the
 step's one host read of device data: free on CPU, one small device→host copy (a stream sync) on CUDA; under
-CUDA graph capture it is skipped and a failed step's output is NaN instead.
+CUDA graph capture (or inside :func:`deferred_verdict`, on any device) it is skipped and a failed or overflowing
+step's output is NaN instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -597,7 +599,39 @@ def _first_step_on_group(pg, error: BaseException | None, spec) -> None:
     _workspace.acquire_implicit(spec, pg)
 
 
+# Open deferred_verdict() blocks in this process (a depth, so that blocks nest).
+_DEFERRED = 0
+
+
+@contextlib.contextmanager
+def deferred_verdict():
+    """Run the collective steps inside the block as under CUDA graph capture, on any device (CPU included).
+
+    forward does this by itself when the stream of its inputs is capturing; this block forces the same code path
+    where nothing captures, so that it runs and can be tested without a GPU: the S step headers are never read
+    on the host (``step_status.device_verdict`` and ``device_overflow`` decide on the device), a step that some
+    rank's header fails or whose all-to-all dispatch overflows returns NaN [T, H] on every rank instead of
+    raising or recomputing, and the workspace's int32 [1] ``overflow`` flag (on the inputs' device) says whether
+    the all-to-all overflowed. As at capture time, what is decided on the host still raises on its own rank only
+    — a failed argument check, a step that needs another workspace than the group's current one — so run one
+    eager step with the same shapes first and pass valid arguments. Not thread-safe: one process, one thread.
+    """
+    global _DEFERRED
+    _DEFERRED += 1
+    try:
+        yield
+    finally:
+        _DEFERRED -= 1
+
+
 def _capturing(t) -> bool:
+    """Whether a step runs as under CUDA graph capture (the verdict stays on the device): inside
+    :func:`deferred_verdict`, or while the current CUDA stream captures (t: a tensor of the step, whose device
+    must be CUDA; None when the step has none, e.g. :func:`report_failure`)."""
+    if _DEFERRED:
+        return True
+    if t is None:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     return isinstance(t, torch.Tensor) and t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -675,6 +709,8 @@ def _forward_collective(
     # local raise: its peers are about to wait in the all-gather (docs/errors.md, "the rule").
     error, dims, cfg, spec = preset_error, None, None, None
     capturing = _capturing(x)
+    if error is not None and capturing:
+        raise error  # as a failed check below: a graph being captured runs nothing now, no step to keep in step
     if error is None:
         try:
             _check_topology(group_name, size, rank, ep_rank, ep_size)
