@@ -295,6 +295,13 @@ MUTANTS = [
         "            overflowed = False",
         ("tests/layer/test_expert_parallel.py", "-k", "three_combinations"),
     ),
+    Mutant(
+        "forward: under graph capture an overflowing step is not poisoned (rows past Cd silently dropped)",
+        "python/static_moe/ops/forward.py",
+        "            poison = poison | flag",
+        "            poison = poison",
+        ("tests/layer/test_expert_parallel.py", "-k", "three_combinations"),
+    ),
     # ---------------------------------------------------------------- workspace (python/static_moe/workspace.py)
     Mutant(
         "workspace: manifest compared on the first and last rank only",

@@ -6,6 +6,8 @@ configuration mismatches. One process group per rank count serves every case (sp
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -329,6 +331,38 @@ def _worker(rank: int, size: int, full: bool) -> list[str]:
     if not full:
         return done
 
+    # The CUDA graph capture path, forced on CPU by deferred_verdict(): the headers are never read on the host, so
+    # an overflow is not recomputed — every rank gets NaN (never wrong numbers) and the workspace flag, eagerly
+    # and through torch.compile; a step without overflow gives the eager bits; a bad id on rank 1 gives NaN on
+    # every rank instead of raising. The workspace (all-to-all, Cd = 1) is the current one since the steps above.
+    forward_ops = importlib.import_module("static_moe.ops.forward")  # the module; the attribute is the wrapper
+
+    def host_read(*args):
+        raise AssertionError("the step headers were read on the host under deferred_verdict()")
+
+    compiled = torch.compile(torch.ops.static_moe.forward, fullgraph=True, backend="aot_eager")
+    eager_ok = _run(ok, rank, size, "all_to_all", "bf16", 1)
+    bad = _case(size, e, "bf16", "bf16", [1] * size, seed=12)
+    if rank == 1:
+        bad["idx"][1][0, 0] = e + 3
+    decide, forward_ops._status.decide = forward_ops._status.decide, host_read
+    try:
+        with forward_ops.deferred_verdict(), dispatch_ops.count_collectives() as log:
+            for fn in (None, compiled):
+                out = _run(skew, rank, size, "all_to_all", "bf16", 1, fn=fn)
+                assert out.shape == exact.shape and bool(out.isnan().all()), f"S={size} r{rank} deferred overflow"
+                assert frame().overflow.tolist() == [1]
+                assert_equal(_run(ok, rank, size, "all_to_all", "bf16", 1, fn=fn), eager_ok, "deferred, no overflow")
+                assert frame().overflow.tolist() == [0]
+            out = _run(bad, rank, size, "all_to_all", "bf16", 1)
+            assert bool(out.isnan().all()) and frame().overflow.tolist() == [0], f"S={size} r{rank} deferred bad id"
+    finally:
+        forward_ops._status.decide = decide
+    # Two collectives per step, never the recomputation's all-gather.
+    assert [n for n, _ in log] == ["dispatch_all_to_all", "combine_all_to_all"] * 5, log
+    assert_equal(_run(ok, rank, size, "all_to_all", "bf16", 1), eager_ok, "eager again after deferred steps")
+    done.append("deferred verdict")
+
     # Errors stay collective through the all-to-all's headers: rank 1's bad id fails every rank, the next step works.
     bad = _case(size, e, "bf16", "bf16", [2] * size, seed=9)
     if rank == 1:
@@ -384,7 +418,7 @@ def _worker(rank: int, size: int, full: bool) -> list[str]:
 @pytest.mark.parametrize("size", [2, 3])
 def test_three_combinations_on_gloo(size):
     results = run_ranks(_worker, size, True, timeout=240)
-    assert all(len(r) == 3 * 3 + 5 for r in results), results
+    assert all(len(r) == 3 * 3 + 6 for r in results), results
 
 
 @pytest.mark.parametrize("size", [4, 8])

@@ -1,13 +1,15 @@
 """Every exception on any rank, whatever its type or where it is raised, is a collective verdict (docs/errors.md).
 
-Each scenario runs on 2 and 3 gloo ranks: a good step, then a step (or a layer construction) in which rank 1
-fails in one way, then the good step again. Every rank must raise within BOUND_S seconds, and the next good
+Each scenario runs on 2 and 3 gloo ranks, with each dispatch + combine of SPEC §7 (the step headers and error
+messages travel in the all-gather's rows or in the all-to-all's blocks): a good step, then a step (or a layer
+construction) in which rank 1 fails in one way, then the good step again. Every rank must raise within BOUND_S seconds, and the next good
 step must give, on every rank, bitwise the output of the first. The process-group timeout (PG_TIMEOUT_S) is
 longer than BOUND_S, so a rank left waiting in a collective fails the bound instead of passing.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -20,9 +22,15 @@ H, I, L, K, C = 128, 128, 2, 2, 4
 BOUND_S = 10.0
 PG_TIMEOUT_S = 30.0
 FAILING = 1
+# SPEC §7's combinations (dispatch, combine, dispatch_capacity); Cd = 2 < C, so an error message is cut to the
+# two rows of one all-to-all block.
+COMBOS = [("all_gather", "fp32", 0), ("all_gather", "bf16", 0), ("all_to_all", "bf16", 2)]
+_COMBO_ARGS = ("dispatch", "combine", "dispatch_capacity")
 
 
-def _case(rank: int, size: int, act: str = "bf16", wfmt: str = "bf16", index_dtype=torch.int32) -> dict:
+def _case(
+    rank: int, size: int, act: str = "bf16", wfmt: str = "bf16", index_dtype=torch.int32, combo=COMBOS[0]
+) -> dict:
     e = L * size
     w = make_weights(L, H, I, wfmt, seed=rank)
     x, xs = make_activations(3, H, act, seed=10 + rank)
@@ -41,6 +49,7 @@ def _case(rank: int, size: int, act: str = "bf16", wfmt: str = "bf16", index_dty
         ep_size=size,
         fp8_max=448.0,
         weight_layout="eoi",
+        **dict(zip(_COMBO_ARGS, combo)),
     )
 
 
@@ -59,6 +68,7 @@ def _op_call(case: dict, group_name: str, fn=None):
         case["ep_size"],
         case["fp8_max"],
         case["weight_layout"],
+        **{k: case[k] for k in _COMBO_ARGS},
     )
 
 
@@ -68,6 +78,7 @@ def _wrapper_call(case: dict, group_name: str):
     kw = {
         k: case[k]
         for k in ("num_experts", "capacity", "swiglu_limit", "ep_rank", "ep_size", "fp8_max", "weight_layout")
+        + _COMBO_ARGS
     }
     return forward(*[case[a] for a in _ARGS], group_name=group_name, **kw)
 
@@ -161,17 +172,18 @@ def _op_fault_worker(rank: int, size: int) -> list[dict]:
     compiled = torch.compile(torch.ops.static_moe.forward, fullgraph=True, backend="eager")
     calls = {"op": _op_call, "wrapper": _wrapper_call, "compiled": lambda c, n: _op_call(c, n, fn=compiled)}
     records = []
-    for label, fmts, mutate, caller, _ in OP_FAULTS:
+    for combo, (label, fmts, mutate, caller, _) in itertools.product(COMBOS, OP_FAULTS):
         call = calls[caller]
-        base = call(_case(rank, size, *fmts), name)
-        case = _case(rank, size, *fmts)
+        base = call(_case(rank, size, *fmts, combo=combo), name)
+        case = _case(rank, size, *fmts, combo=combo)
         if rank == FAILING and isinstance(mutate, str):
             rec = _attempt(lambda: _with_injection(mutate, lambda: call(case, name)))
         else:
             if rank == FAILING:
                 (mutate or _nan_scale)(case)
             rec = _attempt(lambda: call(case, name))
-        rec.update(case=label, next_ok=bool(torch.equal(call(_case(rank, size, *fmts), name), base)))
+        again = call(_case(rank, size, *fmts, combo=combo), name)
+        rec.update(case=label, combo=combo, next_ok=bool(torch.equal(again, base)))
         records.append(rec)
     return records
 
@@ -191,17 +203,21 @@ def _check_every_rank_raised(records: list[dict], failing_type: str) -> None:
 @pytest.mark.parametrize("size", [2, 3])
 def test_op_faults_reach_every_rank(size):
     per_rank = run_ranks(_op_fault_worker, size, timeout=300.0, pg_timeout=PG_TIMEOUT_S)
-    for i, (label, _, _, _, failing_type) in enumerate(OP_FAULTS):
+    cases = list(itertools.product(COMBOS, OP_FAULTS))
+    assert all(len(recs) == len(cases) for recs in per_rank)
+    for i, (combo, (label, _, _, _, failing_type)) in enumerate(cases):
         records = [recs[i] for recs in per_rank]
-        assert all(rec["case"] == label for rec in records)
+        assert all(rec["case"] == label and rec["combo"] == combo for rec in records)
         _check_every_rank_raised(records, failing_type)
         if label.startswith("int64 id"):
             assert "topk_idx must hold global expert ids" in records[FAILING]["msg"], records
 
 
 # --- StaticMoE: construction and forward ------------------------------------------------------------------------
-def _layer_kwargs(size):
-    return dict(hidden_size=H, intermediate_size=I, num_experts=L * size, top_k=K, capacity=C)
+def _layer_kwargs(size, combo=COMBOS[0]):
+    return dict(
+        hidden_size=H, intermediate_size=I, num_experts=L * size, top_k=K, capacity=C, **dict(zip(_COMBO_ARGS, combo))
+    )
 
 
 def _failing_alloc(*args, **kwargs):
@@ -226,13 +242,20 @@ LAYER_FAULTS = [
 
 
 def _layer_fault_worker(rank: int, size: int) -> list[dict]:
+    records = []
+    for combo in COMBOS:
+        records += [dict(rec, combo=combo) for rec in _layer_faults(rank, size, combo)]
+    return records
+
+
+def _layer_faults(rank: int, size: int, combo) -> list[dict]:
     import torch.distributed as dist
 
     import static_moe.module as module
     from static_moe import StaticMoE
 
     group = dist.group.WORLD
-    layer = StaticMoE(**_layer_kwargs(size), ep_group=group)
+    layer = StaticMoE(**_layer_kwargs(size, combo), ep_group=group)
     x, _ = make_activations(3, H, "bf16", seed=rank)
     idx, tw = make_routing(3, K, L * size, seed=20 + rank)
     base = layer(x, idx, tw)
@@ -240,19 +263,19 @@ def _layer_fault_worker(rank: int, size: int) -> list[dict]:
     for label, change, _, _ in LAYER_FAULTS:
         if isinstance(change, dict):
             kw = change if rank == FAILING else {}
-            rec = _attempt(lambda: StaticMoE(**_layer_kwargs(size), ep_group=group, **kw).close())
+            rec = _attempt(lambda: StaticMoE(**_layer_kwargs(size, combo), ep_group=group, **kw).close())
         elif change == "alloc":
             real = module._init_weights
             if rank == FAILING:
                 module._init_weights = _failing_alloc
             try:
-                rec = _attempt(lambda: StaticMoE(**_layer_kwargs(size), ep_group=group).close())
+                rec = _attempt(lambda: StaticMoE(**_layer_kwargs(size, combo), ep_group=group).close())
             finally:
                 module._init_weights = real
         elif change == "forward meta hidden":
             rec = _attempt(lambda: layer(x.to("meta") if rank == FAILING else x, idx, tw))
         elif change == "forward nan fp8":
-            fp8 = StaticMoE(**_layer_kwargs(size), ep_group=group, act_format="fp8", weight_format="fp8")
+            fp8 = StaticMoE(**_layer_kwargs(size, combo), ep_group=group, act_format="fp8", weight_format="fp8")
             bad = x.clone()
             if rank == FAILING:
                 bad[1, 3] = float("nan")
@@ -273,10 +296,12 @@ def _layer_fault_worker(rank: int, size: int) -> list[dict]:
 @pytest.mark.parametrize("size", [2, 3])
 def test_layer_faults_reach_every_rank(size):
     per_rank = run_ranks(_layer_fault_worker, size, timeout=300.0, pg_timeout=PG_TIMEOUT_S)
-    for i, (label, _, failing_type, needle) in enumerate(LAYER_FAULTS):
+    cases = list(itertools.product(COMBOS, LAYER_FAULTS))
+    assert all(len(recs) == len(cases) for recs in per_rank)
+    for i, (combo, (label, _, failing_type, needle)) in enumerate(cases):
         records = [recs[i] for recs in per_rank]
         for r, rec in enumerate(records):
-            assert rec["case"] == label
+            assert rec["case"] == label and rec["combo"] == combo
             assert rec["raised"] is not None, f"{label}: rank {r} returned normally"
             if r == FAILING:
                 assert rec["raised"] == failing_type, (label, r, rec)

@@ -1,7 +1,10 @@
-"""torch.ops.static_moe.forward (SPEC §0, §3, §4): S = 1 in process; S = 2 and 4 on gloo ranks, every rank's
-output against reference.forward_simulated (SPEC §2 tolerance) for every format pair and the edge cases."""
+"""torch.ops.static_moe.forward (SPEC §0, §3, §4): S = 1 in process; S = 2, 3 and 4 on gloo ranks, every rank's
+output against reference.forward_simulated (SPEC §2 tolerance) for every format pair and the edge cases, with each
+dispatch + combine of SPEC §7 where it matters (S > 1)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch
 import static_moe
 from static_moe import reference, workspace
 from static_moe.formats import quantize_activation, quantize_weight
+from static_moe.ops import dispatch as dispatch_ops
 from static_moe.testing.distributed import RankFailure, run_ranks
 from static_moe.testing.generators import (
     FORMAT_PAIRS,
@@ -22,6 +26,10 @@ from static_moe.testing.numeric import assert_equal, assert_gemm_bitwise, assert
 
 H, I, K, C = 256, 128, 3, 8
 LIMIT = 7.0
+# SPEC §7's combinations: (dispatch, combine, dispatch_capacity). Cd = 6 < C: some scenarios below overflow a block
+# (every rank then recomputes with the all-gather), others do not.
+AG_FP32, AG_BF16, A2A_BF16 = ("all_gather", "fp32", 0), ("all_gather", "bf16", 0), ("all_to_all", "bf16", 6)
+COMBOS = [AG_FP32, AG_BF16, A2A_BF16]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -82,7 +90,7 @@ def make_case(
     }
 
 
-def reference_outputs(case: dict) -> list[torch.Tensor]:
+def reference_outputs(case: dict, combine: str = "fp32") -> list[torch.Tensor]:
     return reference.forward_simulated(
         case["x"],
         case["x_scale"],
@@ -96,10 +104,11 @@ def reference_outputs(case: dict) -> list[torch.Tensor]:
         case["num_experts"],
         C,
         case["limit"],
+        combine=combine,
     )
 
 
-def run_op(case: dict, rank: int, size: int, group_name: str = "", fn=None) -> torch.Tensor:
+def run_op(case: dict, rank: int, size: int, group_name: str = "", fn=None, combo=AG_FP32) -> torch.Tensor:
     fn = fn or torch.ops.static_moe.forward
     return fn(
         case["x"][rank],
@@ -117,6 +126,9 @@ def run_op(case: dict, rank: int, size: int, group_name: str = "", fn=None) -> t
         group_name,
         rank,
         size,
+        dispatch=combo[0],
+        combine=combo[1],
+        dispatch_capacity=combo[2],
     )
 
 
@@ -328,16 +340,23 @@ def _scenarios(size: int):
             ("one expert", [4, 7], "one_expert", False),
             ("all ranks empty", [0, 0], "random", True),
         ]
+    if size == 3:
+        return [("mixed T incl. 0", [C, 0, 4], "random", True), ("one expert", [7, 2, 0], "one_expert", False)]
     return [("mixed T incl. 0", [3, 0, C, 1], "random", True), ("one expert", [2, 5, 0, 3], "one_expert", False)]
 
 
-def _parity_worker(rank: int, size: int) -> list[str]:
+# (S, the combinations run there): every combination at S = 2 and 3; S = 4 the default only (the three at S = 4
+# and 8: tests/layer/test_expert_parallel.py).
+PARITY_RUNS = [(2, COMBOS), (3, COMBOS), (4, [AG_FP32])]
+
+
+def _parity_worker(rank: int, size: int, combos: list) -> list[str]:
     import torch.distributed as dist
 
     name = dist.group.WORLD.group_name
     num_experts = 4 * size if size == 2 else 2 * size
     done = []
-    for p, (act, wfmt) in enumerate(FORMAT_PAIRS):
+    for combo, (p, (act, wfmt)) in itertools.product(combos, enumerate(FORMAT_PAIRS)):
         for s, (label, tokens, routing, shared) in enumerate(_scenarios(size)):
             case = make_case(
                 size,
@@ -350,18 +369,18 @@ def _parity_worker(rank: int, size: int) -> list[str]:
                 shared=shared,
                 index_dtype=torch.int64 if s % 2 else torch.int32,
             )
-            out = run_op(case, rank, size, name)
-            ref = reference_outputs(case)[rank]
+            out = run_op(case, rank, size, name, combo=combo)
+            ref = reference_outputs(case, combo[1])[rank]
             assert out.shape == (tokens[rank], H), (label, out.shape)
-            assert_gemm_bitwise(out, ref, f"S={size} rank {rank} {act}x{wfmt} {label}")
-            done.append(f"{act}x{wfmt}:{label}")
+            assert_gemm_bitwise(out, ref, f"S={size} rank {rank} {act}x{wfmt} {label} {combo}")
+            done.append(f"{combo}:{act}x{wfmt}:{label}")
     return done
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_forward_distributed_matches_reference(size):
-    results = run_ranks(_parity_worker, size, timeout=150)
-    assert all(len(r) == len(FORMAT_PAIRS) * len(_scenarios(size)) for r in results)
+@pytest.mark.parametrize("size,combos", PARITY_RUNS, ids=[f"S{s}-{len(c)}combos" for s, c in PARITY_RUNS])
+def test_forward_distributed_matches_reference(size, combos):
+    results = run_ranks(_parity_worker, size, combos, timeout=150)
+    assert all(len(r) == len(combos) * len(FORMAT_PAIRS) * len(_scenarios(size)) for r in results)
 
 
 def _workspace_compile_independence_worker(rank: int, size: int) -> dict:
@@ -399,17 +418,21 @@ def _workspace_compile_independence_worker(rank: int, size: int) -> dict:
     report["compile"] = True
 
     # A token's output does not depend on the other tokens, on any rank (bitwise): token 0 of every rank is kept,
-    # every other token (and each rank's T) changes.
-    for act, wfmt in (("bf16", "bf16"), ("fp8", "fp4"), ("bf16", "fp8")):
+    # every other token (and each rank's T) changes — with each combination (with the all-to-all the second batch
+    # overflows a block of Cd = 6 rows and the first does not).
+    pairs = (("bf16", "bf16"), ("fp8", "fp4"), ("bf16", "fp8"))
+    for combo, (act, wfmt) in itertools.product(COMBOS, pairs):
         a = make_case(size, 8, act, wfmt, [6, 3], seed=21)
-        b = make_case(size, 8, act, wfmt, [2, 7], seed=22)
+        b = make_case(size, 8, act, wfmt, [2, C], seed=22)
         b["w13"], b["w13_scale"], b["w2"], b["w2_scale"] = a["w13"], a["w13_scale"], a["w2"], a["w2_scale"]
         for key in ("x", "x_scale", "idx", "tw"):
             for r in range(size):
                 if a[key][r] is not None:
                     b[key][r][0] = a[key][r][0]
-        out_a, out_b = run_op(a, rank, size, name), run_op(b, rank, size, name)
-        assert_equal(out_b[0], out_a[0], f"token 0 of rank {rank} ({act}x{wfmt}) changed with its neighbours")
+        if combo == A2A_BF16:
+            assert [_overflows(a, size), _overflows(b, size)] == [False, True]
+        out_a, out_b = run_op(a, rank, size, name, combo=combo), run_op(b, rank, size, name, combo=combo)
+        assert_equal(out_b[0], out_a[0], f"token 0 of rank {rank} ({act}x{wfmt}, {combo}) changed with its neighbours")
     report["independence"] = True
 
     # A wrong group name fails on every rank before any collective.
@@ -419,6 +442,12 @@ def _workspace_compile_independence_worker(rank: int, size: int) -> dict:
         assert "no-such-group" in str(e)
         report["bad group"] = True
     return report
+
+
+def _overflows(case: dict, size: int) -> bool:
+    """Whether some rank has more than Cd rows for one rank with A2A_BF16 (the step then recomputes, SPEC §7)."""
+    cd = A2A_BF16[2]
+    return any(int(dispatch_ops.slot_rows(i, C, case["num_experts"], size, cd).overflow) for i in case["idx"])
 
 
 def _parts(case: dict, r: int) -> list[torch.Tensor]:

@@ -27,12 +27,15 @@ after the all-gather and reaches the same verdict: either the step goes on, or e
 rank its own error, the others RuntimeError naming it; configurations that differ: ValueError everywhere) and
 skips the reduce-scatter, so no collective is left half-issued and the next step works. The header read is the
 step's one host read of device data: free on CPU, one small device→host copy (a stream sync) on CUDA; under
-CUDA graph capture it is skipped and a failed step's output is NaN instead.
+CUDA graph capture (or inside :func:`deferred_verdict`, on any device) it is skipped and a failed or overflowing
+step's output is NaN instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -67,6 +70,41 @@ class ForwardDims(NamedTuple):
     weight_format: str
 
 
+@dataclass(frozen=True, eq=False)
+class ForwardConfig:
+    """One call's settings that follow ``ep_size`` in the op's schema (csrc/ops.cpp), in its order and with its
+    defaults: built once per call from the schema arguments and handed on whole.
+
+    fp8_max: SPEC §1.5; weight_layout: "eoi" | "eio" (SPEC §1.2); activation, alpha, w13_bias, w2_bias: SPEC §1.9,
+    handed on to local_experts (and its check) by keyword, the biases this rank's float32 / bf16 [L, 2I] and
+    [L, H] on the inputs' device; dispatch, combine, dispatch_capacity: SPEC §7. Holds what the caller passed,
+    unchecked: :func:`schema_error` checks the types, :func:`check_forward` the values. eq=False: the biases are
+    tensors, and two calls' configurations are compared through their workspace specs and step headers instead.
+    """
+
+    fp8_max: float = FP8_E4M3FN_MAX
+    weight_layout: str = "eoi"
+    activation: str = "silu"
+    alpha: float = DEFAULT_ALPHA
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    dispatch: str = "all_gather"
+    combine: str = "fp32"
+    dispatch_capacity: int = 0
+
+    @property
+    def variant(self) -> dict:
+        """The SPEC §1.9 arguments, as local_experts (and its check) take them by keyword."""
+        return dict(activation=self.activation, alpha=self.alpha, w13_bias=self.w13_bias, w2_bias=self.w2_bias)
+
+    def schema_kwargs(self) -> dict:
+        """Every field by its schema name, for ``torch.ops.static_moe.forward(..., ep_size, **kwargs)``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+DEFAULT_CONFIG = ForwardConfig()
+
+
 def _shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 
@@ -97,12 +135,7 @@ def check_forward(
     swiglu_limit,
     ep_rank: int,
     ep_size: int,
-    fp8_max: float = FP8_E4M3FN_MAX,
-    weight_layout: str = "eoi",
-    variant: dict | None = None,
-    dispatch: str = "all_gather",
-    combine: str = "fp32",
-    dispatch_capacity: int = 0,
+    config: ForwardConfig = DEFAULT_CONFIG,
 ) -> ForwardDims:
     """Metadata-only checks of forward's arguments (SPEC §5), shared by the kernel and the fake.
 
@@ -113,9 +146,9 @@ def check_forward(
     those checks exists once, and it runs here, before the pack and the all-gather touch any buffer. Checked here:
     what is forward's own — positive H, I and k (the workspace is sized by them), T ≤ C, the EP topology and
     shared_output. Under symbolic sizes (torch.compile with dynamic shapes) the C++ check cannot read sizes and
-    is left to the kernel, as in local_experts' fake. ``weight_layout`` ("eoi" or the prepared "eio") says how
-    w13 / w2 are laid out; local_experts' check validates it and the shapes it implies. ``variant``: the SPEC
-    §1.9 keyword arguments (activation, alpha, w13_bias, w2_bias) handed on to local_experts, checked by it too.
+    is left to the kernel, as in local_experts' fake. ``config.weight_layout`` ("eoi" or the prepared "eio") says
+    how w13 / w2 are laid out; local_experts' check validates it and the shapes it implies, and the SPEC §1.9
+    ``config.variant`` handed on to local_experts; SPEC §7's dispatch settings are checked here.
 
     Raises ValueError / TypeError naming the argument, what was expected and what came. Reads no tensor values.
     """
@@ -129,7 +162,7 @@ def check_forward(
             f"forward: capacity must be a positive int, at most 2^31 − 1 (the packed rows and the "
             f"step header count rows in int32), got {capacity!r}"
         )
-    check_dispatch(dispatch, combine, dispatch_capacity, capacity)
+    check_dispatch(config.dispatch, config.combine, config.dispatch_capacity, capacity)
 
     # --- everything local_experts will be given (its offset ep_rank·L >= 0 is checked above, so 0 stands in) ----
     if not _symbolic(x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale):
@@ -144,14 +177,15 @@ def check_forward(
             w2_scale,
             0,
             swiglu_limit,
-            fp8_max,
+            config.fp8_max,
             "forward",
-            weight_layout,
-            **(variant or {}),
+            config.weight_layout,
+            **config.variant,
         )
     t, h = x.shape
     act = "fp8" if x.dtype == torch.float8_e4m3fn else "bf16"
     group = h // x_scale.shape[1] if act == "fp8" else 0
+    weight_layout = config.weight_layout
     n13 = w13.shape[2] if weight_layout == "eio" else w13.shape[1]
     num_local, inter, k = w13.shape[0], n13 // 2, topk_idx.shape[1]
 
@@ -220,10 +254,7 @@ def workspace_spec(
     ep_size: int,
     device: torch.device,
     swiglu_limit=None,
-    fp8_max: float = FP8_E4M3FN_MAX,
-    dispatch: str = "all_gather",
-    combine: str = "fp32",
-    dispatch_capacity: int = 0,
+    config: ForwardConfig = DEFAULT_CONFIG,
 ) -> _workspace.WorkspaceSpec:
     """The workspace spec a call with these dimensions looks its buffers up under."""
     return _workspace.WorkspaceSpec(
@@ -238,10 +269,10 @@ def workspace_spec(
         weight_format=dims.weight_format,
         device=str(device),
         swiglu_limit=swiglu_limit,
-        fp8_max=fp8_max,
-        dispatch=dispatch,
-        combine=combine,
-        dispatch_capacity=dispatch_capacity,
+        fp8_max=config.fp8_max,
+        dispatch=config.dispatch,
+        combine=config.combine,
+        dispatch_capacity=config.dispatch_capacity,
     )
 
 
@@ -367,53 +398,13 @@ def forward_kernel(
     combine="fp32",
     dispatch_capacity=0,
 ):
-    variant = _variant(activation, alpha, w13_bias, w2_bias)
-    if _collective(group_name, ep_size):
-        return _forward_collective(
-            x,
-            x_scale,
-            topk_idx,
-            topk_weights,
-            w13,
-            w13_scale,
-            w2,
-            w2_scale,
-            shared_output,
-            num_experts,
-            capacity,
-            swiglu_limit,
-            group_name,
-            ep_rank,
-            ep_size,
-            fp8_max,
-            weight_layout,
-            variant=variant,
-            dispatch=dispatch,
-            combine=combine,
-            dispatch_capacity=dispatch_capacity,
-        )
-    dims = check_forward(
-        x,
-        x_scale,
-        topk_idx,
-        topk_weights,
-        w13,
-        w13_scale,
-        w2,
-        w2_scale,
-        shared_output,
-        num_experts,
-        capacity,
-        swiglu_limit,
-        ep_rank,
-        ep_size,
-        fp8_max,
-        weight_layout,
-        variant,
-        dispatch,
-        combine,
-        dispatch_capacity,
+    config = ForwardConfig(
+        fp8_max, weight_layout, activation, alpha, w13_bias, w2_bias, dispatch, combine, dispatch_capacity
     )
+    inputs = (x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output)
+    if _collective(group_name, ep_size):
+        return _forward_collective(*inputs, num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, config)
+    dims = check_forward(*inputs, num_experts, capacity, swiglu_limit, ep_rank, ep_size, config)
     check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)  # the value checks of S > 1, same words
     if x.device.type == "cpu":
         check_topk_range(topk_idx, num_experts)  # free on the host; device inputs: see forward()
@@ -431,11 +422,9 @@ def forward_kernel(
         w2_scale,
         0,
         swiglu_limit,
-        fp8_max,
-        weight_layout,
-        variant,
+        config,
     )
-    if combine == "bf16":  # SPEC §7: the one rank's partial, rounded once (S = 1: no collective either way)
+    if config.combine == "bf16":  # SPEC §7: the one rank's partial, rounded once (S = 1: no collective either way)
         acc = acc.to(torch.bfloat16).float()
     return _combine(acc, dims.tokens, shared_output)
 
@@ -461,11 +450,6 @@ def _collective(group_name: str, ep_size) -> bool:
         return False
 
 
-def _variant(activation, alpha, w13_bias, w2_bias) -> dict:
-    """The SPEC §1.9 arguments, as local_experts (and its check) take them by keyword."""
-    return dict(activation=activation, alpha=alpha, w13_bias=w13_bias, w2_bias=w2_bias)
-
-
 def _local_step(
     gathered,
     parts,
@@ -476,9 +460,7 @@ def _local_step(
     w2_scale,
     expert_offset,
     swiglu_limit,
-    fp8_max,
-    weight_layout="eoi",
-    variant=None,
+    config: ForwardConfig,
 ) -> torch.Tensor:
     """unpack every part of the gathered rows, then local_experts: fp32 [rows, H]."""
     with record_function(PHASE_PREFIX + "unpack"):
@@ -501,9 +483,9 @@ def _local_step(
             w2_scale,
             expert_offset,
             swiglu_limit,
-            fp8_max,
-            weight_layout,
-            **(variant or {}),
+            config.fp8_max,
+            config.weight_layout,
+            **config.variant,
         )
 
 
@@ -524,12 +506,8 @@ def _call_config(
     num_experts,
     capacity,
     swiglu_limit,
-    fp8_max,
     ep_size,
-    weight_layout="eoi",
-    dispatch="all_gather",
-    combine="fp32",
-    dispatch_capacity=0,
+    config: ForwardConfig,
 ) -> dict:
     """What this rank's call says about the configuration every rank must share, read leniently from metadata (a
     field its arguments are too malformed to give is None); values as WorkspaceSpec spells them."""
@@ -543,9 +521,9 @@ def _call_config(
     groups = dim(x_scale, 2, 1) if act == "fp8" else None
     if hidden and groups and hidden % groups == 0:
         group = hidden // groups
-    two_i = dim(w13, 3, 2 if weight_layout == "eio" else 1)
+    two_i = dim(w13, 3, 2 if config.weight_layout == "eio" else 1)
     try:
-        wfmt = _weight_format(w13, weight_layout)
+        wfmt = _weight_format(w13, config.weight_layout)
     except (TypeError, AttributeError, ValueError):
         wfmt = None
     limit_ok = swiglu_limit is None or _finite_f32(swiglu_limit)
@@ -560,10 +538,10 @@ def _call_config(
         weight_format=wfmt,
         act_group=group,
         swiglu_limit=swiglu_limit if limit_ok else None,
-        fp8_max=(float(fp8_max) if act == "fp8" and _finite_f32(fp8_max) else FP8_E4M3FN_MAX),
-        dispatch=dispatch,
-        combine=combine,
-        dispatch_capacity=dispatch_capacity,
+        fp8_max=(float(config.fp8_max) if act == "fp8" and _finite_f32(config.fp8_max) else FP8_E4M3FN_MAX),
+        dispatch=config.dispatch,
+        combine=config.combine,
+        dispatch_capacity=config.dispatch_capacity,
     )
 
 
@@ -621,7 +599,39 @@ def _first_step_on_group(pg, error: BaseException | None, spec) -> None:
     _workspace.acquire_implicit(spec, pg)
 
 
+# Open deferred_verdict() blocks in this process (a depth, so that blocks nest).
+_DEFERRED = 0
+
+
+@contextlib.contextmanager
+def deferred_verdict():
+    """Run the collective steps inside the block as under CUDA graph capture, on any device (CPU included).
+
+    forward does this by itself when the stream of its inputs is capturing; this block forces the same code path
+    where nothing captures, so that it runs and can be tested without a GPU: the S step headers are never read
+    on the host (``step_status.device_verdict`` and ``device_overflow`` decide on the device), a step that some
+    rank's header fails or whose all-to-all dispatch overflows returns NaN [T, H] on every rank instead of
+    raising or recomputing, and the workspace's int32 [1] ``overflow`` flag (on the inputs' device) says whether
+    the all-to-all overflowed. As at capture time, what is decided on the host still raises on its own rank only
+    — a failed argument check, a step that needs another workspace than the group's current one — so run one
+    eager step with the same shapes first and pass valid arguments. Not thread-safe: one process, one thread.
+    """
+    global _DEFERRED
+    _DEFERRED += 1
+    try:
+        yield
+    finally:
+        _DEFERRED -= 1
+
+
 def _capturing(t) -> bool:
+    """Whether a step runs as under CUDA graph capture (the verdict stays on the device): inside
+    :func:`deferred_verdict`, or while the current CUDA stream captures (t: a tensor of the step, whose device
+    must be CUDA; None when the step has none, e.g. :func:`report_failure`)."""
+    if _DEFERRED:
+        return True
+    if t is None:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     return isinstance(t, torch.Tensor) and t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -670,8 +680,6 @@ def report_failure(error: BaseException, group_name: str, ep_rank: int, ep_size:
         group_name,
         ep_rank,
         ep_size,
-        FP8_E4M3FN_MAX,
-        "eoi",
         preset_error=error,
     )
 
@@ -692,61 +700,24 @@ def _forward_collective(
     group_name,
     ep_rank,
     ep_size,
-    fp8_max,
-    weight_layout="eoi",
+    config: ForwardConfig = DEFAULT_CONFIG,
     retry: bool = True,
     preset_error: BaseException | None = None,
-    variant: dict | None = None,
-    dispatch: str = "all_gather",
-    combine: str = "fp32",
-    dispatch_capacity: int = 0,
 ):
     pg, size, rank = _resolve_group(group_name, ep_size)
     # From here to the all-gather every exception, whatever its type, is this rank's verdict to report, never a
     # local raise: its peers are about to wait in the all-gather (docs/errors.md, "the rule").
     error, dims, cfg, spec = preset_error, None, None, None
     capturing = _capturing(x)
+    if error is not None and capturing:
+        raise error  # as a failed check below: a graph being captured runs nothing now, no step to keep in step
     if error is None:
         try:
             _check_topology(group_name, size, rank, ep_rank, ep_size)
-            dims = check_forward(
-                x,
-                x_scale,
-                topk_idx,
-                topk_weights,
-                w13,
-                w13_scale,
-                w2,
-                w2_scale,
-                shared_output,
-                num_experts,
-                capacity,
-                swiglu_limit,
-                ep_rank,
-                ep_size,
-                fp8_max,
-                weight_layout,
-                variant,
-                dispatch,
-                combine,
-                dispatch_capacity,
-            )
+            inputs = (x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output)
+            dims = check_forward(*inputs, num_experts, capacity, swiglu_limit, ep_rank, ep_size, config)
             check_weight_scale_values(w13_scale, w2_scale, dims.weight_format)
-            cfg = _call_config(
-                x,
-                x_scale,
-                topk_idx,
-                w13,
-                num_experts,
-                capacity,
-                swiglu_limit,
-                fp8_max,
-                size,
-                weight_layout,
-                dispatch,
-                combine,
-                dispatch_capacity,
-            )
+            cfg = _call_config(x, x_scale, topk_idx, w13, num_experts, capacity, swiglu_limit, size, config)
             spec = _spec_of(cfg, x.device)
         except Exception as e:  # noqa: BLE001
             if capturing:
@@ -823,13 +794,8 @@ def _forward_collective(
                 group_name,
                 ep_rank,
                 ep_size,
-                fp8_max,
-                weight_layout,
+                config,
                 retry=False,
-                variant=variant,
-                dispatch=dispatch,
-                combine=combine,
-                dispatch_capacity=dispatch_capacity,
             )
         if slotted:
             overflowed = bool(_status.overflow_ranks(host))
@@ -859,9 +825,7 @@ def _forward_collective(
             w2_scale,
             ep_rank * dims.num_local,
             swiglu_limit,
-            fp8_max,
-            weight_layout,
-            variant,
+            config,
         )
     except Exception as e:  # noqa: BLE001
         # Expected only for what is checked inside local_experts rather than before the all-gather: on CPU / CUDA
@@ -897,25 +861,16 @@ def _forward_collective(
     return out
 
 
-def _report_meta_call(
-    x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output, group_name, ep_rank, ep_size
-) -> None:
+def _report_meta_call(inputs: tuple, group_name, ep_rank, ep_size) -> None:
     """A collective call that reached the fake with real meta tensors (not a trace: the dispatcher sends any call
-    with a meta argument here) would return shapes on this rank only: report it in a collective step instead."""
+    with a meta argument here) would return shapes on this rank only: report it in a collective step instead.
+    ``inputs``: the schema's first nine arguments (x … shared_output)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    given = dict(
-        x=x,
-        x_scale=x_scale,
-        topk_idx=topk_idx,
-        topk_weights=topk_weights,
-        w13=w13,
-        w13_scale=w13_scale,
-        w2=w2,
-        w2_scale=w2_scale,
-        shared_output=shared_output,
-    )
-    meta = [n for n, t in given.items() if isinstance(t, torch.Tensor) and t.is_meta and not isinstance(t, FakeTensor)]
+    names = [name for name, _ in _SCHEMA_TENSORS[: len(inputs)]]
+    meta = [
+        n for n, t in zip(names, inputs) if isinstance(t, torch.Tensor) and t.is_meta and not isinstance(t, FakeTensor)
+    ]
     if meta and not torch.compiler.is_compiling():
         report_failure(
             ValueError(f"forward: {', '.join(meta)} on the meta device: a step needs real tensors, all on one device"),
@@ -952,44 +907,14 @@ def _forward_fake(
     combine="fp32",
     dispatch_capacity=0,
 ):
+    config = ForwardConfig(
+        fp8_max, weight_layout, activation, alpha, w13_bias, w2_bias, dispatch, combine, dispatch_capacity
+    )
+    inputs = (x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output)
     if _collective(group_name, ep_size):
-        _report_meta_call(
-            x,
-            x_scale,
-            topk_idx,
-            topk_weights,
-            w13,
-            w13_scale,
-            w2,
-            w2_scale,
-            shared_output,
-            group_name,
-            ep_rank,
-            ep_size,
-        )
+        _report_meta_call(inputs, group_name, ep_rank, ep_size)
     try:
-        dims = check_forward(
-            x,
-            x_scale,
-            topk_idx,
-            topk_weights,
-            w13,
-            w13_scale,
-            w2,
-            w2_scale,
-            shared_output,
-            num_experts,
-            capacity,
-            swiglu_limit,
-            ep_rank,
-            ep_size,
-            fp8_max,
-            weight_layout,
-            _variant(activation, alpha, w13_bias, w2_bias),
-            dispatch,
-            combine,
-            dispatch_capacity,
-        )
+        dims = check_forward(*inputs, num_experts, capacity, swiglu_limit, ep_rank, ep_size, config)
     except Exception:  # noqa: BLE001
         # A collective step: the kernel reports this error on every rank at run time. Raising here, at trace time
         # on this rank only, would leave the others' compiled steps waiting in the all-gather. The shape given
@@ -1032,15 +957,7 @@ def schema_error(
     group_name,
     ep_rank,
     ep_size,
-    fp8_max,
-    weight_layout,
-    activation="silu",
-    alpha=DEFAULT_ALPHA,
-    w13_bias=None,
-    w2_bias=None,
-    dispatch="all_gather",
-    combine="fp32",
-    dispatch_capacity=0,
+    config: ForwardConfig = DEFAULT_CONFIG,
 ) -> Exception | None:
     """The error the op's schema would raise for these arguments (before the op's body, on one rank), as
     TypeError / ValueError naming the argument, or None when the schema accepts them."""
@@ -1054,8 +971,8 @@ def schema_error(
         w2=w2,
         w2_scale=w2_scale,
         shared_output=shared_output,
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
+        w13_bias=config.w13_bias,
+        w2_bias=config.w2_bias,
     )
     for name, optional in _SCHEMA_TENSORS:
         t = given[name]
@@ -1068,7 +985,7 @@ def schema_error(
         ("capacity", capacity),
         ("ep_rank", ep_rank),
         ("ep_size", ep_size),
-        ("dispatch_capacity", dispatch_capacity),
+        ("dispatch_capacity", config.dispatch_capacity),
     ):
         if not isinstance(v, int) or isinstance(v, bool):
             return ValueError(f"forward: {name} must be a positive int, got {v!r}")
@@ -1076,8 +993,8 @@ def schema_error(
             return ValueError(f"forward: {name} must fit in int64, got {v!r}")
     for name, v, optional in (
         ("swiglu_limit", swiglu_limit, True),
-        ("fp8_max", fp8_max, False),
-        ("alpha", alpha, False),
+        ("fp8_max", config.fp8_max, False),
+        ("alpha", config.alpha, False),
     ):
         if optional and v is None:
             continue
@@ -1091,10 +1008,10 @@ def schema_error(
             )
     for name, v in (
         ("group_name", group_name),
-        ("weight_layout", weight_layout),
-        ("activation", activation),
-        ("dispatch", dispatch),
-        ("combine", combine),
+        ("weight_layout", config.weight_layout),
+        ("activation", config.activation),
+        ("dispatch", config.dispatch),
+        ("combine", config.combine),
     ):
         if not isinstance(v, str):
             return TypeError(f"forward: {name} must be a str, got {type(v).__name__}")
@@ -1168,33 +1085,12 @@ def forward(
     (not under torch.compile or CUDA graph capture) ``topk_idx`` and ``x_scale`` are range-checked first; with
     ep_size > 1 the op checks them itself, in the step header, on every device.
     """
+    config = ForwardConfig(
+        fp8_max, weight_layout, activation, alpha, w13_bias, w2_bias, dispatch, combine, dispatch_capacity
+    )
+    inputs = (x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, shared_output)
     if _collective(group_name, ep_size):
-        error = schema_error(
-            x,
-            x_scale,
-            topk_idx,
-            topk_weights,
-            w13,
-            w13_scale,
-            w2,
-            w2_scale,
-            shared_output,
-            num_experts,
-            capacity,
-            swiglu_limit,
-            group_name,
-            ep_rank,
-            ep_size,
-            fp8_max,
-            weight_layout,
-            activation,
-            alpha,
-            w13_bias,
-            w2_bias,
-            dispatch,
-            combine,
-            dispatch_capacity,
-        )
+        error = schema_error(*inputs, num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, config)
         if error is not None:
             # The op's schema would refuse these arguments before its body runs, on this rank only: report them
             # in a collective step instead, so every rank raises.
@@ -1203,28 +1099,5 @@ def forward(
         check_topk_range(topk_idx, num_experts)  # a host sync: eager only
         check_scale_range(x_scale)
     return torch.ops.static_moe.forward(
-        x,
-        x_scale,
-        topk_idx,
-        topk_weights,
-        w13,
-        w13_scale,
-        w2,
-        w2_scale,
-        shared_output,
-        num_experts,
-        capacity,
-        swiglu_limit,
-        group_name,
-        ep_rank,
-        ep_size,
-        fp8_max,
-        weight_layout,
-        activation=activation,
-        alpha=alpha,
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
-        dispatch=dispatch,
-        combine=combine,
-        dispatch_capacity=dispatch_capacity,
+        *inputs, num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, **config.schema_kwargs()
     )
