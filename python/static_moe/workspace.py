@@ -144,7 +144,12 @@ class WorkspaceSpec:
             _positive_int(name, getattr(self, name))
         for name in ("hidden", "intermediate"):
             if getattr(self, name) % 128:
-                raise ValueError(f"{name} must be a multiple of 128, got {getattr(self, name)}")
+                v = getattr(self, name)
+                raise ValueError(
+                    f"{name} must be a multiple of 128, got {v}: pad it with zeros to {-(-v // 128) * 128} (zero "
+                    "x columns and weight rows / columns, zero bias entries; drop the padded output columns) — "
+                    "exact, see SPEC §1.2 'Sizes'"
+                )
         if self.num_experts % self.ep_size:
             raise ValueError(f"num_experts ({self.num_experts}) must be divisible by ep_size ({self.ep_size})")
         if self.topk > self.num_experts:

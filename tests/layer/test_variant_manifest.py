@@ -56,3 +56,11 @@ def test_workspace_spec_checks_and_normalises_the_variant():
         workspace.WorkspaceSpec(**base, activation="swiglu_oai", alpha=float("inf"))
     with pytest.raises(ValueError, match="expert_biases must be a bool"):
         workspace.WorkspaceSpec(**base, expert_biases=1)
+
+
+def test_a_hidden_size_off_the_128_grid_is_refused_with_how_to_pad():
+    """gpt-oss's H = 2880: refused for every format (SPEC §1.2 'Sizes'), the message giving the padded size."""
+    base = dict(capacity=C, intermediate=I, num_experts=E, topk=K, ep_size=1)
+    for wfmt in ("bf16", "fp4"):
+        with pytest.raises(ValueError, match="hidden must be a multiple of 128, got 2880: pad it with zeros to 2944"):
+            workspace.WorkspaceSpec(**base, hidden=2880, weight_format=wfmt)
