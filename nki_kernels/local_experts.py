@@ -692,61 +692,82 @@ class _BiasEpilogues:
     of the two GEMMs, each adding in fp32 to the GEMM's fp32 sum before the one bf16 rounding (features on
     partitions, the item's M rows along the free dim):
 
-    - GEMM1: ``hT[n, m] = bf16(sum[n, m] + b13[e, n])`` — ``tensor_scalar`` with a per-partition (P, 1) operand;
-    - GEMM2: ``dT[n, m] = bf16(sum[n, m] + w[m] · b2[e, n])`` — ``scalar_tensor_tensor``
-      ``(w_bcast op0=multiply b2 column) op1=add sum``: one fp32 product and one fp32 add per element, as the
-      reference's ``bias_row_scale · bias`` then ``+``.
+    - GEMM1: ``hT[n, m] = bf16(sum[n, m] + b13[e, n])`` — ScalarE ``activation(copy, bias=<(P, 1) column>)``;
+    - GEMM2: ``dT[n, m] = bf16(sum[n, m] + w[m] · b2[e, n])`` — ScalarE ``activation(copy, data=w_bcast,
+      scale=<(P, 1) b2 column>)`` then a GpSimd ``tensor_tensor`` add: one fp32 product and one fp32 add per
+      element, as the reference's ``bias_row_scale · bias`` then ``+``. (VectorE binds the item: its swiglu and
+      evacuations; ScalarE and GpSimd have room.)
 
-    Per item, one DMA per bias brings expert e's row as ``[P, N/128]`` columns (element ``[p, c]`` = bias[e,
-    128c + p]; a runtime e through ``.ap(scalar_offset=<SBUF (1, 1)>)``, as the weights are addressed) and one
-    brings the item's M routing weights from the HBM item table broadcast to every partition (a stride-0
-    partition step in the access pattern, as ``swiglu_and_cast`` repeats a row weight): data movement only, so
-    a NaN weight stays in its own column. Pad rows have weight 0 and are never stored.
+    Per item, the expert's biases come in by one contiguous DMA each, as rows ``[N/128, 128]`` (a runtime e
+    through ``.ap(scalar_offset=<SBUF (1, 1)>)``, as the weights are addressed), and one TensorE transpose turns
+    them into the ``[128, N/128]`` columns the epilogues read (element ``[p, c]`` = bias[e, 128c + p]; fp32
+    transposes are bit-exact, as for the trn2 weight scales in ``expert_gemm_tiles``). The item's M routing
+    weights come from the HBM item table as one ``[1, M]`` row and are broadcast to every partition by a K = 1
+    matmul with a ones row (``1 · w`` in fp32 PSUM: exact), so a NaN weight stays in its own column. Pad rows
+    have weight 0 and are never stored. (Per-element DMAs — a column pattern, or a stride-0 partition step —
+    cost one descriptor per element: +12 % on a DMA-bound bf16 item in the cost model, against +1 % this way.)
 
-    Documented constructs: ``tensor_scalar`` with a (P, 1) tile operand, ``scalar_tensor_tensor`` (ISA pages),
-    ``dma_copy`` from an HBM ``.ap(pattern, offset, scalar_offset)`` view (``deep-dives/nki-aps.rst``; nki-library's
-    ``selective_expert_impl.py`` addresses per-expert tensors by an SBUF index so)."""
+    Documented constructs: ``activation`` with (P, 1) tile ``scale`` / ``bias`` (ISA ``nki.isa.activation``:
+    "the element of scale/bias within each partition is broadcasted"), ``tensor_tensor`` with ``engine=``,
+    ``nc_transpose`` and ``nc_matmul`` with fp32 operands (ISA pages), ``dma_copy`` from an HBM ``.ap(pattern,
+    offset, scalar_offset)`` view (``deep-dives/nki-aps.rst``; nki-library's ``selective_expert_impl.py``
+    addresses per-expert tensors by an SBUF index so)."""
 
     def __init__(self, activation, alpha, w13_bias, w2_bias, table, m: int, h: int, inter: int):
         self.activation, self.alpha = activation, float(alpha)
-        self.b13_hbm, self.b2_hbm, self.table, self.m = w13_bias, w2_bias, table, m
+        self.table, self.m = table, m
+        self.biases = []  # (HBM [L, N], SBUF rows [N/128, 128], SBUF columns [128, N/128])
         self.b13 = self.b2 = self.w_bc = None
-        if w13_bias is not None:
-            assert tuple(w13_bias.shape)[1:] == (2 * inter,), f"w13_bias must be [L, {2 * inter}]"
-            self.b13 = nl.ndarray((P, 2 * inter // P), dtype=nl.float32, buffer=nl.sbuf, name="b13_cols")
+        for hbm, n, name in ((w13_bias, 2 * inter, "b13"), (w2_bias, h, "b2")):
+            if hbm is None:
+                continue
+            assert tuple(hbm.shape)[1:] == (n,), f"{name} must be [L, {n}]"
+            assert n // P <= P, f"{name}: N = {n} is over {P * P}"
+            rows = nl.ndarray((n // P, P), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_rows")
+            cols = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_cols")
+            self.biases.append((hbm, rows, cols))
+            setattr(self, name, cols)
         if w2_bias is not None:
-            assert tuple(w2_bias.shape)[1:] == (h,), f"w2_bias must be [L, {h}]"
-            self.b2 = nl.ndarray((P, h // P), dtype=nl.float32, buffer=nl.sbuf, name="b2_cols")
+            self.w_row = nl.ndarray((1, m), dtype=nl.float32, buffer=nl.sbuf, name="item_w_row")
+            self.ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf, name="bias_ones_row")
+            nisa.memset(dst=self.ones, value=1.0)
             self.w_bc = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf, name="item_w_bcast")
         self.gemm1 = self._gemm1 if w13_bias is not None else None
         self.gemm2 = self._gemm2 if w2_bias is not None else None
 
     def load(self, e, item):
         """Expert e's bias columns and item ``item``'s routing weights (ints, or (1, 1) SBUF int32 tiles)."""
-        for hbm, sb in ((self.b13_hbm, self.b13), (self.b2_hbm, self.b2)):
-            if hbm is not None:
-                n = hbm.shape[1]
-                pat = [[1, P], [P, n // P]]
-                if isinstance(e, int):
-                    src = hbm.ap(pattern=pat, offset=e * n)
-                else:
-                    src = hbm.ap(pattern=pat, offset=0, scalar_offset=e, indirect_dim=0)
-                nisa.dma_copy(dst=sb, src=src)
+        for hbm, rows, cols in self.biases:
+            n = hbm.shape[1]
+            pat = [[P, n // P], [1, P]]
+            if isinstance(e, int):
+                src = hbm.ap(pattern=pat, offset=e * n)
+            else:
+                src = hbm.ap(pattern=pat, offset=0, scalar_offset=e, indirect_dim=0)
+            nisa.dma_copy(dst=rows, src=src)
+            ps = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.psum, name="bias_cols_psum")
+            nisa.nc_transpose(dst=ps, data=rows)
+            nisa.tensor_copy(dst=cols, src=ps)
         if self.w_bc is not None:
             m = self.m
-            pat = [[0, P], [2, m]]
+            pat = [[1, 1], [2, m]]
             if isinstance(item, int):
                 src = self.table.ap(pattern=pat, offset=item * 2 * m + 1)
             else:
                 src = self.table.ap(pattern=pat, offset=1, scalar_offset=item, indirect_dim=0)
-            nisa.dma_copy(dst=self.w_bc, src=src)
+            nisa.dma_copy(dst=self.w_row, src=src)
+            ps = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.psum, name="item_w_bcast_psum")
+            nisa.nc_matmul(dst=ps, stationary=self.ones, moving=self.w_row, accumulate=False)
+            nisa.tensor_copy(dst=self.w_bc, src=ps)
 
     def _gemm1(self, dT, acc, n0: int):
+        # ScalarE's affine stage: copy(sum · 1 + b13) in fp32, one rounding to bf16 (VectorE binds the item)
         c = n0 // P
-        nisa.tensor_scalar(dst=dT, data=acc, op0=nl.add, operand0=self.b13[:, c : c + 1])
+        nisa.activation(dst=dT, op=nl.copy, data=acc, bias=self.b13[:, c : c + 1])
 
     def _gemm2(self, dT, acc, n0: int):
+        # w · b2 on ScalarE (the (P, 1) column as the scale: one fp32 product), + sum on GpSimd, one rounding
         c = n0 // P
-        nisa.scalar_tensor_tensor(
-            dst=dT, data=self.w_bc, op0=nl.multiply, operand0=self.b2[:, c : c + 1], op1=nl.add, operand1=acc
-        )
+        wb = nl.ndarray(tuple(self.w_bc.shape), dtype=nl.float32, buffer=nl.sbuf, name="item_w_b2")
+        nisa.activation(dst=wb, op=nl.copy, data=self.w_bc, scale=self.b2[:, c : c + 1])
+        nisa.tensor_tensor(dst=dT, data1=acc, data2=wb, op=nl.add, engine=nisa.engine.gpsimd)

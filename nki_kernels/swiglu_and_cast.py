@@ -262,13 +262,15 @@ def _gated_into(av, g_in, u_in, bv, p, cols, activation, alpha):
 
     - "silu": ``av = silu(g)``, ``u' = u``;
     - "swiglu_oai": ``av = g · σ(α·g)``, ``u' = u + 1`` (written into ``bv``);
-    - "gelu_tanh": ``av = g · σ(c · (g + ((0.044715·g)·g)·g))``, ``u' = u`` — the cubic on VectorE, ``c·y`` as
-      the activation's scale.
+    - "gelu_tanh": ``av = g · σ(c · (g + ((0.044715·g)·g)·g))``, ``u' = u``, with ``c·y`` as the activation's scale.
 
-    ``g_in`` may be ``av`` and ``u_in`` may be ``bv`` (the clamped halves). Documented constructs:
-    ``nisa.activation`` with ``op=nl.sigmoid`` and a compile-time ``scale`` (``f(data·scale + bias)`` in fp32, ISA
-    page ``nki.isa.activation``; ``nki.language.sigmoid``), ``tensor_scalar`` / ``tensor_tensor`` /
-    ``scalar_tensor_tensor`` (ISA pages)."""
+    Engines: VectorE binds the fused local-experts item (its swiglu and evacuations), ScalarE and GpSimd have
+    room, so the extra work goes there: ``u + 1`` and ``0.044715·g`` are ScalarE's affine stage (``copy(u·1 + 1)``,
+    ``copy(g·0.044715)``: one fp32 operation each), the rest of the gelu cubic runs on GpSimd (fp32 arithmetic, as ``expert_gemm_tiles.tree_sum``'s adds); VectorE does one
+    product more than "silu". ``g_in`` may be ``av`` and ``u_in`` may be ``bv`` (the clamped halves).
+    Documented constructs: ``nisa.activation`` with ``op=nl.sigmoid`` / ``nl.copy``, a compile-time ``scale`` and a
+    scalar ``bias`` (``f(data·scale + bias)`` in fp32, ISA page ``nki.isa.activation``; ``nki.language.sigmoid``),
+    ``tensor_scalar`` / ``tensor_tensor`` with ``engine=`` (ISA pages)."""
     if activation == "silu":
         nisa.activation(dst=av, op=nl.silu, data=g_in)
         return u_in
@@ -276,14 +278,14 @@ def _gated_into(av, g_in, u_in, bv, p, cols, activation, alpha):
     if activation == "swiglu_oai":
         nisa.activation(dst=sig, op=nl.sigmoid, data=g_in, scale=float(alpha))  # σ(fl(α·g))
         nisa.tensor_tensor(dst=av, data1=g_in, data2=sig, op=nl.multiply)
-        nisa.tensor_scalar(dst=bv, data=u_in, op0=nl.add, operand0=1.0)
+        nisa.activation(dst=bv, op=nl.copy, data=u_in, bias=1.0)  # u·1 + 1 = u + 1
         return bv
-    # gelu_tanh: y = (0.044715·g)·g, y = y·g, y = g + y, σ(c·y)
-    nisa.scalar_tensor_tensor(
-        dst=sig, data=g_in, op0=nl.multiply, operand0=GELU_TANH_CUBIC, op1=nl.multiply, operand1=g_in
-    )
-    nisa.tensor_tensor(dst=sig, data1=sig, data2=g_in, op=nl.multiply)
-    nisa.tensor_tensor(dst=sig, data1=g_in, data2=sig, op=nl.add)
+    # gelu_tanh: y = 0.044715·g (ScalarE), y = y·g, y = y·g, y = g + y (GpSimd), σ(c·y) (ScalarE)
+    gp = nisa.engine.gpsimd
+    nisa.activation(dst=sig, op=nl.copy, data=g_in, scale=GELU_TANH_CUBIC)  # g·0.044715 on ScalarE
+    nisa.tensor_tensor(dst=sig, data1=sig, data2=g_in, op=nl.multiply, engine=gp)
+    nisa.tensor_tensor(dst=sig, data1=sig, data2=g_in, op=nl.multiply, engine=gp)
+    nisa.tensor_tensor(dst=sig, data1=g_in, data2=sig, op=nl.add, engine=gp)
     nisa.activation(dst=sig, op=nl.sigmoid, data=sig, scale=GELU_TANH_SCALE)
     nisa.tensor_tensor(dst=av, data1=g_in, data2=sig, op=nl.multiply)
     return u_in
