@@ -19,6 +19,7 @@ import time
 import torch
 
 import static_moe
+from static_moe.activations import DEFAULT_ALPHA
 from static_moe.testing.generators import make_activations, make_routing, make_weights
 
 # gpt-oss-20b's expert shape (H = I = 2880, top-4 of 32) rounded up to the multiple of 128 the ops need.
@@ -35,7 +36,7 @@ def _call(args, limit, variant, b13, b2):
         *args,
         limit,
         activation=variant["activation"],
-        alpha=1.702,
+        alpha=DEFAULT_ALPHA,
         w13_bias=b13 if variant["biases"] else None,
         w2_bias=b2 if variant["biases"] else None,
     )

@@ -320,6 +320,32 @@ def _mx_trips(a_scale, masks, skip_unrouted: bool):
     return regs
 
 
+def _bias_epilogue(bias, expert: int, row_mask, r: int, n: int):
+    """The SPEC §1.9 bias epilogue of :func:`expert_gemm_kernel`: ``epilogue(dst [P, R] bf16, sum [P, R] fp32,
+    n0)`` writes ``bf16(sum + bias[expert, n0 + p])`` on masked-in rows and +0 on the others (features on
+    partitions, rows along the free dim).
+
+    Loaded once: the expert's bias as ``[P, N/128]`` columns (element ``[p, c]`` = bias[e, 128c + p]) and the row
+    mask broadcast to every partition (``[P, R]`` uint8, a stride-0 partition step in the HBM access pattern). The
+    add is a ``tensor_scalar`` with a (P, 1) operand on the fp32 sum, rounding once to bf16; a
+    ``tensor_copy_predicated`` on the mask then writes those rows over zeros, so a non-finite bias never reaches a masked row (a product with the
+    mask would turn 0 · inf into NaN). Documented constructs: ``dma_copy`` from an HBM ``.ap(pattern, offset)``
+    view (``deep-dives/nki-aps.rst``), ``tensor_scalar``, ``tensor_copy_predicated`` (ISA pages)."""
+    cols = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.sbuf, name="bias_cols")
+    nisa.dma_copy(dst=cols, src=bias.ap(pattern=[[1, P], [P, n // P]], offset=int(expert) * n))
+    mask = nl.ndarray((P, r), dtype=nl.uint8, buffer=nl.sbuf, name="row_mask_bcast")
+    nisa.dma_copy(dst=mask, src=row_mask.ap(pattern=[[0, P], [1, r]], offset=0))
+
+    def epilogue(dst, acc, n0: int):
+        c = n0 // P
+        biased = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="o_biased")
+        nisa.tensor_scalar(dst=biased, data=acc, op0=nl.add, operand0=cols[:, c : c + 1])  # the one rounding
+        nisa.memset(dst=dst, value=0.0)
+        nisa.tensor_copy_predicated(dst=dst, src=biased, predicate=mask)
+
+    return epilogue
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------------------------
@@ -329,7 +355,7 @@ def _check_eio(a, b, k: int, n: int):
     return plan
 
 
-def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=True, weight_layout="eoi"):
+def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=True, weight_layout="eoi", bias=None):
     """Per-expert masked GEMM with a shared A (SPEC §1.6), either weight layout.
 
     Dimensions:
@@ -348,9 +374,12 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         expert (int): local expert index (compile-time constant).
         skip_unrouted (bool): True: weights are read inside a runtime loop that runs only if some row is set.
         weight_layout (str): "eoi" or "eio".
+        bias (nl.ndarray | None): [L, N] float32 in HBM (SPEC §1.9): ``bf16(Σ_k A·B_e + bias[e])``, added in fp32
+            before the one rounding; masked rows stay zero (:func:`_bias_epilogue`).
 
     Returns:
-        out (nl.ndarray): [R, N] bf16 in shared HBM; ``bf16(Σ_k A·B_e)`` on masked-in rows, ±0 elsewhere.
+        out (nl.ndarray): [R, N] bf16 in shared HBM; ``bf16(Σ_k A·B_e (+ bias[e]))`` on masked-in rows, ±0
+        elsewhere.
 
     Notes:
         - K and N multiples of 128 (the packed "eio" forms pad K to whole 512 blocks with zeros on chip); R any
@@ -395,6 +424,7 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         plan.korder if plan is not None else "natural", a, a_scale, masks, kp=None if plan is None else plan.kp
     )
 
+    epilogue = None if bias is None else _bias_epilogue(bias, expert, row_mask, r, n)
     out_rows = []
     for r0 in range(0, r, P):
         t = nl.ndarray((min(P, r - r0), n), dtype=nl.bfloat16, buffer=nl.sbuf, name="out_rows")
@@ -411,7 +441,12 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
                 # fp8_block / quad_grp evacuate on VectorE + GpSimd: the row copies go to ScalarE; the other
                 # paths evacuate on ScalarE and copy rows on VectorE
                 vec_evac = plan.path in ("fp8_block", "quad_grp")
-                gemm_block(o_bf, slab, j, act, r, out_engine=nisa.engine.scalar)
+                if epilogue is None:
+                    gemm_block(o_bf, slab, j, act, r, out_engine=nisa.engine.scalar)
+                else:
+                    o_f = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.sbuf, name="o_sum")
+                    gemm_block(o_f, slab, j, act, r, out_engine=nisa.engine.scalar)
+                    epilogue(o_bf, o_f, n0 + j * P)
                 rows_from_kmajor(out_rows, o_bf, n0 + j * P, r, nisa.engine.scalar if vec_evac else None)
             slab = None  # the decoded planes of a slab die here, before the next slab is decoded
 
@@ -422,7 +457,12 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
             group = load_weight_group(b, b_scale, expert, g0 * P, grp, fmt_b, k)
             for j in range(grp):
                 o_bf = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="o_bf16")
-                block_times_rows(o_bf, group, j, act.aT, fmt_b, k, r)
+                if epilogue is None:
+                    block_times_rows(o_bf, group, j, act.aT, fmt_b, k, r)
+                else:
+                    o_f = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.sbuf, name="o_sum")
+                    block_times_rows(o_f, group, j, act.aT, fmt_b, k, r)
+                    epilogue(o_bf, o_f, (g0 + j) * P)
                 rows_from_kmajor(out_rows, o_bf, (g0 + j) * P, r)
 
     body = body_eio if plan is not None else body_eoi

@@ -100,7 +100,7 @@ from .expert_gemm_tiles import (
     rows_from_kmajor,
     weight_plan,
 )
-from .swiglu_and_cast import swiglu_cast_tile
+from .swiglu_and_cast import DEFAULT_ALPHA, swiglu_cast_tile
 
 SWIGLU_COLS = 1024  # columns of I per swiglu tile call (bounds its fp32 scratch)
 MAX_CHUNK = P  # rows per work item: gathered rows land on partitions
@@ -154,6 +154,10 @@ def local_experts_kernel(
     chunk_rows=None,
     weight_layout="eoi",
     num_experts=None,
+    activation="silu",
+    alpha=DEFAULT_ALPHA,
+    w13_bias=None,
+    w2_bias=None,
 ):
     """Fused local experts (SPEC §1.7) on one NeuronCore, over each expert's routed rows only.
 
@@ -182,6 +186,10 @@ def local_experts_kernel(
             K-major, ``python/static_moe/layouts.py``: w13 ``[L, H, 2I]`` bf16 / e4m3fn (trn2: re-encoded) with
             fp32 ``[L, H/128, 2I]`` scales, or x4-packed ``[L, H/4, 2I]`` uint32 (fp8 MX, trn3) / uint16 (fp4)
             with UE8M0 ``[L, H/32, 2I]``; w2 likewise with K = I, N = H).
+        activation (str), alpha (float): the gated activation of SPEC §1.9 (``swiglu_and_cast``'s).
+        w13_bias (nl.ndarray | None): [L, 2I] float32, HBM: ``h = bf16(x·W13ᵀ + b13)``.
+        w2_bias (nl.ndarray | None): [L, H] float32, HBM: ``d = bf16(z·W2ᵀ + w·b2)`` with w the row's routing
+            weight (one fp32 product). Both added in fp32 before the bf16 rounding (:class:`_BiasEpilogues`).
 
     Returns:
         acc (nl.ndarray): [R, H] float32 in shared HBM.
@@ -253,6 +261,7 @@ def local_experts_kernel(
     _zero_rows(out, r, h)
 
     bufs = _ItemBuffers(m, h, inter, g1, g2, fmt_x, group)
+    var = _BiasEpilogues(activation, alpha, w13_bias, w2_bias, table, m, h, inter)
     if skip_unrouted:
         counter = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_counter")
         nisa.memset(dst=counter, value=0)
@@ -263,13 +272,15 @@ def local_experts_kernel(
                 dst=e_sb, src=item_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=counter, indirect_dim=0)
             )
             meta = table.ap(pattern=[[2, m], [1, 2]], offset=0, scalar_offset=counter, indirect_dim=0)
-            _item(out, x_rows, meta, e_sb, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group)
+            var.load(e_sb, counter)
+            _item(out, x_rows, meta, e_sb, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group, var)
             nisa.tensor_scalar(dst=counter, data=counter, op0=nl.add, operand0=1)
 
         nl.fori_loop(0, n_reg, body)
     else:
         for i in range(n_max):
-            _item(out, x_rows, table[i], i // q_static, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group)
+            var.load(i // q_static, i)
+            _item(out, x_rows, table[i], i // q_static, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group, var)
     return out
 
 
@@ -482,14 +493,20 @@ class _EioGemm:
     def alloc(self):
         self.ring = WeightRing(self.plan, self.name)
 
-    def blocks(self, e, op, m: int):
-        """Yield ``(n0, dT [P, M] bf16)`` per 128 output features: ``bf16(Σ_k W_e[k, n0 + n] · rows[k, :M])``."""
+    def blocks(self, e, op, m: int, epilogue=None):
+        """Yield ``(n0, dT [P, M] bf16)`` per 128 output features: ``bf16(Σ_k W_e[k, n0 + n] · rows[k, :M])``, or
+        with ``epilogue(dT, fp32 sum, n0)`` the rounding of the sum plus a bias (:class:`_BiasEpilogues`)."""
         plan = self.plan
         for n0 in range(0, plan.n, plan.ncols):
             slab = load_weight_slab(self.ring, self.w, self.w_scale, e, n0)
             for j in range(plan.ncols // P):
                 dT = nl.ndarray((P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name=f"{self.name}_dT")
-                gemm_block(dT, slab, j, op, m, out_engine=nisa.engine.scalar)
+                if epilogue is None:
+                    gemm_block(dT, slab, j, op, m, out_engine=nisa.engine.scalar)
+                else:
+                    acc = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf, name=f"{self.name}_sum")
+                    gemm_block(acc, slab, j, op, m, out_engine=nisa.engine.scalar)
+                    epilogue(dT, acc, n0 + j * P)
                 yield n0 + j * P, dT
             # drop this slab's decoded planes before the next one is decoded (the raw ring buffers stay): two
             # decoded packed slabs do not fit next to V3's rows (H = 7168)
@@ -510,14 +527,19 @@ class _EoiGemm:
     def alloc(self):
         pass
 
-    def blocks(self, e, op, m: int):
+    def blocks(self, e, op, m: int, epilogue=None):
         nnb = self.n // P
         grp = rows_per_dma(self.fmt, self.k, nnb)
         for g0 in range(0, nnb, grp):
             group = load_weight_group(self.w, self.w_scale, e, g0 * P, grp, self.fmt, self.k)
             for j in range(grp):
                 dT = nl.ndarray((P, m), dtype=nl.bfloat16, buffer=nl.sbuf, name="eoi_dT")
-                block_times_rows(dT, group, j, op.aT, self.fmt, self.k, m)
+                if epilogue is None:
+                    block_times_rows(dT, group, j, op.aT, self.fmt, self.k, m)
+                else:  # the fp32 sum (an exact copy out of PSUM), then the bias and the one rounding
+                    acc = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf, name="eoi_sum")
+                    block_times_rows(acc, group, j, op.aT, self.fmt, self.k, m)
+                    epilogue(dT, acc, (g0 + j) * P)
                 yield (g0 + j) * P, dT
 
 
@@ -604,7 +626,7 @@ def _operand(op, korder: str):
     return group_operand(op) if korder == "quad_grp" else op
 
 
-def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group):
+def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group, var):
     """One work item: M rows of expert e (an int, or a (1, 1) SBUF int32 tile loaded at run time)."""
     nisa.dma_copy(dst=bufs.meta, src=meta_src)
     nisa.tensor_copy(dst=bufs.rid, src=bufs.meta[:, 0:1])  # exact: row ids < 2^24
@@ -618,7 +640,7 @@ def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8
         _gather(bufs.xg, x_src, bufs.rid, m)
         act_rows_into_operand(bufs.op1, bufs.xg, 0)
     # ---- GEMM1: h^T blocks → rows h [M, 2I] bf16 (h = bf16(GEMM1))
-    for n0, hT in g1.blocks(e, _operand(bufs.op1, g1.korder), m):
+    for n0, hT in g1.blocks(e, _operand(bufs.op1, g1.korder), m, var.gemm1):
         rows_from_kmajor([bufs.h_rows], hT, n0, m)
     # ---- swiglu-and-cast (rows on partitions: groups along the free dim) → the moving operand of GEMM2
     fp8 = group is not None
@@ -635,6 +657,8 @@ def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8
             "fp8" if fp8 else "bf16",
             group if fp8 else 128,
             fp8_max,
+            var.activation,
+            var.alpha,
         )
         if not fp8:
             nisa.tensor_copy(dst=bufs.z[:, c0 : c0 + c], src=res)
@@ -656,8 +680,94 @@ def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8
     else:
         act_rows_into_operand(bufs.op2, bufs.z, 0)
     # ---- GEMM2: d^T blocks → rows d [M, H] bf16 (d = bf16(GEMM2))
-    for n0, dT in g2.blocks(e, _operand(bufs.op2, g2.korder), m):
+    for n0, dT in g2.blocks(e, _operand(bufs.op2, g2.korder), m, var.gemm2):
         rows_from_kmajor([bufs.d_rows], dT, n0, m)
     # ---- acc[rows] += d: one DMA read-modify-write (fp32 add, unique rows within an item; pad rows skipped)
     acc_rows = out.ap(pattern=[[h, m], [1, h]], offset=0, vector_offset=bufs.rid, indirect_dim=0)
     nisa.dma_compute(dst=acc_rows, srcs=[acc_rows, bufs.d_rows], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+
+
+class _BiasEpilogues:
+    """The SPEC §1.9 variants of an item: the activation (handed to ``swiglu_cast_tile``) and the bias epilogues
+    of the two GEMMs, each adding in fp32 to the GEMM's fp32 sum before the one bf16 rounding (features on
+    partitions, the item's M rows along the free dim):
+
+    - GEMM1: ``hT[n, m] = bf16(sum[n, m] + b13[e, n])`` — ScalarE ``activation(copy, bias=<(P, 1) column>)``;
+    - GEMM2: ``dT[n, m] = bf16(sum[n, m] + w[m] · b2[e, n])`` — ScalarE ``activation(copy, data=w_bcast,
+      scale=<(P, 1) b2 column>)`` then a GpSimd ``tensor_tensor`` add: one fp32 product and one fp32 add per
+      element, as the reference's ``bias_row_scale · bias`` then ``+``. (VectorE binds the item: its swiglu and
+      evacuations; ScalarE and GpSimd have room.)
+
+    Per item, the expert's biases come in by one contiguous DMA each, as rows ``[N/128, 128]`` (a runtime e
+    through ``.ap(scalar_offset=<SBUF (1, 1)>)``, as the weights are addressed), and one TensorE transpose turns
+    them into the ``[128, N/128]`` columns the epilogues read (element ``[p, c]`` = bias[e, 128c + p]; fp32
+    transposes are bit-exact, as for the trn2 weight scales in ``expert_gemm_tiles``). The item's M routing
+    weights come from the HBM item table as one ``[1, M]`` row and are broadcast to every partition by a K = 1
+    matmul with a ones row (``1 · w`` in fp32 PSUM: exact), so a NaN weight stays in its own column. Pad rows
+    have weight 0 and are never stored. (Per-element DMAs — a column pattern, or a stride-0 partition step —
+    cost one descriptor per element: +12 % on a DMA-bound bf16 item in the cost model, against +1 % this way.)
+
+    Documented constructs: ``activation`` with (P, 1) tile ``scale`` / ``bias`` (ISA ``nki.isa.activation``:
+    "the element of scale/bias within each partition is broadcasted"), ``tensor_tensor`` with ``engine=``,
+    ``nc_transpose`` and ``nc_matmul`` with fp32 operands (ISA pages), ``dma_copy`` from an HBM ``.ap(pattern,
+    offset, scalar_offset)`` view (``deep-dives/nki-aps.rst``; nki-library's ``selective_expert_impl.py``
+    addresses per-expert tensors by an SBUF index so)."""
+
+    def __init__(self, activation, alpha, w13_bias, w2_bias, table, m: int, h: int, inter: int):
+        self.activation, self.alpha = activation, float(alpha)
+        self.table, self.m = table, m
+        self.biases = []  # (HBM [L, N], SBUF rows [N/128, 128], SBUF columns [128, N/128])
+        self.b13 = self.b2 = self.w_bc = None
+        for hbm, n, name in ((w13_bias, 2 * inter, "b13"), (w2_bias, h, "b2")):
+            if hbm is None:
+                continue
+            assert tuple(hbm.shape)[1:] == (n,), f"{name} must be [L, {n}]"
+            assert n // P <= P, f"{name}: N = {n} is over {P * P}"
+            rows = nl.ndarray((n // P, P), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_rows")
+            cols = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_cols")
+            self.biases.append((hbm, rows, cols))
+            setattr(self, name, cols)
+        if w2_bias is not None:
+            self.w_row = nl.ndarray((1, m), dtype=nl.float32, buffer=nl.sbuf, name="item_w_row")
+            self.ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf, name="bias_ones_row")
+            nisa.memset(dst=self.ones, value=1.0)
+            self.w_bc = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf, name="item_w_bcast")
+        self.gemm1 = self._gemm1 if w13_bias is not None else None
+        self.gemm2 = self._gemm2 if w2_bias is not None else None
+
+    def load(self, e, item):
+        """Expert e's bias columns and item ``item``'s routing weights (ints, or (1, 1) SBUF int32 tiles)."""
+        for hbm, rows, cols in self.biases:
+            n = hbm.shape[1]
+            pat = [[P, n // P], [1, P]]
+            if isinstance(e, int):
+                src = hbm.ap(pattern=pat, offset=e * n)
+            else:
+                src = hbm.ap(pattern=pat, offset=0, scalar_offset=e, indirect_dim=0)
+            nisa.dma_copy(dst=rows, src=src)
+            ps = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.psum, name="bias_cols_psum")
+            nisa.nc_transpose(dst=ps, data=rows)
+            nisa.tensor_copy(dst=cols, src=ps)
+        if self.w_bc is not None:
+            m = self.m
+            pat = [[1, 1], [2, m]]
+            if isinstance(item, int):
+                src = self.table.ap(pattern=pat, offset=item * 2 * m + 1)
+            else:
+                src = self.table.ap(pattern=pat, offset=1, scalar_offset=item, indirect_dim=0)
+            nisa.dma_copy(dst=self.w_row, src=src)
+            ps = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.psum, name="item_w_bcast_psum")
+            nisa.nc_matmul(dst=ps, stationary=self.ones, moving=self.w_row, accumulate=False)
+            nisa.tensor_copy(dst=self.w_bc, src=ps)
+
+    def _gemm1(self, dT, acc, n0: int):
+        # ScalarE's affine stage: copy(sum · 1 + b13) in fp32, one rounding to bf16 (VectorE binds the item)
+        c = n0 // P
+        nisa.activation(dst=dT, op=nl.copy, data=acc, bias=self.b13[:, c : c + 1])
+
+    def _gemm2(self, dT, acc, n0: int):
+        # w · b2 on ScalarE (the (P, 1) column as the scale: one fp32 product), + sum on GpSimd, one rounding
+        c = n0 // P
+        wb = nl.ndarray(tuple(self.w_bc.shape), dtype=nl.float32, buffer=nl.sbuf, name="item_w_b2")
+        nisa.activation(dst=wb, op=nl.copy, data=self.w_bc, scale=self.b2[:, c : c + 1])
+        nisa.tensor_tensor(dst=dT, data1=acc, data2=wb, op=nl.add, engine=nisa.engine.gpsimd)

@@ -11,11 +11,17 @@ import math
 
 import numpy as np
 
+from static_moe.activations import DEFAULT_ALPHA
 from static_moe.nki.shim import nisa, nl
 
 AMAX_FLOOR = 1e-4  # SPEC §1.1
 FP8_E4M3_TRN2_MAX = 240.0  # Neuron float8_e4m3 (trn2 on-chip fp8)
 FP8_E4M3FN_MAX = 448.0  # OCP float8_e4m3fn
+# gelu_tanh's constants (SPEC §1.9): c = 2·sqrt(2/π) and the cubic coefficient, rounded to float32 on chip as
+# static_moe.activations rounds them
+GELU_TANH_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
+GELU_TANH_CUBIC = 0.044715
+ACTIVATIONS = ("silu", "swiglu_oai", "gelu_tanh")
 MAX_PARTITION_COLS = 4096  # columns per partition (~18 B/column of SBUF: ~72 KiB per tile at most)
 
 
@@ -37,6 +43,8 @@ def swiglu_and_cast(
     group_size=128,
     fp8_max=FP8_E4M3_TRN2_MAX,
     pow2_scale=True,
+    activation="silu",
+    alpha=DEFAULT_ALPHA,
 ):
     """SwiGLU with clamp and per-row routing weight, then a cast to bf16 or to fp8 with 1×g scales.
 
@@ -55,6 +63,10 @@ def swiglu_and_cast(
         group_size (constant): g in {32, 128}; I % g == 0 (fp8 only).
         fp8_max (constant): 240.0 on trn2 (on-chip ``float8_e4m3``); 448.0 needs native e4m3fn (trn3).
         pow2_scale (constant): must be True: scales are powers of two (UE8M0), built exactly from bits.
+        activation (constant): the gated activation of SPEC §1.9: "silu" (``g·σ(g)·u``), "swiglu_oai"
+            (``(u + 1)·(g·σ(α·g))``) or "gelu_tanh" (``g·σ(c·(g + ((0.044715·g)·g)·g))·u``, c = 2√(2/π)); the
+            clamp is the same for every activation.
+        alpha (constant): α of "swiglu_oai" (positive, finite in float32; unused by the others).
 
     Returns:
         "fp8": (q, s) — q float8_e4m3fn [R, I] (HBM, shared), s float32 [R, G] (HBM, shared).
@@ -68,7 +80,8 @@ def swiglu_and_cast(
           that keeps ceil(R/128) tiles (R = 1, I = 2048, g = 128: 16 partitions × 128 columns instead of
           1 × 2048). The HBM↔SBUF DMAs stay one per tile and operand, because the tile's row-major order equals
           HBM's (a DMA only needs equal element counts).
-        - Math in fp32 on chip, in the reference's order: ``v = ((silu(g) · u) · w)``.
+        - Math in fp32 on chip, in the reference's order: ``v = ((silu(g) · u) · w)``; the SPEC §1.9 variants
+          in theirs (:func:`_gated_into`). Still one pass: the variants add on-chip instructions, no HBM traffic.
         - The scale of a group is ``s = 2^ceil(log2(max(amax, 1e-4) / fp8_max))``, computed exactly from the
           bits of amax: the ISA has no correctly rounded divide, but for a normal amax = 1.f·2^e and
           fp8_max = 1.m·2^k, ``round_up_pow2(fl(amax / fp8_max)) = 2^(e - k + [f > m])`` — the same bits the
@@ -84,7 +97,7 @@ def swiglu_and_cast(
         for each tile of rows_per_tile rows (partition p = (row, block), m groups of g columns each):
             g = load(gate block); u = load(up block); w = row weight repeated over the row's blocks
             g = min(g, L); u = clamp(u, -L, L)                # if swiglu_limit
-            v = silu(g) * u * w                               # fp32
+            v = act(g, u) * w                                 # fp32; silu(g)·u by default
             bf16: store(out, bf16(v)); continue
             amax[p, j] = max(max_k |v[p, j, k]|, 1e-4)          # j < m groups, k < g
             s = pow2 scale from amax bits; inv = 1/s from bits
@@ -94,6 +107,7 @@ def swiglu_and_cast(
     inter = two_i // 2
     assert two_i == 2 * inter, f"gate_up must have an even column count, got {two_i}"
     assert out_format in ("fp8", "bf16"), f"out_format must be 'fp8' or 'bf16', got {out_format!r}"
+    assert activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}"
     fp8 = out_format == "fp8"
     if fp8:
         assert pow2_scale, "the NKI kernel supports pow2_scale=True only (bit-exact scales need power-of-two)"
@@ -131,7 +145,15 @@ def swiglu_and_cast(
             w = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf, name="w")
             nisa.dma_copy(dst=w[0:p, :], src=row_weight.ap(pattern=[[1, nr], [0, bpr]], offset=r0))
         res = swiglu_cast_tile(
-            g_in, u_in, w[0:p, :] if row_weight is not None else None, swiglu_limit, out_format, group_size, fp8_max
+            g_in,
+            u_in,
+            w[0:p, :] if row_weight is not None else None,
+            swiglu_limit,
+            out_format,
+            group_size,
+            fp8_max,
+            activation,
+            alpha,
         )
         if not fp8:
             nisa.dma_copy(dst=out[r0 : r0 + nr, :], src=res)
@@ -145,15 +167,17 @@ def swiglu_and_cast(
     return out
 
 
-def swiglu_cast_tile(g_in, u_in, w, swiglu_limit, out_format, group_size, fp8_max):
+def swiglu_cast_tile(
+    g_in, u_in, w, swiglu_limit, out_format, group_size, fp8_max, activation="silu", alpha=DEFAULT_ALPHA
+):
     """The on-chip body of :func:`swiglu_and_cast` for one tile, SBUF in and SBUF out — shared with the fused
     local-experts kernel (``nki_kernels/local_experts.py``), whose GEMM1 output never leaves the chip.
 
     Args:
         g_in, u_in: SBUF [p, cols] bfloat16 or float32 gate and up values (p ≤ 128 partitions).
         w: SBUF (p, 1) float32 routing weight per partition, or None.
-        swiglu_limit, out_format, group_size, fp8_max: as :func:`swiglu_and_cast`; for fp8, cols is a
-            multiple of group_size and each partition's groups are consecutive columns.
+        swiglu_limit, out_format, group_size, fp8_max, activation, alpha: as :func:`swiglu_and_cast`; for fp8,
+            cols is a multiple of group_size and each partition's groups are consecutive columns.
 
     Returns:
         "bf16": SBUF bfloat16 [p, cols].
@@ -170,8 +194,8 @@ def swiglu_cast_tile(g_in, u_in, w, swiglu_limit, out_format, group_size, fp8_ma
         nisa.tensor_scalar(dst=av, data=g_in, op0=nl.minimum, operand0=lim)
         nisa.tensor_scalar(dst=bv, data=u_in, op0=nl.minimum, operand0=lim, op1=nl.maximum, operand1=-lim)
         g_in, u_in = av, bv
-    # ---- v = silu(g) · u · w  (fp32, reference order); bf16 mode writes the last product as bf16
-    nisa.activation(dst=av, op=nl.silu, data=g_in)
+    # ---- v = act(g, u) · w  (fp32, reference order); bf16 mode writes the last product as bf16
+    u_in = _gated_into(av, g_in, u_in, bv, p, cols, activation, alpha)
     if fp8:
         v = av
     else:
@@ -229,3 +253,39 @@ def swiglu_cast_tile(g_in, u_in, w, swiglu_limit, out_format, group_size, fp8_ma
             dst=q[0:p, :].reshape((p, m, group_size)), data1=av.reshape((p, m, group_size)), data2=inv3, op=nl.multiply
         )
     return q, s_t
+
+
+def _gated_into(av, g_in, u_in, bv, p, cols, activation, alpha):
+    """The SPEC §1.9 gate factor into ``av`` (SBUF fp32 [p, cols]); returns the up operand ``u'`` it multiplies, so
+    that ``act(g, u) = av · u'`` bit for bit as ``static_moe.activations.gated`` computes it (float32, same order;
+    the products commute exactly):
+
+    - "silu": ``av = silu(g)``, ``u' = u``;
+    - "swiglu_oai": ``av = g · σ(α·g)``, ``u' = u + 1`` (written into ``bv``);
+    - "gelu_tanh": ``av = g · σ(c · (g + ((0.044715·g)·g)·g))``, ``u' = u``, with ``c·y`` as the activation's scale.
+
+    Engines: VectorE binds the fused local-experts item (its swiglu and evacuations), ScalarE and GpSimd have
+    room, so the extra work goes there: ``u + 1`` and ``0.044715·g`` are ScalarE's affine stage (``copy(u·1 + 1)``,
+    ``copy(g·0.044715)``: one fp32 operation each), the rest of the gelu cubic runs on GpSimd (fp32 arithmetic, as ``expert_gemm_tiles.tree_sum``'s adds); VectorE does one
+    product more than "silu". ``g_in`` may be ``av`` and ``u_in`` may be ``bv`` (the clamped halves).
+    Documented constructs: ``nisa.activation`` with ``op=nl.sigmoid`` / ``nl.copy``, a compile-time ``scale`` and a
+    scalar ``bias`` (``f(data·scale + bias)`` in fp32, ISA page ``nki.isa.activation``; ``nki.language.sigmoid``),
+    ``tensor_scalar`` / ``tensor_tensor`` with ``engine=`` (ISA pages)."""
+    if activation == "silu":
+        nisa.activation(dst=av, op=nl.silu, data=g_in)
+        return u_in
+    sig = nl.ndarray((p, cols), dtype=nl.float32, buffer=nl.sbuf, name="act_sigmoid")
+    if activation == "swiglu_oai":
+        nisa.activation(dst=sig, op=nl.sigmoid, data=g_in, scale=float(alpha))  # σ(fl(α·g))
+        nisa.tensor_tensor(dst=av, data1=g_in, data2=sig, op=nl.multiply)
+        nisa.activation(dst=bv, op=nl.copy, data=u_in, bias=1.0)  # u·1 + 1 = u + 1
+        return bv
+    # gelu_tanh: y = 0.044715·g (ScalarE), y = y·g, y = y·g, y = g + y (GpSimd), σ(c·y) (ScalarE)
+    gp = nisa.engine.gpsimd
+    nisa.activation(dst=sig, op=nl.copy, data=g_in, scale=GELU_TANH_CUBIC)  # g·0.044715 on ScalarE
+    nisa.tensor_tensor(dst=sig, data1=sig, data2=g_in, op=nl.multiply, engine=gp)
+    nisa.tensor_tensor(dst=sig, data1=sig, data2=g_in, op=nl.multiply, engine=gp)
+    nisa.tensor_tensor(dst=sig, data1=g_in, data2=sig, op=nl.add, engine=gp)
+    nisa.activation(dst=sig, op=nl.sigmoid, data=sig, scale=GELU_TANH_SCALE)
+    nisa.tensor_tensor(dst=av, data1=g_in, data2=sig, op=nl.multiply)
+    return u_in

@@ -731,6 +731,9 @@ class StaticMoE(_FixedFormats):
             dispatch=self.dispatch,
             combine=self.combine,
             dispatch_capacity=self.dispatch_capacity,
+            activation=self.activation,
+            alpha=self.alpha,
+            expert_biases=bool(expert_biases),
         )
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.capacity = num_experts, top_k, capacity

@@ -61,13 +61,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .activations import DEFAULT_ALPHA, check_activation
 from .expert_parallel import COMBINES, DISPATCHES, ROW_ID_NBYTES
 from .formats import FP8_E4M3FN_MAX, check_fp8_max, check_swiglu_limit
 from .packed_layout import aligned
 
 # 2: packed rows carry the step header; the manifest carries swiglu_limit and fp8_max. 3: the manifest carries the
-# dispatch, the combine and the dispatch capacity Cd (SPEC §7).
-PROTOCOL_VERSION = 3
+# dispatch, the combine and the dispatch capacity Cd (SPEC §7). 4: the manifest carries the activation, alpha and
+# whether the experts have biases (SPEC §1.9).
+PROTOCOL_VERSION = 4
 
 # Bytes at the end of every packed row that the forward reserves for its step header (its layout:
 # ops/step_status.py). Fixed by the protocol, so every rank's row width agrees whatever its inputs.
@@ -111,6 +113,11 @@ class WorkspaceSpec:
         combine: "fp32" (the reduce-scatter of SPEC §0) or "bf16" (SPEC §7); "all_to_all" needs "bf16".
         dispatch_capacity: Cd, the most rows one rank sends to one rank with "all_to_all", in [1, C]; 0 with
             "all_gather" (normalised to 0 there).
+        activation: the gated activation of SPEC §1.9 ("silu", "swiglu_oai", "gelu_tanh"). Changes the maths,
+            not the buffers: in the manifest so that ranks which disagree fail at creation.
+        alpha: α of "swiglu_oai" (positive, finite in float32; normalised to the default for the other
+            activations, which do not read it). Same reason.
+        expert_biases: whether the experts carry the SPEC §1.9 biases. Same reason.
     """
 
     capacity: int
@@ -128,13 +135,21 @@ class WorkspaceSpec:
     dispatch: str = "all_gather"
     combine: str = "fp32"
     dispatch_capacity: int = 0
+    activation: str = "silu"
+    alpha: float = DEFAULT_ALPHA
+    expert_biases: bool = False
 
     def __post_init__(self):
         for name in ("capacity", "hidden", "intermediate", "num_experts", "topk", "ep_size"):
             _positive_int(name, getattr(self, name))
         for name in ("hidden", "intermediate"):
             if getattr(self, name) % 128:
-                raise ValueError(f"{name} must be a multiple of 128, got {getattr(self, name)}")
+                v = getattr(self, name)
+                raise ValueError(
+                    f"{name} must be a multiple of 128, got {v}: pad it with zeros to {-(-v // 128) * 128} (zero "
+                    "x columns and weight rows / columns, zero bias entries; drop the padded output columns) — "
+                    "exact, see SPEC §1.2 'Sizes'"
+                )
         if self.num_experts % self.ep_size:
             raise ValueError(f"num_experts ({self.num_experts}) must be divisible by ep_size ({self.ep_size})")
         if self.topk > self.num_experts:
@@ -181,6 +196,10 @@ class WorkspaceSpec:
                 )
         else:
             object.__setattr__(self, "dispatch_capacity", 0)
+        check_activation(self.activation, self.alpha, "WorkspaceSpec")
+        object.__setattr__(self, "alpha", float(self.alpha) if self.activation == "swiglu_oai" else DEFAULT_ALPHA)
+        if not isinstance(self.expert_biases, bool):
+            raise ValueError(f"expert_biases must be a bool, got {self.expert_biases!r}")
 
     @property
     def num_local_experts(self) -> int:

@@ -278,8 +278,14 @@ def _other_value(name: str, value):
     elif isinstance(value, float):
         candidates = [2 * value, value / 2, value + 1]
     elif isinstance(value, str):
+        import static_moe.activations as act_mod
+
         choices = [
-            c for v in vars(ws_mod).values() if isinstance(v, tuple) and all(isinstance(c, str) for c in v) for c in v
+            c
+            for mod in (ws_mod, act_mod)
+            for v in vars(mod).values()
+            if isinstance(v, tuple) and all(isinstance(c, str) for c in v)
+            for c in v
         ]
         candidates = choices + ["cuda:0", "cpu"]
     else:
@@ -300,6 +306,7 @@ def _other_value(name: str, value):
 _COMPANIONS = {
     "dispatch": dict(combine="bf16", dispatch_capacity=2),
     "dispatch_capacity": dict(dispatch="all_to_all", combine="bf16"),
+    "alpha": dict(activation="swiglu_oai"),  # the only activation that reads alpha (normalised otherwise)
 }
 
 

@@ -36,6 +36,8 @@ import os
 
 import torch
 
+from ..activations import DEFAULT_ALPHA
+
 _OPS = ("pack_rows", "unpack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward")
 _registered: list[str] = []
 
@@ -46,6 +48,11 @@ def _u8(t):
     if t is not None and t.dtype in (torch.float4_e2m1fn_x2, torch.float8_e8m0fnu):
         return t.view(torch.uint8)
     return t
+
+
+def _f32(bias):
+    """A SPEC §1.9 bias as the contiguous float32 the kernels take (bf16 widens exactly)."""
+    return bias.to(torch.float32).contiguous()
 
 
 def _check(name: str, *args, **kwargs) -> None:
@@ -200,22 +207,6 @@ def _e4m3fn_native() -> bool:
     return shim.interpreter.get_target().name == "trn3"
 
 
-def refuse_variants(op: str, activation="silu", biases=()) -> None:
-    """The NKI kernels compute the SiLU experts without biases (SPEC §1.7); the SPEC §1.9 variants are refused with
-    a ValueError naming the argument, after the shared checks have validated it."""
-    if activation != "silu":
-        raise ValueError(
-            f'{op} (NKI): activation="{activation}" is not implemented by the NKI kernels yet (only "silu"); '
-            "run these experts on CPU or CUDA"
-        )
-    for name, t in biases:
-        if t is not None:
-            raise ValueError(
-                f"{op} (NKI): {name} is not implemented by the NKI kernels yet (experts without biases only); "
-                "run these experts on CPU or CUDA"
-            )
-
-
 def _byte_rows(t):
     """A part [T, ...] as the uint8 [T, bytes per row] it packs to (a free view of a contiguous tensor)."""
     return t.contiguous().reshape(t.shape[0], -1).view(torch.uint8)
@@ -273,19 +264,18 @@ def swiglu_and_cast(
     fp8_max=448.0,
     pow2_scale=True,
     activation="silu",
-    alpha=1.702,
+    alpha=DEFAULT_ALPHA,
 ):
     """``torch.ops.static_moe.swiglu_and_cast`` through the NKI kernel (nki_kernels/swiglu_and_cast.py). Returns
     (q, s) on gate_up's device: fp8 (float8_e4m3fn [R, I], float32 [R, I/g]) or bf16 (bf16 [R, I], float32
     [R, 0]: NKI tensors have no zero-sized dim, so the empty scale is made here). fp8_max > 240 needs native
-    e4m3fn (trn3), as for local_experts. An ``activation`` other than "silu" (SPEC §1.9) is checked, then refused.
+    e4m3fn (trn3), as for local_experts. ``activation`` and ``alpha`` (SPEC §1.9) reach the kernel as keywords.
     """
     from .. import _C
 
     _C.check_swiglu_and_cast(
         gate_up, row_weight, swiglu_limit, out_format, group_size, fp8_max, pow2_scale, activation, alpha
     )
-    refuse_variants("swiglu_and_cast", activation)
     if out_format == "fp8" and fp8_max > 240.0 and not _e4m3fn_native():
         raise ValueError(
             f"swiglu_and_cast: fp8_max={fp8_max} needs OCP float8_e4m3fn on chip (trn3); trn2's on-chip fp8 "
@@ -311,6 +301,8 @@ def swiglu_and_cast(
         group_size=int(group_size),
         fp8_max=float(fp8_max),
         pow2_scale=bool(pow2_scale),
+        activation=activation,
+        alpha=float(alpha),
     )
     if out_format == "bf16":
         return out, gate_up.new_empty((rows, 0), dtype=torch.float32)
@@ -323,12 +315,14 @@ def expert_gemm(
     """``torch.ops.static_moe.expert_gemm`` through the NKI kernel: on the Neuron device when the tensors live
     there, else through the simulator / interpreter. Returns bf16 [R, N] on the inputs' device.
     ``weight_layout``: "eoi" or "eio" (static_moe.layouts), handed to the kernel as a keyword (module doc).
-    ``bias`` (SPEC §1.9) is refused: the NKI kernel has no bias epilogue yet."""
+    ``bias`` (SPEC §1.9, float32 or bf16 ``[L, N]``) reaches the kernel as float32 (bf16 widens exactly)."""
     _check("expert_gemm", a, a_scale, b, b_scale, row_mask, expert, weight_layout=weight_layout, bias=bias)
-    refuse_variants("expert_gemm", biases=(("bias", bias),))
     args = expert_gemm_args(a, a_scale, b, b_scale, row_mask, expert)
     check_trn2_fp8_bytes("expert_gemm", (("b", b[int(expert) : int(expert) + 1]),), weight_layout, _e4m3fn_native())
-    return _launch("expert_gemm", args, _on_neuron(a), skip_unrouted=skip_unrouted, **_layout_flags(weight_layout))
+    flags = _layout_flags(weight_layout)
+    if bias is not None:
+        flags["bias"] = _f32(bias)
+    return _launch("expert_gemm", args, _on_neuron(a), skip_unrouted=skip_unrouted, **flags)
 
 
 def local_experts(
@@ -345,7 +339,7 @@ def local_experts(
     fp8_max=448.0,
     weight_layout="eoi",
     activation="silu",
-    alpha=1.702,
+    alpha=DEFAULT_ALPHA,
     w13_bias=None,
     w2_bias=None,
     *,
@@ -353,7 +347,7 @@ def local_experts(
 ):
     """``torch.ops.static_moe.local_experts`` through the fused NKI kernel (device, or simulator / interpreter).
     Returns float32 [R, H]. ``weight_layout``: "eoi" or "eio", handed to the kernel as a keyword (module doc).
-    The SPEC §1.9 variants (an activation other than "silu", biases) are checked, then refused (ValueError)."""
+    The SPEC §1.9 variants (``activation`` / ``alpha``, the biases as float32) reach the kernel as keywords."""
     _check(
         "local_experts",
         x,
@@ -373,14 +367,19 @@ def local_experts(
         w13_bias=w13_bias,
         w2_bias=w2_bias,
     )
-    refuse_variants("local_experts", activation, (("w13_bias", w13_bias), ("w2_bias", w2_bias)))
     native = _e4m3fn_native()
     check_mx_activation_scales(x, x_scale, topk_idx, w13, expert_offset, weight_layout, native)
     check_trn2_fp8_bytes("local_experts", (("w13", w13), ("w2", w2)), weight_layout, native)
     args = local_experts_args(
         x, x_scale, topk_idx, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, fp8_max, native
     )
-    return _launch("local_experts", args, _on_neuron(x), skip_unrouted=skip_unrouted, **_layout_flags(weight_layout))
+    flags = _layout_flags(weight_layout)
+    if activation != "silu":
+        flags.update(activation=activation, alpha=float(alpha))
+    for name, bias in (("w13_bias", w13_bias), ("w2_bias", w2_bias)):
+        if bias is not None:
+            flags[name] = _f32(bias)
+    return _launch("local_experts", args, _on_neuron(x), skip_unrouted=skip_unrouted, **flags)
 
 
 # ------------------------------------------------------------------------------------------- registration

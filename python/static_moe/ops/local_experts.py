@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C
+from ..activations import DEFAULT_ALPHA
 from ..layouts import logical_shape
 
 
@@ -27,7 +28,7 @@ def local_experts(
     fp8_max: float = 448.0,
     weight_layout: str = "eoi",
     activation: str = "silu",
-    alpha: float = 1.702,
+    alpha: float = DEFAULT_ALPHA,
     w13_bias=None,
     w2_bias=None,
 ) -> torch.Tensor:
@@ -80,7 +81,7 @@ def _local_experts_fake(
     fp8_max=448.0,
     weight_layout="eoi",
     activation="silu",
-    alpha=1.702,
+    alpha=DEFAULT_ALPHA,
     w13_bias=None,
     w2_bias=None,
 ):

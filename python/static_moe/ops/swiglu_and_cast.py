@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C
+from ..activations import DEFAULT_ALPHA
 
 
 def swiglu_and_cast(
@@ -21,7 +22,7 @@ def swiglu_and_cast(
     fp8_max=448.0,
     pow2_scale=True,
     activation="silu",
-    alpha=1.702,
+    alpha=DEFAULT_ALPHA,
 ):
     """SwiGLU with clamp and routing weight, then a cast.
 
@@ -54,7 +55,7 @@ def _swiglu_and_cast_fake(
     fp8_max=448.0,
     pow2_scale=True,
     activation="silu",
-    alpha=1.702,
+    alpha=DEFAULT_ALPHA,
 ):
     tensors = [gate_up] + ([row_weight] if row_weight is not None else [])
     if not any(isinstance(s, torch.SymInt) for t in tensors for s in t.shape):
