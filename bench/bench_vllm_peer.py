@@ -16,7 +16,7 @@ Each round times every contender once (the median of ``--iters`` calls), ``--rou
 best round: drift in a shared host hits all of them. Prints the wall and CPU times (the process's CPU time leaves
 out what a loaded host's scheduler gives to others), vLLM's best time / static_moe's default (> 1: static_moe is
 faster, wall and CPU), calc_diff against static_moe's default, and the weight bytes each call streams over
-its time (GB/s) beside a torch copy's bandwidth measured in the same run.
+its CPU time (GB/cpu-s) beside a torch copy's bandwidth measured in the same run.
 
 Needs the vLLM venv (``make venv-vllm``):
 
@@ -199,7 +199,7 @@ def bench_shape(
             for n, s in best.items():
                 res[f"{n}_us"] = s * 1e6
                 res[f"{n}_cpu_us"] = best_cpu[n] * 1e6
-                res[f"gbps_{n}"] = streamed / s / 1e9
+                res[f"gbps_{n}"] = streamed / best_cpu[n] / 1e9  # per second of CPU time
             theirs = [n for n in best if n.startswith("vllm_")]
             res["ratio"] = min(best[n] for n in theirs) / best["ours"] if theirs else float("nan")
             res["ratio_cpu"] = min(best_cpu[n] for n in theirs) / best_cpu["ours"] if theirs else float("nan")
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for r in bench_shape(name, dims, args.experts, args.rows, args.iters, args.rounds, args.formats):
             results.append(r)
             cols = "  ".join(
-                f"{n} {r[f'{n}_us']:7.0f} us (cpu {r[f'{n}_cpu_us']:7.0f}) {r[f'gbps_{n}']:5.1f} GB/s"
+                f"{n} {r[f'{n}_us']:7.0f} us (cpu {r[f'{n}_cpu_us']:7.0f}) {r[f'gbps_{n}']:5.1f} GB/cpu-s"
                 + ("" if n == "ours" else f" diff {r[f'diff_{n}']:.1e}")
                 for n in r["contenders"]
             )
