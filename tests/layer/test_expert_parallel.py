@@ -107,7 +107,7 @@ def test_workspace_spec_carries_dispatch_and_plans_its_buffers():
     a2a = workspace.WorkspaceSpec(**base, dispatch="all_to_all", combine="bf16", dispatch_capacity=3)
     assert workspace.WorkspaceSpec(**base, dispatch_capacity=0).dispatch_capacity == 0
     assert len({workspace.frame_key(x) for x in (ag, bf, a2a)}) == 3
-    assert workspace.PROTOCOL_VERSION == 3
+    assert workspace.PROTOCOL_VERSION >= 3  # 3: the manifest carries dispatch, combine and Cd
     plan = workspace.memory_plan(a2a)
     assert plan.nbytes("blocks") == plan.nbytes("received") == 4 * 3 * (a2a.row_width + 16)
     assert plan.nbytes("partial") == plan.nbytes("returned") == 4 * 3 * 128 * 2

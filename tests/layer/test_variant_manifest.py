@@ -1,6 +1,6 @@
 """The SPEC §1.9 settings in the workspace manifest (SPEC §3): StaticMoE ranks built with a different activation,
 alpha or bias presence fail at construction with a ValueError on every rank naming the field; ranks that agree
-build (gloo, S = 2, bounded)."""
+build; the raw op's first step on a group checks the same manifest (gloo, S = 2, bounded)."""
 
 from __future__ import annotations
 
@@ -37,12 +37,41 @@ def _worker(rank: int, size: int) -> list[str]:
     after = StaticMoE(H, I, E, K, C, **kw)
     after.close()
     done.append("after")
+    # The raw op's first step on a group acquires its own workspace under the call's spec: ranks calling with
+    # different activations fail there, on every rank, before any buffer reaches a collective.
+    done.append(_raw_op_disagrees(rank, size))
     return done
+
+
+def _raw_op_disagrees(rank: int, size: int) -> str:
+    import torch
+    import torch.distributed as dist
+
+    local = E // size
+    x = torch.randn(2, H).bfloat16()
+    idx = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    w = torch.full((2, K), 0.5)
+    w13, w2 = torch.randn(local, 2 * I, H).bfloat16(), torch.randn(local, H, I).bfloat16()
+    kw = dict(
+        num_experts=E,
+        capacity=C,
+        swiglu_limit=None,
+        group_name=dist.group.WORLD.group_name,
+        ep_rank=rank,
+        ep_size=size,
+        activation="gelu_tanh" if rank == size - 1 else "silu",
+    )
+    args = (x, None, idx, w, w13, None, w2, None, None)
+    try:
+        expect_raises(ValueError, lambda: torch.ops.static_moe.forward(*args, **kw), "differ", "activation")
+    finally:
+        workspace.release_implicit()
+    return "raw op"
 
 
 def test_ranks_that_disagree_on_the_variant_fail_at_construction():
     results = run_ranks(_worker, 2, timeout=120)
-    assert all(r == ["agree", "activation", "alpha", "expert_biases", "after"] for r in results), results
+    assert all(r == ["agree", "activation", "alpha", "expert_biases", "after", "raw op"] for r in results), results
 
 
 def test_workspace_spec_checks_and_normalises_the_variant():

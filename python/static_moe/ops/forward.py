@@ -273,6 +273,9 @@ def workspace_spec(
         dispatch=config.dispatch,
         combine=config.combine,
         dispatch_capacity=config.dispatch_capacity,
+        activation=config.activation,
+        alpha=config.alpha,
+        expert_biases=config.w13_bias is not None or config.w2_bias is not None,
     )
 
 
@@ -542,6 +545,9 @@ def _call_config(
         dispatch=config.dispatch,
         combine=config.combine,
         dispatch_capacity=config.dispatch_capacity,
+        activation=config.activation,
+        alpha=float(config.alpha) if _finite_f32(config.alpha) else DEFAULT_ALPHA,
+        expert_biases=config.w13_bias is not None or config.w2_bias is not None,
     )
 
 
@@ -584,6 +590,9 @@ def _spec_of(cfg: dict, device) -> _workspace.WorkspaceSpec | None:
             dispatch=cfg["dispatch"],
             combine=cfg["combine"],
             dispatch_capacity=cfg["dispatch_capacity"],
+            activation=cfg["activation"],
+            alpha=cfg["alpha"],
+            expert_biases=cfg["expert_biases"],
         )
     except (ValueError, TypeError):
         return None
