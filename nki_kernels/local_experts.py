@@ -33,9 +33,16 @@ one static item body per list entry:
    the rows of x are gathered by an indirect DMA (``.ap(vector_offset=...)``, pad rows skipped); they are
    transposed on the TensorE into ``x^T [k, H/128, M]``, the moving operand of GEMM1 (weights stationary,
    ``nki_kernels/expert_gemm.py``); swiglu-and-cast runs on M row-tiles; GEMM2 gives ``d^T`` which is
-   transposed to rows and added into ``acc`` in HBM by one DMA read-modify-write (``dma_compute`` scatter with
-   unique indices: fp32 ``acc[row] + float(d)``, exactly the reference's ``index_add_``). Items run in expert
-   order, so every row's sum runs over its experts in increasing id, as the reference.
+   transposed to rows and added into ``acc`` in HBM by gather → VectorE add → scatter (fp32 ``acc[row] +
+   float(d)``, exactly the reference's ``index_add_``). Items run in expert order, so every row's sum runs over
+   its experts in increasing id, as the reference.
+
+LNC = 2 (``kernel[2]``; the trn2 default): both logical cores build the same work list (each in its own
+private HBM), core 0 runs items [0, ⌈N/2⌉) and core 1 items [⌈N/2⌉, N), so each streams about half the routed
+experts' weights. Core 0 zeroes ``acc`` and adds its items as above; core 1 stores each item's d rows (bf16) to a
+private staging buffer, and after a ``core_barrier`` (core 0 done) adds them in item order. Every row therefore
+gets the same fp32 adds in the same order as on one core: the result is bitwise the LNC = 1 result, and no two
+cores ever write the same ``acc`` rows at once (a token routed to experts on both cores).
 
 Rows routed to no local expert (0xFF padding: id −1, NaN weight, NaN x) are never gathered: they stay the zeros
 ``acc`` was initialised with. A row's arithmetic depends only on its own column of each item (batch invariance).
@@ -62,13 +69,19 @@ Documented constructs used, and where they are documented or used publicly
   (APS; ``all_expert_mx_impl.py`` loads its per-block indices so; ``selective_expert_impl.py`` addresses
   expert weights by an SBUF index through ``scalar_offset``). No SBUF ``.ap(scalar_offset=...)`` is used as a
   compute operand or register source, and no runtime loop is nested.
-- Row scatter-add: ISA ``dma_compute`` (read-modify-write scatter, unique indices, fp32 add). The
-  ``dma_copy`` page documents the same read-modify-write into HBM at dynamic offsets (``dst_rmw_op`` add:
-  "unique dynamic offsets must be used"; duplicates get compiler-added synchronization), which is this
-  kernel's pattern: an item's M rows are distinct tokens (a token that names an expert twice is one row with
-  the summed weight), and items run one after another. RISK: it runs on software DGE only and no public kernel
-  accumulates into HBM this way; nki-library's ``experimental/misc/scatter_add.py`` gathers, adds on an
-  engine and scatters instead (not done here).
+- Row scatter-add: gather the item's acc rows (``dma_copy`` from HBM ``.ap(vector_offset=...)``), add d on the
+  VectorE (``tensor_tensor``, fp32), scatter them back (``dma_copy`` to the same indirect view), ACC_COLS
+  columns at a time: nki-library's ``experimental/misc/scatter_add.py`` (gather-accumulate-scatter, unique
+  indices per 128-row tile). An item's M rows are distinct tokens (a token that names an expert twice is one
+  row with the summed weight). The DMA read-modify-write the ISA pages document (``dma_compute`` scatter RMW,
+  ``dma_copy`` ``dst_rmw_op``) is not used: no public kernel accumulates into HBM that way, and it runs at half
+  rate before NeuronCore-v4. RISK (unchanged): consecutive items' gathers must see the previous scatter of the
+  same rows; both are DMAs on the same HBM tensor, which the compiler orders (not verified on a device).
+- LNC = 2: ``nl.program_id(0)`` / ``nl.num_programs(0)`` split the items (LANG; nki-library's
+  ``indexed_flatten.py`` shards rows over ``program_id`` so); ``nl.private_hbm`` for each core's work list and
+  staging (LANG: "only visible to each individual kernel instance in the SPMD grid"); ``nisa.core_barrier`` on
+  the shared ``acc`` (ISA ``core_barrier``: shared-HBM writes before it are visible after it); the item split
+  uses int32 add and ``right_shift`` on a (1, 1) tile, the counts reach ``register_load`` as plain (1, 1) tiles.
 - Runtime loop: ``nl.fori_loop`` with a register trip count is documented (LANG, NKI 0.6) but public kernels
   use ``nl.dynamic_range`` or ``while reg:`` (RISK, noted).
 - TensorE transposes of bf16 (x, h, z, d) into bf16 PSUM: ISA ``nc_transpose``; fp32 is transposed only for
@@ -103,6 +116,7 @@ from .expert_gemm_tiles import (
 from .swiglu_and_cast import DEFAULT_ALPHA, swiglu_cast_tile
 
 SWIGLU_COLS = 1024  # columns of I per swiglu tile call (bounds its fp32 scratch)
+ACC_COLS = 1024  # columns of acc per gather → add → scatter (4 KiB fp32 per partition: a full-rate DMA payload)
 MAX_CHUNK = P  # rows per work item: gathered rows land on partitions
 
 
@@ -198,9 +212,10 @@ def local_experts_kernel(
         - H, I multiples of 128; R any.
         - z uses x's activation group g (fp8) or is bf16 (bf16 x), as the reference.
         - HBM scratch: the item table (N_max·M·8 bytes), the item experts (4·N_max), and for fp8 x its
-          decoded bf16 rows (2·R·H).
+          decoded bf16 rows (2·R·H); per core at LNC = 2, and core 1's staged d rows (⌊N_max/2⌋·M·H·2).
         - SBUF per partition: the routing tiles (≈ 16·L bytes per 128 rows) and per item x 2H, x^T 2HM/128,
-          h 4I, z^T 2IM/128, d 2H bytes + the weight group in flight.
+          h 4I, z^T 2IM/128, d 2H, acc 4·min(H, 1024) bytes + the weight group in flight.
+        - Launch with ``kernel[1]`` or ``kernel[2]`` (LNC); the result is bitwise the same.
 
     Pseudocode:
         hit, w_all = routing(topk_idx, topk_weights)                   # [R, L]
@@ -213,7 +228,9 @@ def local_experts_kernel(
             e = expert_of[i]; rows, w = table[i]                        # M rows (pad rows = R, skipped)
             xT = transpose(gather(x, rows))
             h = bf16(W13[e] · xT); z = swiglu_and_cast(h, w); d = bf16(W2[e] · z)
-            acc[rows] += d                                              # DMA read-modify-write
+            acc[rows] += d                                              # gather → add → scatter
+        LNC = 2: core 0 runs items [0, ⌈N/2⌉) as above; core 1 runs [⌈N/2⌉, N) storing d to a private stage,
+        then, after core_barrier(acc), adds the staged d in item order (bitwise the LNC = 1 result)
     """
     assert weight_layout in WEIGHT_LAYOUTS, f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}"
     r, h = x.shape
@@ -254,17 +271,34 @@ def local_experts_kernel(
     else:
         n_max = n_local * q_static
 
+    programs, rank = nl.num_programs(0), nl.program_id(0)
+    assert programs in (1, 2), f"local_experts runs on 1 or 2 logical cores (LNC), got {programs}"
     out = nl.ndarray((r, h), dtype=nl.float32, buffer=nl.shared_hbm, name="acc_out")
     tiles, ids = _routing_tiles(topk_idx, topk_weights, expert_offset, n_local, r)
-    table, item_expert, n_reg = _work_list(tiles, ids, r, n_local, m, n_max, skip_unrouted, q_static)
+    table, item_expert, n_items = _work_list(tiles, ids, r, n_local, m, n_max, skip_unrouted, q_static)
     x_rows = _x_rows_source(x, x_scale, tiles, r, h, g1.korder)
-    _zero_rows(out, r, h)
+    if rank == 0:  # core 1 adds into acc only after the barrier, by when core 0 has zeroed and added its items
+        _zero_rows(out, r, h)
 
     bufs = _ItemBuffers(m, h, inter, g1, g2, fmt_x, group)
     var = _BiasEpilogues(activation, alpha, w13_bias, w2_bias, table, m, h, inter)
+    # LNC = 2: core 1 stages the d rows of its items (the later ones) and adds them after the barrier
+    stage = None
+    if rank == 1:
+        stage = nl.ndarray((max(1, n_max // 2), m, h), dtype=nl.bfloat16, buffer=nl.private_hbm, name="item_d_stage")
     if skip_unrouted:
+        first, count = _core_share(n_items, programs, rank)
         counter = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_counter")
-        nisa.memset(dst=counter, value=0)
+        if first is None:
+            nisa.memset(dst=counter, value=0)
+        else:
+            nisa.tensor_copy(dst=counter, src=first)
+        slot = None
+        if stage is not None:
+            slot = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="stage_slot")
+            nisa.memset(dst=slot, value=0)
+        n_reg = nisa.register_alloc(0)
+        nisa.register_load(n_reg, count)
 
         def body(_i):
             e_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_expert")
@@ -273,15 +307,96 @@ def local_experts_kernel(
             )
             meta = table.ap(pattern=[[2, m], [1, 2]], offset=0, scalar_offset=counter, indirect_dim=0)
             var.load(e_sb, counter)
-            _item(out, x_rows, meta, e_sb, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group, var)
+            sink = None if slot is None else _stage_slot(stage, slot, m, h)
+            _item(out, x_rows, meta, e_sb, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group, var, sink)
             nisa.tensor_scalar(dst=counter, data=counter, op0=nl.add, operand0=1)
+            if slot is not None:
+                nisa.tensor_scalar(dst=slot, data=slot, op0=nl.add, operand0=1)
 
         nl.fori_loop(0, n_reg, body)
     else:
-        for i in range(n_max):
+        mine = _static_share(n_max, programs, rank)
+        for j, i in enumerate(mine):
             var.load(i // q_static, i)
-            _item(out, x_rows, table[i], i // q_static, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group, var)
+            sink = None if stage is None else stage[j]
+            _item(
+                out, x_rows, table[i], i // q_static, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group, var, sink
+            )
+    if programs == 2:
+        nisa.core_barrier(data=out, cores=(0, 1))
+        if rank == 1:
+            _add_staged(
+                out,
+                table,
+                stage,
+                bufs,
+                m,
+                h,
+                first if skip_unrouted else None,
+                count if skip_unrouted else None,
+                None if skip_unrouted else mine,
+            )
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LNC = 2: the items split over the two logical cores
+# ----------------------------------------------------------------------------------------------------------------
+def _core_share(n_items, programs: int, rank: int):
+    """(first item, item count) of this core as (1, 1) int32 SBUF tiles (first None: item 0). LNC = 1: all N
+    items. LNC = 2: core 0 takes items [0, ⌈N/2⌉), core 1 [⌈N/2⌉, N) (int32 add and right shift on VectorE)."""
+    if programs == 1:
+        return None, n_items
+    half_up = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="items_core0")
+    nisa.tensor_scalar(dst=half_up, data=n_items, op0=nl.add, operand0=1.0)
+    nisa.tensor_scalar(dst=half_up, data=half_up, op0=nl.right_shift, operand0=1)
+    if rank == 0:
+        return None, half_up
+    half_down = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="items_core1")
+    nisa.tensor_scalar(dst=half_down, data=n_items, op0=nl.right_shift, operand0=1)
+    return half_up, half_down
+
+
+def _static_share(n_max: int, programs: int, rank: int) -> range:
+    """The static variant's items of this core: all, or the first ⌈N/2⌉ (core 0) / the rest (core 1)."""
+    half = -(-n_max // programs)
+    return range(n_max) if programs == 1 else (range(half) if rank == 0 else range(half, n_max))
+
+
+def _stage_slot(stage, slot, m: int, h: int):
+    """The staging rows [M, H] bf16 of core 1's item number ``slot`` (a (1, 1) SBUF counter)."""
+    return stage.ap(pattern=[[h, m], [1, h]], offset=0, scalar_offset=slot, indirect_dim=0)
+
+
+def _add_staged(out, table, stage, bufs, m: int, h: int, first, count, items):
+    """Core 1, after the barrier: ``acc[rows] += d`` for its staged items, in item order — the same adds, in the
+    same order, as one core makes, so the result is bitwise the LNC = 1 result. ``items``: the static variant's
+    item list; else ``first`` / ``count`` (SBUF (1, 1)) drive a second, non-nested runtime loop."""
+    if items is not None:
+        for j, i in enumerate(items):
+            _accumulate_staged(out, table[i], stage[j], bufs, m, h)
+        return
+    counter = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="staged_item")
+    nisa.tensor_copy(dst=counter, src=first)
+    slot = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="staged_slot")
+    nisa.memset(dst=slot, value=0)
+    n_reg = nisa.register_alloc(0)
+    nisa.register_load(n_reg, count)
+
+    def body(_i):
+        meta = table.ap(pattern=[[2, m], [1, 2]], offset=0, scalar_offset=counter, indirect_dim=0)
+        _accumulate_staged(out, meta, _stage_slot(stage, slot, m, h), bufs, m, h)
+        nisa.tensor_scalar(dst=counter, data=counter, op0=nl.add, operand0=1)
+        nisa.tensor_scalar(dst=slot, data=slot, op0=nl.add, operand0=1)
+
+    nl.fori_loop(0, n_reg, body)
+
+
+def _accumulate_staged(out, meta_src, d_src, bufs, m: int, h: int):
+    nisa.dma_copy(dst=bufs.meta, src=meta_src)
+    nisa.tensor_copy(dst=bufs.rid, src=bufs.meta[:, 0:1])
+    nisa.dma_copy(dst=bufs.d_rows, src=d_src)
+    _accumulate(out, bufs, m, h)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -354,7 +469,7 @@ def _work_list(tiles, ids, r: int, n_local: int, m: int, n_max: int, skip_unrout
         table: HBM float32 [N_max, M, 2]: per item its M (row id, routing weight) pairs; pad rows have id R and
             weight 0.
         item_expert: HBM int32 [N_max, 1] (runtime variant) or None.
-        n_reg: a register holding N (runtime variant) or None.
+        n_items: SBUF int32 (1, 1) holding N (runtime variant) or None.
     """
     log2m = m.bit_length() - 1
     # ---- counts C_e = Σ_r hit[r, e] (TensorE, fp32 exact)
@@ -466,12 +581,10 @@ def _work_list(tiles, ids, r: int, n_local: int, m: int, n_max: int, skip_unrout
         e_i = nl.ndarray((ni, 1), dtype=nl.int32, buffer=nl.sbuf, name="item_expert_i32")
         nisa.tensor_copy(dst=e_i, src=e_f)
         nisa.dma_copy(dst=item_expert[i0 : i0 + ni, :], src=e_i)
-    # ---- N = end_{L−1} → register
+    # ---- N = end_{L−1} (the caller loads its share into a register)
     n_items = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="n_items")
     nisa.tensor_copy(dst=n_items, src=end[:, n_local - 1 : n_local])
-    n_reg = nisa.register_alloc(0)
-    nisa.register_load(n_reg, n_items)
-    return table, item_expert, n_reg
+    return table, item_expert, n_items
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -608,6 +721,9 @@ class _ItemBuffers:
         self.op1 = alloc_act_operand(_fill_korder(g1.korder), g1.kp, m, "item_x_op")
         self.op2 = alloc_act_operand(_fill_korder(g2.korder), g2.kp, m, "item_z_op")
         self.h_rows = nl.ndarray((m, 2 * inter), dtype=nl.bfloat16, buffer=nl.sbuf, name="item_h")
+        # the acc rows of the accumulate (zeroed once: pad rows, skipped by the gather, then hold finite values)
+        self.acc = nl.ndarray((m, min(ACC_COLS, h)), dtype=nl.float32, buffer=nl.sbuf, name="item_acc")
+        nisa.memset(dst=self.acc, value=0.0)
         if g2.korder == "mx":
             self.zq = nl.ndarray((m, inter), dtype=nl.uint8, buffer=nl.sbuf, name="item_z_bytes")
             self.zs = nl.ndarray((m, inter // group), dtype=nl.float32, buffer=nl.sbuf, name="item_z_scale")
@@ -626,8 +742,9 @@ def _operand(op, korder: str):
     return group_operand(op) if korder == "quad_grp" else op
 
 
-def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group, var):
-    """One work item: M rows of expert e (an int, or a (1, 1) SBUF int32 tile loaded at run time)."""
+def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8_max, group, var, stage=None):
+    """One work item: M rows of expert e (an int, or a (1, 1) SBUF int32 tile loaded at run time). ``stage``:
+    None adds d into ``out``; else an HBM [M, H] bf16 view that d is stored to (LNC = 2, core 1)."""
     nisa.dma_copy(dst=bufs.meta, src=meta_src)
     nisa.tensor_copy(dst=bufs.rid, src=bufs.meta[:, 0:1])  # exact: row ids < 2^24
     # ---- x rows → the K-major moving operand of GEMM1
@@ -682,9 +799,23 @@ def _item(out, x_rows, meta_src, e, bufs, g1, g2, h, inter, m, swiglu_limit, fp8
     # ---- GEMM2: d^T blocks → rows d [M, H] bf16 (d = bf16(GEMM2))
     for n0, dT in g2.blocks(e, _operand(bufs.op2, g2.korder), m, var.gemm2):
         rows_from_kmajor([bufs.d_rows], dT, n0, m)
-    # ---- acc[rows] += d: one DMA read-modify-write (fp32 add, unique rows within an item; pad rows skipped)
-    acc_rows = out.ap(pattern=[[h, m], [1, h]], offset=0, vector_offset=bufs.rid, indirect_dim=0)
-    nisa.dma_compute(dst=acc_rows, srcs=[acc_rows, bufs.d_rows], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+    if stage is not None:
+        nisa.dma_copy(dst=stage, src=bufs.d_rows)
+        return
+    _accumulate(out, bufs, m, h)
+
+
+def _accumulate(out, bufs, m: int, h: int):
+    """``acc[rows] += d`` for the item in ``bufs`` (rid, d_rows), ACC_COLS columns at a time: gather the acc rows
+    (indirect DMA), add d on the VectorE in fp32 (``fp32(acc) + float(d)``, the reference's ``index_add_``
+    rounding), scatter them back — nki-library's ``experimental/misc/scatter_add.py`` pattern. The rows of an
+    item are distinct tokens, so the scatter writes each row once; pad rows (id R) are skipped both ways."""
+    for c0 in range(0, h, ACC_COLS):
+        c = min(ACC_COLS, h - c0)
+        acc_rows = out.ap(pattern=[[h, m], [1, c]], offset=c0, vector_offset=bufs.rid, indirect_dim=0)
+        nisa.dma_copy(dst=bufs.acc[:, :c], src=acc_rows, oob_mode=nisa.oob_mode.skip)
+        nisa.tensor_tensor(dst=bufs.acc[:, :c], data1=bufs.acc[:, :c], data2=bufs.d_rows[:, c0 : c0 + c], op=nl.add)
+        nisa.dma_copy(dst=acc_rows, src=bufs.acc[:, :c], oob_mode=nisa.oob_mode.skip)
 
 
 class _BiasEpilogues:

@@ -675,6 +675,7 @@ def test_nki_dispatch_passes_the_layout_as_a_keyword(monkeypatch):
     from static_moe.nki import shim
 
     monkeypatch.setattr(shim, "simulate", lambda kernel: kernel)  # call the recording kernel directly
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")  # a plain launch (kernel[2] would wrap it in nki.jit)
     w = make_weights(2, LH, LI, "fp8", seed=1)
     we = _eio_weights(w, "eio")
     x, xs = make_activations(3, LH, "fp8", 128, seed=2)

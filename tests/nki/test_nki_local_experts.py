@@ -205,11 +205,14 @@ def test_rows_are_batch_invariant():
 
 
 @interpreter_only
-def test_skip_variant_reads_exactly_the_routed_experts():
+def test_skip_variant_reads_exactly_the_routed_experts(monkeypatch):
     """Each routed expert (one row: one work item) adds exactly its weights plus the item's own traffic (table
-    row, expert id, M gathered x rows, M acc rows read-modify-written); the static variant reads every expert."""
+    row, expert id, M gathered x rows, M acc rows gathered and scattered back); the static variant reads every
+    expert. Counted on one core (LNC = 1: one cost record; the LNC = 2 split is tested bitwise below)."""
     from nki_interpreter import last_run
     from static_moe.nki_kernels.local_experts import chunk_rows_for
+
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
 
     rows, hidden, inter, num_local = 12, 256, 128, 4
     m = chunk_rows_for(rows, 2, num_local)
@@ -420,6 +423,52 @@ def test_compacted_rows_are_batch_invariant():
         rev = tuple(a.flip(0) if torch.is_tensor(a) and a.dim() == 2 and a.shape[0] == 100 else a for a in kargs)
         flipped = _kernel(rev, 7.0, target="trn3", weight_layout=layout, chunk_rows=8)
         assert_equal(flipped.flip(0), full, f"{layout}: rows reversed")
+
+
+@interpreter_only
+@pytest.mark.parametrize("skip", [True, False], ids=["runtime", "static"])
+def test_lnc2_item_split_is_bitwise_the_single_core_result(skip):
+    """LNC = 2 (``kernel[2]``, items split over ``nl.program_id``): core 0 adds the first ⌈N/2⌉ items, core 1
+    stages the rest and adds them after the barrier, in item order — the LNC = 1 bits. Five items (M = 4) put
+    the hot expert on both cores; both cores run matmuls."""
+    import nki_interpreter as interpreter
+    from static_moe.nki_kernels.local_experts import local_experts_kernel
+
+    rows = 12
+    args = list(_case("bf16", "bf16", 128, rows, 256, 128, 3, 3, 2, 0, 51))
+    idx = torch.full((rows, 2), -1, dtype=torch.int32)
+    idx[:, 0] = 0  # expert 0: 12 rows → 3 items
+    idx[1::3, 1] = 2  # expert 2: 4 rows → 1 item; expert 1 none
+    idx[0, 1] = 1  # expert 1: 1 row → 1 item
+    args[2] = idx
+    kern = interpreter.jit(local_experts_kernel)
+    with interpreter.target("trn2"):
+        one = kern(*args, None, TRN2_FP8_MAX, skip_unrouted=skip, chunk_rows=4)
+        two = kern[2](*args, None, TRN2_FP8_MAX, skip_unrouted=skip, chunk_rows=4)
+        cores = interpreter.last_run().programs
+    assert_equal(two, one, "LNC = 2 vs LNC = 1")
+    assert_kernel_close(two, ref_local_experts(*args, None, TRN2_FP8_MAX), "LNC = 2 vs reference")
+    assert len(cores) == 2 and all(c.matmul_flops > 0 for c in cores)
+
+
+@interpreter_only
+def test_dispatch_launches_local_experts_at_the_platform_lnc(monkeypatch):
+    """``dispatch.platform_lnc``: NEURON_LOGICAL_NC_CONFIG when set, else 2 on trn2 / trn3 (the compiler's
+    default); ``local_experts`` launches with it and gives the same bits at 1 and 2."""
+    import nki_interpreter as interpreter
+
+    args = _case("bf16", "bf16", 128, 6, 256, 128, 2, 2, 2, 0, 52)
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    assert dispatch.platform_lnc() == 2
+    two = dispatch.local_experts(*args, None, TRN2_FP8_MAX)
+    assert len(interpreter.last_run().programs) == 2
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    one = dispatch.local_experts(*args, None, TRN2_FP8_MAX)
+    assert len(interpreter.last_run().programs) == 1
+    assert_equal(two, one, "dispatch at LNC = 2 vs 1")
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "3")
+    with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG"):
+        dispatch.platform_lnc()
 
 
 def test_chunk_rows_policy():

@@ -676,6 +676,137 @@ def test_lnc2_sendrecv_exchanges_tiles_and_each_core_has_its_own_sbuf():
     np.testing.assert_array_equal(got, np.concatenate([x[4:], x[:4]]))
 
 
+def test_lnc2_private_hbm_is_per_core_and_runtime_oob_rows_are_skipped():
+    """LNC = 2 with private_hbm (nki.language page: "only visible to each individual kernel instance in the SPMD
+    grid") and runtime-addressed DMA writes whose start is out of bounds (ISA dma_copy: dynamic addresses are
+    checked at run time, ``oob_mode.skip`` skips): the pattern of nki-library's ``indexed_flatten`` (each core
+    scatters its rows' blocks into a private buffer, a row a core does not own gets offset -1000000, the cores
+    combine by sendrecv + max). Written for this project, not copied."""
+    invalid = -1000000
+
+    def k(x, offsets):
+        e, f = x.shape
+        r = nl.program_id(0)
+        part = nl.ndarray((2 * e, f), nl.float32, buffer=nl.private_hbm)  # one per core
+        fill = nl.ndarray((2 * e, f), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=fill, value=-1.0)
+        nisa.dma_copy(dst=part, src=fill)
+        off = nl.ndarray((1, e), nl.int32, buffer=nl.sbuf)
+        nisa.memset(dst=off, value=invalid)
+        mine = (e + 1) // 2 if r == 0 else e // 2  # core 0 owns rows [0, ⌈e/2⌉), core 1 the rest
+        first = 0 if r == 0 else (e + 1) // 2
+        if mine:
+            nisa.dma_copy(dst=off[:, :mine], src=offsets.reshape((1, e))[:, first : first + mine])
+        for j in range((e + 1) // 2):  # both cores run the same trip count; core 1's extra row is skipped
+            o = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=o, src=off[:, j : j + 1])
+            row = nl.ndarray((1, f), nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=row, src=x[min(first + j, e - 1) : min(first + j, e - 1) + 1, :])
+            dst = part.ap(pattern=[[f, 1], [1, f]], offset=0, scalar_offset=o, indirect_dim=0)
+            nisa.dma_copy(dst=dst, src=row, oob_mode=nisa.oob_mode.skip)
+        got = nl.ndarray((2 * e, f), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=got, src=part)
+        other = nl.ndarray((2 * e, f), nl.float32, buffer=nl.sbuf)
+        nisa.sendrecv(src=got, dst=other, send_to_rank=1 - r, recv_from_rank=1 - r, pipe_id=0)
+        nisa.tensor_tensor(dst=got, data1=got, data2=other, op=nl.maximum)
+        out = nl.ndarray((2 * e, f), nl.float32, buffer=nl.shared_hbm)
+        if r == 0:
+            nisa.dma_copy(dst=out, src=got)
+        return out
+
+    x = np.abs(arr(3, 4)) + 1.0
+    offsets = np.array([5, 0, 2], np.int32)
+    got = interpreter.jit(k)[2](x, offsets)
+    want = np.full((6, 4), -1.0, F32)
+    want[offsets] = x
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_runtime_address_out_of_bounds_is_a_dma_error_unless_skipped():
+    """The same out-of-bounds runtime address with the default ``oob_mode.error`` is refused when the DMA runs;
+    the view alone is no error (the check runs with the DMA, read or write), and a row only partly inside is not
+    modelled."""
+
+    def k(x, where, mode):
+        o = load(where)
+        t = load(x)
+        h = nl.ndarray((4, 4), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=h, src=t)
+        view = h.ap(pattern=[[4, 1], [1, 4]], offset=0, scalar_offset=o, indirect_dim=0)
+        if mode == "dma":
+            nisa.dma_copy(dst=view, src=t[0:1, :])
+        elif mode == "partial":
+            half = h.ap(pattern=[[4, 1], [1, 4]], offset=2, scalar_offset=o, indirect_dim=0)
+            nisa.dma_copy(dst=half, src=t[0:1, :], oob_mode=nisa.oob_mode.skip)
+        else:
+            nisa.dma_copy(dst=t[0:1, :], src=view)
+        return h
+
+    x = arr(4, 4)
+    for off, mode in ((4, "dma"), (-1, "dma"), (7, "read"), (3, "partial")):
+        rejects("dma-oob", k, x, np.array([[off]], np.int32), mode)
+
+
+def test_lnc2_both_cores_accumulating_into_the_same_rows_is_a_race():
+    """Both cores scatter-add (dma_compute RMW) into the same shared rows with no barrier between: a data race
+    (``lnc-race``); with a core_barrier between the two cores' adds it runs, and the sum is exact."""
+
+    def k(x, ordered):
+        r = nl.program_id(0)
+        out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+        t = load(x)
+        if r == 0:
+            nisa.dma_copy(dst=out, src=t)
+        nisa.core_barrier(data=out, cores=(0, 1))
+        rows = nl.ndarray((2, 1), nl.int32, buffer=nl.sbuf)
+        nisa.iota(dst=rows, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+        view = out.ap(pattern=[[x.shape[1], 2], [1, x.shape[1]]], offset=0, vector_offset=rows, indirect_dim=0)
+        if ordered and r == 1:
+            nisa.core_barrier(data=out, cores=(0, 1))
+        nisa.dma_compute(dst=view, srcs=[view, t[0:2, :]], reduce_op=nl.add)
+        if ordered and r == 0:
+            nisa.core_barrier(data=out, cores=(0, 1))
+        return out
+
+    x = arr(4, 8)
+    with pytest.raises(NkiRuleError) as e:
+        interpreter.jit(k)[2](x, False)
+    assert e.value.rule == "lnc-race"
+    got = interpreter.jit(k)[2](x, True)
+    want = x.copy()
+    want[:2] = (x[:2] + x[:2]) + x[:2]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_lnc2_cost_is_the_slower_core_between_barriers():
+    """profile of an LNC = 2 run: Σ over the stretches between barriers of the slower core's estimate; MBU over
+    two cores' HBM bandwidth."""
+    from nki_interpreter.cost import TRN2
+
+    def k(x):
+        r = nl.program_id(0)
+        out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+        t = load(x)
+        for _ in range(4 if r == 0 else 1):  # core 0 is slower before the barrier
+            nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=1.0)
+        nisa.core_barrier(data=out, cores=(0, 1))
+        for _ in range(3 if r == 1 else 0):  # core 1 alone after it
+            nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=1.0)
+        if r == 1:
+            nisa.dma_copy(dst=out, src=t)
+        return out
+
+    x = arr(128, 512)
+    _, rep = interpreter.profile(interpreter.jit(k)[2], x, ideal_hbm_bytes=x.nbytes)
+    c0, c1 = interpreter.last_run().programs
+    s0, s1 = c0.segments(), c1.segments()
+    assert len(s0) == len(s1) == 2
+    want = sum(max(TRN2.estimate(a)["time_s"], TRN2.estimate(b)["time_s"]) for a, b in zip(s0, s1))
+    assert rep["time_s"] == pytest.approx(want) and rep["programs"] == 2
+    assert rep["time_s"] < TRN2.estimate(c0)["time_s"] + TRN2.estimate(c1)["time_s"]
+    assert rep["roofline_fraction"] == pytest.approx(TRN2.hbm_roofline(x.nbytes) / 2 / rep["time_s"])
+
+
 def test_lnc2_a_missing_peer_fails_instead_of_hanging(monkeypatch):
     from nki_interpreter import isa_lnc
 

@@ -99,8 +99,29 @@ class CostRecord:
     by_name: dict = field(default_factory=lambda: defaultdict(int))  # "engine.instruction" -> count
     loop_iterations: int = 0
     matmul_flops: int = 0
+    marks: list = field(default_factory=list)  # LNC = 2: a copy of the counters at each core_barrier
 
     # --------------------------------------------------------------------------------------------- recording
+    def mark(self) -> None:
+        """A barrier: later work cannot start before the other core's earlier work ends (:meth:`segments`)."""
+        self.marks.append(CostRecord().merged(self))
+
+    def segments(self) -> list:
+        """The work between consecutive barriers, as CostRecords (one segment without a barrier)."""
+        out, prev = [], CostRecord()
+        for cur in [*self.marks, self]:
+            seg = CostRecord(dmas=list(cur.dmas[len(prev.dmas) :]))
+            for name in ("instr_count", "instr_elems", "instr_cycles", "by_name"):
+                a, b = getattr(cur, name), getattr(prev, name)
+                for k, v in a.items():
+                    if v - b.get(k, 0):
+                        getattr(seg, name)[k] += v - b.get(k, 0)
+            seg.loop_iterations = cur.loop_iterations - prev.loop_iterations
+            seg.matmul_flops = cur.matmul_flops - prev.matmul_flops
+            out.append(seg)
+            prev = cur
+        return out
+
     def instr(self, engine: str, name: str, partitions: int, elems_per_partition: int, cycles: float | None = None):
         c = elems_per_partition if cycles is None else cycles
         self.instr_count[engine] += 1
@@ -259,13 +280,34 @@ class CostModel:
         bound = max(parts, key=parts.get)[:-2] if t > 0 else "none"
         return {"time_s": t, "serial_s": sum(parts.values()), **parts, "bound": bound}
 
+    def estimate_programs(self, records: list) -> dict:
+        """LNC = 2: the estimate of a launch whose logical cores ran ``records`` (one CostRecord each, with their
+        ``core_barrier`` marks). The cores run concurrently between barriers, each on its own engines, DMA queues
+        and HBM share (a logical core groups whole physical cores: LNC docs), so the time is Σ over the segments
+        between barriers of the slowest core's estimate; ``bound`` and the components are those of the slowest
+        core in the longest segment, and ``programs`` the number of cores (:meth:`mbu` takes it)."""
+        if len(records) == 1:
+            return {**self.estimate(records[0]), "programs": 1}
+        segs = [r.segments() for r in records]
+        assert len({len(s) for s in segs}) == 1, "every core must reach the same barriers"
+        total, serial, worst = 0.0, 0.0, None
+        for k in range(len(segs[0])):
+            ests = [self.estimate(s[k]) for s in segs]
+            slow = max(ests, key=lambda e: e["time_s"])
+            total += slow["time_s"]
+            serial += slow["serial_s"]
+            if worst is None or slow["time_s"] > worst["time_s"]:
+                worst = slow
+        return {**worst, "time_s": total, "serial_s": serial, "programs": len(records)}
+
     def hbm_roofline(self, hbm_bytes: int) -> float:
         """Ideal time to move ``hbm_bytes`` at this core's share of HBM bandwidth."""
         return hbm_bytes / self.hbm_bandwidth_per_core
 
-    def mbu(self, ideal_bytes: int, time_s: float) -> float:
-        """Memory bandwidth utilisation: ``ideal_bytes`` (what the op must move) / time / HBM bandwidth."""
-        return self.hbm_roofline(ideal_bytes) / time_s if time_s else float("nan")
+    def mbu(self, ideal_bytes: int, time_s: float, programs: int = 1) -> float:
+        """Memory bandwidth utilisation: ``ideal_bytes`` (what the op must move) / time / the HBM bandwidth of
+        ``programs`` physical cores (LNC = 2: a logical core has two cores' share)."""
+        return self.hbm_roofline(ideal_bytes) / programs / time_s if time_s else float("nan")
 
 
 TRN2 = CostModel()

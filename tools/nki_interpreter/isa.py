@@ -559,7 +559,9 @@ def dma_copy(
             "dma-dtype",
             f"dma_copy with dge_mode=hwdge needs equal dtypes, got {dt.name(src.dtype)} -> {dt.name(dst.dtype)}",
         )
-    if src.gather is None and dst.gather is None:
+    if src.runtime_oob or dst.runtime_oob:
+        _copy_runtime_oob(dst, src, oob_mode, instr)
+    elif src.gather is None and dst.gather is None:
         check(
             src.size == dst.size,
             "dma-shape",
@@ -598,6 +600,71 @@ def dma_copy(
     _record_dma(src, dst, dge=dge)
 
 
+def _runtime_rows(t: NkiTensor, oob) -> list:
+    """[(row, ndarray of the row or None if skipped)] per dim-0 row of a view whose runtime start address leaves
+    its allocation (``NkiTensor.runtime_oob``). ASSUMPTION: ``oob_mode.skip`` skips whole rows of the access
+    pattern's outermost dim (nki-library's ``indexed_flatten_torch.py`` reference skips whole blocks so); a row
+    only partly outside the allocation is refused as not modelled."""
+    rest = list(zip(t.shape[1:], t.bstrides[1:]))
+    lo_r = sum(min(0, (n - 1) * s) for n, s in rest)
+    hi_r = sum(max(0, (n - 1) * s) for n, s in rest) + t._itemsize
+    nbytes = t.storage.nbytes
+    rows = []
+    for i in range(t.shape[0]):
+        base = t.boffset + i * t.bstrides[0]
+        lo, hi = base + lo_r, base + hi_r
+        if lo >= 0 and hi <= nbytes:
+            rows.append(
+                (i, np.ndarray(t.shape[1:], t.dtype, buffer=t.storage.data, offset=base, strides=t.bstrides[1:]))
+            )
+            continue
+        check(
+            oob == oob_mode.skip,
+            "dma-oob",
+            f"dma_copy: row {i} of {t.name or t.buffer.name} at its runtime address touches bytes [{lo}, {hi}) of a "
+            f"{nbytes}-byte allocation (pass oob_mode=nisa.oob_mode.skip to skip it)",
+        )
+        check(
+            hi <= 0 or lo >= nbytes,
+            "dma-oob",
+            f"dma_copy: row {i} of {t.name or t.buffer.name} is partly out of bounds (bytes [{lo}, {hi}) of "
+            f"{nbytes}); skipping part of a row is not modelled",
+        )
+        rows.append((i, None))
+    return rows
+
+
+def _copy_runtime_oob(dst: NkiTensor, src: NkiTensor, oob, instr: str) -> None:
+    """``dma_copy`` where one side is a runtime-addressed HBM view leaving its allocation: its in-bounds rows
+    move, the others are skipped (or refused with ``oob_mode.error``)."""
+    check(
+        not (src.runtime_oob and dst.runtime_oob) and src.gather is None and dst.gather is None,
+        "dma-shape",
+        f"{instr}: only one side may be a runtime-addressed view that leaves its allocation, and not indirect",
+    )
+    check(src.size == dst.size, "dma-shape", f"{instr}: src {list(src.shape)} vs dst {list(dst.shape)}")
+    u = dt.unsigned_of_size(dst._itemsize)
+    if dst.runtime_oob:
+        srows = np.array(src._np()).reshape(dst.shape[0], -1)
+        for i, row in _runtime_rows(dst, oob):
+            if row is None:
+                continue
+            if src.dtype == dst.dtype:
+                row.view(u)[...] = srows[i].view(u).reshape(row.shape)
+            else:
+                row[...] = _cast(srows[i].astype(np.float32), dst.dtype, instr).reshape(row.shape)
+        return
+    drows = np.array(dst._np()).reshape(src.shape[0], -1)  # skipped rows keep their bytes
+    for i, row in _runtime_rows(src, oob):
+        if row is None:
+            continue
+        if src.dtype == dst.dtype:
+            drows.view(u)[i] = np.array(row).view(u).reshape(-1)
+        else:
+            drows[i] = _cast(np.array(row).astype(np.float32).reshape(-1), dst.dtype, instr)
+    _store_raw(dst, drows)
+
+
 def _record_dma(src: NkiTensor, dst: NkiTensor, dge: bool, efficiency: float = 1.0, rmw: bool = False) -> None:
     """The cost record of one DMA from src to dst (bytes, HBM side, contiguous runs, partitions and bytes per
     partition of the on-chip side, indirect or not; ``rmw``: it accumulates into dst, which is read too)."""
@@ -608,6 +675,9 @@ def _record_dma(src: NkiTensor, dst: NkiTensor, dge: bool, efficiency: float = 1
         rs, runs_s = src.shape[0], math.prod(src.shape[1:]) * src._itemsize
     if dst.gather is not None:
         rd, runs_d = dst.shape[0], math.prod(dst.shape[1:]) * dst._itemsize
+    ctx = current()
+    if ctx.lnc is not None and dst.buffer.name == "shared_hbm":
+        ctx.lnc.record_write(ctx.program, dst)
     chip = [t for t in (src, dst) if t._on_chip]
     pbytes = min(t._free_size * t._itemsize for t in chip) if chip else 0
     parts = min(t.shape[0] for t in chip) if chip else 0

@@ -14,6 +14,11 @@ NeuronCore-v3+ and LNC-only (isa stub); ranks are 0 or 1.
 
 A core that never reaches the rendezvous its peer waits at makes the peer fail with ``lnc-deadlock`` after
 ``TIMEOUT_S`` seconds instead of hanging.
+
+Between two barriers the cores are unordered, so both writing the same ``shared_hbm`` bytes there is a data race
+(the ISA ``dma_copy`` page: accesses to the same offset are a hazard). Every DMA write into shared HBM is
+recorded per core and per stretch between barriers; an overlap is refused with ``lnc-race`` at the next barrier
+or at the end of the run — e.g. both cores accumulating into the same output rows.
 """
 
 from __future__ import annotations
@@ -39,6 +44,43 @@ class LncGroup:
         self.mailbox: dict = {}
         self.shared: list = []  # the shared_hbm allocations, in allocation order
         self.counts = [0] * programs
+        self.segment = [0] * programs  # barriers each core has passed
+        self.writes: dict = {}  # (segment, program) -> {id(storage): (storage, written-byte mask)}
+
+    def record_write(self, program: int, t) -> None:
+        """Mark the shared-HBM bytes DMA destination ``t`` wrote (in-bounds rows only: skipped rows write nothing)."""
+        st = t.storage
+        inner = np.zeros(1, np.int64)
+        for n, stride in zip(t.shape[1:], t.bstrides[1:]):
+            inner = (inner[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
+        if t.gather is not None:
+            gather, _, nrows, idx = t.gather
+            bases = np.array([g for g, k in zip(gather, idx) if 0 <= k < nrows], np.int64)
+        else:
+            bases = t.boffset + np.arange(t.shape[0] if t.shape else 1, dtype=np.int64) * (
+                t.bstrides[0] if t.shape else 0
+            )
+        offs = (bases[:, None] + inner[None, :]).reshape(-1)
+        offs = (offs[:, None] + np.arange(t._itemsize, dtype=np.int64)).reshape(-1)
+        offs = offs[(offs >= 0) & (offs < st.nbytes)]
+        with self.lock:
+            d = self.writes.setdefault((self.segment[program], program), {})
+            if id(st) not in d:
+                d[id(st)] = (st, np.zeros(st.nbytes, bool))
+            d[id(st)][1][offs] = True
+
+    def check_races(self, segment: int) -> None:
+        with self.lock:
+            a, b = self.writes.get((segment, 0), {}), self.writes.get((segment, 1), {})
+            for k in a.keys() & b.keys():
+                both = np.flatnonzero(a[k][1] & b[k][1])
+                check(
+                    both.size == 0,
+                    "lnc-race",
+                    f"both logical cores write bytes {int(both[0]) if both.size else 0}… ({both.size} bytes) of "
+                    f"shared_hbm tensor {a[k][0].name or ''} between the same barriers: unordered writes of the "
+                    f"same bytes are a data race (order them with core_barrier, or split the bytes)",
+                )
 
     def shared_allocation(self, program: int, shape, dtype, name: str):
         from .tensor import NkiTensor, Storage, shared_hbm
@@ -132,4 +174,8 @@ def core_barrier(data, cores=(0, 1), engine=None, name=None):
         f"{instr}: data must be a shared_hbm tensor (what both cores synchronise on)",
     )
     g.wait(instr)
-    current().cost.instr("gpsimd", instr, 1, 1)
+    ctx = current()
+    g.check_races(g.segment[ctx.program])
+    g.segment[ctx.program] += 1
+    ctx.cost.instr("gpsimd", instr, 1, 1)
+    ctx.cost.mark()

@@ -123,6 +123,7 @@ def _run_lnc2(fn, hargs, hkw, spec):
     real = [e for e in errors if e is not None and getattr(e, "rule", "") != "lnc-deadlock"]
     if real or any(errors):
         raise (real or [e for e in errors if e is not None])[0]
+    group.check_races(max(group.segment))  # the stretch after the last barrier
     return outs[0], ctxs
 
 
@@ -249,7 +250,7 @@ def profile(kernel, *args, model=None, ideal_hbm_bytes: int | None = None, **kwa
     result = simulate(kernel)(*args, **kwargs)
     info = last_run()
     model = model or model_for(info.target)
-    est = model.estimate(info.cost)
+    est = model.estimate_programs(info.programs)  # LNC = 2 (kernel[2]): both cores, barrier by barrier
     report = {
         **info.cost.summary(),
         **est,
@@ -260,6 +261,6 @@ def profile(kernel, *args, model=None, ideal_hbm_bytes: int | None = None, **kwa
     }
     if ideal_hbm_bytes is not None:
         report["ideal_hbm_bytes"] = ideal_hbm_bytes
-        report["ideal_s"] = model.hbm_roofline(ideal_hbm_bytes)
-        report["roofline_fraction"] = model.mbu(ideal_hbm_bytes, est["time_s"])
+        report["ideal_s"] = model.hbm_roofline(ideal_hbm_bytes) / est["programs"]
+        report["roofline_fraction"] = model.mbu(ideal_hbm_bytes, est["time_s"], est["programs"])
     return result, report

@@ -166,7 +166,7 @@ class NkiTensor:
     at any byte).
     """
 
-    __slots__ = ("storage", "dtype", "shape", "bstrides", "boffset", "gather", "dynamic")
+    __slots__ = ("storage", "dtype", "shape", "bstrides", "boffset", "gather", "dynamic", "runtime_oob")
 
     def __init__(
         self, storage: Storage, dtype: np.dtype, shape, bstrides, boffset: int, gather=None, dynamic: bool = False
@@ -178,6 +178,9 @@ class NkiTensor:
         self.shape, self.bstrides, self.boffset = tuple(shape), tuple(bstrides), int(boffset)
         # gather: per-index byte offsets of dim 0 for an indirect (vector_offset) access pattern, or None.
         self.gather = gather
+        # runtime_oob: an HBM view at a runtime start address (``.ap(scalar_offset=...)``) that leaves its
+        # allocation; only a DMA may take it, whose ``oob_mode`` decides (see :meth:`_check_bounds`).
+        self.runtime_oob = False
         self._check_bounds()
 
     @classmethod
@@ -293,6 +296,15 @@ class NkiTensor:
             return
         lo = self.boffset + sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.bstrides))
         hi = self.boffset + sum(max(0, (n - 1) * s) for n, s in zip(self.shape, self.bstrides)) + self._itemsize
+        if self.dynamic and not self._on_chip and not (lo >= 0 and hi <= self.storage.nbytes):
+            # Decision (docs win): a runtime start address is checked when the DMA runs, not when the view is
+            # made. The ISA ``dma_copy`` page: with software or hardware DGE "the src and dst tensors can have a
+            # dynamic start address ... out-of-bound address checking is turned on automatically during
+            # execution", an error by default, skipped with ``oob_mode=oob_mode.skip`` (``nki.isa.oob_mode``:
+            # "silently skip the runtime out-of-bounds access"). nki-library's ``indexed_flatten`` (LNC = 2)
+            # relies on it: rows a core does not own get offset -1000000 and their writes are skipped.
+            self.runtime_oob = True
+            return
         check(
             lo >= 0 and hi <= self.storage.nbytes,
             "out-of-bounds",
@@ -333,6 +345,13 @@ class NkiTensor:
         """A live numpy view of the elements (writes go to the storage). Interpreter-internal."""
         if self.gather is not None:
             raise NkiRuleError("indirect-view", "indirect views are only usable as dma_copy operands")
+        if self.runtime_oob:
+            raise NkiRuleError(
+                "dma-oob",
+                f"view {dt.name(self.dtype)}{list(self.shape)} of {self.name or self.buffer.name} at a runtime "
+                f"address leaves its {self.storage.nbytes}-byte allocation: only dma_copy with "
+                f"oob_mode=nisa.oob_mode.skip may take it (the runtime check skips its out-of-bounds rows)",
+            )
         return np.ndarray(self.shape, self.dtype, buffer=self.storage.data, offset=self.boffset, strides=self.bstrides)
 
     # ---------------------------------------------------------------------------------------------- indexing

@@ -189,14 +189,39 @@ def _on_neuron(t: torch.Tensor) -> bool:
     return t.device.type in ("xla", "neuron", "privateuseone")
 
 
+# Kernels that split their work over ``nl.program_id`` and so launch at the platform's LNC (:func:`platform_lnc`).
+_LNC_KERNELS = ("local_experts",)
+
+
+def platform_lnc() -> int:
+    """The logical-NeuronCore degree kernels launch with: ``NEURON_LOGICAL_NC_CONFIG`` when set (the runtime's
+    setting, which compiled code must match: Neuron compiler error NCC_EVRF066), else the compiler's default —
+    LNC = 2 on trn2 and later, 1 on trn1 (NCC_EARG001: trn1 supports only 1). Off a device the target is the
+    simulator's (``NEURON_PLATFORM_TARGET_OVERRIDE``, trn2 by default here) or the interpreter's."""
+    env = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+    if env:
+        if env not in ("1", "2"):
+            raise ValueError(f"NEURON_LOGICAL_NC_CONFIG must be 1 or 2, got {env!r}")
+        return int(env)
+    shim = _shim()
+    if shim.real_nki_available():
+        target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2").lower()
+    else:
+        target = shim.interpreter.get_target().name
+    return 1 if target in ("trn1", "gen2") else 2
+
+
 def _launch(name: str, args: tuple, device: bool, **flags):
     kernel = _kernels()[name]
     shim = _shim()
-    if device:
-        return shim.jit(kernel)(*args, **flags)
-    if shim.real_nki_available():
+    if shim.real_nki_available() and not device:
         os.environ.setdefault("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
-    return shim.simulate(kernel)(*args, **flags)
+    # kernel[lnc]: the launch-grid form of the LNC docs and the NKI simulator (nki.simulate(kernel[2]))
+    lnc = platform_lnc() if name in _LNC_KERNELS else 1
+    launch = shim.jit(kernel)[lnc] if lnc != 1 else shim.jit(kernel)
+    if device:
+        return launch(*args, **flags)
+    return shim.simulate(launch if lnc != 1 else kernel)(*args, **flags)
 
 
 def _e4m3fn_native() -> bool:
