@@ -1048,7 +1048,8 @@ def fold_scales(dst, even_vals, odd_vals, scale, block: int, vector_blocks: int 
         vector_blocks: leading scale blocks multiplied on VectorE (load balance); GpSimd does the rest.
         pre_scale: a power of two the values are multiplied by before the scale, ``(value · pre_scale) · scale``
             in fp32 (the fp4 decoder's 2^6, where folding it into the scale could overflow). One VectorE
-            ``scalar_tensor_tensor`` per half (VectorE only, NKI_API: scalar_tensor_tensor); vector_blocks unused.
+            ``scalar_tensor_tensor`` per half (a Vector Engine instruction: the NKI ISA reference's page for
+            ``nki.isa.scalar_tensor_tensor``); vector_blocks is unused then.
     """
     p, k = dst.shape[0], math.prod(dst.shape[1:])
     nb, half = k // block, block // 2
