@@ -64,7 +64,6 @@ from .expert_gemm_tiles import (  # noqa: F401  (re-exported: the tile API lives
 )
 
 W_DMA_MIN_BYTES = 2048  # per partition: group weight row-blocks until a DMA moves at least this much
-FP4_FOLD_VECTOR_SHARE = 8  # 1/8 of the fp4 scale fold runs on VectorE, the rest on GpSimd
 WEIGHT_LAYOUTS = ("eoi", "eio")
 
 
@@ -128,13 +127,16 @@ def decode_e2m1_pairs(lo, hi, words):
     decode_e2m1_nibbles(lo, hi, words, _mask_tile(_M_1C1C1C1C, "m_1c"))
 
 
-def ue8m0_to_scale(dst_i32, ue8m0, extra_log2: int):
-    """UE8M0 bytes b → float32 ``2^(b − 127 + extra_log2)`` (returned as ``dst_i32.view(float32)``).
+def ue8m0_to_scale(dst_i32, ue8m0):
+    """UE8M0 bytes b → float32 ``2^(b − 127)`` (returned as ``dst_i32.view(float32)``), exact for every b ≤ 254.
 
-    Built from the bits: ``(b + extra_log2) << 23``. Exact for ``1 − extra_log2 ≤ b ≤ 254 − extra_log2``.
+    Built from the bits in one instruction: ``max(b · 2^23, 2^22)`` in fp32 arithmetic (exact: integers below
+    2^31 with few significant bits), stored as int32 — b ≥ 1 gives the exponent field b, and b = 0 the subnormal
+    bits 0x00400000 (2^-127), as SPEC §1.2 decodes it.
     """
-    nisa.tensor_scalar(dst=dst_i32, data=ue8m0, op0=nl.add, operand0=float(extra_log2))
-    nisa.tensor_scalar(dst=dst_i32, data=dst_i32, op0=nl.left_shift, operand0=23)
+    nisa.tensor_scalar(
+        dst=dst_i32, data=ue8m0, op0=nl.multiply, operand0=float(1 << 23), op1=nl.maximum, operand1=float(1 << 22)
+    )
     return dst_i32.view(nl.float32)
 
 
@@ -177,15 +179,17 @@ def load_weight_blocks(w_nat, b, b_scale, e, row0: int, nblk: int, fmt: str, k: 
         s_raw = nl.ndarray((P, nblk, nsc), dtype=nl.uint8, buffer=nl.sbuf, name="w_e8")
         nisa.dma_copy(dst=s_raw, src=expert_rows(b_scale, e, row0, nblk))
         s_i32 = nl.ndarray((P, nblk * nsc), dtype=nl.int32, buffer=nl.sbuf, name="w_s_bits")
-        scale = ue8m0_to_scale(s_i32, s_raw.reshape((P, nblk * nsc)), 6)
         decode_e2m1_pairs(even, odd, words)
+        # the decoder's 2^-6 is undone on the values (value·2^-6·2^6, exact in fp32), not folded into the scale:
+        # 2^(b − 127 + 6) overflows float32 for bytes 249 … 254, where the weight itself is finite
+        scale = ue8m0_to_scale(s_i32, s_raw.reshape((P, nblk * nsc)))
         fold_scales(
             w_nat.reshape((P, nblk * k)),
             even.view(nl.float8_e4m3),
             odd.view(nl.float8_e4m3),
             scale,
             32,
-            vector_blocks=nblk * nsc // FP4_FOLD_VECTOR_SHARE,
+            pre_scale=64.0,
         )
 
 

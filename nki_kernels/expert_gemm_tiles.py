@@ -1037,15 +1037,19 @@ def decode_e4m3fn_pairs(even, odd, words):
     nisa.tensor_tensor(dst=odd, data1=odd, data2=tmp, op=nl.add, engine=nisa.engine.gpsimd)
 
 
-def fold_scales(dst, even_vals, odd_vals, scale, block: int, vector_blocks: int = 0):
+def fold_scales(dst, even_vals, odd_vals, scale, block: int, vector_blocks: int = 0, pre_scale: float | None = None):
     """``dst[:, k] = value(k) · scale[:, k // block]`` in natural k order, from de-interleaved halves.
 
     Args:
         dst: SBUF bf16 ``[p, K]``.
         even_vals, odd_vals: SBUF ``[p, K/2]`` values of k = 2j and k = 2j + 1 (fp16 or float8_e4m3).
-        scale: SBUF float32 ``[p, K/block]`` (including the decoder's 2^8 / 2^6 factor).
+        scale: SBUF float32 ``[p, K/block]`` (including the decoder's 2^8 factor for fp8; see pre_scale).
         block: scale granularity along K (32 or 128).
         vector_blocks: leading scale blocks multiplied on VectorE (load balance); GpSimd does the rest.
+        pre_scale: a power of two the values are multiplied by before the scale, ``(value · pre_scale) · scale``
+            in fp32 (the fp4 decoder's 2^6, where folding it into the scale could overflow). One VectorE
+            ``scalar_tensor_tensor`` per half (a Vector Engine instruction: the NKI ISA reference's page for
+            ``nki.isa.scalar_tensor_tensor``); vector_blocks is unused then.
     """
     p, k = dst.shape[0], math.prod(dst.shape[1:])
     nb, half = k // block, block // 2
@@ -1053,6 +1057,11 @@ def fold_scales(dst, even_vals, odd_vals, scale, block: int, vector_blocks: int 
     sb = scale.reshape((p, nb, 1)).broadcast(2, half)
     for j, vals in ((0, even_vals), (1, odd_vals)):
         v3 = vals.reshape((p, nb, half))
+        if pre_scale is not None:
+            nisa.scalar_tensor_tensor(
+                dst=d4[:, :, :, j], data=v3, op0=nl.multiply, operand0=pre_scale, op1=nl.multiply, operand1=sb
+            )
+            continue
         for b0, b1, eng in ((0, vector_blocks, nisa.engine.vector), (vector_blocks, nb, nisa.engine.gpsimd)):
             if b1 > b0:
                 nisa.tensor_tensor(

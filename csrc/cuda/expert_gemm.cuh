@@ -16,7 +16,8 @@
 //   fp8 activations:   on sm_89+ the e4m3 MMA (m16n8k32): fp8 weights as they are, fp4 weights moved into e4m3
 //                      as value·2^-6 (exact); on sm_80 both sides decode to bf16 and use the bf16 MMA.
 //   Scales are applied in registers per K block: the MMA accumulates one scale block (32 k for fp4 weights or
-//   32-groups of activations, else 128 k) into a zeroed partial, then acc += partial · (s_w · s_a) in fp32.
+//   32-groups of activations, else 128 k) into a zeroed partial, then acc += partial · (s_w · s_a) in fp32
+//   (fp4 weights in e4m3: the partial times 2^6 first).
 //
 // K permutation: inside each 32-k sub-block, thread t (= lane % 4) loads the 8 consecutive k of its rows at
 // [8t, 8t+8) with one shared-memory load and feeds them to the MMA k slots that the PTX layout gives thread t.
@@ -236,7 +237,7 @@ __host__ __device__ inline void apply_scales(const uint8_t* stage, int row, int 
     if constexpr (C::kW == WeightFmt::kFp8) {
       ws[h] = ld<float>(stage + C::kWSOff + r * 4);
     } else if constexpr (C::kW == WeightFmt::kFp4) {
-      ws[h] = ue8m0_to_float(stage[C::kWSOff + r * 4 + j]) * (kFp8Mma ? kE2m1InE4m3Factor : 1.0f);
+      ws[h] = ue8m0_to_float(stage[C::kWSOff + r * 4 + j]);
     } else {
       ws[h] = 1.0f;
     }
@@ -251,6 +252,13 @@ __host__ __device__ inline void apply_scales(const uint8_t* stage, int row, int 
         as[c] = ld<float>(stage + C::kASOff + (tok * C::kAScalesPerRow + (C::kG == 32 ? j : 0)) * 4);
       else
         as[c] = 1.0f;
+    }
+    if constexpr (C::kW == WeightFmt::kFp4 && kFp8Mma) {
+      // fp4 in e4m3 holds value·2^-6: undo it on the partial (exact: a power of two on a normal fp32 sum), not on
+      // the scale, whose 2^(b-127)·2^6 overflows fp32 for UE8M0 bytes 253 and 254 where the SPEC §1.6 value is
+      // finite.
+      STATIC_MOE_UNROLL
+      for (int c = 0; c < 4; ++c) part[nt][c] *= kE2m1InE4m3Factor;
     }
     acc[nt][0] += part[nt][0] * (ws[0] * as[0]);
     acc[nt][1] += part[nt][1] * (ws[0] * as[1]);

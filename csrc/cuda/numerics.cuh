@@ -6,7 +6,7 @@
 //   e4m3fn pair     -> bf16 pair   exact (every e4m3 value is a bf16 value), via the fp16 route of cuda_fp8.h
 //   e2m1 nibble     -> bf16        exact, from the bits (no table)
 //   8 e2m1 nibbles  -> 8 e4m3 bytes holding value * 2^-6, exact (e2m1 sits inside e4m3's grid once the exponent
-//                      is moved down by 6); the tensor-core kernels fold the 2^6 back into their fp32 scales
+//                      is moved down by 6); the tensor-core kernels multiply their fp32 partial sums by 2^6
 //   UE8M0 byte      -> float 2^(b-127) (byte 0 is the subnormal 2^-127)
 //   float           -> e4m3fn (RNE, saturating: callers clamp to +-fp8_max first) and -> bf16 (RNE)
 //   power-of-two round-up of a float scale, from its bits (the same arithmetic as formats.round_up_pow2)
@@ -139,7 +139,8 @@ __host__ __device__ inline void e2m1x8_to_e4m3x8_scaled(uint32_t x, uint32_t& lo
   hi = byte_perm(ee, oe, 0x7362u);  // e4 e5 e6 e7
 }
 
-// What e2m1x8_to_e4m3x8_scaled multiplies by: the kernels multiply their fp32 scale by this to undo it.
+// What e2m1x8_to_e4m3x8_scaled multiplies by: the kernels multiply their fp32 partial sums by this to undo it
+// (not the scale: 2^(b-127) · 2^6 overflows fp32 for UE8M0 bytes 253 and 254).
 constexpr float kE2m1InE4m3Factor = 64.0f;
 
 // UE8M0 exponent byte -> 2^(b-127) as float. b = 0 is the subnormal 2^-127; b = 255 gives +inf, like the

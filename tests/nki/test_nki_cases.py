@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from static_moe import reference
+from static_moe import layouts, reference
 from static_moe.nki import dispatch, shim
 from static_moe.nki_kernels.pack_rows import pack_rows, unpack_rows
 from static_moe.nki_kernels.swiglu_and_cast import swiglu_and_cast
@@ -25,22 +25,31 @@ PAIRS_G = [(a, w, g) for a, w in FORMAT_PAIRS for g in ((128, 32) if a == "fp8" 
 PAIR_IDS = [f"{a}x{w}-g{g}" for a, w, g in PAIRS_G]
 
 
-BYTE_254 = pytest.mark.xfail(
-    strict=True,
-    reason="fp4 weights with UE8M0 bytes 254 / 253 (case fp4_scale_bytes_254_253): the kernel's output differs "
-    "entirely from the reference (calc_diff 1.0); kept until fixed (strict: a fix makes it fail)",
-)
-
-
-@pytest.mark.parametrize(
-    "act,wf,group", [pytest.param(*p, marks=BYTE_254) if p[1] == "fp4" else p for p in PAIRS_G], ids=PAIR_IDS
-)
+@pytest.mark.parametrize("act,wf,group", PAIRS_G, ids=PAIR_IDS)
 def test_expert_gemm_cases(act, wf, group):
     for c in cases.select(cases.expert_gemm_cases(act, wf, group), cases.SMALL):
         mask = c.args[4]
         out = dispatch.expert_gemm(*c.args)
         assert_kernel_close(out, reference.expert_gemm(*c.args), f"{act}x{wf} g{group} {c.id}")
         assert_equal(out[~mask], torch.zeros_like(out[~mask]), f"{c.id}: masked rows are exact zeros")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="prepared (eio) fp4 weights: the packed decode folds 2^(b - 121) into a bf16 scale, which overflows for "
+    "UE8M0 bytes 249 ... 254 (cases fp4_scale_bytes_254_253 / _253_254); the eoi path scales the values by 2^6 "
+    "instead. Kept until fixed (strict: a fix makes it fail, and the mark must go)",
+)
+@pytest.mark.parametrize("act", ["bf16", "fp8"])
+def test_expert_gemm_prepared_fp4_largest_scale_bytes(act):
+    for c in cases.expert_gemm_cases(act, "fp4", 128):
+        if not c.id.startswith("fp4_scale_bytes_25"):
+            continue
+        a, a_s, b, b_s, mask, e = c.args
+        pb, pbs, lay = layouts.prepare_weight(b, b_s, "trn2")
+        out = dispatch.expert_gemm(a, a_s, pb, pbs, mask, e, weight_layout=lay)
+        assert_kernel_close(out, reference.expert_gemm(*c.args), f"{act}xfp4 {lay} {c.id}")
 
 
 @pytest.mark.parametrize("out_format,group", [("fp8", 128), ("fp8", 32), ("bf16", 128)])
