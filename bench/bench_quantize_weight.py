@@ -7,6 +7,11 @@ writes 2. Reported: each one's time, its bytes moved per second, and the op's ba
 copy's (the goal is ≥ 25 %). Warm calls; threads as OMP_NUM_THREADS / torch.set_num_threads say.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_quantize_weight.py --experts 32 --n 2048 --k 768
+
+Inside ``bench/run_all.py`` (``--only quantize_weight``, part of ``make bench``) :func:`run_report` times the same
+op on each model shape's local experts' w13 [L, 2I, H] (L as the other benches scale it), cold, in the same
+rounds as the copy, into the common table (``fmt`` "bf16→fp8" / "bf16→fp4"; no T: weights do not depend on the
+tokens; ``roof%``: the op's bytes over the machine's triad bandwidth) and prints the ≥ 25 %-of-copy target.
 """
 
 from __future__ import annotations
@@ -74,6 +79,72 @@ def run(experts: int, n: int, k: int, repeat: int, formats=("fp8", "fp4"), with_
             f"{bw / 1e9:6.2f} GB/s   copy {t_copy * 1e3:8.2f} ms {copy_bw / 1e9:6.2f} GB/s   "
             f"= {100 * bw / copy_bw:5.1f} % of copy{ref_txt}"
         )
+    return records
+
+
+BENCH = "quantize_weight"
+COPY_TARGET = 0.25  # the op's bytes per second over a plain copy's of the same input
+
+
+def run_report(report, shapes: list[str], tokens: list[int], quick: bool, formats=("fp8", "fp4")) -> list[dict]:
+    """Append one record per (shape, format) to a bench/harness Report (run_all's common table): the op on the
+    shape's local experts' bf16 w13 [L, 2I, H], cold, timed in the same rounds as ``w.clone()`` (the copy
+    baseline, ``copy_fraction``: op bytes/s over copy bytes/s); bitwise checked against the reference quantizer
+    on the first expert (the whole reference is seconds per expert: its time is this script's, run alone).
+    ``tokens`` is unused (the weights do not depend on it)."""
+    from harness.costs import Cost, roofline
+    from harness.report import progress
+    from harness.timing import measure_with
+    from harness.workload import local_experts_for
+
+    from static_moe.testing.generators import MODEL_SHAPES
+
+    del tokens
+    records = []
+    for shape_key in shapes:
+        shape = MODEL_SHAPES[shape_key]
+        num_local = local_experts_for(shape_key, quick)
+        g = torch.Generator().manual_seed(0)
+        w = (torch.randn(num_local, 2 * shape.intermediate, shape.hidden, generator=g) * 0.02).to(torch.bfloat16)
+        copy_bytes = 2 * w.numel() * w.element_size()
+        for fmt in formats:
+            op, out, base, _ = measure_with(
+                lambda: torch.ops.static_moe.quantize_weight(w, fmt), {"copy": lambda: w.clone()}
+            )
+            if out is not None:
+                q, sc = reference.quantize_weight(w[:1], fmt)
+                same = torch.equal(out[0][:1].view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+                    out[1][:1].view(torch.uint8), sc.view(torch.uint8)
+                )
+                op["parity"] = "bitwise" if same else "MISMATCH"
+            moved = w.numel() * w.element_size() + (
+                0 if out is None else sum(t.numel() * t.element_size() for t in out)
+            )
+            rec = {
+                "bench": BENCH,
+                "shape": shape_key,
+                "fmt": f"bf16→{fmt}",
+                "weight": fmt,
+                "tokens": "",
+                "experts": f"{num_local}/{shape.num_experts}",
+                "op": op,
+                "baselines": {
+                    "torch_ref": {
+                        "available": False,
+                        "reason": "the Python quantizers take seconds per expert: bench/bench_quantize_weight.py "
+                        "times them on their own",
+                    }
+                },
+                "copy": base["copy"],
+                "copy_fraction": (moved / op["median_s"]) / (copy_bytes / base["copy"]["median_s"])
+                if op.get("median_s")
+                else None,
+            }
+            rec.update(roofline(Cost(moved, 0.0), report.limits, op.get("median_s")))
+            records.append(report.add(rec))
+            progress(rec)
+            if rec["copy_fraction"] is not None:
+                print(f"    {100 * rec['copy_fraction']:.0f}% of a plain copy's bandwidth", flush=True)
     return records
 
 

@@ -27,6 +27,7 @@ import bench_expert_gemm
 import bench_forward
 import bench_local_experts
 import bench_pack_rows
+import bench_quantize_weight
 import bench_swiglu_and_cast
 from harness.cli import DEFAULT_TOKENS, add_common_args, resolve_args, start
 from harness.hosts import HOSTS_DIR, host_summary, this_host, write_host_json
@@ -37,14 +38,17 @@ from harness.workload import local_experts_for
 from static_moe.testing.generators import FORMAT_PAIRS, MODEL_SHAPES
 from static_moe.testing.machine import cpu_isa_available, measure_machine
 
-SECTIONS = ("pack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward")
+SECTIONS = ("pack_rows", "swiglu_and_cast", "expert_gemm", "local_experts", "forward", "quantize_weight")
 PLOTTED = {
     "pack_rows": ["pack_rows", "unpack_rows"],
     "swiglu_and_cast": ["swiglu_and_cast"],
     "expert_gemm": ["expert_gemm"],
     "local_experts": ["local_experts"],
     "forward": ["forward"],
+    "quantize_weight": ["quantize_weight"],
 }
+# Benches in the table but not plotted: their points do not depend on the tokens per rank (the plots' x axis).
+UNPLOTTED = {"quantize_weight"}
 
 # The roofline targets: roofline fraction and speed-up over torch_cached, on V4-Flash shapes, tokens per rank 1–16.
 TARGET_SHAPE = "v4_flash"
@@ -94,6 +98,8 @@ def run_section(name: str, report: Report, shapes, tokens, quick: bool) -> None:
         bench_local_experts.run(report, shapes, tokens, quick)
     elif name == "forward":
         bench_forward.run(report, shapes, tokens, quick)
+    elif name == "quantize_weight":
+        bench_quantize_weight.run_report(report, shapes, tokens, quick)
 
 
 def roofline_targets(report: Report) -> list[dict]:
@@ -270,6 +276,14 @@ def same_round_targets(report: Report) -> list[dict]:
             None,
             "%",
         )
+    add(
+        "quantize_weight (bf16 → fp8 / fp4 weights, SPEC §1.10): bytes moved per second vs a plain copy of the same "
+        "input (w.clone()), timed in the same rounds",
+        [r for r in ok if r["bench"] == "quantize_weight" and r.get("copy_fraction")],
+        lambda r: r["copy_fraction"],
+        bench_quantize_weight.COPY_TARGET,
+        "%",
+    )
     fwd2 = [r for r in ok if r["bench"] == "forward" and r.get("ep_size") == 2]
     add(
         "forward S=2: collectives' share of a step, from the op's phases (information)",
@@ -322,7 +336,8 @@ def summary_ranges(report: Report) -> dict:
     amx_int4pack: the opt-in amx kernel's ×torch_int4pack per T; one_row_read: the op's fraction of a same-round
     read-only stream over its own weight bytes at one row per expert; bf16_matmul: expert_gemm FLOP/s over torch's
     bf16 matmul in the same rounds at 16+ rows, fp4 and power-of-two-scaled fp8 weights; forward_in_step: a rank's
-    local experts inside the S = 2 step against the same call alone, every shape."""
+    local experts inside the S = 2 step against the same call alone, every shape; quantize_copy: per weight format,
+    quantize_weight's bytes per second over a plain copy's of the same input, every shape."""
     every = [r for r in report.records if r["op"].get("available") and r["op"].get("median_s")]
     ok = [r for r in every if r.get("isa") is None]
     shapes = [r for r in ok if r.get("shape") in INT4_SHAPES]
@@ -356,6 +371,14 @@ def summary_ranges(report: Report) -> dict:
             for r in ok
             if r["bench"] == "forward" and r.get("ep_size") == 2 and r.get("local_experts_in_step_vs_alone")
         ),
+        "quantize_copy": {
+            f: _span(
+                r["copy_fraction"]
+                for r in ok
+                if r["bench"] == "quantize_weight" and r.get("weight") == f and r.get("copy_fraction")
+            )
+            for f in ("fp8", "fp4")
+        },
     }
 
 
@@ -363,7 +386,7 @@ def print_same_round_targets(rows: list[dict]) -> None:
     if not rows:
         return
     print(
-        "\nTargets against torch_int4pack, the read-only stream and the bf16 matmul (measured minimum over the "
+        "\nTargets against torch_int4pack, the read-only stream, the bf16 matmul and a plain copy (measured minimum over the "
         "points named, ratios of calls timed in the same rounds of this run):"
     )
     for t in rows:
@@ -383,7 +406,7 @@ def print_same_round_targets(rows: list[dict]) -> None:
 
 
 def _at(r: dict) -> str:
-    return f"{r.get('shape')} {r.get('fmt')} T={r['tokens']}"
+    return f"{r.get('shape')} {r.get('fmt')}" + (f" T={r['tokens']}" if r["tokens"] != "" else "")
 
 
 def print_roofline_targets(rows: list[dict]) -> None:
@@ -513,6 +536,8 @@ def main(argv=None) -> None:
     if not args.no_plots:
         for name in args.only:
             for bench in PLOTTED[name]:
+                if bench in UNPLOTTED:
+                    continue
                 for png in report.plot(Path(args.out), bench):
                     print(f"wrote {png}")
     print(f"total {time.perf_counter() - t_start:.0f} s on {report.limits.threads} threads")

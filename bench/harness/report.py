@@ -303,7 +303,9 @@ def progress(rec: dict) -> None:
     if rec.get("local_experts_in_step_vs_alone"):
         extra += f"; local_experts in step / alone ×{rec['local_experts_in_step_vs_alone']:.2f}"
     print(
-        f"  {rec['bench']} {rec.get('shape', '')} {rec.get('fmt', '')} T={rec['tokens']}: op {t} roof "
+        f"  {rec['bench']} {rec.get('shape', '')} {rec.get('fmt', '')}"
+        + (f" T={rec['tokens']}" if rec["tokens"] != "" else "")
+        + f": op {t} roof "
         f"{_fmt_num(frac and 100 * frac, '{:.0f}%')} {sp}"
         + (f" parity {op['parity']}" if "parity" in op else "")
         + extra,

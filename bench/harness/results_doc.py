@@ -28,6 +28,7 @@ COLUMNS = (
     "one row vs a plain read",
     "16+ rows vs bf16 matmul",
     "forward S = 2: experts in step vs alone",
+    "quantize_weight fp8 / fp4 vs a copy",
     "commit",
 )
 
@@ -70,6 +71,7 @@ def host_row(doc: dict) -> list[str]:
         _percent(s.get("one_row_read")),
         _percent(s.get("bf16_matmul")),
         _ratio(s.get("forward_in_step")),
+        " / ".join(_percent((s.get("quantize_copy") or {}).get(f)) for f in ("fp8", "fp4")),
         f"`{doc['run']['commit']}`" if (doc.get("run") or {}).get("commit") else "—",
     ]
 

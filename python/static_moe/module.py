@@ -928,8 +928,10 @@ class StaticMoE(_FixedFormats):
         ``model.safetensors.index.json`` + shards layout), reading only this rank's experts, lazily
         (``static_moe.loaders.checkpoint_experts.load_checkpoint_experts`` documents ``family``, ``layer``,
         ``weight_format``, ``prefix`` and ``progress``; docs/checkpoints.md the layouts). H, I and the number of
-        experts come from the checkpoint; ``options`` go to the constructor. Collective over ``ep_group`` like
-        :meth:`from_module`."""
+        experts come from the checkpoint; ``options`` go to the constructor, completed with what the family's experts
+        compute (``loaders.checkpoint_experts.family_options``: gpt_oss gets its biases, ``activation="swiglu_oai"``
+        and ``alpha`` / ``swiglu_limit`` from the checkpoint's config.json; deepseek_v4 its ``swiglu_limit``; an
+        option contradicting them is a ValueError). Collective over ``ep_group`` like :meth:`from_module`."""
         from .loaders.checkpoint_experts import from_checkpoint  # imported when called, as in from_module
 
         return from_checkpoint(

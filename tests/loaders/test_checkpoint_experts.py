@@ -5,6 +5,7 @@ checkpoints quantized on load like the reference quantizers, and errors naming t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -204,3 +205,30 @@ def test_requantizing_refused_and_nan_named(tmp_path):
     path = write_sharded(tmp_path / "b", b)
     with pytest.raises(ValueError, match=rf"{key} in .*{_shard_of(path, key)}: quantize_weight: w holds NaN"):
         load_checkpoint_experts(path, family="qwen3_moe", layer=0, weight_format="fp8")
+
+
+@contextlib.contextmanager
+def _closing(layer):
+    try:
+        yield layer
+    finally:
+        layer.close()
+
+
+def test_deepseek_v4_limit_from_config(tmp_path):
+    """DeepSeek-V4's swiglu_limit comes from the config.json beside the checkpoint (DeepseekV4Config's field),
+    transformers' default 10.0 without one, the caller's when the config has none; a contradiction is refused."""
+    path = write_sharded(tmp_path, deepseek_v4_experts(0, E, H, I, "fp4"))
+    build = lambda **kw: static_moe.StaticMoE.from_checkpoint(  # noqa: E731
+        path, family="deepseek_v4", layer=0, top_k=2, capacity=4, **kw
+    )
+    with _closing(build()) as layer:
+        assert layer.swiglu_limit == 10.0
+    with _closing(build(swiglu_limit=5.0)) as layer:
+        assert layer.swiglu_limit == 5.0
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "deepseek_v4", "swiglu_limit": 3.0}, f)
+    with _closing(build()) as layer:
+        assert layer.swiglu_limit == 3.0
+    with pytest.raises(ValueError, match=r"swiglu_limit=5\.0 contradicts swiglu_limit=3\.0 in the checkpoint's"):
+        build(swiglu_limit=5.0)

@@ -281,6 +281,7 @@ def _host_doc(host_id, cpu="CPU", int4=None, read=24.4e9):
             "one_row_read": [0.77, 1.15],
             "bf16_matmul": [0.08, 0.2],
             "forward_in_step": None,
+            "quantize_copy": {"fp8": [0.31, 0.42], "fp4": None},
         },
     }
 
@@ -301,7 +302,7 @@ def test_results_table_one_row_per_host(bench_modules, tmp_path):
     assert len(lines) == 2 + 2  # header, rule, one row per host file
     assert lines[2].startswith("| `amd-25-17-avx512bf16` | EPYC | 2 | — | 1583 |")
     assert lines[3].startswith("| `intel-6-207-amx` | Xeon | 2 | 24.4 | 1583 | 1.31–1.56 / 1.25–1.28 / — / 1.10 |")
-    assert "| 1.52–1.84 | — | 77–115 % | 8–20 % | — | `abc1234` |" in lines[3]
+    assert "| 1.52–1.84 | — | 77–115 % | 8–20 % | — | 31–42 % / — | `abc1234` |" in lines[3]
     assert all(line.count("|") == len(doc_mod.COLUMNS) + 1 for line in lines)
 
     before, after = "# Benchmarks\n\nprose before\n", "\nprose after, kept byte for byte  \n"

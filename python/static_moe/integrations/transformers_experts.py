@@ -322,8 +322,21 @@ def _convert(module, top_k: int) -> StaticMoE:
 
 
 def _layer(module, top_k: int) -> StaticMoE:
-    """The module's cached layer, converted at the first call and again only when its weights changed."""
-    state, key = _state(module), _source_key(module)
+    """The module's cached layer, converted at the first call and again only when its weights changed.
+
+    Under ``torch.compile`` the layer converted before compiling (by ``use_static_moe``, or the first eager call)
+    is used as it is: the weights' identity check compares data pointers, which a graph cannot hold, and a
+    conversion is not graph code. Change the weights of a compiled model, then call it once eagerly (or call
+    ``use_static_moe`` again) before compiling again."""
+    state = _state(module)
+    if torch.compiler.is_compiling():
+        if state.layer is None or state.layer.closed or state.layer.top_k != top_k:
+            raise RuntimeError(
+                f"{type(module).__name__}: under torch.compile the static_moe experts must already be converted "
+                "(use_static_moe(model), or one call of the model before compiling it)"
+            )
+        return state.layer
+    key = _source_key(module)
     if state.layer is not None and not state.layer.closed and state.source == key and state.layer.top_k == top_k:
         return state.layer
     state.close()

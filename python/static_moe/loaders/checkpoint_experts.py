@@ -69,7 +69,7 @@ class CheckpointExperts:
 
     ``w13`` [L, 2I, H/p] (gate rows, then up rows), ``w2`` [L, H, I/p] (p = 2 for fp4, else 1); scales float32
     [L, N, K/128] (fp8), uint8 UE8M0 [L, N, K/32] (fp4), None (bf16). ``w13_bias`` [L, 2I] / ``w2_bias`` [L, H]
-    when the checkpoint has biases (gpt_oss; the kernels do not take them). ``expert_offset`` is the global id of
+    when the checkpoint has biases (gpt_oss; SPEC §1.9). ``expert_offset`` is the global id of
     expert 0 here. ``StaticMoE.set_expert_weights(**experts.expert_weights())`` stores them in a layer built with
     the same (hidden_size, intermediate_size, num_experts, weight_format, ep_size); ``StaticMoE.from_checkpoint``
     does both."""
@@ -416,6 +416,65 @@ def _load_mxfp4_fused(ck, base, ep_rank, ep_size, weight_format, progress) -> Ch
     )
 
 
+# What a family's experts compute besides their weights, as constructor options: fixed ones, and ones read from the
+# checkpoint's config.json {argument: (config key, default)} (the defaults are transformers' config classes').
+# gpt-oss: biases and the clamped alpha-GLU ("swiglu_oai", SPEC §1.9) with GptOssConfig's swiglu_alpha /
+# swiglu_limit (what GptOssExperts reads); DeepSeek-V4: SiLU with DeepseekV4Config's swiglu_limit clamp.
+_FAMILY_FIXED = {"gpt_oss": {"activation": "swiglu_oai", "expert_biases": True}}
+_FAMILY_CONFIG = {
+    "gpt_oss": {"alpha": ("swiglu_alpha", 1.702), "swiglu_limit": ("swiglu_limit", 7.0)},
+    "deepseek_v4": {"swiglu_limit": ("swiglu_limit", 10.0)},
+}
+
+
+def checkpoint_config(path: str | os.PathLike) -> dict:
+    """The ``config.json`` beside the checkpoint at ``path`` (the directory itself, or the directory of the index or
+    ``.safetensors`` file given) as a dict; {} when there is none. A text config nested under ``text_config`` (the
+    multimodal layout) is merged over the top level."""
+    import json
+
+    path = os.fspath(path)
+    directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    file = os.path.join(directory, "config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file}: a model config must be a JSON object")
+    text = cfg.get("text_config")
+    return {**cfg, **text} if isinstance(text, dict) else cfg
+
+
+def family_options(family: str, path, options: dict) -> dict:
+    """The caller's constructor ``options`` completed with what the family's experts compute: gpt_oss
+    ``activation="swiglu_oai"``, ``expert_biases=True``, ``alpha`` / ``swiglu_limit`` from the checkpoint's
+    config.json (``swiglu_alpha`` / ``swiglu_limit``); deepseek_v4 ``swiglu_limit``. A value the config does not
+    give is the caller's, else transformers' default for the family. A caller's value that contradicts the family
+    or its config is a ValueError naming the argument: never a layer that computes something else."""
+    out = dict(options)
+    for arg, value in _FAMILY_FIXED.get(family, {}).items():
+        if out.setdefault(arg, value) != value:
+            raise ValueError(f"{arg}: {family} experts need {arg}={value!r} (SPEC §1.9), got {out[arg]!r}")
+    read = _FAMILY_CONFIG.get(family, {})
+    cfg = checkpoint_config(path) if read else {}
+    for arg, (key, default) in read.items():
+        if key in cfg:
+            value, source = cfg[key], f"{key} in the checkpoint's config.json"
+            if arg in out and out[arg] != value:
+                raise ValueError(f"{arg}={out[arg]!r} contradicts {key}={value!r} in the checkpoint's config.json")
+        elif arg in options:
+            value, source = options[arg], "the argument"
+        else:
+            value, source = default, f"transformers' default {key} (no config.json value)"
+        out[arg] = value
+        logger.info("%s experts: %s = %s (%s)", family, arg, value, source)
+    return out
+
+
 def from_checkpoint(
     cls,
     path,
@@ -432,7 +491,8 @@ def from_checkpoint(
     **options,
 ):
     """``cls.from_checkpoint(...)`` (StaticMoE.from_checkpoint documents the arguments): a layer of class ``cls``
-    holding this rank's experts of ``layer``, read with :func:`load_checkpoint_experts`."""
+    holding this rank's experts of ``layer``, read with :func:`load_checkpoint_experts`, with the options its
+    family needs (:func:`family_options`) and its biases when the checkpoint has them."""
     from ..module import _check_ep_size, _group_info
     from .collective import collectively
 
@@ -441,6 +501,7 @@ def from_checkpoint(
 
     def read():
         _check_ep_size(ep_size, size)
+        opts = family_options(family, path, options)
         got = load_checkpoint_experts(
             path,
             family=family,
@@ -451,14 +512,14 @@ def from_checkpoint(
             prefix=prefix,
             progress=progress,
         )
-        if got.w13_bias is not None:
+        if got.w13_bias is not None and not opts.get("expert_biases", False):  # never drop them silently
             raise ValueError(
-                f"{family} experts have biases (gate_up_proj_bias / down_proj_bias), which StaticMoE's kernels do "
-                "not add; load them with load_checkpoint_experts and use them where biases are supported"
+                f"expert_biases: the {family} checkpoint has expert biases (gate_up_proj_bias / down_proj_bias); "
+                "build the layer with expert_biases=True"
             )
-        return got
+        return got, opts
 
-    got = collectively(ep_group, size, stage, read)
+    got, opts = collectively(ep_group, size, stage, read)
     m = cls(
         got.hidden_size,
         got.intermediate_size,
@@ -468,7 +529,13 @@ def from_checkpoint(
         weight_format=got.weight_format,
         ep_group=ep_group,
         ep_size=ep_size,
-        **options,
+        **opts,
     )
-    collectively(ep_group, size, stage, lambda: m.set_expert_weights(**got.expert_weights()), cleanup=m.close)
+
+    def store():
+        m.set_expert_weights(**got.expert_weights())
+        if got.w13_bias is not None:
+            m.set_expert_biases(got.w13_bias, got.w2_bias)
+
+    collectively(ep_group, size, stage, store, cleanup=m.close)
     return m

@@ -110,6 +110,16 @@ FAMILY_OVERRIDES = {
     "ergo": dict(num_dense_blocks=0),
     "deepseek_v4": dict(mlp_layer_types=["moe", "moe"]),  # its names for a routed layer
 }
+# Keyword arguments a family's config takes at construction but does not keep under that name (so the filter on
+# the config's own keys above would drop them).
+FAMILY_INIT_ONLY = {
+    # Its full-attention layers (the last layer is forced to one) default to global_head_dim = 512 with attention
+    # scaling 1 on unit-weight RMS-normed q and k: logits up to 512, an almost one-hot softmax that turns one bf16
+    # rounding of layer 0's outputs into calc_diff ~2e-4 of the hidden states (the eager model against itself with
+    # 2^-9 noise on its experts' outputs), above the 1e-4 a match is measured at. The shared head_dim keeps it
+    # resolvable, as for every other family.
+    "diffusion_gemma": dict(global_head_dim=OVERRIDES["head_dim"]),
+}
 # Families whose eager code mixes float32 and bf16 tensors in a bf16 model: compared in float32 (static_moe takes
 # bf16 activations, so its outputs are bf16-rounded).
 FLOAT32_FAMILIES = {"inkling2", "inkling2_loop"}
@@ -193,7 +203,7 @@ def tiny_model(family: str, experts: type, seed: int = 0):
             overrides.pop("head_dim")
         overrides["num_key_value_heads"] = overrides["num_attention_heads"]
     overrides.update(FAMILY_OVERRIDES.get(family, {}))
-    cfg = cfg_cls(**{k: v for k, v in overrides.items() if k in known})
+    cfg = cfg_cls(**{k: v for k, v in overrides.items() if k in known}, **FAMILY_INIT_ONLY.get(family, {}))
     cfg._experts_implementation = "eager"
     torch.manual_seed(seed)
     dtype = torch.float32 if family in FLOAT32_FAMILIES else torch.bfloat16
@@ -223,6 +233,25 @@ def _greedy(model, ids, steps: int) -> tuple[torch.Tensor, list[float]]:
         margins.append(float((top2[:, 0] - top2[:, 1]).min() / top2[:, 0].abs().max().clamp_min(1e-30)))
         ids = torch.cat((ids, last.argmax(-1, keepdim=True)), dim=1)
     return ids, margins
+
+
+def rounding_sensitivity(model, ids, lm: bool, seed: int = 5) -> float:
+    """calc_diff between the model's outputs and the same model's with each experts module's output multiplied by
+    (1 + 2^-9·N(0, 1)), one bf16 rounding's size: how far rounding noise in the experts alone moves this model,
+    the floor under any comparison of two correct implementations that round differently."""
+    g = torch.Generator().manual_seed(seed)
+
+    def noisy(module, args, out):
+        return out * (1 + 2.0**-9 * torch.randn(out.shape, generator=g)).to(out.dtype)
+
+    with torch.no_grad():
+        clean = _outputs(model, ids, lm)
+        hooks = [m.register_forward_hook(noisy) for _, m in experts_modules(model)]
+        try:
+            return calc_diff(_outputs(model, ids, lm), clean)
+        finally:
+            for h in hooks:
+                h.remove()
 
 
 def dequantized_copy(model):
