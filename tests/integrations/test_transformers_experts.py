@@ -306,10 +306,12 @@ def test_fp8_weights_and_activations_quantize():
     assert 1e-6 < calc_diff(got, want) < 1e-2
 
 
-def test_expert_parallel_and_training_are_refused_clearly():
+def test_ep_group_without_distributed_and_training_are_refused_clearly():
+    """(use_static_moe with an EP group of two ranks: test_transformers_experts_ep.py.)"""
     model = make(experts_class())
-    with pytest.raises(NotImplementedError, match=r"replace_moe_blocks\(model, capacity=\.\.\., ep_group=\.\.\.\)"):
+    with pytest.raises(ValueError, match="ep_group was given but torch.distributed is not initialised"):
         use_static_moe(model, ep_group=object())
+    assert static_moe_layer(model["experts"]) is None
     use_static_moe(model)
     x, ids, w = routing()
     with pytest.raises(RuntimeError, match="inference-only"):

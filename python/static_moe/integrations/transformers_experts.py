@@ -26,10 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from .. import workspace as _workspace
 from ..activations import DEFAULT_ALPHA, gated
-from ..module import StaticMoE
+from ..loaders.collective import collectively
+from ..module import StaticMoE, _group_info
 
 try:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation
@@ -67,6 +71,8 @@ class ExpertsOptions:
     act_format: str = "bf16"
     capacity: int | None = None
     options: dict = field(default_factory=dict)
+    # The EP process group (None: one rank). Not compared: two groups of the same ranks are the same options.
+    ep_group: object = field(default=None, compare=False)
 
 
 class _ExpertsState:
@@ -79,6 +85,8 @@ class _ExpertsState:
         self.options = options or ExpertsOptions()
         self.layer: StaticMoE | None = None
         self.source: tuple | None = None
+        # With an EP group: the model's experts count E, recorded before this rank's slice is all the module holds.
+        self.num_experts: int | None = None
 
     def close(self) -> bool:
         layer, self.layer, self.source = self.layer, None, None
@@ -88,10 +96,16 @@ class _ExpertsState:
         return False
 
     def __deepcopy__(self, memo):
-        return _ExpertsState(self.options)
+        copy = _ExpertsState(self.options)
+        copy.num_experts = self.num_experts
+        return copy
 
     def __getstate__(self):
-        return {"options": self.options, "layer": None, "source": None}
+        # A process group cannot be pickled: the copy runs on one rank.
+        opts = self.options
+        if opts.ep_group is not None:
+            opts = ExpertsOptions(opts.weight_format, opts.act_format, opts.capacity, dict(opts.options))
+        return {"options": opts, "layer": None, "source": None}
 
 
 def _state(module) -> _ExpertsState:
@@ -272,12 +286,14 @@ def _biases(module) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _CanonicalExperts:
     """A view of an experts module's weights in StaticMoE.from_module's fused layout: gate_up_proj [E, 2I, H]
-    (gate rows, then up rows) and down_proj [E, H, I]. Transposed weights are transposed back and interleaved
+    (gate rows, then up rows) and down_proj [E, H, I] — or of experts ``first … first + count − 1`` only (an EP
+    rank's slice: nothing of the other experts is copied). Transposed weights are transposed back and interleaved
     gate/up rows permuted (a copy of the float weights, dropped after conversion)."""
 
-    def __init__(self, module):
+    def __init__(self, module, first: int = 0, count: int | None = None):
         gu, d = _experts_weights(module)
-        gu, d = gu.detach(), d.detach()
+        count = gu.shape[0] - first if count is None else count
+        gu, d = gu.detach()[first : first + count], d.detach()[first : first + count]
         if getattr(module, "is_transposed", False):  # [E, H, 2I] and [E, I, H]
             gu, d = gu.transpose(1, 2), d.transpose(1, 2)
         if not getattr(module, "is_concatenated", True):  # rows g0, u0, g1, u1, ...
@@ -291,11 +307,39 @@ def _source_key(module) -> tuple:
     return tuple((t.data_ptr(), t._version) for t in tensors if isinstance(t, torch.Tensor))
 
 
+def _ep_slice(module, opts: ExpertsOptions) -> tuple[int, int, int, int]:
+    """(first, count, E, S): which experts of the module's tensors this rank converts. With an EP group of S ranks
+    the module holds either all E experts (this rank takes ``rank·E/S … +E/S − 1``) or, once released
+    (:func:`_release_other_experts`), only this rank's E/S; E is ``num_experts`` recorded at ``use_static_moe``."""
+    n = _experts_weights(module)[0].shape[0]
+    if opts.ep_group is None:
+        return 0, n, n, 1
+    size, rank = dist.get_world_size(opts.ep_group), dist.get_rank(opts.ep_group)
+    total = _state(module).num_experts or n
+    if total % size:
+        raise ValueError(
+            f"{type(module).__name__}: its {total} experts do not split over the EP group's {size} ranks "
+            f"(ep_group: pick a group whose size divides {total})"
+        )
+    local = total // size
+    if n == total:
+        return rank * local, local, total, size
+    if n == local:
+        return 0, local, total, size
+    raise ValueError(
+        f"{type(module).__name__}: holds {n} experts; with ep_group of {size} ranks it must hold all {total} "
+        f"or this rank's {local}"
+    )
+
+
 def _convert(module, top_k: int) -> StaticMoE:
-    """The experts module's weights converted once into a StaticMoE layer (ep_size 1) with its options."""
+    """The experts module's weights converted once into a StaticMoE layer with its options: all experts on one
+    rank, this rank's slice with an EP group (collective over it)."""
     variant = experts_variant(module)
     opts = _state(module).options
-    src = _CanonicalExperts(module)
+    first, count, total, _ = _ep_slice(module, opts)
+    src = _CanonicalExperts(module, first, count)
+    ep = {} if opts.ep_group is None else {"num_experts": total, "ep_group": opts.ep_group}
     try:
         layer = StaticMoE.from_module(
             src,
@@ -307,11 +351,12 @@ def _convert(module, top_k: int) -> StaticMoE:
             activation=variant.activation,
             alpha=variant.alpha,
             expert_biases=variant.biases,
+            **ep,
             **opts.options,
         )
         if variant.biases:
             try:
-                b13, b2 = _biases(module)
+                b13, b2 = (b[first : first + count] for b in _biases(module))
                 layer.set_expert_biases(b13.to(layer.w13_bias.device), b2.to(layer.w2_bias.device))
             except BaseException:
                 layer.close()
@@ -321,7 +366,7 @@ def _convert(module, top_k: int) -> StaticMoE:
         raise UnsupportedExperts(f"{type(module).__name__}: static_moe cannot run these experts: {e}") from e
 
 
-def _layer(module, top_k: int) -> StaticMoE:
+def _layer(module, top_k: int, release: bool = True) -> StaticMoE:
     """The module's cached layer, converted at the first call and again only when its weights changed.
 
     Under ``torch.compile`` the layer converted before compiling (by ``use_static_moe``, or the first eager call)
@@ -340,8 +385,30 @@ def _layer(module, top_k: int) -> StaticMoE:
     if state.layer is not None and not state.layer.closed and state.source == key and state.layer.top_k == top_k:
         return state.layer
     state.close()
-    state.layer, state.source = _convert(module, top_k), key
+    state.layer = _convert(module, top_k)
+    if release and state.layer.ep_size > 1:
+        _release_other_experts(module, state.layer)
+    state.source = _source_key(module)
     return state.layer
+
+
+def _release_other_experts(module, layer: StaticMoE) -> None:
+    """With an EP group: the module's ``gate_up_proj``, ``down_proj`` (and biases) become new parameters holding
+    only this rank's experts (a copy of the slice, in the module's own layout and dtype), so the tensors of the
+    whole model's experts are no longer referenced by the module and are freed when nothing else holds them. The
+    cached layer's source key is taken again after this (the tensors changed)."""
+    first, local = layer.expert_offset, layer.num_local_experts
+    state = _state(module)
+    state.num_experts = state.num_experts or layer.num_experts
+    for name in ("gate_up_proj", "down_proj", *_BIAS_ATTRS):
+        t = getattr(module, name, None)
+        if not isinstance(t, torch.Tensor) or t.shape[0] == local:
+            continue
+        kept = t.detach()[first : first + local].clone()
+        if isinstance(t, nn.Parameter):
+            setattr(module, name, nn.Parameter(kept, requires_grad=t.requires_grad))
+        else:
+            setattr(module, name, kept)
 
 
 def static_moe_experts_forward(
@@ -363,10 +430,36 @@ def static_moe_experts_forward(
     ids = top_k_index.reshape(-1, k)
     ids = torch.where((ids >= layer.num_experts) | (ids < 0), torch.full_like(ids, -1), ids)
     weights = top_k_weights.reshape(-1, k)
+    if layer.ep_size > 1:
+        return _ep_forward(layer, x, ids, weights).reshape(hidden_states.shape)
+    return _chunked(layer, x, ids, weights).reshape(hidden_states.shape)
+
+
+def _chunked(layer: StaticMoE, x, ids, weights) -> torch.Tensor:
     c = layer.capacity
     outs = [layer(x[s : s + c], ids[s : s + c], weights[s : s + c]) for s in range(0, x.shape[0], c)]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs) if outs else torch.zeros_like(x)
-    return out.reshape(hidden_states.shape)
+    return outs[0] if len(outs) == 1 else torch.cat(outs) if outs else torch.zeros_like(x)
+
+
+def _ep_forward(layer: StaticMoE, x, ids, weights) -> torch.Tensor:
+    """Every rank of the EP group holds the same T tokens (transformers' replicated run). T is padded to a multiple
+    of S with empty rows (id −1, weight 0); rank r runs rows ``r·T'/S … +T'/S − 1`` (T' the padded count) through
+    the layer — dispatch to the experts' ranks and combine back, in capacity-sized chunks, the same number on every
+    rank — and the per-rank outputs are all-gathered back to [T, H] with a functional collective (graph code, so
+    ``torch.compile(fullgraph=True)`` traces it)."""
+    t, size, rank = x.shape[0], layer.ep_size, layer.ep_rank
+    if t == 0:  # every rank has no tokens: nothing to dispatch, nothing to gather
+        return torch.zeros_like(x)
+    share = -(-t // size)
+    pad = share * size - t
+    if pad:
+        x = nn.functional.pad(x, (0, 0, 0, pad))
+        ids = nn.functional.pad(ids, (0, 0, 0, pad), value=-1)
+        weights = nn.functional.pad(weights, (0, 0, 0, pad))
+    mine = slice(rank * share, (rank + 1) * share)
+    out = _chunked(layer, x[mine], ids[mine], weights[mine]).contiguous()
+    gathered = funcol.all_gather_single(out, 0, layer.group_name)
+    return gathered[:t] if pad else gathered
 
 
 ExpertsInterface.register(EXPERTS_IMPLEMENTATION, static_moe_experts_forward)
@@ -397,8 +490,15 @@ def use_static_moe(
         weight_format / act_format: the experts' formats (SPEC §1.2 pairs); float weights are quantized once,
             here.
         capacity: rows per StaticMoE call (default :data:`DEFAULT_CAPACITY`); larger calls run in chunks.
-        ep_group: expert parallelism is not offered through the experts interface yet: anything but None raises
-            (``replace_moe_blocks(..., ep_group=)`` spreads the experts of the families it knows).
+        ep_group: the EP process group (None: one rank). Collective: every rank of the group calls
+            ``use_static_moe`` on the same model with the same options and then runs every forward on the same
+            inputs (transformers' replicated run). Each rank converts only its E/S experts (ids ``rank·E/S …
+            +E/S − 1``), then the experts module's ``gate_up_proj`` / ``down_proj`` (and biases) are replaced by
+            copies of that slice, so the whole model's expert tensors are freed unless the caller holds them.
+            Each call splits the T tokens over the ranks (T padded to a multiple of S), runs the EP layer
+            (dispatch + combine) on the rank's share and all-gathers the outputs back to [T, H]. E not divisible
+            by S, a refused module on any rank, or ranks that disagree (modules, shapes, dtypes, options): a
+            ValueError on every rank, before anything is converted.
         options: passed to :class:`StaticMoE` (act_group, fp8_max, device, prepare_for, ...).
 
     Every experts module is checked before any is converted: unsupported ones raise :class:`UnsupportedExperts`
@@ -406,46 +506,110 @@ def use_static_moe(
     Then each module's weights are converted (weights loaded later are picked up at the next call) and the model
     is switched to ``experts_implementation="static_moe"``. :func:`close_static_moe` gives the layers back.
     """
-    if ep_group is not None:
-        raise NotImplementedError(
-            "use_static_moe runs the experts on one rank (ep_size 1); for expert parallelism "
-            "use static_moe.integrations.transformers.replace_moe_blocks(model, capacity=..., "
-            "ep_group=...)"
-        )
-    found = experts_modules(model)
-    if not found:
-        raise ValueError(
-            f"{type(model).__name__} has no experts module that dispatches through transformers' "
-            "ExpertsInterface (classes decorated with @use_experts_implementation)"
-        )
-    refused: dict[str, list[str]] = {}  # message → the modules it applies to
-    for name, m in found:
-        try:
-            experts_variant(m)
-        except UnsupportedExperts as e:
-            refused.setdefault(str(e), []).append(name or "(the model)")
-    if refused:
-        raise UnsupportedExperts("; ".join(f"{msg} (in {', '.join(names)})" for msg, names in refused.items()))
-    opts = ExpertsOptions(weight_format, act_format, capacity, dict(options))
+    size, _, _ = _group_info(ep_group) if ep_group is not None else (1, 0, "")
+
+    def check():
+        found = experts_modules(model)
+        if not found:
+            raise ValueError(
+                f"{type(model).__name__} has no experts module that dispatches through transformers' "
+                "ExpertsInterface (classes decorated with @use_experts_implementation)"
+            )
+        refused: dict[str, list[str]] = {}  # message → the modules it applies to
+        for name, m in found:
+            try:
+                experts_variant(m)
+            except UnsupportedExperts as e:
+                refused.setdefault(str(e), []).append(name or "(the model)")
+        if refused:
+            raise UnsupportedExperts("; ".join(f"{msg} (in {', '.join(names)})" for msg, names in refused.items()))
+        sliced = [name for name, m in found if _num_experts(m) != _experts_weights(m)[0].shape[0]]
+        if sliced and size == 1:
+            raise ValueError(
+                f"ep_group: {', '.join(sliced)} hold only their EP rank's experts (converted with an ep_group "
+                "before): pass the same ep_group again"
+            )
+        uneven = [f"{name} ({n})" for name, m in found if (n := _num_experts(m)) % size]
+        if uneven:
+            raise ValueError(
+                f"ep_group: the EP group's {size} ranks do not split the experts of {', '.join(uneven)} (each rank "
+                f"must hold E/{size} experts; pick a group whose size divides the experts count)"
+            )
+        return found
+
+    if size > 1:
+        found = collectively(ep_group, size, "use_static_moe", check, others_error=_others_value_error)
+        _check_ranks_agree(found, (weight_format, act_format, capacity, options), ep_group, size)
+    else:
+        found = check()
+    opts = ExpertsOptions(weight_format, act_format, capacity, dict(options), ep_group=ep_group)
     previous = {name: m.__dict__.get(_STATE) for name, m in found}
+    counts = {name: _num_experts(m) for name, m in found}
     try:
-        for _, m in found:
+        for name, m in found:
             m.__dict__[_STATE] = _ExpertsState(opts)
+            m.__dict__[_STATE].num_experts = counts[name]
             k = _top_k_of(m)
             if k is not None:
-                _layer(m, k)
+                _layer(m, k, release=False)  # the other experts are released once every module has converted
     except BaseException:
         for name, m in found:
-            m.__dict__[_STATE].close()
-            m.__dict__[_STATE] = previous[name]
-            if previous[name] is None:
-                del m.__dict__[_STATE]
+            if (state := m.__dict__.pop(_STATE, None)) is not None:  # the modules before the failing one
+                state.close()
+            if previous[name] is not None:
+                m.__dict__[_STATE] = previous[name]
         raise
     for old in previous.values():
         if old is not None:
             old.close()
+    for _, m in found:
+        state = m.__dict__[_STATE]
+        if state.layer is not None and state.layer.ep_size > 1:
+            _release_other_experts(m, state.layer)
+            state.source = _source_key(m)
     _switch(model, found)
     return model
+
+
+def _num_experts(module) -> int:
+    """The experts count E of the module's weights (the leading dim of ``gate_up_proj``)."""
+    state = module.__dict__.get(_STATE)
+    known = None if state is None else state.num_experts
+    return known or _experts_weights(module)[0].shape[0]
+
+
+def _others_value_error(failed: dict) -> Exception:
+    """What the ranks whose own check passed raise when another rank's failed (``workspace.converge``): a
+    ValueError naming the failing ranks (UnsupportedExperts is one), RuntimeError for any other exception."""
+    kinds = {k for k, _ in failed.values()}
+    cls = ValueError if kinds <= {"ValueError", UnsupportedExperts.__name__} else RuntimeError
+    detail = "; ".join(f"rank {r}: {k}: {m}" for r, (k, m) in failed.items())
+    return cls(f"use_static_moe failed on group rank(s) {sorted(failed)}: {detail}")
+
+
+def _check_ranks_agree(found, options, ep_group, size: int) -> None:
+    """Collective: every rank of the EP group holds the same experts modules (names, classes, weight shapes and
+    dtypes) and passed the same options; otherwise ValueError on every rank naming what differs (every rank reads
+    the same gathered descriptions, so all reach the same verdict)."""
+    weight_format, act_format, capacity, opts = options
+    mine = {
+        "experts modules": [
+            (name, type(m).__name__, *((tuple(t.shape), str(t.dtype)) for t in _experts_weights(m)))
+            for name, m in found
+        ],
+        "weight_format": weight_format,
+        "act_format": act_format,
+        "capacity": capacity,
+        "options": repr(sorted(opts.items())),
+    }
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, mine, group=ep_group)
+    differ = _workspace._describe_differences(everyone, list(mine))
+    if differ:
+        raise ValueError(
+            "use_static_moe: ranks of ep_group disagree (every rank must pass the same model and "
+            "options): " + "; ".join(differ)
+        )
 
 
 def _switch(model: nn.Module, found) -> None:

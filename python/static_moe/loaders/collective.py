@@ -6,9 +6,10 @@ from __future__ import annotations
 from .. import workspace as _workspace
 
 
-def collectively(ep_group, size: int, stage: str, fn, cleanup=None):
-    """``fn()`` on every rank; if it raised on any rank, every rank raises (``workspace.converge``) after
-    ``cleanup()`` (e.g. giving back a workspace lease), so no rank returns a layer its peers do not have."""
+def collectively(ep_group, size: int, stage: str, fn, cleanup=None, others_error=None):
+    """``fn()`` on every rank; if it raised on any rank, every rank raises (``workspace.converge``, with its
+    ``others_error``) after ``cleanup()`` (e.g. giving back a workspace lease), so no rank returns a layer its peers
+    do not have."""
     result, error = None, None
     try:
         result = fn()
@@ -16,7 +17,7 @@ def collectively(ep_group, size: int, stage: str, fn, cleanup=None):
         error = e
     try:
         if size > 1:
-            _workspace.converge(ep_group, error, stage)
+            _workspace.converge(ep_group, error, stage, others_error)
         elif error is not None:
             raise error
     except BaseException:
