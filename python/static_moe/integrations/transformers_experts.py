@@ -12,6 +12,8 @@ Two ways in:
 * ``use_static_moe(model, weight_format=..., act_format=..., capacity=...)`` checks every experts module of the
   model, converts each one's weights once into a :class:`StaticMoE` and switches the model to "static_moe". A
   variant the kernels do not compute raises :class:`UnsupportedExperts` here, before anything is converted.
+  With ``ep_group=group`` (collective) each rank converts and keeps only its E/S experts and each call splits the
+  tokens over the ranks (docs/transformers.md, "Expert parallelism through the experts interface").
 * ``from_pretrained(..., experts_implementation="static_moe")`` or ``model.set_experts_implementation(
   "static_moe")``: bf16 weights and activations; transformers offers no per-module hook when the implementation
   is chosen, so each experts module is checked and converted at its first call (the refusal comes then).
