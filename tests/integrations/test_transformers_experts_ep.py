@@ -2,7 +2,8 @@
 the same inputs (transformers' replicated run); each keeps and runs only its E/2 experts. Logits against the
 one-rank static_moe model and eager, greedy tokens through ``generate`` (KV cache: decode steps of one token, so
 one rank's share is a padding row), the module holding only its slice, ``torch.compile(fullgraph=True)`` tracing
-the all-gather, and the collective refusals (experts not divisible by S, ranks that disagree)."""
+the all-gather, gpt-oss's transposed, biased experts, and the collective refusals (experts not divisible by S,
+ranks that disagree)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,24 @@ def _worker(rank: int, size: int) -> dict:
         torch._dynamo.reset()
         close_static_moe(model)
 
+        # gpt-oss: transposed weights, interleaved gate/up, biases sliced with the experts, swiglu_oai.
+        from static_moe.testing.experts_families import families, tiny_model
+
+        oss, _ = tiny_model("gpt_oss", families()["gpt_oss"][0])
+        oss_ids = torch.randint(3, 100, (2, 3), generator=torch.Generator().manual_seed(3))
+        oss_eager = oss(input_ids=oss_ids, use_cache=False).logits
+        one = use_static_moe(copy.deepcopy(oss), ep_group=alone)
+        oss_one = one(input_ids=oss_ids, use_cache=False).logits
+        close_static_moe(one)
+        use_static_moe(oss, ep_group=group)
+        oss_ep = oss(input_ids=oss_ids, use_cache=False).logits
+        out["oss"] = (calc_diff(oss_ep, oss_one), calc_diff(oss_ep, oss_eager))
+        out["oss_slices"] = [
+            (tuple(m.gate_up_proj.shape), tuple(m.gate_up_proj_bias.shape), static_moe_layer(m).w13_bias is not None)
+            for _, m in experts_modules(oss)
+        ]
+        close_static_moe(oss)
+
         # Refusals, on every rank: 3 experts over 2 ranks; then rank 1 asks for another weight format.
         odd = _tiny_qwen3(num_experts=3)
         out["uneven"] = expect_raises(ValueError, lambda: use_static_moe(odd, ep_group=group), "do not split")
@@ -122,5 +141,7 @@ def test_ep_group_two_ranks():
         assert got["freed"], f"rank {rank}: the whole model's expert tensors are still alive"
         assert got["vs_one"] < 1e-4 and got["vs_eager"] < 1e-4, (rank, got["vs_one"], got["vs_eager"])
         assert got["tokens_equal"] and got["compiled_equal"], rank
+        assert got["oss"][0] < 1e-4 and got["oss"][1] < 1e-4, (rank, got["oss"])
+        assert got["oss_slices"] and all(s[1][0] == 2 and s[0][0] == 2 and s[2] for s in got["oss_slices"]), got
         assert "(3)" in got["uneven"], got["uneven"]
         assert "fp8" in got["disagree"] and got["untouched"], got["disagree"]
