@@ -30,6 +30,7 @@ from static_moe.integrations.transformers_experts import (  # noqa: E402
     static_moe_layer,
 )
 from static_moe.testing.numeric import assert_equal, calc_diff  # noqa: E402
+from static_moe.testing.tiny_qwen3_moe import tiny_qwen3_moe  # noqa: E402
 
 H, I, E, K, T = 128, 128, 4, 2, 12
 
@@ -324,21 +325,9 @@ def test_ep_group_without_distributed_and_training_are_refused_clearly():
 def test_from_pretrained_with_the_static_moe_implementation(tmp_path):
     """``experts_implementation="static_moe"`` passes transformers' own check and runs bf16 experts, converted at
     the first call from the loaded weights; ``set_experts_implementation("eager")`` switches back."""
-    config = tf.Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=H,
-        intermediate_size=256,
-        moe_intermediate_size=I,
-        num_experts=E,
-        num_experts_per_tok=K,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        initializer_range=0.1,
+    tiny_qwen3_moe(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K).save_pretrained(
+        tmp_path
     )
-    torch.manual_seed(0)
-    tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
     model = tf.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation=EXPERTS_IMPLEMENTATION).eval()
     ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

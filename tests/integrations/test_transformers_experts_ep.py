@@ -17,28 +17,13 @@ pytest.importorskip(
 )
 
 from static_moe.testing.distributed import run_ranks  # noqa: E402
+from static_moe.testing.tiny_qwen3_moe import tiny_qwen3_moe  # noqa: E402
 
 E, K, STEPS = 4, 2, 3
 
 
 def _tiny_qwen3(num_experts: int = E):
-    import transformers as tf
-
-    config = tf.Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        num_experts=num_experts,
-        num_experts_per_tok=K,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        initializer_range=0.1,
-    )
-    torch.manual_seed(0)  # the same model on every rank
-    return tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    return tiny_qwen3_moe(num_experts=num_experts, num_experts_per_tok=K)  # seed 0: the same model on every rank
 
 
 def _worker(rank: int, size: int) -> dict:

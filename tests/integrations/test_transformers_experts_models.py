@@ -13,7 +13,6 @@ pytest.importorskip(
     reason="the transformers integration tests need transformers>=5 (pip install 'static_moe[transformers]')",
 )
 
-import transformers as tf  # noqa: E402
 
 from static_moe.integrations.transformers_experts import (  # noqa: E402
     EXPERTS_IMPLEMENTATION,
@@ -23,6 +22,7 @@ from static_moe.integrations.transformers_experts import (  # noqa: E402
 )
 from static_moe.testing.experts_families import VOCAB, families, tiny_model  # noqa: E402
 from static_moe.testing.numeric import calc_diff  # noqa: E402
+from static_moe.testing.tiny_qwen3_moe import tiny_qwen3_moe  # noqa: E402
 
 STEPS = 4
 DECISIVE = 4 * 2.0**-7  # a top-1 lead of four bf16 steps (relative): no rounding flips it
@@ -67,21 +67,7 @@ def test_compile_fullgraph():
     """One graph for the whole forward (no break at the experts: the converted layer is looked up without the
     eager path's data-pointer check), the same bits as the uncompiled static_moe model. aot_eager traces the
     static_moe op through its fake kernel as inductor does, without inductor's minutes of code generation."""
-    config = tf.Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        initializer_range=0.1,
-    )
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    model = tiny_qwen3_moe()
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(3))
     torch._dynamo.reset()
     try:
@@ -101,19 +87,7 @@ def test_compile_fullgraph():
 def test_compile_before_conversion_is_refused():
     """A model switched with set_experts_implementation alone converts at its first eager call; compiled before
     that, the experts raise a message saying what to do (a conversion is not graph code)."""
-    config = tf.Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-    )
-    model = tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    model = tiny_qwen3_moe(num_hidden_layers=1, initializer_range=0.02)
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     torch._dynamo.reset()
     try:
