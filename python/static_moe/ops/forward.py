@@ -97,6 +97,11 @@ class ForwardConfig:
         """The SPEC §1.9 arguments, as local_experts (and its check) take them by keyword."""
         return dict(activation=self.activation, alpha=self.alpha, w13_bias=self.w13_bias, w2_bias=self.w2_bias)
 
+    @property
+    def expert_biases(self) -> bool:
+        """Whether the call carries SPEC §1.9 biases: the workspace manifest's ``expert_biases``."""
+        return self.w13_bias is not None or self.w2_bias is not None
+
     def schema_kwargs(self) -> dict:
         """Every field by its schema name, for ``torch.ops.static_moe.forward(..., ep_size, **kwargs)``."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -275,7 +280,7 @@ def workspace_spec(
         dispatch_capacity=config.dispatch_capacity,
         activation=config.activation,
         alpha=config.alpha,
-        expert_biases=config.w13_bias is not None or config.w2_bias is not None,
+        expert_biases=config.expert_biases,
     )
 
 
@@ -547,7 +552,7 @@ def _call_config(
         dispatch_capacity=config.dispatch_capacity,
         activation=config.activation,
         alpha=float(config.alpha) if _finite_f32(config.alpha) else DEFAULT_ALPHA,
-        expert_biases=config.w13_bias is not None or config.w2_bias is not None,
+        expert_biases=config.expert_biases,
     )
 
 
