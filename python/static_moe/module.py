@@ -100,7 +100,7 @@ def _materialized(name: str, t) -> torch.Tensor:
     return t
 
 
-def _group_info(ep_group) -> tuple[int, int, str]:
+def ep_group_info(ep_group) -> tuple[int, int, str]:
     """(size, rank, name) of the EP group; None means a single rank, never WORLD by default."""
     if ep_group is not None:
         if not dist.is_initialized():
@@ -614,7 +614,7 @@ class StaticMoE(_FixedFormats):
         dispatch_capacity: int = 0,
     ):
         super().__init__()
-        self.ep_size, self.ep_rank, self.group_name = _group_info(ep_group)
+        self.ep_size, self.ep_rank, self.group_name = ep_group_info(ep_group)
         self._closed = True  # until the workspace lease is held
         error = None
         try:

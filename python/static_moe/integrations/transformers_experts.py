@@ -35,7 +35,7 @@ from torch import nn
 from .. import workspace as _workspace
 from ..activations import DEFAULT_ALPHA, gated
 from ..loaders.collective import collectively
-from ..module import StaticMoE, _group_info
+from ..module import StaticMoE, ep_group_info
 
 try:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation
@@ -508,7 +508,7 @@ def use_static_moe(
     Then each module's weights are converted (weights loaded later are picked up at the next call) and the model
     is switched to ``experts_implementation="static_moe"``. :func:`close_static_moe` gives the layers back.
     """
-    size, _, _ = _group_info(ep_group) if ep_group is not None else (1, 0, "")
+    size, _, _ = ep_group_info(ep_group) if ep_group is not None else (1, 0, "")
 
     def check():
         found = experts_modules(model)

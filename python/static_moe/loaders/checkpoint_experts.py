@@ -493,10 +493,10 @@ def from_checkpoint(
     """``cls.from_checkpoint(...)`` (StaticMoE.from_checkpoint documents the arguments): a layer of class ``cls``
     holding this rank's experts of ``layer``, read with :func:`load_checkpoint_experts`, with the options its
     family needs (:func:`family_options`) and its biases when the checkpoint has them."""
-    from ..module import _check_ep_size, _group_info
+    from ..module import _check_ep_size, ep_group_info
     from .collective import collectively
 
-    size, rank, _ = _group_info(ep_group)
+    size, rank, _ = ep_group_info(ep_group)
     stage = "StaticMoE.from_checkpoint"
 
     def read():

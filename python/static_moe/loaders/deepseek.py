@@ -25,12 +25,12 @@ from ..module import (
     _checked_gate,
     _checked_weights,
     _copy_checked,
-    _group_info,
     _materialized,
     _normalize_scale,
     _normalize_weight,
     _positive_int,
     _weight_shapes,
+    ep_group_info,
 )
 from ..ops.quantize_weight import quantize_weight_fast
 from .collective import collectively
@@ -52,7 +52,7 @@ def from_deepseek_state_dict(
 ):
     """``cls.from_deepseek_state_dict(...)`` (StaticMoE.from_deepseek_state_dict documents the arguments): a layer
     of class ``cls``."""
-    size, rank, _ = _group_info(ep_group)
+    size, rank, _ = ep_group_info(ep_group)
     stage = "StaticMoE.from_deepseek_state_dict"
     hidden_size = options.pop("hidden_size", None)
 

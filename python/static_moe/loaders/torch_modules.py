@@ -21,9 +21,9 @@ from ..module import (
     _check_ep_size,
     _check_finite,
     _checked_gate,
-    _group_info,
     _materialized,
     _positive_int,
+    ep_group_info,
 )
 from ..ops.quantize_weight import quantize_weight_fast
 from .collective import collectively
@@ -44,7 +44,7 @@ def from_module(
     **options,
 ):
     """``cls.from_module(...)`` (StaticMoE.from_module documents the arguments): a layer of class ``cls``."""
-    size, rank, _ = _group_info(ep_group)
+    size, rank, _ = ep_group_info(ep_group)
     stage = "StaticMoE.from_module"
 
     def read():
