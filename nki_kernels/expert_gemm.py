@@ -30,6 +30,15 @@ Skip unrouted experts: ``skip_unrouted=True`` wraps all weight traffic in a runt
 page; trip count ``min(Σ row_mask, 1)`` loaded by ``register_load`` from a plain (1, 1) SBUF tile) — an expert no
 row selects reads no weight byte. ``skip_unrouted=False`` is the static variant.
 
+LNC = 2 (``kernel[2]``): the output columns are split over the two logical cores (``nki_kernels/lnc.py``) in
+whole weight slabs (EIO: ``plan.ncols`` columns; EOI: one DMA group of row blocks): core 0 the first ⌈slabs / 2⌉,
+core 1 the rest, so each streams about half the expert's weights. Both cores build the same A operand (and the
+same runtime-loop trip counts) from all rows; a slab's instructions depend only on its first column, so every
+output column is computed as on one core, and each core stores only its own columns: bitwise the LNC = 1
+result. With one slab, core 1 reads nothing and writes nothing. Splitting N over ``nl.program_id``, as
+nki-library's ``core/mlp/mlp_cte/mlp_cte_sharding.py`` cuts its intermediate dimension into per-program
+offsets.
+
 Documented constructs used here beyond the tile module's list: ``nc_transpose`` of bf16 blocks into bf16 PSUM
 (ISA ``nc_transpose``), ``register_load`` from a (1, 1) SBUF tile and ``fori_loop`` with a register bound (ISA
 ``register_load`` / ``nl.fori_loop``, NKI 0.6), ``tensor_copy_predicated`` (ISA), HBM ``.ap(scalar_offset=
@@ -62,6 +71,7 @@ from .expert_gemm_tiles import (  # noqa: F401  (re-exported: the tile API lives
     rows_from_kmajor,
     weight_plan,
 )
+from .lnc import core_share
 
 W_DMA_MIN_BYTES = 2048  # per partition: group weight row-blocks until a DMA moves at least this much
 WEIGHT_LAYOUTS = ("eoi", "eio")
@@ -388,6 +398,8 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
     Notes:
         - K and N multiples of 128 (the packed "eio" forms pad K to whole 512 blocks with zeros on chip); R any
           (row tiles of 128, moving chunks of 512).
+        - LNC = 2: core 0 computes and stores the first ⌈slabs / 2⌉ weight slabs' columns, core 1 the others
+          (module doc); with a single slab core 1 does nothing.
         - "eio" fp8 × fp8 MX and fp8 × fp4 on trn3 run ``nc_matmul_mx`` when every selected row's activation
           scales are powers of two (SPEC §1.1 produces only those; the E8M0 byte is the exponent field); if any
           is not, a second runtime loop runs the same weights through the exact bf16 decode instead, with the
@@ -403,7 +415,7 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         aT = Kmajor(mask ? dequant(A) : 0)                           # once (x4 + E8M0 for the MX path)
         out_rows = 0
         for _ in fori_loop(0, min(Σ mask, 1)):                      # (skip variant)
-            for each weight slab / group of expert e:               # EIO: K-major DMA; EOI: decode + transpose
+            for each weight slab / group of expert e of this core:  # EIO: K-major DMA; EOI: decode + transpose
                 for nb in its 128-column blocks:
                     oT[n, m] = bf16(Σ_k W[k, n] · aT[k, m])          # PSUM fp32 (per-block scales on evacuation)
                     out_rows[:, nb] = transpose(oT)
@@ -423,6 +435,11 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         plan = None
 
     out = nl.ndarray((r, n), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="out")
+    # this core's output columns: whole slabs (EIO) or DMA groups of row blocks (EOI), see the module doc
+    unit = plan.ncols if plan is not None else rows_per_dma(fmt_b, k, n // P) * P
+    c0, nc = core_share(n, unit, "expert_gemm")
+    if nc == 0:  # LNC = 2 with a single slab: core 0 computes every column
+        return out
     masks = load_row_mask_tiles(row_mask, r)
     act = load_act_operand(
         plan.korder if plan is not None else "natural", a, a_scale, masks, kp=None if plan is None else plan.kp
@@ -431,14 +448,14 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
     epilogue = None if bias is None else _bias_epilogue(bias, expert, row_mask, r, n)
     out_rows = []
     for r0 in range(0, r, P):
-        t = nl.ndarray((min(P, r - r0), n), dtype=nl.bfloat16, buffer=nl.sbuf, name="out_rows")
+        t = nl.ndarray((min(P, r - r0), nc), dtype=nl.bfloat16, buffer=nl.sbuf, name="out_rows")
         if skip_unrouted:
             nisa.memset(dst=t, value=0.0, engine=nisa.engine.gpsimd)  # what an unrouted expert returns
         out_rows.append(t)
 
     def body_eio(plan=plan, act=act):
         ring = WeightRing(plan)
-        for n0 in range(0, n, plan.ncols):
+        for n0 in range(c0, c0 + nc, plan.ncols):
             slab = load_weight_slab(ring, b, b_scale, expert, n0)
             for j in range(plan.ncols // P):
                 o_bf = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="o_bf16")
@@ -451,13 +468,12 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
                     o_f = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.sbuf, name="o_sum")
                     gemm_block(o_f, slab, j, act, r, out_engine=nisa.engine.scalar)
                     epilogue(o_bf, o_f, n0 + j * P)
-                rows_from_kmajor(out_rows, o_bf, n0 + j * P, r, nisa.engine.scalar if vec_evac else None)
+                rows_from_kmajor(out_rows, o_bf, n0 - c0 + j * P, r, nisa.engine.scalar if vec_evac else None)
             slab = None  # the decoded planes of a slab die here, before the next slab is decoded
 
     def body_eoi():
-        nnb = n // P
-        grp = rows_per_dma(fmt_b, k, nnb)
-        for g0 in range(0, nnb, grp):
+        grp = rows_per_dma(fmt_b, k, n // P)
+        for g0 in range(c0 // P, (c0 + nc) // P, grp):
             group = load_weight_group(b, b_scale, expert, g0 * P, grp, fmt_b, k)
             for j in range(grp):
                 o_bf = nl.ndarray((P, r), dtype=nl.bfloat16, buffer=nl.sbuf, name="o_bf16")
@@ -467,7 +483,7 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
                     o_f = nl.ndarray((P, r), dtype=nl.float32, buffer=nl.sbuf, name="o_sum")
                     block_times_rows(o_f, group, j, act.aT, fmt_b, k, r)
                     epilogue(o_bf, o_f, (g0 + j) * P)
-                rows_from_kmajor(out_rows, o_bf, (g0 + j) * P, r)
+                rows_from_kmajor(out_rows, o_bf, (g0 + j) * P - c0, r)
 
     body = body_eio if plan is not None else body_eoi
     if plan is not None and plan.path == "mx":
@@ -488,5 +504,5 @@ def expert_gemm_kernel(a, a_scale, b, b_scale, row_mask, expert, skip_unrouted=T
         body()
 
     for t, rows in enumerate(out_rows):
-        nisa.dma_copy(dst=out[t * P : t * P + rows.shape[0], :], src=rows)
+        nisa.dma_copy(dst=out[t * P : t * P + rows.shape[0], c0 : c0 + nc], src=rows)
     return out

@@ -113,6 +113,7 @@ from .expert_gemm_tiles import (
     rows_from_kmajor,
     weight_plan,
 )
+from .lnc import programs_and_rank, split
 from .swiglu_and_cast import DEFAULT_ALPHA, swiglu_cast_tile
 
 SWIGLU_COLS = 1024  # columns of I per swiglu tile call (bounds its fp32 scratch)
@@ -271,8 +272,7 @@ def local_experts_kernel(
     else:
         n_max = n_local * q_static
 
-    programs, rank = nl.num_programs(0), nl.program_id(0)
-    assert programs in (1, 2), f"local_experts runs on 1 or 2 logical cores (LNC), got {programs}"
+    programs, rank = programs_and_rank("local_experts")
     out = nl.ndarray((r, h), dtype=nl.float32, buffer=nl.shared_hbm, name="acc_out")
     tiles, ids = _routing_tiles(topk_idx, topk_weights, expert_offset, n_local, r)
     table, item_expert, n_items = _work_list(tiles, ids, r, n_local, m, n_max, skip_unrouted, q_static)
@@ -315,7 +315,8 @@ def local_experts_kernel(
 
         nl.fori_loop(0, n_reg, body)
     else:
-        mine = _static_share(n_max, programs, rank)
+        start, count = split(n_max, 1, programs, rank)  # core 0 the first ⌈N/2⌉ items, core 1 the rest
+        mine = range(start, start + count)
         for j, i in enumerate(mine):
             var.load(i // q_static, i)
             sink = None if stage is None else stage[j]
@@ -355,12 +356,6 @@ def _core_share(n_items, programs: int, rank: int):
     half_down = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="items_core1")
     nisa.tensor_scalar(dst=half_down, data=n_items, op0=nl.right_shift, operand0=1)
     return half_up, half_down
-
-
-def _static_share(n_max: int, programs: int, rank: int) -> range:
-    """The static variant's items of this core: all, or the first ⌈N/2⌉ (core 0) / the rest (core 1)."""
-    half = -(-n_max // programs)
-    return range(n_max) if programs == 1 else (range(half) if rank == 0 else range(half, n_max))
 
 
 def _stage_slot(stage, slot, m: int, h: int):

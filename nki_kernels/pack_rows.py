@@ -3,6 +3,13 @@
 Runs through the real NKI when it is importable and through the repository's NKI interpreter otherwise (see
 ``static_moe.nki.shim``). NKI >= 0.3 API only. All data moves as bytes: both sides of every DMA are viewed as
 uint8 (a DMA between different dtypes would convert values, not copy bits).
+
+LNC = 2 (``kernel[2]``): both kernels split their rows over the two logical cores (``nki_kernels/lnc.py``):
+``pack_rows`` by 128-row tiles (core 0 the first ⌈tiles / 2⌉, core 1 the rest), ``unpack_rows`` by rows (core 0
+the first ⌈R / 2⌉). Each core writes only its own rows of the shared output and copies every byte of them
+exactly as one core does, so the result is bitwise the LNC = 1 result; with a single tile (or R = 1) core 1
+writes nothing. The split follows nki-library's ``core/subkernels/indexed_flatten.py`` (rows over
+``nl.program_id``, ⌈·/2⌉ to core 0).
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ import math
 
 from static_moe.nki.shim import nisa, nl
 from static_moe.packed_layout import ALIGN, PAD_BYTE, pack_layout
+
+from .lnc import core_share, core_tiles
 
 # 0xFF in every byte, written 4 bytes at a time: W is a multiple of 16, so the uint8 tile views as int32 and the
 # memset touches a quarter of the elements (VectorE cost is per element).
@@ -50,9 +59,10 @@ def pack_rows(parts, capacity):
           partitions (W >= 2 KiB for real model shapes), so the HBM write is one large contiguous transfer.
         - Tiles made only of padding rows reuse one 0xFF tile.
         - SBUF use: 2 × W bytes per partition (one staging tile, one fill tile).
+        - LNC = 2: core 0 packs the first ⌈C / 128 / 2⌉ row tiles, core 1 the others (module doc).
 
     Pseudocode:
-        for each 128-row tile [r0, r0 + p):
+        for each 128-row tile [r0, r0 + p) of this core:
             if r0 >= T: dma(packed[r0:r0+p], fill)            # all padding
             else:
                 tile = memset(0xFF); for each part: dma(tile[0:v, span], part[r0:r0+v] as bytes)
@@ -67,7 +77,7 @@ def pack_rows(parts, capacity):
     packed = nl.ndarray((capacity, width), dtype=nl.uint8, buffer=nl.shared_hbm, name="packed")
     pmax = nl.tile_size.pmax
     fill = None
-    for r0 in range(0, capacity, pmax):
+    for r0 in core_tiles(capacity, pmax, "pack_rows"):
         p = min(pmax, capacity - r0)
         if r0 >= rows:
             # ---- a tile of padding rows only
@@ -106,9 +116,11 @@ def unpack_rows(packed, offset, nbytes, dtype, row_shape):
     Notes:
         - One HBM→HBM DMA of R rows × nbytes, both sides viewed as uint8: no SBUF round trip (the span is
           consumed from HBM by the next kernel anyway), and one DMA's fixed cost instead of one per tile.
+        - LNC = 2: one such DMA per core, core 0 rows [0, ⌈R/2⌉), core 1 the rest (module doc).
 
     Pseudocode:
-        dma(out as uint8 [R, nbytes], packed[:, offset:offset + nbytes])
+        r0, n = this core's rows
+        dma(out as uint8 [r0:r0+n, nbytes], packed[r0:r0+n, offset:offset + nbytes])
     """
     rows, width = packed.shape
     row_shape = tuple(row_shape)
@@ -118,5 +130,7 @@ def unpack_rows(packed, offset, nbytes, dtype, row_shape):
         f"nbytes={nbytes} does not match row_shape {row_shape} of the given dtype ({out_bytes.shape[1]} bytes)"
     )
     assert 0 <= offset and offset + nbytes <= width, f"span [{offset}, {offset + nbytes}) outside W={width}"
-    nisa.dma_copy(dst=out_bytes, src=packed[:, offset : offset + nbytes])
+    r0, nr = core_share(rows, 1, "unpack_rows")
+    if nr:
+        nisa.dma_copy(dst=out_bytes[r0 : r0 + nr, :], src=packed[r0 : r0 + nr, offset : offset + nbytes])
     return out

@@ -3,6 +3,12 @@
 Runs through the real NKI when it is importable and through the repository's NKI interpreter otherwise (see
 ``static_moe.nki.shim``). NKI >= 0.3 API only (destination-first ``nisa`` calls, ``nl.ndarray`` buffers);
 the per-group scale is applied through a ``.broadcast`` view (NKI >= 0.5).
+
+LNC = 2 (``kernel[2]``): the row tiles are split over the two logical cores (``nki_kernels/lnc.py``; core 0 the
+first ⌈tiles / 2⌉, core 1 the rest). The tile shape (groups per partition, rows per tile) is chosen from all R
+rows before the split, so every tile runs the same instructions as on one core and each core stores only its
+own rows: bitwise the LNC = 1 result. With one tile (decode's few rows, usually) core 1 has nothing to do. The
+split follows nki-library's ``core/subkernels/indexed_flatten.py`` (rows over ``nl.program_id``).
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import numpy as np
 
 from static_moe.activations import DEFAULT_ALPHA
 from static_moe.nki.shim import nisa, nl
+
+from .lnc import core_tiles
 
 AMAX_FLOOR = 1e-4  # SPEC §1.1
 FP8_E4M3_TRN2_MAX = 240.0  # Neuron float8_e4m3 (trn2 on-chip fp8)
@@ -92,9 +100,10 @@ def swiglu_and_cast(
         - Rows of weight 0 give q = ±0 and the floor scale, as the reference does.
         - Hardware silu is a piecewise approximation: compare with SPEC §2's fp8 tolerance.
         - pow2_scale=False is rejected: a bit-exact fp32 division by fp8_max is not available on chip.
+        - LNC = 2: core 0 runs the first ⌈tiles / 2⌉ row tiles, core 1 the others (module doc).
 
     Pseudocode:
-        for each tile of rows_per_tile rows (partition p = (row, block), m groups of g columns each):
+        for each tile of rows_per_tile rows of this core (partition p = (row, block), m groups of g columns each):
             g = load(gate block); u = load(up block); w = row weight repeated over the row's blocks
             g = min(g, L); u = clamp(u, -L, L)                # if swiglu_limit
             v = act(g, u) * w                                 # fp32; silu(g)·u by default
@@ -132,7 +141,7 @@ def swiglu_and_cast(
         out = nl.ndarray((rows, inter), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="out")
     pmax = nl.tile_size.pmax
 
-    for r0 in range(0, rows, rows_per_tile):
+    for r0 in core_tiles(rows, rows_per_tile, "swiglu_and_cast"):
         nr = min(rows_per_tile, rows - r0)
         p = nr * bpr
         # ---- load: partition (r, b) holds columns [b·cols, (b+1)·cols) of row r, for gate and for up

@@ -356,6 +356,21 @@ MUTANTS = [
         "            240.0,",
         ("tests/nki/test_nki_local_experts.py", "-k", "trn3"),
     ),
+    Mutant(
+        "nki lnc: core 1 drops its share of the tiles",
+        "nki_kernels/lnc.py",
+        "    lo, hi = (0, first) if rank == 0 else (first, tiles)",
+        "    lo, hi = (0, first) if rank == 0 else (first, first)",
+        ("tests/nki/test_nki_lnc.py", "-k", "pack or swiglu"),
+    ),
+    Mutant(
+        "nki expert_gemm: both cores compute and store every column at LNC = 2",
+        "nki_kernels/expert_gemm.py",
+        '    c0, nc = core_share(n, unit, "expert_gemm")',
+        "    c0, nc = 0, n",
+        ("tests/nki/test_nki_lnc.py", "-k", "expert_gemm"),
+        why="the bits stay right; only the per-core HBM bytes show the weights streamed twice",
+    ),
     # ---------------------------------------------------------------- NKI interpreter
     Mutant(
         "interpreter: float -> int rounds half up",

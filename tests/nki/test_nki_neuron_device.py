@@ -95,10 +95,15 @@ def test_pack_unpack_swiglu_on_neuron_match_cpu(neuron):
         torch.ops.static_moe.swiglu_and_cast(_to(neuron, gate_up), None, None, "fp8", 128, 448.0, True)
 
 
+@pytest.mark.parametrize("lnc", [1, 2], ids=["lnc1", "lnc2"])
 @pytest.mark.parametrize("act,wfmt", [("bf16", "bf16"), ("fp8", "fp8")])
-def test_forward_on_neuron_s1(neuron, act, wfmt):
+def test_forward_on_neuron_s1(neuron, act, wfmt, lnc, monkeypatch):
     """``torch.ops.static_moe.forward`` at S = 1 on neuron tensors: pack_rows, unpack_rows and local_experts run
-    through their NKI kernels (each is seen on the device), and the result matches the reference."""
+    through their NKI kernels (each is seen on the device), every one launched at the platform LNC (set through
+    ``NEURON_LOGICAL_NC_CONFIG``, which ``dispatch.platform_lnc`` reads), and the result matches the reference."""
+    import nki_interpreter
+
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", str(lnc))
     neuron.install()
     t = 3
     w = make_weights(E, H, I, wfmt, seed=7)
@@ -111,8 +116,9 @@ def test_forward_on_neuron_s1(neuron, act, wfmt):
     launch = dispatch._launch
 
     def spy(name, kargs, device, **flags):
-        seen.append((name, device))
-        return launch(name, kargs, device, **flags)
+        out = launch(name, kargs, device, **flags)
+        seen.append((name, device, len(nki_interpreter.last_run().programs)))
+        return out
 
     dargs = tuple(_to(neuron, a) for a in args)
     try:
@@ -121,5 +127,6 @@ def test_forward_on_neuron_s1(neuron, act, wfmt):
     finally:
         dispatch._launch = launch
     assert out.device.type == "neuron" and out.dtype == torch.bfloat16 and out.shape == (t, H)
-    assert {n for n, _ in seen} == {"pack_rows", "unpack_rows", "local_experts"} and all(d for _, d in seen)
+    assert {n for n, _, _ in seen} == {"pack_rows", "unpack_rows", "local_experts"} and all(d for _, d, _ in seen)
+    assert all(cores == lnc for _, _, cores in seen), f"launched at {seen}, LNC = {lnc} wanted"
     assert_kernel_close(out.cpu(), ref, f"forward on neuron {act}x{wfmt}")

@@ -26,6 +26,11 @@ int32 (ids are < 2^31 by construction), ``topk_weights`` widened to float32. trn
 ``fp8_max <= 240`` (its on-chip fp8 is ``float8_e4m3``); asking for 448 there is an error, not a silent change
 of numerics (trn3, with native e4m3fn, accepts it).
 
+LNC: every kernel launches as ``kernel[platform_lnc()]`` (:func:`platform_lnc`; the trn2 default is 2), on all three
+paths: on a device every kernel of a model must be compiled for the runtime's LNC (Neuron compiler error
+NCC_EVRF066). Each kernel splits its static work over ``nl.program_id`` (``nki_kernels/lnc.py``) so that the
+LNC = 2 result is bitwise the LNC = 1 result.
+
 Weight layout: the ops' trailing ``weight_layout`` ("eoi", or the prepared K-major "eio" of
 ``static_moe.layouts``) reaches both kernels as the keyword argument ``weight_layout=``.
 """
@@ -189,8 +194,9 @@ def _on_neuron(t: torch.Tensor) -> bool:
     return t.device.type in ("xla", "neuron", "privateuseone")
 
 
-# Kernels that split their work over ``nl.program_id`` and so launch at the platform's LNC (:func:`platform_lnc`).
-_LNC_KERNELS = ("local_experts",)
+# Kernels that split their work over ``nl.program_id`` and so launch at the platform's LNC (:func:`platform_lnc`):
+# all five (pack / unpack and swiglu by rows, expert_gemm by output columns, local_experts by work items).
+_LNC_KERNELS = ("pack_rows", "unpack_rows", "swiglu_and_cast", "expert_gemm", "local_experts")
 
 
 def platform_lnc() -> int:
