@@ -26,10 +26,12 @@ at the real H, I and R on 1- and 2-expert layers and extrapolated per core and p
 the cost model's additive features (engine seconds, DMA data seconds and count, hardware-DGE count, loop
 iterations, HBM bytes; ``harness.nki_extrapolate``): ``k10 + (L−1)(k20 − k10) + n·(k11 − k10)`` with n the
 core's work items of the full layer's routing (N = Σ_e ⌈C_e / M⌉; at LNC = 2 core 1's from a two-item run, see
-``extrapolate``) — exact because the instruction stream is affine in L (the routing and work-list setup) and
-in n (every item runs the same static body), and the model's non-linear terms (DMA fixed cost per 16 queued
-DMAs, DGE per 2 instances) are applied to the combined counts. ``--check`` runs a 4-expert, 3-item layer
-directly and prints the largest feature error.
+``extrapolate``) — exact where the instruction stream is affine in L (the routing and work-list setup) and in
+n (every item runs the same static body), as the model's non-linear terms (DMA fixed cost per 16 queued DMAs,
+DGE per 2 instances) are applied to the combined counts. Not affine: the work-list table's size N_max (a min
+over L·⌈R/M⌉ and the routing bound; filled and searched 128 items at a time), so a layer with N_max > 128 runs
+⌈N_max/128⌉ − 1 table chunks more than extrapolated (Qwen3-30B-A3B EP 1 T = 128 run directly: +4·10⁻⁵ of the
+time). ``--check`` runs a 4-expert, 3-item layer directly and prints the largest feature error.
 
     .venv/bin/python bench/bench_nki_gemm.py [--models v4_flash,v3,qwen3_30b_a3b] [--tokens 1,16,128]
                                              [--ep 1,8] [--pairs bf16xbf16,...] [--targets trn2,trn3]

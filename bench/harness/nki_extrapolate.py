@@ -15,8 +15,8 @@ Records of the same kernel at 1 and 2 experts, with 0 and 1 item per core, combi
 features (:func:`combine`); the model's two non-linear terms — the DMA fixed cost per 16 queued DMAs and the DGE
 cost per 2 DGE instances — are applied only to the combined counts (:func:`components`). Combining component
 *times* instead would round those terms per record (an error up to 1.3 µs per work item); combining features
-is exact, and ``tests/nki/test_nki_bench_extrapolation.py`` checks :func:`estimate` against
-``CostModel.estimate_programs`` on real runs.
+is exact wherever the records are affine in what is combined, and ``tests/nki/test_nki_bench_extrapolation.py``
+checks :func:`estimate` against ``CostModel.estimate_programs`` on real runs.
 """
 
 from __future__ import annotations
