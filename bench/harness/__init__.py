@@ -9,6 +9,8 @@
 - ``cli``       the command line every script shares; the start and end of a run
 - ``hosts``     the host kind's id and description, and the per-host summary `make bench` commits
 - ``results_doc`` the results table of docs/benchmarks.md, rendered from the per-host summaries
+- ``nki_extrapolate`` the NKI cost model's additive features of an interpreted launch, combined exactly to a full
+  layer (bench_nki_gemm.py; NKI interpreter records, not timings)
 
 Every figure a benchmark prints is a ratio measured in the same run on the same pinned thread count: against the
 machine's own limits (``static_moe.testing.machine.measure_machine``; the demo measures with the same code), and
