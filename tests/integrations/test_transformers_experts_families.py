@@ -28,6 +28,7 @@ from static_moe.testing.experts_families import (  # noqa: E402
     run_family,
     tiny_model,
 )
+from static_moe.testing.numeric import calc_diff  # noqa: E402
 
 # The variants the kernels do not compute: {family: what the refusal must say}.
 REFUSED = {
@@ -92,3 +93,39 @@ def test_diffusion_gemma_default_heads_amplify_rounding(monkeypatch):
     monkeypatch.setitem(FAMILY_INIT_ONLY, "diffusion_gemma", {})
     model, lm = tiny_model("diffusion_gemma", FAMILIES["diffusion_gemma"][0])
     assert rounding_sensitivity(model, ids, lm) > TOLERANCE
+
+
+def test_routing_replay_counts_flips_and_replaces_the_routing():
+    """run_family's fallback where a router near-tie flipped: replaying a recorded routing unchanged flips nothing
+    and gives the recorded outputs bit for bit; a routing with every token's first selection in the last layer
+    moved to another expert counts one flip per token and changes the outputs (the replay really reaches the experts)."""
+    from static_moe.testing.experts_families import _outputs_with_routing
+
+    ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    model, lm = tiny_model("qwen3_moe", FAMILIES["qwen3_moe"][0])
+    with torch.no_grad():
+        ref, routing = _outputs_with_routing(model, ids, lm)
+        same, flips = _outputs_with_routing(model, ids, lm, routing)
+        assert flips == 0 and torch.equal(same, ref)
+        experts = model.config.num_experts
+        idx, w = routing[-1]  # the last layer's: the layers before it see the recorded inputs and route as before
+        idx = idx.clone()
+        other = (idx[:, 0] + 1) % experts
+        while bool((other[:, None] == idx[:, 1:]).any()):  # a new expert for every token, not a duplicate
+            other = torch.where((other[:, None] == idx[:, 1:]).any(-1), (other + 1) % experts, other)
+        idx[:, 0] = other
+        out, flips = _outputs_with_routing(model, ids, lm, [*routing[:-1], (idx, w)])
+    assert flips == idx.shape[0]
+    assert calc_diff(out, ref) > TOLERANCE
+
+
+def test_routing_replay_does_not_hide_an_experts_error(monkeypatch):
+    """The replay compares the experts alone: static_moe's experts output with a structural error (each row plus
+    a tenth of itself rotated by one column) stays a mismatch, flipped selections or not."""
+    import static_moe.integrations.transformers_experts as te
+
+    chunked = te._chunked
+    monkeypatch.setattr(te, "_chunked", lambda *a: (lambda y: y + 0.1 * y.roll(1, dims=-1))(chunked(*a)))
+    result = run_family("deepseek_v4", FAMILIES["deepseek_v4"], fp8=False)
+    assert result.status == "mismatch", result.detail
+    assert result.bf16_diff > TOLERANCE, result.detail
