@@ -68,3 +68,22 @@ def test_float16_model_refused_at_engine_start(runs):
     err = ours["fp16"].get("error", "")
     assert "static_moe" in err and "torch.float16" in err and "bfloat16" in err, ours["fp16"]
     assert ours["fp16"]["stats"]["calls"] == 0
+
+
+def test_quant_method_made_modular_in_place():
+    """The plugin's layers always take the modular path (route, then forward_modular); vLLM's quant method answers
+    is_monolithic from the kernel it chose for itself, which on a CPU without AMX tiles is None for fp8 (the
+    property then raises). _modular makes that one property False and keeps the instance's type checks."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    from static_moe.integrations.vllm import _modular
+
+    qm = Fp8MoEMethod.__new__(Fp8MoEMethod)  # no config: only the property is exercised
+    qm.moe_kernel, qm.experts_cls = None, None
+    with pytest.raises(AttributeError):
+        qm.is_monolithic  # noqa: B018
+    _modular(qm)
+    again = Fp8MoEMethod.__new__(Fp8MoEMethod)
+    _modular(again)
+    assert qm.is_monolithic is False and isinstance(qm, Fp8MoEMethod)
+    assert type(again) is type(qm)  # one subclass per vLLM class

@@ -118,9 +118,29 @@ def _weight_format(layer) -> str | None:
     qm = layer.quant_method
     if isinstance(qm, UnquantizedFusedMoEMethod):
         return "bf16"
-    if type(qm).__name__ == "Fp8MoEMethod" and list(getattr(qm, "weight_block_size", None) or []) == [128, 128]:
+    fp8 = any(c.__name__ == "Fp8MoEMethod" for c in type(qm).__mro__)  # also once _modular has subclassed it
+    if fp8 and list(getattr(qm, "weight_block_size", None) or []) == [128, 128]:
         return "fp8"
     return None
+
+
+# The quant-method classes made to report a modular kernel ({vLLM's class: its subclass}), one per class.
+_MODULAR: dict[type, type] = {}
+
+
+def _modular(qm) -> None:
+    """Make the quant method ``qm`` report a modular kernel (``is_monolithic`` False), in place.
+
+    vLLM's runner asks ``quant_method.is_monolithic`` on every forward: True would hand the router logits to a
+    fused kernel, False routes first and calls ``forward_modular``, which static_moe implements. The answer
+    comes from the kernel vLLM chose for itself (``moe_kernel`` / ``experts_cls``), which static_moe never runs
+    and which may not exist: on a CPU without AMX tiles vLLM selects no fp8 MoE kernel (``experts_cls`` None),
+    and the property raises AttributeError. So the instance's class becomes a subclass whose only change is that
+    property (isinstance checks against vLLM's class still hold)."""
+    cls = type(qm)
+    if cls not in _MODULAR:
+        _MODULAR[cls] = type(cls.__name__, (cls,), {"is_monolithic": property(lambda self: False)})
+    qm.__class__ = _MODULAR[cls]
 
 
 def _convert(layer):
@@ -168,6 +188,7 @@ def _experts_class():
             # vLLM's loader calls quant_method.process_weights_after_loading(layer) once the checkpoint is in
             # the parameters; ours converts them instead of repacking for vLLM's kernels.
             self.quant_method.process_weights_after_loading = self._process_weights_after_loading
+            _modular(self.quant_method)
 
         def _process_weights_after_loading(self, layer) -> None:
             old = self.__dict__.get("_static_moe")
