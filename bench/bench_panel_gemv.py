@@ -1,0 +1,66 @@
+"""One-row bf16 GEMV: vLLM's CPU panel weight layout against static_moe's kernel (bench/micro/panel_gemv.cpp).
+
+At one activation row both kernels stream the weights once; vLLM's "vec" kernel reads them as [N/16, K, 16] panels
+(one contiguous run per 16 output columns), static_moe's avx512bf16 kernel as [N, K] rows, 4 at a time. This builds
+the torch-free driver with the project's kernels into build/micro/ and prints, per shape, the weight GB/s of a plain
+read stream, of static_moe's kernel and of panel GEMVs over 1, 2 and 4 panels at a time, cold, one thread, and the
+ratio panel / kernel (docs/vllm.md quotes it). The panel kernels sum in another order than static_moe's (their
+results are checked to bf16 rounding), so they measure the layout, not a drop-in replacement.
+
+    .venv/bin/python bench/bench_panel_gemv.py [--shapes 2048x768 1536x2048 4096x4096] [--reps 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from bench_cpu_micro import cpu_flags
+from harness import native
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "bench" / "micro" / "panel_gemv.cpp"
+
+
+def build(out_dir: Path) -> Path:
+    """Compile the driver with the project's kernels (about 20 s on one core); returns the binary's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    binary = out_dir / "panel_gemv"
+    kernels = [str(p) for p in native.kernel_sources(ROOT / "csrc")]
+    cmd = [native.cxx("bench_panel_gemv"), *native.CXX_FLAGS, f"-I{ROOT / 'csrc'}", str(SOURCE), *kernels]
+    subprocess.run([*cmd, "-o", str(binary)], check=True)
+    return binary
+
+
+def measure(binary: Path, n: int, k: int, reps: int) -> dict[str, float]:
+    """{contender: weight GB/s} for one [n, k] expert matrix."""
+    out = subprocess.run([str(binary), str(n), str(k), str(reps)], check=True, capture_output=True, text=True)
+    return {name: float(value) for name, _, _, value, _ in (line.split() for line in out.stdout.splitlines())}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shapes", nargs="+", default=["2048x768", "1536x2048", "4096x4096"], help="NxK of the weight")
+    p.add_argument("--reps", type=int, default=9, help="alternating rounds; each contender keeps its best")
+    args = p.parse_args(argv)
+    missing = {"avx512f", "avx512bw", "avx512_bf16"} - cpu_flags()
+    if missing:
+        print(f"bench_panel_gemv: this CPU lacks {sorted(missing)}; the panel kernels need AVX-512 BF16")
+        return
+    binary = build(ROOT / "build" / "micro")
+    print(f"one-row bf16 GEMV, weights cold, one thread, best of {args.reps} alternating rounds (GB/s of weights)")
+    print(f"  {'N x K':>11}{'read':>8}{'kernel':>8}{'panel1':>8}{'panel2':>8}{'panel4':>8}  panel1 / kernel")
+    for shape in args.shapes:
+        n, k = (int(v) for v in shape.split("x"))
+        g = measure(binary, n, k, args.reps)
+        cells = "".join(f"{g[c]:>8.1f}" for c in ("read", "kernel", "panel1", "panel2", "panel4"))
+        print(f"  {shape:>11}{cells}  {g['panel1'] / g['kernel']:.2f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
