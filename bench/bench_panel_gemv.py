@@ -3,8 +3,9 @@
 At one activation row both kernels stream the weights once; vLLM's "vec" kernel reads them as [N/16, K, 16] panels
 (one contiguous run per 16 output columns), static_moe's avx512bf16 kernel as [N, K] rows, 4 at a time. This builds
 the torch-free driver with the project's kernels into build/micro/ and prints, per shape, the weight GB/s of a plain
-read stream, of static_moe's kernel and of panel GEMVs over 1, 2 and 4 panels at a time, cold, one thread, and the
-ratio panel / kernel (docs/vllm.md quotes it). The panel kernels sum in another order than static_moe's (their
+read stream, of static_moe's kernel, of panel GEMVs over 1, 2 and 4 panels at a time and of static_moe's own one-row
+arithmetic over its weights stored in blocks of 4 rows interleaved by 32-k unit (one stream; bitwise the kernel's
+result, checked), cold, one thread, and the ratios to the kernel (docs/vllm.md quotes them). The panel kernels sum in another order than static_moe's (their
 results are checked to bf16 rounding), so they measure the layout, not a drop-in replacement.
 
     .venv/bin/python bench/bench_panel_gemv.py [--shapes 2048x768 1536x2048 4096x4096] [--reps 9]
@@ -53,12 +54,13 @@ def main(argv=None) -> None:
         return
     binary = build(ROOT / "build" / "micro")
     print(f"one-row bf16 GEMV, weights cold, one thread, best of {args.reps} alternating rounds (GB/s of weights)")
-    print(f"  {'N x K':>11}{'read':>8}{'kernel':>8}{'panel1':>8}{'panel2':>8}{'panel4':>8}  panel1 / kernel")
+    names = ("read", "kernel", "panel1", "panel2", "panel4", "rows4")
+    print(f"  {'N x K':>11}" + "".join(f"{c:>8}" for c in names) + "  panel1 / kernel  rows4 / kernel")
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
         g = measure(binary, n, k, args.reps)
-        cells = "".join(f"{g[c]:>8.1f}" for c in ("read", "kernel", "panel1", "panel2", "panel4"))
-        print(f"  {shape:>11}{cells}  {g['panel1'] / g['kernel']:.2f}")
+        cells = "".join(f"{g[c]:>8.1f}" for c in names)
+        print(f"  {shape:>11}{cells}  {g['panel1'] / g['kernel']:>15.2f}  {g['rows4'] / g['kernel']:>14.2f}")
     sys.stdout.flush()
 
 

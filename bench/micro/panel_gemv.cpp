@@ -8,6 +8,8 @@
 //   panelP    the panel layout [N/16, K/2, 16, 2] (k pairs adjacent, what vdpbf16ps multiplies), P panels (16·P output
 //             columns, P streams) at a time, each with two accumulators (even and odd k pairs), no software prefetch
 //             (vLLM's micro-kernel has none): panel1, panel2 (vLLM's 32-column tile at one row), panel4
+//   rows4     static_moe's own one-row arithmetic with its weights stored in blocks of 4 rows interleaved by 32-k unit
+//             ([N/4, K/32, 4, 32]: the block's reads one contiguous stream), checked bitwise against the kernel
 // Every measurement is cold (twice the last-level cache rewritten before each run), one thread, the best of `reps`
 // rounds in which the contenders alternate. The panel kernels' outputs are checked against the kernel's (relative
 // 1e-2: they sum in another order). Output: "name N K value unit" lines. Usage: panel_gemv N K [reps=9]
@@ -34,6 +36,31 @@ std::vector<uint16_t> to_panels(const uint16_t* w, int64_t n, int64_t k) {
     for (int64_t j = 0; j < k / 2; ++j)
       for (int t = 0; t < 2; ++t) p[((r / 16) * (k / 2) + j) * 32 + (r % 16) * 2 + t] = w[r * k + 2 * j + t];
   return p;
+}
+
+// [N, K] bf16 → [N/4, K/32, 4, 32]: the 4 weight rows of a block of static_moe's one-row kernel, unit (32 k) by
+// unit, so the block's reads are one contiguous stream: Q[b][u][j][l] = W[4b + j][32u + l].
+std::vector<uint16_t> to_row_blocks(const uint16_t* w, int64_t n, int64_t k) {
+  std::vector<uint16_t> q(n * k);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < k; ++c) q[(((r / 4) * (k / 32) + c / 32) * 4 + r % 4) * 32 + c % 32] = w[r * k + c];
+  return q;
+}
+
+// static_moe's one-row bf16 arithmetic (one 16-lane accumulator per output through K in order, vdpbf16ps per 32-k
+// unit, _mm512_reduce_add_ps, round to bf16) over the row-block layout: the kernel's bits, one stream.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_block_gemv(const uint16_t* q, const uint16_t* a,
+                                                                           int64_t n, int64_t k, float* out) {
+  for (int64_t b = 0; b < n / 4; ++b) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const uint16_t* blk = q + b * k * 4;
+    for (int64_t u = 0; u < k / 32; ++u) {
+      const __m512bh av = (__m512bh)_mm512_loadu_si512(a + 32 * u);
+      for (int j = 0; j < 4; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], av, (__m512bh)_mm512_loadu_si512(blk + (u * 4 + j) * 32));
+    }
+    for (int j = 0; j < 4; ++j) out[4 * b + j] = _mm512_reduce_add_ps(acc[j]);
+  }
 }
 
 __attribute__((target("avx512f"))) float read_stream(const uint8_t* q, size_t bytes) {
@@ -89,6 +116,7 @@ int main(int argc, char** argv) {
   const Expert e = make_bf16(N, K, g);
   const ExpertWeight w = e.view(WeightFormat::Bf16);
   const std::vector<uint16_t> panels = to_panels(reinterpret_cast<const uint16_t*>(e.q.data()), N, K);
+  const std::vector<uint16_t> blocks = to_row_blocks(reinterpret_cast<const uint16_t*>(e.q.data()), N, K);
   Rows r(Isa::Avx512Bf16, WeightFormat::Bf16, 1, K, N, g);
   // The activation row as bf16 values: the prepared row holds them packed (is_bf16) or as floats.
   std::vector<uint16_t> x(K);
@@ -106,13 +134,17 @@ int main(int argc, char** argv) {
   }
   OutRows o;
   o.rows = r.optr.data();
-  std::vector<float> out1(N), out2(N), out4(N);
+  if (!r.is_bf16[0]) {
+    std::fprintf(stderr, "panel_gemv: expected the bf16-packed activation row of bf16 weights\n");
+    return 2;
+  }
+  std::vector<float> out1(N), out2(N), out4(N), outb(N);
   const size_t bytes = e.q.size();
   volatile float sink = 0;
-  const char* names[] = {"read", "kernel", "panel1", "panel2", "panel4"};
-  double best[5] = {1e30, 1e30, 1e30, 1e30, 1e30};
+  const char* names[] = {"read", "kernel", "panel1", "panel2", "panel4", "rows4"};
+  double best[6] = {1e30, 1e30, 1e30, 1e30, 1e30, 1e30};
   for (int round = 0; round < reps; ++round) {
-    for (int c = 0; c < 5; ++c) {
+    for (int c = 0; c < 6; ++c) {
       flush();
       const double t0 = now();
       switch (c) {
@@ -131,6 +163,9 @@ int main(int argc, char** argv) {
         case 4:
           panel_gemv<4>(panels.data(), x.data(), N, K, out4.data());
           break;
+        case 5:
+          row_block_gemv(blocks.data(), packed, N, K, outb.data());
+          break;
       }
       best[c] = std::min(best[c], now() - t0);
     }
@@ -145,7 +180,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "panel_gemv: the panel results differ from the kernel's by %.3g (relative)\n", worst);
     return 1;
   }
-  for (int c = 0; c < 5; ++c)
+  // The row blocks run the kernel's arithmetic: its bits (rounded to bf16 to nearest even, as it stores them).
+  for (int64_t i = 0; i < N; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &outb[i], 4);
+    if (static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16) != r.out[0][i]) {
+      std::fprintf(stderr, "panel_gemv: the row-block GEMV differs from the kernel at output %lld\n", (long long)i);
+      return 1;
+    }
+  }
+  for (int c = 0; c < 6; ++c)
     std::printf("%s %lld %lld %.2f GB/s\n", names[c], (long long)N, (long long)K, bytes / best[c] / 1e9);
   return 0;
 }
