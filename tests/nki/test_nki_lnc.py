@@ -99,6 +99,19 @@ def test_pack_and_unpack_rows_lnc2_bitwise(rows, capacity):
         _assert_split_hbm(cores, rec1, capacity > 1, f"unpack_rows R={capacity} span {off}")
 
 
+def test_profile_reports_the_whole_launch_at_lnc2():
+    """interpreter.profile of kernel[2]: HBM bytes, DMAs and instructions are both cores' (here those of the
+    single-core run, the shares being disjoint), and the roofline moves them at two cores' HBM share."""
+    parts = (torch.arange(300 * 64, dtype=torch.int32).reshape(300, 64),)
+    with interpreter.target("trn2"):
+        _, one = interpreter.profile(interpreter.jit(pack_rows)[1], parts, 384)
+        _, two = interpreter.profile(interpreter.jit(pack_rows)[2], parts, 384)
+    assert two["programs"] == 2 and one["programs"] == 1
+    assert (two["hbm_bytes"], two["dma_count"]) == (one["hbm_bytes"], one["dma_count"]) and one["hbm_bytes"] > 0
+    assert two["instructions"] == one["instructions"]
+    assert two["hbm_roofline_s"] == pytest.approx(one["hbm_roofline_s"] / 2)
+
+
 # ----------------------------------------------------------------------------------------------- swiglu
 # (R, I, out format, group, activation): one tile, two partitions per row (core 1 idles); two tiles; three (odd
 # split); two. Several partitions per row only ever come with one tile (the layout keeps ⌈R / 128⌉ tiles)

@@ -244,6 +244,10 @@ def profile(kernel, *args, model=None, ideal_hbm_bytes: int | None = None, **kwa
     and DMA times, ``bound``), the HBM roofline of the bytes the kernel moved (``hbm_roofline_s``) and, when
     ``ideal_hbm_bytes`` is given (the bytes the op must move at least), ``ideal_s`` and
     ``roofline_fraction = ideal_s / time_s``. Reusable by any kernel's benchmark.
+
+    LNC = 2 (``profile(kernel[2], ...)``): the counts of the summary (DMAs, HBM bytes, instructions) are the whole
+    launch's, both cores' records merged, and ``hbm_roofline_s`` moves those bytes at both cores' HBM share;
+    ``sbuf_peak_bytes`` / ``psum_peak_banks`` stay core 0's (they are per core).
     """
     from .cost import model_for
 
@@ -251,12 +255,13 @@ def profile(kernel, *args, model=None, ideal_hbm_bytes: int | None = None, **kwa
     info = last_run()
     model = model or model_for(info.target)
     est = model.estimate_programs(info.programs)  # LNC = 2 (kernel[2]): both cores, barrier by barrier
+    launch = functools.reduce(lambda a, b: a.merged(b), info.programs) if len(info.programs) > 1 else info.cost
     report = {
-        **info.cost.summary(),
+        **launch.summary(),
         **est,
         "sbuf_peak_bytes": info.sbuf_peak_bytes,
         "psum_peak_banks": info.psum_peak_banks,
-        "hbm_roofline_s": model.hbm_roofline(info.cost.hbm_bytes),
+        "hbm_roofline_s": model.hbm_roofline(launch.hbm_bytes) / est["programs"],
         "target": info.target,
     }
     if ideal_hbm_bytes is not None:
