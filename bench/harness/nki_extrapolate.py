@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 
-ENGINES = ("tensor", "vector", "scalar", "gpsimd", "sync")  # nki_interpreter.cost.ENGINES
-COMPONENTS = tuple(f"{e}_s" for e in ENGINES) + ("dma_s", "hbm_s", "dge_s", "loop_s")  # cost.COMPONENTS
+from nki_interpreter.cost import COMPONENTS, ENGINES  # noqa: F401  (COMPONENTS: the names estimate() returns)
+
 FEATURES = tuple(f"{e}_s" for e in ENGINES) + (
     "dma_data_s",
     "dma_count",
