@@ -137,8 +137,8 @@ class FamilyResult:
     fp8_diff: float | None = None
     fp8_vs_bf16: float | None = None
     tokens_equal: bool | None = None
-    # Set where the plain comparison missed TOLERANCE and the eager run's routing was replayed: how many of the
-    # static_moe run's top-k selections (token, slot) had flipped (always > 0 when set; see run_family).
+    # Set where the plain comparison missed TOLERANCE and the eager run's routing was replayed: how many replayed
+    # (token, expert) selections the static_moe run's own router had not made (always > 0 when set; run_family).
     routing_flips: int | None = None
 
 
