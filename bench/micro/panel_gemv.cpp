@@ -24,6 +24,7 @@
 #include <random>
 #include <vector>
 
+#include "cpu/kernels/cast.h"
 #include "cpu/kernels/expert_gemm.h"
 #include "micro_inputs.h"
 
@@ -95,13 +96,6 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void panel_gemv(const uin
   }
 }
 
-float bf16_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -118,26 +112,15 @@ int main(int argc, char** argv) {
   const std::vector<uint16_t> panels = to_panels(reinterpret_cast<const uint16_t*>(e.q.data()), N, K);
   const std::vector<uint16_t> blocks = to_row_blocks(reinterpret_cast<const uint16_t*>(e.q.data()), N, K);
   Rows r(Isa::Avx512Bf16, WeightFormat::Bf16, 1, K, N, g);
-  // The activation row as bf16 values: the prepared row holds them packed (is_bf16) or as floats.
-  std::vector<uint16_t> x(K);
-  const uint16_t* packed = reinterpret_cast<const uint16_t*>(r.ptr[0]);
-  for (int64_t i = 0; i < K; ++i) {
-    float f;
-    if (r.is_bf16[0]) {
-      x[i] = packed[i];
-    } else {
-      f = r.ptr[0][i];
-      uint32_t u;
-      std::memcpy(&u, &f, 4);
-      x[i] = static_cast<uint16_t>(u >> 16);
-    }
-  }
-  OutRows o;
-  o.rows = r.optr.data();
+  // bf16 weights take the activation row as bf16 values packed in the prepared row (is_bf16): the panels read it
+  // too.
   if (!r.is_bf16[0]) {
     std::fprintf(stderr, "panel_gemv: expected the bf16-packed activation row of bf16 weights\n");
     return 2;
   }
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(r.ptr[0]);
+  OutRows o;
+  o.rows = r.optr.data();
   std::vector<float> out1(N), out2(N), out4(N), outb(N);
   const size_t bytes = e.q.size();
   volatile float sink = 0;
@@ -155,16 +138,16 @@ int main(int argc, char** argv) {
           expert_gemm_rows(Isa::Avx512Bf16, r.ptr.data(), r.is_bf16.data(), 1, w, 0, N, o);
           break;
         case 2:
-          panel_gemv<1>(panels.data(), x.data(), N, K, out1.data());
+          panel_gemv<1>(panels.data(), x, N, K, out1.data());
           break;
         case 3:
-          panel_gemv<2>(panels.data(), x.data(), N, K, out2.data());
+          panel_gemv<2>(panels.data(), x, N, K, out2.data());
           break;
         case 4:
-          panel_gemv<4>(panels.data(), x.data(), N, K, out4.data());
+          panel_gemv<4>(panels.data(), x, N, K, out4.data());
           break;
         case 5:
-          row_block_gemv(blocks.data(), packed, N, K, outb.data());
+          row_block_gemv(blocks.data(), x, N, K, outb.data());
           break;
       }
       best[c] = std::min(best[c], now() - t0);
@@ -180,11 +163,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "panel_gemv: the panel results differ from the kernel's by %.3g (relative)\n", worst);
     return 1;
   }
-  // The row blocks run the kernel's arithmetic: its bits (rounded to bf16 to nearest even, as it stores them).
+  // The row blocks run the kernel's arithmetic: its bits (rounded to bf16 by the kernel's own float_to_bf16).
   for (int64_t i = 0; i < N; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &outb[i], 4);
-    if (static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16) != r.out[0][i]) {
+    if (float_to_bf16(outb[i]) != r.out[0][i]) {
       std::fprintf(stderr, "panel_gemv: the row-block GEMV differs from the kernel at output %lld\n", (long long)i);
       return 1;
     }
