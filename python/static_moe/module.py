@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import host_memory
 from . import workspace as _workspace
 from .activations import DEFAULT_ALPHA, check_activation
 from .expert_parallel import choose_dispatch
@@ -480,7 +481,8 @@ def _init_weights(module: nn.Module, num_local, hidden, inter, fmt, device) -> N
             eoi[name] = None
             continue
         dtype = _SCALE_DTYPE[fmt] if name.endswith("_scale") else _WEIGHT_DTYPE[fmt]
-        t = torch.zeros(shape, dtype=dtype, device=device)
+        # On the CPU, in memory advised for huge pages: the weights stream from DRAM once per step (host_memory).
+        t = host_memory.zeros(shape, dtype, device)
         if name.endswith("_scale") and fmt == "fp8":
             t.fill_(1.0)
         eoi[name] = t
