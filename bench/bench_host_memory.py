@@ -77,6 +77,7 @@ def bench(name, dims, experts, rows, formats, iters, rounds) -> list[dict]:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=["qwen3_30b_a3b", "v4_flash", "v3"], choices=sorted(MODEL_SHAPES))
+    p.add_argument("--dims", nargs=3, type=int, metavar=("H", "I", "TOPK"), help="one custom shape instead")
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4])
     p.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     p.add_argument("--experts", type=int, default=8)
@@ -85,9 +86,11 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, CPU time per call")
     results = []
-    for name in args.shapes:
-        s = MODEL_SHAPES[name]
-        dims = (s.hidden, s.intermediate, s.topk)
+    if args.dims:
+        shapes = {"custom": tuple(args.dims)}
+    else:
+        shapes = {n: (MODEL_SHAPES[n].hidden, MODEL_SHAPES[n].intermediate, MODEL_SHAPES[n].topk) for n in args.shapes}
+    for name, dims in shapes.items():
         for r in bench(name, dims, args.experts, args.rows, args.formats, args.iters, args.rounds):
             results.append(r)
             print(

@@ -465,3 +465,14 @@ def test_profile_end_to_end(tmp_path):
     kernel = re.search(r"expert-GEMM kernels\s+([0-9.]+) %", out.stdout)
     assert kernel and float(kernel[1]) > 50, out.stdout
     assert "by instruction class" in out.stdout, out.stdout
+
+
+def test_host_memory_bench_runs_both_memories(bench_modules):
+    """bench_host_memory on one small shape: both layers run, give the same bits, and the advised one is in huge-page
+    memory wherever this kernel takes the advice."""
+    from static_moe import host_memory
+
+    mod = importlib.import_module("bench_host_memory")
+    (r,) = mod.main(["--dims", "2048", "256", "2", "--rows", "2", "--formats", "bf16", "--iters", "1", "--rounds", "1"])
+    assert r["same_bits"] and r["advised_us"] > 0 and r["plain_us"] > 0
+    assert r["advised"] == (host_memory._advised_mapping(host_memory.MIN_ADVISED_BYTES) is not None)
