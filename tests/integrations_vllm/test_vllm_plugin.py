@@ -52,7 +52,8 @@ def test_bf16_greedy_tokens_equal_vllm_cpu_moe(runs):
     ours, theirs = runs
     assert "error" not in ours["bf16"], ours["bf16"]
     assert ours["bf16"]["stats"]["layers"] == 2 and ours["bf16"]["stats"]["calls"] > 0  # static_moe computed them
-    assert theirs["bf16"]["stats"] == {"layers": 0, "calls": 0, "rows": 0}  # vLLM's own kernels
+    assert ours["bf16"]["stats"]["shared_weights"] == 4  # each layer's w13 and w2 held once
+    assert theirs["bf16"]["stats"] == {"layers": 0, "calls": 0, "rows": 0, "shared_weights": 0}  # vLLM's kernels
     assert ours["bf16"]["tokens"] == theirs["bf16"]["tokens"]
 
 
@@ -60,6 +61,7 @@ def test_fp8_block_weights_greedy_tokens_equal_dequantized_model(runs):
     ours, theirs = runs
     assert "error" not in ours["fp8"], ours["fp8"]
     assert ours["fp8"]["stats"]["layers"] == 2 and ours["fp8"]["stats"]["calls"] > 0
+    assert ours["fp8"]["stats"]["shared_weights"] == 4
     assert ours["fp8"]["tokens"] == theirs["fp8-dequantized"]["tokens"]
 
 

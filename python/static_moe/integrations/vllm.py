@@ -13,7 +13,10 @@ checkpoints load exactly as in vLLM) and the scheduler — and replaces two step
   [E, 2I, H] (gate rows, then up rows) and ``w2_weight`` [E, H, I] are copied into a :class:`StaticMoE` layer:
   bf16 as they are; fp8 (``quant_method: fp8`` with ``weight_block_size: [128, 128]``) with the 128×128 block
   scales ``w13_weight_scale_inv`` [E, 2I/128, H/128] expanded to static_moe's 1×128 scales [E, 2I, H/128]
-  (a repeat along the output rows: exact, every weight keeps its value q · s).
+  (a repeat along the output rows: exact, every weight keeps its value q · s). vLLM's ``w13_weight`` and
+  ``w2_weight`` parameters are then pointed at the StaticMoE layer's tensors (same shape, dtype and bytes), so the
+  model holds the experts once, in the layer's huge-page memory (static_moe.host_memory); a weight reload writes
+  through them and this step copies them in place again.
 * ``forward_modular(x [T, H] bf16, topk_weights [T, k] float32, topk_ids [T, k] int32)``: the router's output
   goes to ``torch.ops.static_moe.forward`` in chunks of ``capacity`` rows (``STATIC_MOE_VLLM_CAPACITY``,
   default 128), on CPU.
@@ -37,7 +40,7 @@ ENV_CAPACITY = "STATIC_MOE_VLLM_CAPACITY"
 DEFAULT_CAPACITY = 128
 
 # What the plugin did in this process (tests read it to prove the engine ran static_moe, not vLLM's kernels).
-STATS = {"layers": 0, "calls": 0, "rows": 0}
+STATS = {"layers": 0, "calls": 0, "rows": 0, "shared_weights": 0}
 
 
 class UnsupportedVllmLayer(ValueError):
@@ -168,6 +171,19 @@ def _convert(layer):
     return moe
 
 
+def _share_weights(layer, moe) -> int:
+    """Point ``layer``'s ``w13_weight`` / ``w2_weight`` at ``moe``'s copies of them, so that the experts are held
+    once (the two are the same EOI tensors: [E, 2I, H] / [E, H, I], bf16 or e4m3fn). vLLM's own scales stay its
+    own (``moe`` holds them expanded). Returns how many parameters now share ``moe``'s memory."""
+    shared = 0
+    for theirs, ours in (("w13_weight", "w13"), ("w2_weight", "w2")):
+        p, t = getattr(layer, theirs), getattr(moe, ours)
+        if p.shape == t.shape and p.dtype == t.dtype and p.device == t.device:
+            p.data = t.data
+            shared += p.data_ptr() == t.data_ptr()
+    return shared
+
+
 def _experts_class():
     """StaticMoeRoutedExperts, defined when vLLM is importable (this module imports without vLLM)."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -194,7 +210,9 @@ def _experts_class():
             old = self.__dict__.get("_static_moe")
             if old is not None:
                 old.close()
-            self.__dict__["_static_moe"] = _convert(self)
+            moe = _convert(self)
+            self.__dict__["_static_moe"] = moe
+            STATS["shared_weights"] += _share_weights(self, moe)
             STATS["layers"] += 1
 
         def forward_modular(
