@@ -8,12 +8,13 @@ arithmetic over its weights stored in blocks of 4 rows interleaved by 32-k unit 
 result, checked), cold, one thread, and the ratios to the kernel (docs/vllm.md quotes them). The panel kernels sum in another order than static_moe's (their
 results are checked to bf16 rounding), so they measure the layout, not a drop-in replacement.
 
-    .venv/bin/python bench/bench_panel_gemv.py [--shapes 2048x768 1536x2048 4096x4096] [--reps 9]
+    .venv/bin/python bench/bench_panel_gemv.py [--shapes 2048x768 1536x2048 4096x4096] [--reps 9] [--huge-pages]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +36,13 @@ def build(out_dir: Path) -> Path:
     return binary
 
 
-def measure(binary: Path, n: int, k: int, reps: int) -> dict[str, float]:
-    """{contender: weight GB/s} for one [n, k] expert matrix."""
-    out = subprocess.run([str(binary), str(n), str(k), str(reps)], check=True, capture_output=True, text=True)
+def measure(binary: Path, n: int, k: int, reps: int, huge_pages: bool = False) -> dict[str, float]:
+    """{contender: weight GB/s} for one [n, k] expert matrix; huge_pages: glibc's malloc advises its large blocks
+    for transparent huge pages (GLIBC_TUNABLES glibc.malloc.hugetlb=1, glibc >= 2.35), as StaticMoE's weights are
+    (static_moe.host_memory)."""
+    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.hugetlb=1") if huge_pages else None
+    cmd = [str(binary), str(n), str(k), str(reps)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return {name: float(value) for name, _, _, value, _ in (line.split() for line in out.stdout.splitlines())}
 
 
@@ -47,18 +52,20 @@ def main(argv=None) -> None:
     )
     p.add_argument("--shapes", nargs="+", default=["2048x768", "1536x2048", "4096x4096"], help="NxK of the weight")
     p.add_argument("--reps", type=int, default=9, help="alternating rounds; each contender keeps its best")
+    p.add_argument("--huge-pages", action="store_true", help="weights in transparent huge pages (glibc tunable)")
     args = p.parse_args(argv)
     missing = {"avx512f", "avx512bw", "avx512_bf16"} - cpu_flags()
     if missing:
         print(f"bench_panel_gemv: this CPU lacks {sorted(missing)}; the panel kernels need AVX-512 BF16")
         return
     binary = build(ROOT / "build" / "micro")
-    print(f"one-row bf16 GEMV, weights cold, one thread, best of {args.reps} alternating rounds (GB/s of weights)")
+    pages = "huge pages" if args.huge_pages else "4 KiB pages"
+    print(f"one-row bf16 GEMV, weights cold in {pages}, one thread, best of {args.reps} alternating rounds (GB/s)")
     names = ("read", "kernel", "panel1", "panel2", "panel4", "rows4")
     print(f"  {'N x K':>11}" + "".join(f"{c:>8}" for c in names) + "  panel1 / kernel  rows4 / kernel")
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
-        g = measure(binary, n, k, args.reps)
+        g = measure(binary, n, k, args.reps, args.huge_pages)
         cells = "".join(f"{g[c]:>8.1f}" for c in names)
         print(f"  {shape:>11}{cells}  {g['panel1'] / g['kernel']:>15.2f}  {g['rows4'] / g['kernel']:>14.2f}")
     sys.stdout.flush()
