@@ -16,7 +16,9 @@ Each round times every contender once (the median of ``--iters`` calls), ``--rou
 best round: drift in a shared host hits all of them. Prints the wall and CPU times (the process's CPU time leaves
 out what a loaded host's scheduler gives to others), vLLM's best time / static_moe's default (> 1: static_moe is
 faster, wall and CPU), calc_diff against static_moe's default, and the weight bytes each call streams over
-its CPU time (GB/cpu-s) beside a torch copy's bandwidth measured in the same run.
+its CPU time (GB/cpu-s) beside a torch copy's bandwidth measured in the same run. StaticMoE holds its weights in
+huge pages where it can (static_moe.host_memory; a row says "ours in huge pages"); vLLM's are in torch's memory
+unless the process sets THP_MEM_ALLOC_ENABLE=1.
 
 Needs the vLLM venv (``make venv-vllm``):
 
@@ -38,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from static_moe import StaticMoE
+from static_moe import StaticMoE, host_memory
 from static_moe.formats import expand_block_scales
 from static_moe.testing.generators import MODEL_SHAPES
 
@@ -187,6 +189,7 @@ def bench_shape(
         for t, (x, ids, wts) in inputs.items():
             streamed = per_expert * int(torch.unique(ids).numel())
             res = {"shape": name, "format": fmt, "rows": t, "experts": experts, "top_k": k, "bytes": streamed}
+            res["ours_huge_pages"] = host_memory.is_advised(moe.w13)  # StaticMoE's own memory (host_memory)
             want = fns["ours"](x, ids, wts)
             for n, fn in fns.items():
                 res[f"diff_{n}"] = calc_diff(fn(x, ids, wts).float(), want.float())
@@ -240,7 +243,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for n in r["contenders"]
             )
             ratios = f"vLLM/ours {r['ratio']:5.2f} (cpu {r['ratio_cpu']:5.2f})"
-            print(f"{r['shape']:>14} {r['format']:>4} rows {r['rows']:3d}  {ratios}  {cols}")
+            pages = "  (ours in huge pages)" if r["ours_huge_pages"] else ""
+            print(f"{r['shape']:>14} {r['format']:>4} rows {r['rows']:3d}  {ratios}  {cols}{pages}")
     wall, cpu = copy_gbps(copy_bytes)
     print(f"torch copy {wall:.1f} GB/s (cpu {cpu:.1f}) (read + write), load average {os.getloadavg()[0]:.1f}")
     return results
