@@ -16,7 +16,7 @@ checkpoints load exactly as in vLLM) and the scheduler — and replaces two step
   (a repeat along the output rows: exact, every weight keeps its value q · s). vLLM's ``w13_weight`` and
   ``w2_weight`` parameters are then pointed at the StaticMoE layer's tensors (same shape, dtype and bytes), so the
   model holds the experts once, in the layer's huge-page memory (static_moe.host_memory); a weight reload writes
-  through them and this step copies them in place again.
+  through them into that layer, and this step then builds a new layer from them (the old one is closed).
 * ``forward_modular(x [T, H] bf16, topk_weights [T, k] float32, topk_ids [T, k] int32)``: the router's output
   goes to ``torch.ops.static_moe.forward`` in chunks of ``capacity`` rows (``STATIC_MOE_VLLM_CAPACITY``,
   default 128), on CPU.
