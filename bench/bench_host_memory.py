@@ -16,10 +16,9 @@ import argparse
 import os
 
 import torch
-from bench_vllm_peer import _median_cpu_s, quantize_fp8_blocks
+from bench_vllm_peer import _median_cpu_s, layer_inputs, model_shapes, static_moe_weights
 
 from static_moe import StaticMoE, host_memory
-from static_moe.formats import expand_block_scales
 from static_moe.testing.generators import MODEL_SHAPES
 
 
@@ -38,25 +37,12 @@ def _layer(fmt, h, i, experts, k, cap, weights, advised: bool) -> StaticMoE:
 def bench(name, dims, experts, rows, formats, iters, rounds) -> list[dict]:
     h, i, topk = dims
     k = min(topk, experts)
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(experts, 2 * i, h, generator=g) * h**-0.5
-    w2 = torch.randn(experts, h, i, generator=g) * i**-0.5
+    w13, w2, inputs = layer_inputs(dims, experts, rows)
     out = []
     for fmt in formats:
-        if fmt == "bf16":
-            weights = (w13.bfloat16(), None, w2.bfloat16(), None)
-            per_expert = 3 * h * i * 2
-        else:
-            q13, s13 = quantize_fp8_blocks(w13)
-            q2, s2 = quantize_fp8_blocks(w2)
-            weights = (q13, expand_block_scales(s13, 2 * i), q2, expand_block_scales(s2, h))
-            per_expert = 3 * h * i + 4 * (s13[0].numel() + s2[0].numel())
+        weights, _, per_expert = static_moe_weights(fmt, w13, w2)
         layers = {a: _layer(fmt, h, i, experts, k, max(rows), weights, a) for a in (True, False)}
-        for t in rows:
-            x = torch.randn(t, h, generator=g).bfloat16()
-            ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)]).to(torch.int32)
-            wts = torch.rand(t, k, generator=g).float()
-            wts = wts / wts.sum(-1, keepdim=True)
+        for t, (x, ids, wts) in inputs.items():
             same = torch.equal(layers[True](x, ids, wts), layers[False](x, ids, wts))
             best = {a: float("inf") for a in layers}
             for _ in range(rounds):
@@ -86,10 +72,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, CPU time per call")
     results = []
-    if args.dims:
-        shapes = {"custom": tuple(args.dims)}
-    else:
-        shapes = {n: (MODEL_SHAPES[n].hidden, MODEL_SHAPES[n].intermediate, MODEL_SHAPES[n].topk) for n in args.shapes}
+    shapes = model_shapes(args)
     for name, dims in shapes.items():
         for r in bench(name, dims, args.experts, args.rows, args.formats, args.iters, args.rounds):
             results.append(r)

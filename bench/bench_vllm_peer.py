@@ -94,6 +94,43 @@ def quantize_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def layer_inputs(dims, experts: int, rows: list[int]):
+    """The float weights w13 [E, 2I, H], w2 [E, H, I] and {T: (x [T, H] bf16, ids [T, k] int32, weights [T, k]
+    float32 summing to 1)} of one shape, k = min(top-k, experts) distinct experts per row, from seed 0."""
+    h, i, topk = dims
+    k = min(topk, experts)
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(experts, 2 * i, h, generator=g) * h**-0.5
+    w2 = torch.randn(experts, h, i, generator=g) * i**-0.5
+    inputs = {}
+    for t in rows:
+        x = torch.randn(t, h, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+        wts = torch.rand(t, k, generator=g).float()
+        inputs[t] = (x, ids, wts / wts.sum(-1, keepdim=True))
+    return w13, w2, inputs
+
+
+def static_moe_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor):
+    """``(weights, block_scales, per_expert)`` for float w13 [E, 2I, H], w2 [E, H, I]: StaticMoE's (w13,
+    w13_scale, w2, w2_scale) in ``fmt``; for fp8 the 128×128 block scales (s13, s2) vLLM takes (None for bf16); the
+    weight bytes one expert streams."""
+    two_i, h = w13.shape[1], w13.shape[2]
+    if fmt == "bf16":
+        return (w13.bfloat16(), None, w2.bfloat16(), None), None, 3 * h * two_i
+    q13, s13 = quantize_fp8_blocks(w13)
+    q2, s2 = quantize_fp8_blocks(w2)
+    weights = (q13, expand_block_scales(s13, two_i), q2, expand_block_scales(s2, h))
+    return weights, (s13, s2), 3 * h * two_i // 2 + 4 * (s13[0].numel() + s2[0].numel())
+
+
+def model_shapes(args) -> dict[str, tuple[int, int, int]]:
+    """{name: (H, I, top-k)}: ``--dims`` as "custom", else the ``--shapes`` of MODEL_SHAPES."""
+    if args.dims:
+        return {"custom": tuple(args.dims)}
+    return {n: (MODEL_SHAPES[n].hidden, MODEL_SHAPES[n].intermediate, MODEL_SHAPES[n].topk) for n in args.shapes}
+
+
 class _OursWithIsa:
     """``moe(x, ids, wts)`` with STATIC_MOE_CPU_ISA set to ``isa`` for the call (None: unset, the default)."""
 
@@ -123,11 +160,11 @@ def _contenders(fmt: str, w13: torch.Tensor, w2: torch.Tensor, h: int, i: int, e
 
     amx = _has_amx()
     moe = StaticMoE(h, i, experts, k, cap, weight_format=fmt)
+    weights, block_scales, per_expert = static_moe_weights(fmt, w13, w2)
+    moe.set_expert_weights(*weights)
     found = {}
     if fmt == "bf16":
-        w13b, w2b = w13.bfloat16(), w2.bfloat16()
-        moe.set_expert_weights(w13b, None, w2b, None)
-        per_expert = 3 * h * i * 2
+        w13b, w2b = weights[0], weights[2]
         for isa in ["vec"] + (["amx"] if amx else []):
             p13, p2 = vops.cpu_prepack_moe_weight(w13b, isa), vops.cpu_prepack_moe_weight(w2b, isa)
 
@@ -137,12 +174,9 @@ def _contenders(fmt: str, w13: torch.Tensor, w2: torch.Tensor, h: int, i: int, e
                 return y
 
             found[f"vllm_{isa}"] = theirs
-        del w13b, w2b
     else:
-        q13, s13 = quantize_fp8_blocks(w13)
-        q2, s2 = quantize_fp8_blocks(w2)
-        moe.set_expert_weights(q13, expand_block_scales(s13, 2 * i), q2, expand_block_scales(s2, h))
-        per_expert = 3 * h * i + 4 * (s13[0].numel() + s2[0].numel())
+        q13, q2 = weights[0], weights[2]
+        s13, s2 = block_scales
         if amx:  # vLLM's CPUExpertsFp8 exists only on AMX hosts (its _supports_current_device)
             p13, p2 = torch.ops._C.convert_weight_packed(q13), torch.ops._C.convert_weight_packed(q2)
 
@@ -174,15 +208,7 @@ def bench_shape(
     ``diff_{name}`` against ``ours``, and ``ratio`` = the fastest vLLM kernel's time / ours."""
     h, i, topk = dims
     k = min(topk, experts)
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(experts, 2 * i, h, generator=g) * h**-0.5
-    w2 = torch.randn(experts, h, i, generator=g) * i**-0.5
-    inputs = {}
-    for t in rows:
-        x = torch.randn(t, h, generator=g).bfloat16()
-        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)]).to(torch.int32)
-        wts = torch.rand(t, k, generator=g).float()
-        inputs[t] = (x, ids, wts / wts.sum(-1, keepdim=True))
+    w13, w2, inputs = layer_inputs(dims, experts, rows)
     out = []
     for fmt in formats:
         moe, fns, per_expert = _contenders(fmt, w13, w2, h, i, experts, k, max(rows))
@@ -224,10 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--copy-mib", type=int, default=256, help="size of the torch copy that measures bandwidth")
     args = p.parse_args(argv)
-    if args.dims:
-        shapes = {"custom": tuple(args.dims)}
-    else:
-        shapes = {n: (MODEL_SHAPES[n].hidden, MODEL_SHAPES[n].intermediate, MODEL_SHAPES[n].topk) for n in args.shapes}
+    shapes = model_shapes(args)
     load = os.getloadavg()[0]
     print(f"threads {torch.get_num_threads()}, AMX {_has_amx()}, load average {load:.1f}")
     copy_bytes = args.copy_mib << 20
