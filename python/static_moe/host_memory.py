@@ -43,6 +43,16 @@ def _advised_mapping(nbytes: int) -> mmap.mmap | None:
     return m
 
 
+def advice_available() -> bool:
+    """Whether this host can advise a mapping for huge pages (Linux with transparent huge pages built in), i.e.
+    whether :func:`zeros` gives large CPU tensors their own advised mapping."""
+    m = _advised_mapping(MIN_ADVISED_BYTES)
+    if m is None:
+        return False
+    m.close()
+    return True
+
+
 def zeros(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype, device=device)``; on the CPU, from ``MIN_ADVISED_BYTES`` up, in its own
     anonymous mapping advised for huge pages (module doc). The tensor owns the mapping (unmapped when the last

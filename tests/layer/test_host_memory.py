@@ -16,16 +16,8 @@ from static_moe.testing.generators import make_routing
 MIN = host_memory.MIN_ADVISED_BYTES
 
 
-def _advice_available() -> bool:
-    m = host_memory._advised_mapping(MIN)
-    if m is None:
-        return False
-    m.close()
-    return True
-
-
 needs_advice = pytest.mark.skipif(
-    not _advice_available(), reason="no madvise(MADV_HUGEPAGE) here (not Linux, or a kernel without THP)"
+    not host_memory.advice_available(), reason="no madvise(MADV_HUGEPAGE) here (not Linux, or a kernel without THP)"
 )
 
 

@@ -475,4 +475,4 @@ def test_host_memory_bench_runs_both_memories(bench_modules):
     mod = importlib.import_module("bench_host_memory")
     (r,) = mod.main(["--dims", "2048", "256", "2", "--rows", "2", "--formats", "bf16", "--iters", "1", "--rounds", "1"])
     assert r["same_bits"] and r["advised_us"] > 0 and r["plain_us"] > 0
-    assert r["advised"] == (host_memory._advised_mapping(host_memory.MIN_ADVISED_BYTES) is not None)
+    assert r["advised"] == host_memory.advice_available()
