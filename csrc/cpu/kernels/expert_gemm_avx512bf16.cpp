@@ -384,14 +384,17 @@ inline void dot_any_block(const uint16_t* const* a, int64_t i0, const ExpertWeig
   }
 }
 
-// Blocks of MR rows, then one block of the m % MR rows left.
+// Blocks of MR rows, then one block of the m % MR rows left. Every block asks for the next weight rows' lines, not
+// only the first (docs/backends/cpu.md has the times): a request for a line already on its way costs little,
+// and a line whose first request the core dropped (a software prefetch is only a hint) is asked for again
+// before the next weight rows' first block needs it.
 template <WeightFormat F, int NR, int MR, bool Pow2>
 void dot_row_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                     bool prefetch, uint32_t& bad) {
   int64_t i = 0;
-  for (; i + MR <= m; i += MR) dot_any_block<F, MR, NR, Pow2>(a, i, w, n, out, prefetch && i == 0, bad);
+  for (; i + MR <= m; i += MR) dot_any_block<F, MR, NR, Pow2>(a, i, w, n, out, prefetch, bad);
   with_rows<MR - 1>(static_cast<int>(m - i), [&](auto rows_c) {
-    dot_any_block<F, decltype(rows_c)::value, NR, Pow2>(a, i, w, n, out, prefetch && i == 0, bad);
+    dot_any_block<F, decltype(rows_c)::value, NR, Pow2>(a, i, w, n, out, prefetch, bad);
   });
 }
 
