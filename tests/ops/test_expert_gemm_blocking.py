@@ -80,6 +80,35 @@ def test_rows_past_one_tile_pass(cpu_isa, wf, kind, rng):
         assert_equal(one[0], full[r], f"{cpu_isa} {wf}: row {r} alone")
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("act,wf,kind", CASES, ids=[f"{a}x{w}" + (f"_{c}" if c else "") for a, w, c in CASES])
+def test_each_weight_row_alone_matches_its_block(cpu_isa, act, wf, kind, rows, bias, rng):
+    """A weight row computed alone (N = 1: the narrowest block, one horizontal sum at a time) gives the bits it gets
+    among 24 (blocks of 4 or 6 weight rows, whose outputs avx512bf16 sums and rounds four at a time): the
+    horizontal sum, the bias and the bf16 rounding of a column never depend on the columns beside it. Rows 1
+    (the one-row path), 5 (one block) and 16 (several blocks, or the panel); with bf16 activations some outputs
+    overflow to inf and one row holds a NaN, so the rounding's special cases run in both forms."""
+    n, k = 24, 256
+    x = torch.randn(rows, k, generator=rng)
+    if act == "bf16":  # fp8 activations refuse inf and NaN (quantize_activation)
+        x[0, :4] = 3e38  # sums that overflow in fp32
+        if rows > 1:
+            x[1, 7] = float("nan")
+    a, a_s = (x.to(torch.bfloat16), None) if act == "bf16" else quantize_activation(x, 128, pow2_scale=True)
+    b, b_s = random_weight(1, n, k, wf, rng, kind or "pow2")
+    bias_t = torch.randn(1, n, generator=rng) if bias else None
+    mask = torch.ones(rows, dtype=torch.bool)
+    full = static_moe.expert_gemm(a, a_s, b, b_s, mask, 0, bias=bias_t)
+    for j in range(n):
+        one = static_moe.expert_gemm(
+            a, a_s, b[:, j : j + 1], None if b_s is None else b_s[:, j : j + 1], mask, 0,
+            bias=None if bias_t is None else bias_t[:, j : j + 1],
+        )  # fmt: skip
+        column = full[:, j : j + 1].clone(memory_format=torch.contiguous_format)
+        assert_equal(one, column, f"{cpu_isa} {act}x{wf} {rows} rows: weight row {j} alone")
+
+
 def test_fp8_weight_rows_take_their_own_path(cpu_isa, rng):
     """Each fp8 weight row's own scales choose its path (avx512bf16: powers of two the pow2 path, one running sum
     over K; others the fold path, a sum per 128-k block), never its neighbours': alone (blocks of 4 weight rows)
