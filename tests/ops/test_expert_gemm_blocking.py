@@ -84,15 +84,16 @@ def test_rows_past_one_tile_pass(cpu_isa, wf, kind, rng):
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("act,wf,kind", CASES, ids=[f"{a}x{w}" + (f"_{c}" if c else "") for a, w, c in CASES])
 def test_each_weight_row_alone_matches_its_block(cpu_isa, act, wf, kind, rows, bias, rng):
-    """A weight row computed alone (N = 1: the narrowest block, one horizontal sum at a time) gives the bits it gets
-    among 24 (blocks of 4 or 6 weight rows, whose outputs avx512bf16 sums and rounds four at a time): the
-    horizontal sum, the bias and the bf16 rounding of a column never depend on the columns beside it. Rows 1
-    (the one-row path), 5 (one block) and 16 (several blocks, or the panel); with bf16 activations some outputs
-    overflow to inf and one row holds a NaN, so the rounding's special cases run in both forms."""
+    """A weight row computed alone (N = 1: the narrowest block) gives the bits it gets among 24 (blocks of 2-8
+    weight rows, and the panels' 6): the horizontal sum, the bias and the bf16 rounding of a column never depend on
+    the columns beside it, which a kernel that sums or rounds several outputs at once must keep. Rows 1 (the
+    one-row path), 5 (one block) and 16 (several blocks, or the panel); with bf16 activations the first row
+    (3e38 everywhere) overflows to inf in some columns and the second holds a NaN, so the rounding's special cases
+    run too."""
     n, k = 24, 256
     x = torch.randn(rows, k, generator=rng)
     if act == "bf16":  # fp8 activations refuse inf and NaN (quantize_activation)
-        x[0, :4] = 3e38  # sums that overflow in fp32
+        x[0] = 3e38  # sums that overflow in fp32 in some columns
         if rows > 1:
             x[1, 7] = float("nan")
     a, a_s = (x.to(torch.bfloat16), None) if act == "bf16" else quantize_activation(x, 128, pow2_scale=True)
