@@ -214,6 +214,8 @@ struct GemmKernels {
 
   // NR weight rows from n for all m rows: blocks of MR rows, each decoding the NR rows' units again (from L1). On
   // RowPath::Panel (panel_rows below: one decode per chunk) only the column tails narrower than kPanelNR come here.
+  // Only the first block asks for the next rows: every block asking, as avx512bf16's dot_row_blocks does, measured
+  // the same here (docs/backends/cpu.md), the fp32 products being slower than the weight stream.
   template <WeightFormat F, int NR>
   static void row_blocks(const float* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                          bool prefetch, uint32_t& bad) {
