@@ -9,6 +9,7 @@ one --isa names.
     .venv/bin/python bench/bench_kernel_ab.py --rev HEAD~1                   # one core, weights in L3 (N = K = 4096)
     .venv/bin/python bench/bench_kernel_ab.py --rev 213f471 --threads 2 --cold  # two cores, weights from DRAM
     .venv/bin/python bench/bench_kernel_ab.py --rev HEAD --n 64                # one core, weights in L2
+    .venv/bin/python bench/bench_kernel_ab.py --rev HEAD --n 2048 --k 768 --stream  # a layer's stream of experts
     .venv/bin/python bench/bench_kernel_ab.py --rev HEAD --isa avx512          # the fp32-FMA path
 
 The other revision must share this tree's ExpertWeight and OutRows layout (csrc/cpu/kernels/expert_gemm.h).
@@ -98,6 +99,12 @@ def main(argv=None) -> None:
         action="store_true",
         help="rewrite twice the L3 (at least 128 MiB) before every call: weights from DRAM",
     )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="cycle each call through distinct experts filling 256 MiB, no flush: weights from DRAM as in a "
+        "layer (a flush's dirty lines cost small GEMMs write-backs a layer does not pay)",
+    )
     p.add_argument("--rounds", type=int, default=10, help="alternations; each build keeps its best")
     p.add_argument(
         "--isa",
@@ -119,7 +126,7 @@ def main(argv=None) -> None:
             str(args.n),
             str(args.k),
             str(args.threads),
-            str(int(args.cold)),
+            str(2 if args.stream else int(args.cold)),
             str(args.rounds),
             args.isa,
             ",".join(args.weights or []),
@@ -128,7 +135,7 @@ def main(argv=None) -> None:
         capture_output=True,
         text=True,
     )
-    where = "from DRAM" if args.cold else "warm"
+    where = "streamed from DRAM (distinct experts)" if args.stream else "from DRAM" if args.cold else "warm"
     print(
         f"this tree (a) vs {args.rev} (b), {args.isa}: N={args.n} K={args.k}, {args.threads} thread(s), "
         f"weights {where}, best of {args.rounds} alternate rounds"

@@ -6,7 +6,11 @@
 // Output: one line per (format, rows): "fmt rows GFLOP/s(a) GFLOP/s(b) time(a)/time(b)", each time the best of its
 // rounds; time(a)/time(b) < 1: this tree is faster. Bf16 activation rows, on the avx512bf16 path unless isa names
 // another (amx, avx512, avx2, scalar).
-// Usage: kernel_ab N K threads cold(0|1) rounds [isa [weights, e.g. fp4,fp8p2]]
+// Usage: kernel_ab N K threads cold(0|1|2) rounds [isa [weights, e.g. fp4,fp8p2]]
+// cold 0: the weights stay in cache between calls; 1: twice the L3 rewritten before every call; 2: a layer's stream,
+// the calls cycling through as many distinct experts as fill kStreamBytes, with no flush, so that each call finds
+// its weights evicted by the others' reads (clean lines, as in a model's layer) rather than by a flush's dirty
+// ones, whose write-backs share the DRAM bus with the call.
 #include <omp.h>
 
 #include <algorithm>
@@ -27,6 +31,8 @@ extern "C" bool kernel_ab_other(int isa, const float* const* a, const uint8_t* a
                                 int64_t n0, int64_t n1, const void* out);
 
 namespace {
+
+constexpr int64_t kStreamBytes = int64_t{256} << 20;  // cold 2: the experts' bytes together, 8× a 32 MiB L3
 
 // All N columns over t threads (column_chunks), with build a (this tree) or b.
 double run(Isa isa, bool b, const ExpertWeight& w, Rows& r, int64_t m, int t) {
@@ -50,6 +56,7 @@ int main(int argc, char** argv) {
   const int64_t K = argc > 2 ? std::atoll(argv[2]) : 4096;
   const int t = argc > 3 ? std::atoi(argv[3]) : 1;
   const bool cold = argc > 4 && std::atoi(argv[4]) != 0;
+  const bool stream = argc > 4 && std::atoi(argv[4]) == 2;
   const int rounds = argc > 5 ? std::atoi(argv[5]) : 10;
   const std::string name = argc > 6 ? argv[6] : "avx512bf16";
   const std::string only = argc > 7 ? argv[7] : "";  // comma-separated weight names; empty: all
@@ -68,17 +75,26 @@ int main(int argc, char** argv) {
   const char* names[4] = {"fp4", "fp8", "fp8p2", "bf16"};
   for (int f = 0; f < 4; ++f) {
     if (!only.empty() && ("," + only + ",").find("," + std::string(names[f]) + ",") == std::string::npos) continue;
-    const Expert e = f == 0 ? make_fp4(N, K, g) : (f < 3 ? make_fp8(N, K, g, f == 2) : make_bf16(N, K, g));
-    const ExpertWeight w = e.view(formats[f]);
+    auto make = [&] { return f == 0 ? make_fp4(N, K, g) : (f < 3 ? make_fp8(N, K, g, f == 2) : make_bf16(N, K, g)); };
+    std::vector<Expert> experts;
+    experts.push_back(make());
+    const int64_t bytes = static_cast<int64_t>(experts[0].q.size() + experts[0].s.size());
+    if (stream) {
+      while (static_cast<int64_t>(experts.size()) * bytes < kStreamBytes) experts.push_back(make());
+    }
+    std::vector<ExpertWeight> ws;
+    for (const Expert& e : experts) ws.push_back(e.view(formats[f]));
     for (int64_t m : {1, 4, 16, 64}) {
       Rows r(isa, formats[f], m, K, N, g);
-      const int inner = cold ? 1 : static_cast<int>(std::max<int64_t>(1, 4096 / N));
+      const int inner = stream ? static_cast<int>(ws.size())
+                        : cold ? 1
+                               : static_cast<int>(std::max<int64_t>(1, 4096 / N));
       double best[2] = {1e30, 1e30};
       for (int rr = 0; rr < rounds; ++rr) {
         for (int b = 0; b < 2; ++b) {
-          if (cold) flush();
+          if (cold && !stream) flush();
           double s = 0;
-          for (int i = 0; i < inner; ++i) s += run(isa, b != 0, w, r, m, t);
+          for (int i = 0; i < inner; ++i) s += run(isa, b != 0, ws[i % ws.size()], r, m, t);
           best[b] = std::min(best[b], s / inner);
         }
       }
