@@ -210,8 +210,26 @@ __attribute__((noinline)) void slow_fp4_chunk(const uint16_t* const* ap, const u
   }
 }
 
-// The NR weight rows n … n + NR − 1 of w (bytes q, scales s of type S) and the start of the NR rows after them
-// (next, next_s: prefetch hints only, never dereferenced). s is null where w has no scales (bf16).
+// Software prefetches ask for weight rows at least this many bytes ahead of the block being read. A block's next
+// rows are far enough where a block is long (4 rows of 2 KiB or more), but 4 fp8 rows of 768 bytes (Qwen3-30B's
+// w2) are 3 KiB, which one core streams in about the time a DRAM read takes, so the next block's lines were still
+// on their way when it began (docs/backends/cpu.md, "How far ahead", has the times; 16 KiB gained no more).
+constexpr int64_t kPrefetchAheadBytes = 8192;
+
+// Where a block of NR weight rows from n sends its prefetches: to the rows `ahead` after n, the next block's or, for
+// short rows, as many blocks of NR further as make kPrefetchAheadBytes. A multiple of NR, so that every block
+// asks for one later block's rows and every block past the first `ahead` rows of a range is asked for once.
+template <int NR>
+inline int64_t prefetch_ahead_rows(const ExpertWeight& w) {
+  if (w.row_stride <= 0) return NR;  // no stream of rows to run ahead of
+  int64_t ahead = NR;
+  while (ahead * w.row_stride < kPrefetchAheadBytes) ahead += NR;  // a few steps (fp4 rows: 16 bytes or more)
+  return ahead;
+}
+
+// The NR weight rows n … n + NR − 1 of w (bytes q, scales s of type S) and the start of the NR rows that block's
+// prefetches ask for, prefetch_ahead_rows after n (next, next_s: hints only, never dereferenced). s is null where w
+// has no scales (bf16).
 template <typename S, int NR>
 struct WeightRows {
   const uint8_t* q[NR];
@@ -224,8 +242,9 @@ struct WeightRows {
       q[j] = w.data + (n + j) * w.row_stride;
       s[j] = scale ? scale + (n + j) * w.scale_row_stride : nullptr;
     }
-    next = w.data + (n + NR) * w.row_stride;
-    next_s = scale ? scale + (n + NR) * w.scale_row_stride : nullptr;
+    const int64_t ahead = prefetch_ahead_rows<NR>(w);
+    next = w.data + (n + ahead) * w.row_stride;
+    next_s = scale ? scale + (n + ahead) * w.scale_row_stride : nullptr;
   }
 };
 
@@ -384,10 +403,10 @@ inline void dot_any_block(const uint16_t* const* a, int64_t i0, const ExpertWeig
   }
 }
 
-// Blocks of MR rows, then one block of the m % MR rows left. Every block asks for the next weight rows' lines, not
-// only the first (docs/backends/cpu.md has the times): a request for a line already on its way costs little,
-// and a line whose first request the core dropped (a software prefetch is only a hint) is asked for again
-// before the next weight rows' first block needs it.
+// Blocks of MR rows, then one block of the m % MR rows left. Every block asks for the lines of the weight rows
+// WeightRows::next points at, not only the first (docs/backends/cpu.md has the times): a request for a line
+// already on its way costs little, and a line whose first request the core dropped (a software prefetch is only a
+// hint) is asked for again before those rows' first block needs it.
 template <WeightFormat F, int NR, int MR, bool Pow2>
 void dot_row_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_t n, const OutRows& out,
                     bool prefetch, uint32_t& bad) {
@@ -458,9 +477,10 @@ inline void panel_block(int r, bool fast, const uint16_t* const* ap, const Weigh
   }
 }
 
-// A panel's prefetch of the next NR weight rows' chunk [kc, kend): their scale lines when the chunk starts, then
-// their weight lines spread over the chunk's row blocks (prefetch_next_rows: block b of nb asks for rows
-// [b·NR/nb, (b+1)·NR/nb)), so that the chunk's requests do not all leave at once while its first block runs.
+// A panel's prefetch of a later NR weight rows' chunk [kc, kend) (WeightRows::next): their scale lines when the
+// chunk starts, then their weight lines spread over the chunk's row blocks (prefetch_next_rows: block b of nb asks
+// for rows [b·NR/nb, (b+1)·NR/nb)), so that the chunk's requests do not all leave at once while its first block
+// runs.
 template <WeightFormat F, typename S, int NR>
 inline void prefetch_next_scales(const ExpertWeight& w, const WeightRows<S, NR>& rows, int64_t kc) {
   constexpr int64_t block = F == WeightFormat::Fp4 ? kFp4WeightBlock : kFp8WeightBlock;  // k per scale
@@ -655,8 +675,9 @@ void dot_column_blocks(const uint16_t* const* a, int64_t m, const ExpertWeight& 
                        const OutRows& out, uint32_t& bad) {
   std::vector<Acc> accm(P == RowPath::Panel && n + NR <= n1 ? m * NR : 0);
   Acc* const park = accm.empty() ? nullptr : accm.data();
+  const int64_t ahead = prefetch_ahead_rows<NR>(w);
   for (; n + NR <= n1; n += NR) {
-    const bool prefetch = n + 2 * NR <= n1;
+    const bool prefetch = n + ahead + NR <= n1;  // the rows it would ask for are in this range
     if constexpr (F == WeightFormat::Fp8) {
       dot_fp8_rows<NR, MR, P>(a, m, w, n, out, prefetch, bad, park);
     } else {
