@@ -136,6 +136,20 @@ int main() {
 #define OP_MIX3(r) "vpmultishiftqb %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
   RATE("rate   vpmultishiftqb + vdpbf16ps, interleaved", 16, X8(OP_MIX3), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
        "xmm16", "xmm17", "xmm18", "xmm19")
+// fp8's decode: vpermi2b (the index register is overwritten: eight chains), and beside the products.
+#define OP_PERMI2B(r) "vpermi2b %%zmm1,%%zmm0,%%zmm" #r "\n\t"
+  RATE("rate   vpermi2b zmm", 8, X8(OP_PERMI2B), CLOBBER8)
+#define OP_MIX5(r) "vpermi2b %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
+  RATE("rate   vpermi2b + vdpbf16ps, interleaved", 16, X8(OP_MIX5), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
+       "xmm16", "xmm17", "xmm18", "xmm19")
+#define OP_UNPCK(r) "vpunpcklbw %%zmm1,%%zmm0,%%zmm" #r "\n\t"
+  RATE("rate   vpunpcklbw zmm", 8, X8(OP_UNPCK), CLOBBER8)
+#define OP_MIX6(r) "vpunpcklbw %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
+  RATE("rate   vpunpcklbw + vdpbf16ps, interleaved", 16, X8(OP_MIX6), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
+       "xmm16", "xmm17", "xmm18", "xmm19")
+#define OP_MIX7(r) "vfmadd231ps %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
+  RATE("rate   vfmadd231ps + vdpbf16ps, interleaved", 16, X8(OP_MIX7), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
+       "xmm16", "xmm17", "xmm18", "xmm19")
 #define OP_SRLV(r) "vpsrlvw %%zmm1,%%zmm0,%%zmm" #r "\n\t"
   RATE("rate   vpsrlvw zmm", 8, X8(OP_SRLV), CLOBBER8)
 #define OP_MIX4(r) "vpsrlvw %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
