@@ -8,7 +8,10 @@
   ``vllm._custom_ops.fused_experts_cpu`` with ``CPUQuantMethod.FP8_W8A16`` on ``convert_weight_packed`` weights and
   the block scales as they are, the call ``CPUExpertsFp8.apply`` makes (same file; vLLM offers it only where the
   CPU has AMX tiles). static_moe gets the same bytes with the 1×128 scales the vLLM plugin builds
-  (``static_moe.formats.expand_block_scales``: each block scale repeated over its 128 rows, exact).
+  (``static_moe.formats.expand_block_scales``: each block scale repeated over its 128 rows, exact). Where the CPU
+  has no AMX tiles vLLM has no fp8 MoE kernel, and the one way it serves such a checkpoint is with the experts
+  dequantized to bf16 (fp8 · scale, rounded to bf16): its vec kernel on those weights ("vllm_vec_dequant"; twice the
+  bytes, which its GB/cpu-s counts) is then the peer, the model the vLLM plugin's fp8 end-to-end test compares with.
 - static_moe twice: its default kernel, and the opt-in AMX kernel (``STATIC_MOE_CPU_ISA=amx``, read on every call,
   so both run in this one process; docs/backends/cpu.md says why it is not the default).
 
@@ -111,6 +114,14 @@ def layer_inputs(dims, experts: int, rows: list[int]):
     return w13, w2, inputs
 
 
+def dequantize_fp8_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn [E, N, K] and float32 block scales [E, N/128, K/128] → bf16 [E, N, K]: fp8 · scale rounded to
+    bf16, the weights vLLM serves where it has no fp8 MoE kernel."""
+    e, n, k = q.shape
+    w = q.float().reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK) * s[:, :, None, :, None]
+    return w.reshape(e, n, k).bfloat16()
+
+
 def static_moe_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor):
     """``(weights, block_scales, per_expert)`` for float w13 [E, 2I, H], w2 [E, H, I]: StaticMoE's (w13,
     w13_scale, w2, w2_scale) in ``fmt``; for fp8 the 128×128 block scales (s13, s2) vLLM takes (None for bf16); the
@@ -154,8 +165,8 @@ def _has_amx() -> bool:
 
 
 def _contenders(fmt: str, w13: torch.Tensor, w2: torch.Tensor, h: int, i: int, experts: int, k: int, cap: int):
-    """{name: (fn(x, ids, wts) -> out [T, H] bf16, weight bytes per expert)} for one weight format; the first is
-    static_moe's default kernel, the reference of the ratios and diffs."""
+    """(moe, {name: fn(x, ids, wts) -> out [T, H] bf16}, {name: weight bytes one expert streams}) for one weight
+    format; the first contender is static_moe's default kernel, the reference of the ratios and diffs."""
     import vllm._custom_ops as vops
 
     amx = _has_amx()
@@ -163,8 +174,8 @@ def _contenders(fmt: str, w13: torch.Tensor, w2: torch.Tensor, h: int, i: int, e
     weights, block_scales, per_expert = static_moe_weights(fmt, w13, w2)
     moe.set_expert_weights(*weights)
     found = {}
-    if fmt == "bf16":
-        w13b, w2b = weights[0], weights[2]
+
+    def unquantized(w13b: torch.Tensor, w2b: torch.Tensor, suffix: str) -> None:
         for isa in ["vec"] + (["amx"] if amx else []):
             p13, p2 = vops.cpu_prepack_moe_weight(w13b, isa), vops.cpu_prepack_moe_weight(w2b, isa)
 
@@ -173,7 +184,10 @@ def _contenders(fmt: str, w13: torch.Tensor, w2: torch.Tensor, h: int, i: int, e
                 vops.cpu_fused_moe(y, x, p13, p2, None, None, wts, ids, "silu", isa, False)
                 return y
 
-            found[f"vllm_{isa}"] = theirs
+            found[f"vllm_{isa}{suffix}"] = theirs
+
+    if fmt == "bf16":
+        unquantized(weights[0], weights[2], "")
     else:
         q13, q2 = weights[0], weights[2]
         s13, s2 = block_scales
@@ -189,10 +203,13 @@ def _contenders(fmt: str, w13: torch.Tensor, w2: torch.Tensor, h: int, i: int, e
                 return y
 
             found["vllm_fp8"] = theirs
+        else:  # no fp8 MoE kernel in vLLM here: it serves the checkpoint dequantized to bf16
+            unquantized(dequantize_fp8_blocks(q13, s13), dequantize_fp8_blocks(q2, s2), "_dequant")
     ours = {"ours": _OursWithIsa(moe, None)}
     if amx:
         ours["ours_amx"] = _OursWithIsa(moe, "amx")
-    return moe, {**ours, **found}, per_expert
+    bf16_bytes = 2 * 3 * h * i  # w13 [2I, H] and w2 [H, I] in bf16
+    return moe, {**ours, **found}, {n: bf16_bytes if n.endswith("_dequant") else per_expert for n in [*ours, *found]}
 
 
 def bench_shape(
@@ -213,7 +230,8 @@ def bench_shape(
     for fmt in formats:
         moe, fns, per_expert = _contenders(fmt, w13, w2, h, i, experts, k, max(rows))
         for t, (x, ids, wts) in inputs.items():
-            streamed = per_expert * int(torch.unique(ids).numel())
+            used = int(torch.unique(ids).numel())
+            streamed = per_expert["ours"] * used
             res = {"shape": name, "format": fmt, "rows": t, "experts": experts, "top_k": k, "bytes": streamed}
             res["ours_huge_pages"] = host_memory.is_advised(moe.w13)  # StaticMoE's own memory (host_memory)
             want = fns["ours"](x, ids, wts)
@@ -228,7 +246,7 @@ def bench_shape(
             for n, s in best.items():
                 res[f"{n}_us"] = s * 1e6
                 res[f"{n}_cpu_us"] = best_cpu[n] * 1e6
-                res[f"gbps_{n}"] = streamed / best_cpu[n] / 1e9  # per second of CPU time
+                res[f"gbps_{n}"] = per_expert[n] * used / best_cpu[n] / 1e9  # per second of CPU time
             theirs = [n for n in best if n.startswith("vllm_")]
             res["ratio"] = min(best[n] for n in theirs) / best["ours"] if theirs else float("nan")
             res["ratio_cpu"] = min(best_cpu[n] for n in theirs) / best_cpu["ours"] if theirs else float("nan")

@@ -1,6 +1,7 @@
-"""bench/bench_vllm_peer.py at a tiny shape, one call per contender: vLLM's CPU MoE kernels (bf16 vec / amx, fp8
-where the CPU has AMX) and static_moe's (default, and the opt-in AMX kernel) still run on the same inputs and
-agree, so the peer benchmark cannot rot. Timings are printed by the bench, never checked here.
+"""bench/bench_vllm_peer.py at a tiny shape, one call per contender: vLLM's CPU MoE kernels (bf16 vec / amx; fp8
+where the CPU has AMX, else its vec kernel on the checkpoint dequantized to bf16) and static_moe's (default, and
+the opt-in AMX kernel) still run on the same inputs and agree, so the peer benchmark cannot rot. Timings are
+printed by the bench, never checked here.
 
 Runs in the vLLM virtualenv (`make test-vllm`); skipped, with the reason, where vLLM is not installed."""
 
@@ -29,7 +30,7 @@ def test_peer_bench_runs_and_agrees_at_a_tiny_shape(capsys):
     amx = bool(torch.cpu._is_amx_tile_supported())
     want = {
         "bf16": ["ours", "vllm_vec"] + (["ours_amx", "vllm_amx"] if amx else []),
-        "fp8": ["ours"] + (["ours_amx", "vllm_fp8"] if amx else []),
+        "fp8": ["ours"] + (["ours_amx", "vllm_fp8"] if amx else ["vllm_vec_dequant"]),
     }
     assert sorted((r["format"], r["rows"]) for r in results) == [("bf16", 1), ("bf16", 3), ("fp8", 1), ("fp8", 3)]
     for r in results:
@@ -39,5 +40,9 @@ def test_peer_bench_runs_and_agrees_at_a_tiny_shape(capsys):
             # static_moe's AMX kernel sums in another order (docs/backends/cpu.md); vLLM also rounds differently.
             assert r[f"diff_{name}"] <= (1e-6 if name.startswith("ours") else 1e-4), (name, r)
         assert r["bytes"] > 0
+        if "vllm_vec_dequant" in r["contenders"]:
+            # bytes = GB/cpu-s × cpu time: the dequantized bf16 weights are twice the fp8 bytes (less their scales)
+            theirs = r["gbps_vllm_vec_dequant"] * r["vllm_vec_dequant_cpu_us"]
+            assert 1.9 < theirs / (r["gbps_ours"] * r["ours_cpu_us"]) < 2, r
     printed = capsys.readouterr().out
     assert printed.count("vLLM/ours") == len(results) and "torch copy" in printed
