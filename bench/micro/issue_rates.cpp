@@ -127,34 +127,30 @@ int main() {
   RATE("rate   vbroadcasti32x4 zmm, m128", 8, X8(OP_BC), CLOBBER8)
 #define OP_PERMW_M(r) "vpermw " #r "*64(%0),%%zmm1,%%zmm" #r "\n\t"
   RATE("rate   vpermw zmm, m512 table", 8, X8(OP_PERMW_M), CLOBBER8)
-#define OP_MIX(r) "vpermw %%zmm1,%%zmm0,%%zmm" #r "\n\tvpmultishiftqb %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
-  RATE("rate   vpermw + vpmultishiftqb, interleaved", 16, X8(OP_MIX), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
-       "xmm16", "xmm17", "xmm18", "xmm19")
-#define OP_MIX2(r) "vpermw %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
-  RATE("rate   vpermw + vdpbf16ps, interleaved", 16, X8(OP_MIX2), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15", "xmm16",
-       "xmm17", "xmm18", "xmm19")
-#define OP_MIX3(r) "vpmultishiftqb %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
-  RATE("rate   vpmultishiftqb + vdpbf16ps, interleaved", 16, X8(OP_MIX3), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
-       "xmm16", "xmm17", "xmm18", "xmm19")
-// fp8's decode: vpermi2b (the index register is overwritten: eight chains), and beside the products.
+// Two instructions interleaved, eight chains each: the second writes zmm1r (zmm12-19) so the two never share one.
+#define CLOBBER16 CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19"
+#define BESIDE_DP(r) "vdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
+#define OP_MIX(r) OP_PERMW(r) "vpmultishiftqb %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
+  RATE("rate   vpermw + vpmultishiftqb, interleaved", 16, X8(OP_MIX), CLOBBER16)
+#define OP_MIX2(r) OP_PERMW(r) BESIDE_DP(r)
+  RATE("rate   vpermw + vdpbf16ps, interleaved", 16, X8(OP_MIX2), CLOBBER16)
+#define OP_MIX3(r) OP_MSHIFT(r) BESIDE_DP(r)
+  RATE("rate   vpmultishiftqb + vdpbf16ps, interleaved", 16, X8(OP_MIX3), CLOBBER16)
+// fp8's decode: vpermi2b (its index register is overwritten: eight chains) and the byte unpacks; the fold's FMA.
 #define OP_PERMI2B(r) "vpermi2b %%zmm1,%%zmm0,%%zmm" #r "\n\t"
   RATE("rate   vpermi2b zmm", 8, X8(OP_PERMI2B), CLOBBER8)
-#define OP_MIX5(r) "vpermi2b %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
-  RATE("rate   vpermi2b + vdpbf16ps, interleaved", 16, X8(OP_MIX5), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
-       "xmm16", "xmm17", "xmm18", "xmm19")
+#define OP_MIX5(r) OP_PERMI2B(r) BESIDE_DP(r)
+  RATE("rate   vpermi2b + vdpbf16ps, interleaved", 16, X8(OP_MIX5), CLOBBER16)
 #define OP_UNPCK(r) "vpunpcklbw %%zmm1,%%zmm0,%%zmm" #r "\n\t"
   RATE("rate   vpunpcklbw zmm", 8, X8(OP_UNPCK), CLOBBER8)
-#define OP_MIX6(r) "vpunpcklbw %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
-  RATE("rate   vpunpcklbw + vdpbf16ps, interleaved", 16, X8(OP_MIX6), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
-       "xmm16", "xmm17", "xmm18", "xmm19")
-#define OP_MIX7(r) "vfmadd231ps %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
-  RATE("rate   vfmadd231ps + vdpbf16ps, interleaved", 16, X8(OP_MIX7), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
-       "xmm16", "xmm17", "xmm18", "xmm19")
+#define OP_MIX6(r) OP_UNPCK(r) BESIDE_DP(r)
+  RATE("rate   vpunpcklbw + vdpbf16ps, interleaved", 16, X8(OP_MIX6), CLOBBER16)
+#define OP_MIX7(r) "vfmadd231ps %%zmm1,%%zmm0,%%zmm" #r "\n\t" BESIDE_DP(r)
+  RATE("rate   vfmadd231ps + vdpbf16ps, interleaved", 16, X8(OP_MIX7), CLOBBER16)
 #define OP_SRLV(r) "vpsrlvw %%zmm1,%%zmm0,%%zmm" #r "\n\t"
   RATE("rate   vpsrlvw zmm", 8, X8(OP_SRLV), CLOBBER8)
-#define OP_MIX4(r) "vpsrlvw %%zmm1,%%zmm0,%%zmm" #r "\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm1" #r "\n\t"
-  RATE("rate   vpsrlvw + vdpbf16ps, interleaved", 16, X8(OP_MIX4), CLOBBER8, "xmm12", "xmm13", "xmm14", "xmm15",
-       "xmm16", "xmm17", "xmm18", "xmm19")
+#define OP_MIX4(r) OP_SRLV(r) BESIDE_DP(r)
+  RATE("rate   vpsrlvw + vdpbf16ps, interleaved", 16, X8(OP_MIX4), CLOBBER16)
   RATE("latency vdpbf16ps", 4,
        "vdpbf16ps %%zmm1,%%zmm0,%%zmm2\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm2\n\t"
        "vdpbf16ps %%zmm1,%%zmm0,%%zmm2\n\tvdpbf16ps %%zmm1,%%zmm0,%%zmm2",
