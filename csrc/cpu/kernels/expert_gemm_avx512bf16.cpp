@@ -72,9 +72,13 @@ constexpr int kMR = 6;   // activation rows per block
 constexpr int kNR = 4;   // weight rows per block
 constexpr int kNR1 = 4;  // weight rows per block when there is one activation row
 // fp8 weights keep two accumulators per (row, weight row) (the running sum and the 128-k block's): a smaller
-// block, 4 × 3 × 2 = 24 zmm, so that both sets stay in the 32 zmm registers next to the decode table.
+// block, 4 × 3 × 2 = 24 zmm in the fold path's panels, so that both sets stay in the 32 zmm registers next to the
+// panel's units. Decoding as it goes (2-4 rows, dot_block_fp8), a block is 4 × 2: 16 accumulators, the four
+// decode-table registers and the line's four decoded units, so each activation unit is loaded once for both
+// weight rows (4 × 3 left none for that: 0.81-0.86 of its time at 4 rows, float scales; docs/backends/cpu.md).
 constexpr int kMRFp8 = 4;
 constexpr int kNRFp8 = 3;
+constexpr int kNRFp8Direct = 2;  // weight rows per block on the fp8 few-rows path (RowPath::Blocks)
 static_assert(kMR == kDotBlockRows && kMRFp8 == kDotFp8BlockRows,
               "plan_expert_gemm takes the panel (RowPath::Panel) above these row counts");
 // The decoded-panel path (RowPath::Panel): blocks of kMRPanel rows × kNRPanel weight rows (4 × 6 = 24
@@ -353,28 +357,31 @@ void dot_block_fp8(const uint16_t* const* a, int64_t i0, const ExpertWeight& w, 
       if (prefetch) {
         for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * w.row_stride + kl, 0, kStreamHint);
       }
-      // Pow2: the line's activation units held in registers, since each weight row's tables take four loads per
-      // line.
-      __m512i av0[MR], av1[MR];
       if constexpr (Pow2) {
+        // The line's activation units held in registers, since each weight row's tables take four loads per line.
+        __m512i av0[MR], av1[MR];
         load_units<MR>(ap, kl, av0);
         load_units<MR>(ap, kl + kUnit, av1);
-      }
-      for (int j = 0; j < NR; ++j) {
-        __m512i w0, w1;
-        if constexpr (Pow2) {
+        for (int j = 0; j < NR; ++j) {
+          __m512i w0, w1;
           const Fp8Decoder decode8(*scaled[j]);
           decode8(rq[j] + kl, w0, w1);
-        } else {
-          plain(rq[j] + kl, w0, w1);
+          for (int i = 0; i < MR; ++i) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)av0[i], (__m512bh)w0);
+          for (int i = 0; i < MR; ++i) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)av1[i], (__m512bh)w1);
         }
+      } else {
+        // The NR weight rows' line decoded first, then each row's two activation units loaded once for all NR
+        // products. Decoded row by row inside the products, with 2 · MR · NR accumulators live GCC had no
+        // registers left for the units and loaded each again for every weight row (2 · MR loads per weight row per
+        // line, on a core that issues one zmm load per cycle). Every accumulator sees the same products in the
+        // same order either way.
+        __m512i w0[NR], w1[NR];
+        for (int j = 0; j < NR; ++j) plain(rq[j] + kl, w0[j], w1[j]);
         for (int i = 0; i < MR; ++i) {
-          const __m512i x = Pow2 ? av0[i] : _mm512_loadu_si512(ap[i] + kl);
-          blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)x, (__m512bh)w0);
-        }
-        for (int i = 0; i < MR; ++i) {
-          const __m512i x = Pow2 ? av1[i] : _mm512_loadu_si512(ap[i] + kl + kUnit);
-          blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)x, (__m512bh)w1);
+          const __m512i x0 = _mm512_loadu_si512(ap[i] + kl);
+          const __m512i x1 = _mm512_loadu_si512(ap[i] + kl + kUnit);
+          for (int j = 0; j < NR; ++j) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)x0, (__m512bh)w0[j]);
+          for (int j = 0; j < NR; ++j) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)x1, (__m512bh)w1[j]);
         }
       }
     }
@@ -698,7 +705,7 @@ bool dot_path(const uint16_t* const* a, int64_t m, const ExpertWeight& w, int64_
   if constexpr (P == RowPath::OneRow) dot_column_blocks<F, kNR1, 4, P>(a, m, w, n, n1, out, bad);
   if constexpr (F == WeightFormat::Fp8) {
     if constexpr (P == RowPath::Panel) dot_column_blocks<F, kNRPanel, kMRFp8, P>(a, m, w, n, n1, out, bad);
-    dot_column_blocks<F, kNRFp8, kMRFp8, P>(a, m, w, n, n1, out, bad);
+    dot_column_blocks<F, P == RowPath::Blocks ? kNRFp8Direct : kNRFp8, kMRFp8, P>(a, m, w, n, n1, out, bad);
   } else {
     if constexpr (P == RowPath::Panel) dot_column_blocks<F, kNRPanel, kMR, P>(a, m, w, n, n1, out, bad);
     dot_column_blocks<F, kNR, kMR, tail>(a, m, w, n, n1, out, bad);
