@@ -75,7 +75,7 @@ constexpr int kNR1 = 4;  // weight rows per block when there is one activation r
 // block, 4 × 3 × 2 = 24 zmm in the fold path's panels, so that both sets stay in the 32 zmm registers next to the
 // panel's units. Decoding as it goes (2-4 rows, dot_block_fp8), a block is 4 × 2: 16 accumulators, the four
 // decode-table registers and the line's four decoded units, so each activation unit is loaded once for both
-// weight rows (4 × 3 left none for that: 0.81-0.86 of its time at 4 rows, float scales; docs/backends/cpu.md).
+// weight rows (4 × 3 left no register for that; docs/backends/cpu.md, "fp8 at 2–4 rows", has the times).
 constexpr int kMRFp8 = 4;
 constexpr int kNRFp8 = 3;
 constexpr int kNRFp8Direct = 2;  // weight rows per block on the fp8 few-rows path (RowPath::Blocks)
