@@ -173,10 +173,11 @@ def _contenders(fmt: str, w13: torch.Tensor, w2: torch.Tensor, h: int, i: int, e
     moe = StaticMoE(h, i, experts, k, cap, weight_format=fmt)
     weights, block_scales, per_expert = static_moe_weights(fmt, w13, w2)
     moe.set_expert_weights(*weights)
-    found = {}
+    found, streams = {}, {}
 
     def unquantized(w13b: torch.Tensor, w2b: torch.Tensor, suffix: str) -> None:
         for isa in ["vec"] + (["amx"] if amx else []):
+            streams[f"vllm_{isa}{suffix}"] = w13b[0].nbytes + w2b[0].nbytes
             p13, p2 = vops.cpu_prepack_moe_weight(w13b, isa), vops.cpu_prepack_moe_weight(w2b, isa)
 
             def theirs(x, ids, wts, p13=p13, p2=p2, isa=isa):
@@ -208,8 +209,7 @@ def _contenders(fmt: str, w13: torch.Tensor, w2: torch.Tensor, h: int, i: int, e
     ours = {"ours": _OursWithIsa(moe, None)}
     if amx:
         ours["ours_amx"] = _OursWithIsa(moe, "amx")
-    bf16_bytes = 2 * 3 * h * i  # w13 [2I, H] and w2 [H, I] in bf16
-    return moe, {**ours, **found}, {n: bf16_bytes if n.endswith("_dequant") else per_expert for n in [*ours, *found]}
+    return moe, {**ours, **found}, {n: streams.get(n, per_expert) for n in [*ours, *found]}
 
 
 def bench_shape(

@@ -55,8 +55,7 @@ int main(int argc, char** argv) {
   const int64_t N = argc > 1 ? std::atoll(argv[1]) : 4096;
   const int64_t K = argc > 2 ? std::atoll(argv[2]) : 4096;
   const int t = argc > 3 ? std::atoi(argv[3]) : 1;
-  const bool cold = argc > 4 && std::atoi(argv[4]) != 0;
-  const bool stream = argc > 4 && std::atoi(argv[4]) == 2;
+  const int cold = argc > 4 ? std::atoi(argv[4]) : 0;  // 0 warm, 1 flushed, 2 streamed (see the usage above)
   const int rounds = argc > 5 ? std::atoi(argv[5]) : 10;
   const std::string name = argc > 6 ? argv[6] : "avx512bf16";
   const std::string only = argc > 7 ? argv[7] : "";  // comma-separated weight names; empty: all
@@ -79,20 +78,20 @@ int main(int argc, char** argv) {
     std::vector<Expert> experts;
     experts.push_back(make());
     const int64_t bytes = static_cast<int64_t>(experts[0].q.size() + experts[0].s.size());
-    if (stream) {
+    if (cold == 2) {
       while (static_cast<int64_t>(experts.size()) * bytes < kStreamBytes) experts.push_back(make());
     }
     std::vector<ExpertWeight> ws;
     for (const Expert& e : experts) ws.push_back(e.view(formats[f]));
     for (int64_t m : {1, 4, 16, 64}) {
       Rows r(isa, formats[f], m, K, N, g);
-      const int inner = stream ? static_cast<int>(ws.size())
-                        : cold ? 1
-                               : static_cast<int>(std::max<int64_t>(1, 4096 / N));
+      const int inner = cold == 2   ? static_cast<int>(ws.size())
+                        : cold == 1 ? 1
+                                    : static_cast<int>(std::max<int64_t>(1, 4096 / N));
       double best[2] = {1e30, 1e30};
       for (int rr = 0; rr < rounds; ++rr) {
         for (int b = 0; b < 2; ++b) {
-          if (cold && !stream) flush();
+          if (cold == 1) flush();
           double s = 0;
           for (int i = 0; i < inner; ++i) s += run(isa, b != 0, ws[i % ws.size()], r, m, t);
           best[b] = std::min(best[b], s / inner);
