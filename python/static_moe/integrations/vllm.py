@@ -53,14 +53,65 @@ def enabled() -> bool:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: registers the routed-experts replacement when ``STATIC_MOE_VLLM=1``
-    (a no-op otherwise, and on a second call: vLLM loads plugins in every process, possibly more than once)."""
+    (a no-op otherwise, and on a second call: vLLM loads plugins in every process, possibly more than once).
+
+    vLLM looks a pluggable layer's replacement up by the constructed class's own name, so a model that builds its
+    experts from a subclass of ``RoutedExperts`` (gpt-oss's ``GptOssRoutedExperts``, DBRX's, the transformers
+    backend's) would bypass a replacement registered only under "RoutedExperts" and run vLLM's kernels without a
+    word. Every subclass, defined now or later, therefore gets a replacement of its own (:func:`_experts_class`):
+    it serves the subclasses in ``SERVED_EXPERTS_CLASSES`` and refuses the others at engine start."""
     if not enabled():
         return
     from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     if "RoutedExperts" in op_registry_oot:
         return
-    PluggableLayer.register_oot(_experts_class(), name="RoutedExperts")
+    _allow_mxfp4_without_backend()
+
+    def replace(cls: type) -> None:
+        if "_static_moe_replacement" not in cls.__dict__ and cls.__name__ not in op_registry_oot:
+            PluggableLayer.register_oot(_experts_class(cls), name=cls.__name__)
+
+    pending = [RoutedExperts]
+    while pending:  # the subclasses already defined (their modules imported), at any depth
+        cls = pending.pop()
+        replace(cls)
+        pending.extend(cls.__subclasses__())
+    previous = RoutedExperts.__dict__.get("__init_subclass__")
+
+    def init_subclass(cls, **kwargs):  # the ones defined later, when their model module is imported
+        if previous is not None:
+            previous.__func__(cls, **kwargs)
+        else:
+            super(RoutedExperts, cls).__init_subclass__(**kwargs)
+        replace(cls)
+
+    RoutedExperts.__init_subclass__ = classmethod(init_subclass)
+
+
+def _allow_mxfp4_without_backend() -> None:
+    """Let vLLM build its MXFP4 MoE method where it has no MXFP4 MoE kernel (a CPU without AMX tiles).
+
+    ``GptOssMxfp4MoEMethod.__init__`` selects vLLM's own kernel and raises NotImplementedError when none fits the
+    device, before the layer exists, so the plugin could neither serve nor refuse the layer. With the plugin on,
+    every MoE layer is static_moe's (its own kernel is never run), so a failed selection becomes "no kernel"
+    (None, None), as vLLM's fp8 selection already reports on such a CPU; the layer's quant method then only
+    creates and loads the parameters. Patched in vLLM's quantization module, where the method looks it up."""
+    from vllm.model_executor.layers.quantization import mxfp4
+
+    select = mxfp4.select_mxfp4_moe_backend
+    if getattr(select, "_static_moe", False):
+        return
+
+    def select_or_none(*args, **kwargs):
+        try:
+            return select(*args, **kwargs)
+        except NotImplementedError:
+            return None, None
+
+    select_or_none._static_moe = True
+    mxfp4.select_mxfp4_moe_backend = select_or_none
 
 
 def _capacity() -> int:
@@ -74,15 +125,40 @@ def _capacity() -> int:
     return c
 
 
+# The RoutedExperts classes the plugin serves: vLLM's own, and gpt-oss's (its subclass changes only how the
+# checkpoint's fused, interleaved gate_up tensors load). Another subclass may change what its layer computes, so
+# it is refused (by name) rather than served unseen.
+SERVED_EXPERTS_CLASSES = ("RoutedExperts", "GptOssRoutedExperts")
+PAD = 128  # static_moe's H and I are multiples of this (SPEC §1.2); other sizes are zero-padded up to it
+# vLLM's SWIGLUOAI: gpt-oss's GLU with its fixed alpha and limit (vLLM's kernels hard-code both).
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
+
+
+def _vllm_class(cls: type) -> type:
+    """The vLLM class that ``cls`` (a replacement from :func:`_experts_class`, or vLLM's own) stands for."""
+    return next(c for c in cls.__mro__ if "_static_moe_replacement" not in c.__dict__)
+
+
+def _class_refusal(cls: type) -> str | None:
+    """Why a layer of class ``cls`` is refused for its experts class alone (None: a served class)."""
+    name = _vllm_class(cls).__name__
+    if name in SERVED_EXPERTS_CLASSES:
+        return None
+    return f"the model's own experts class {name} (served: {', '.join(SERVED_EXPERTS_CLASSES)})"
+
+
 def _refusals(layer) -> list[str]:
     """Why static_moe cannot serve this vLLM RoutedExperts layer (empty: it can)."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     cfg, why = layer.moe_config, []
+    if (reason := _class_refusal(type(layer))) is not None:
+        why.append(reason)
     if layer.params_dtype != torch.bfloat16:
         why.append(
-            f"model dtype {layer.params_dtype} (the kernels take bf16 activations and bf16 or fp8 weights: "
+            f"model dtype {layer.params_dtype} (the kernels take bf16 activations and bf16, fp8 or fp4 weights: "
             "serve with dtype='bfloat16')"
         )
     qm = layer.quant_method
@@ -92,21 +168,19 @@ def _refusals(layer) -> list[str]:
         why.append(
             f"quantization {type(qm).__name__}"
             + (f" with weight_block_size {block}" if block is not None else "")
-            + " (served: unquantized bf16, and fp8 with 128×128 block scales)"
+            + " (served: unquantized bf16, fp8 with 128×128 block scales, MXFP4)"
         )
     elif fmt == "bf16" and not isinstance(qm, UnquantizedFusedMoEMethod):
         why.append(f"quantization {type(qm).__name__}")
-    if cfg.activation != MoEActivation.SILU or not cfg.is_act_and_mul:
-        why.append(f"activation {cfg.activation.value} (the kernels compute SiLU(gate) · up)")
-    if getattr(cfg, "has_bias", False):
-        why.append("biased expert projections")
+    if cfg.activation not in (MoEActivation.SILU, MoEActivation.SWIGLUOAI) or not cfg.is_act_and_mul:
+        why.append(f"activation {cfg.activation.value} (served: silu, SiLU(gate) · up, and swigluoai, gpt-oss's GLU)")
     if any(v is not None for v in (layer.swiglu_limit, layer.swiglu_alpha, layer.swiglu_beta)):
-        why.append("a clamped / scaled SwiGLU (swiglu_limit / alpha / beta)")
+        why.append("a clamped / scaled SwiGLU set on the layer (swiglu_limit / alpha / beta)")
     if layer.apply_router_weight_on_input:
         why.append("router weights applied on the input")
     hidden, inter = layer.hidden_size, layer.intermediate_size_per_partition
-    if hidden % 128 or inter % 128:
-        why.append(f"hidden size {hidden} / intermediate size {inter} not multiples of 128")
+    if fmt == "fp4" and (hidden % 32 or inter % 32):
+        why.append(f"MXFP4 with hidden size {hidden} / intermediate size {inter} not multiples of 32")
     par = cfg.moe_parallel_config
     if par.tp_size != 1 or par.ep_size != 1 or par.dp_size != 1:
         why.append(f"tensor / expert / data parallelism (tp {par.tp_size}, ep {par.ep_size}, dp {par.dp_size})")
@@ -121,9 +195,11 @@ def _weight_format(layer) -> str | None:
     qm = layer.quant_method
     if isinstance(qm, UnquantizedFusedMoEMethod):
         return "bf16"
-    fp8 = any(c.__name__ == "Fp8MoEMethod" for c in type(qm).__mro__)  # also once _modular has subclassed it
-    if fp8 and list(getattr(qm, "weight_block_size", None) or []) == [128, 128]:
+    names = {c.__name__ for c in type(qm).__mro__}  # by name: also once _modular has subclassed it
+    if "Fp8MoEMethod" in names and list(getattr(qm, "weight_block_size", None) or []) == [128, 128]:
         return "fp8"
+    if names & {"GptOssMxfp4MoEMethod", "Mxfp4MoEMethod"}:
+        return "fp4"  # e2m1 pairs [E, N, K/2] uint8 (low nibble first) and E8M0 bytes [E, N, K/32]: ours as stored
     return None
 
 
@@ -146,6 +222,52 @@ def _modular(qm) -> None:
     qm.__class__ = _MODULAR[cls]
 
 
+def _gate_up_order(activation, inter: int) -> torch.Tensor | None:
+    """The row order taking a layer's w13 rows (2I of them) to static_moe's (gate rows, then up rows), or None
+    when they are already in it. vLLM's SWIGLUOAI reads w13 interleaved (row 2j gate j, row 2j + 1 up j), as
+    gpt-oss stores it; its SILU reads the gate rows, then the up rows."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    if activation != MoEActivation.SWIGLUOAI:
+        return None
+    return torch.cat((torch.arange(0, 2 * inter, 2), torch.arange(1, 2 * inter, 2)))
+
+
+def _activation_options(activation) -> dict:
+    """StaticMoE's activation arguments for vLLM's MoEActivation ``activation`` (one _refusals lets through)."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    if activation == MoEActivation.SWIGLUOAI:
+        return {"activation": "swiglu_oai", "alpha": SWIGLUOAI_ALPHA, "swiglu_limit": SWIGLUOAI_LIMIT}
+    return {"activation": "silu"}
+
+
+def _padded(n: int) -> int:
+    """n rounded up to static_moe's size unit (SPEC §1.2: H and I are multiples of 128)."""
+    return -(-n // PAD) * PAD
+
+
+def _pad_experts(t: torch.Tensor, halves: bool, n_to: int, cols: int = 0, fill: int = 0) -> torch.Tensor:
+    """An expert weight or scale [E, N, C] → [E, n_to, cols], or a bias [E, N] → [E, n_to], padded as SPEC §1.2
+    says ("pad H (and I) with zeros"): ``halves`` (a w13 tensor, N = 2I): the gate rows [0, I) stay and the up
+    rows [I, 2I) move to [n_to/2, n_to/2 + I); otherwise (w2, N = H) rows [0, H) stay. Padded weights and biases
+    are 0 (bf16, e4m3 and e2m1 code 0), padded scales ``fill`` (a valid scale: it only multiplies zeros). Returns
+    ``t`` itself when nothing is padded."""
+    e, n = t.shape[:2]
+    shape = (e, n_to) if t.dim() == 2 else (e, n_to, cols)
+    if tuple(t.shape) == shape:
+        return t
+    out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+    c = () if t.dim() == 2 else (slice(0, t.shape[2]),)
+    if halves:
+        i, i_to = n // 2, n_to // 2
+        out[(slice(None), slice(0, i), *c)] = t[:, :i]
+        out[(slice(None), slice(i_to, i_to + i), *c)] = t[:, i:]
+    else:
+        out[(slice(None), slice(0, n), *c)] = t
+    return out
+
+
 def _convert(layer):
     """The loaded vLLM weights of ``layer`` as a StaticMoE layer (see the module doc for the mapping)."""
     from ..formats import expand_block_scales
@@ -153,44 +275,87 @@ def _convert(layer):
 
     fmt = _weight_format(layer)
     hidden, inter = layer.hidden_size, layer.intermediate_size_per_partition
-    w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+    hp, ip = _padded(hidden), _padded(inter)
+    order = _gate_up_order(layer.moe_config.activation, inter)
+
+    def gate_up(t: torch.Tensor) -> torch.Tensor:  # rows (dim 1) of a w13 weight, scale or bias
+        return t if order is None else t.index_select(1, order.to(t.device))
+
+    # Per format: the columns of a weight and of a scale for K elements (bf16 / e4m3: K; e2m1 pairs: K/2; fp8 1×128
+    # scales: ⌈K/128⌉; E8M0 per 32: K/32), and the value of a padded scale: 1.0 (float32), 2^0 (E8M0 byte 127).
+    wcols = {"bf16": hp, "fp8": hp, "fp4": hp // 2}[fmt], {"bf16": ip, "fp8": ip, "fp4": ip // 2}[fmt]
+    scols = {"fp8": (hp // 128, ip // 128), "fp4": (hp // 32, ip // 32)}.get(fmt)
+    fill = {"fp8": 1, "fp4": 127}.get(fmt, 0)
+    w13 = _pad_experts(gate_up(layer.w13_weight.data), True, 2 * ip, wcols[0])
+    w2 = _pad_experts(layer.w2_weight.data, False, hp, wcols[1])
     s13 = s2 = None
     if fmt == "fp8":
         s13 = expand_block_scales(layer.w13_weight_scale_inv.data, 2 * inter)
         s2 = expand_block_scales(layer.w2_weight_scale_inv.data, hidden)
+    elif fmt == "fp4":
+        s13, s2 = gate_up(layer.w13_weight_scale.data), layer.w2_weight_scale.data
+    if s13 is not None:
+        s13 = _pad_experts(s13, True, 2 * ip, scols[0], fill)
+        s2 = _pad_experts(s2, False, hp, scols[1], fill)
+    biased = bool(getattr(layer.moe_config, "has_bias", False))
     moe = StaticMoE(
-        hidden,
-        inter,
+        hp,
+        ip,
         layer.global_num_experts,
         layer.top_k,
         _capacity(),
         weight_format=fmt,
+        expert_biases=biased,
         device=w13.device,
+        **_activation_options(layer.moe_config.activation),
     )
     moe.set_expert_weights(w13, s13, w2, s2)
+    if biased:
+        b13 = _pad_experts(gate_up(layer.w13_bias.data), True, 2 * ip)
+        moe.set_expert_biases(b13, _pad_experts(layer.w2_bias.data, False, hp))
     return moe
 
 
 def _share_weights(layer, moe) -> int:
-    """Point ``layer``'s ``w13_weight`` / ``w2_weight`` at ``moe``'s copies of them, so that the experts are held
-    once (the two are the same EOI tensors: [E, 2I, H] / [E, H, I], bf16 or e4m3fn). vLLM's own scales stay its
-    own (``moe`` holds them expanded). Returns how many parameters now share ``moe``'s memory."""
+    """Point ``layer``'s weight parameters at ``moe``'s copies of them, so that the experts are held once: the
+    EOI ``w13_weight`` / ``w2_weight`` ([E, 2I, H] / [E, H, I], bf16 or e4m3fn; fp4 [E, 2I, H/2] / [E, H, I/2]
+    uint8) and, for fp4, the E8M0 ``w13_weight_scale`` / ``w2_weight_scale`` ([E, 2I, H/32] / [E, H, I/32]).
+    vLLM's fp8 block scales and its biases stay its own (``moe`` holds them expanded / in float32).
+
+    Where H or I was padded (_convert), a parameter becomes a view of the leading rows and columns of ``moe``'s
+    tensor when it is one: always for w2; for w13 only when I was not padded (padding I moves the up rows), so
+    a w13 whose I was padded (gpt-oss's 2880 → 2944) stays vLLM's own copy as well.
+
+    A swigluoai layer's shared w13 rows (and scales) are in static_moe's order, gate rows then up rows, not vLLM's
+    interleaved one: vLLM never computes with them while the plugin serves the layer, and a reload writes the
+    checkpoint's whole fused tensor into them (gpt-oss's loader copies each layer's gate_up at once) before
+    :func:`_convert` reorders it again. Returns how many parameters now share ``moe``'s memory."""
+    pairs = [("w13_weight", "w13"), ("w2_weight", "w2")]
+    if moe.weight_format == "fp4":
+        pairs += [("w13_weight_scale", "w13_scale"), ("w2_weight_scale", "w2_scale")]
     shared = 0
-    for theirs, ours in (("w13_weight", "w13"), ("w2_weight", "w2")):
+    for theirs, ours in pairs:
         p, t = getattr(layer, theirs), getattr(moe, ours)
-        if p.shape == t.shape and p.dtype == t.dtype and p.device == t.device:
-            p.data = t.data
+        if p.dtype != t.dtype or p.device != t.device or p.dim() != t.dim():
+            continue
+        if ours.startswith("w13") and p.shape[1] != t.shape[1]:
+            continue  # I padded: the up rows are not where vLLM has them
+        view = t[:, : p.shape[1], : p.shape[2]]
+        if view.shape == p.shape:
+            p.data = view
             shared += p.data_ptr() == t.data_ptr()
     return shared
 
 
-def _experts_class():
-    """StaticMoeRoutedExperts, defined when vLLM is importable (this module imports without vLLM)."""
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+def _experts_class(base: type) -> type:
+    """static_moe's replacement of vLLM's RoutedExperts class ``base`` (vLLM's own or a model's subclass): a
+    subclass of it that computes the routed experts with static_moe (module doc), or refuses the layer."""
     from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
 
-    class StaticMoeRoutedExperts(RoutedExperts):
+    class StaticMoeRoutedExperts(base):
         """vLLM's RoutedExperts computing the routed experts with static_moe (module doc)."""
+
+        _static_moe_replacement = True
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -223,14 +388,27 @@ def _experts_class():
                 # makes the same call).
                 shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
             moe = self.__dict__["_static_moe"]
-            c = moe.capacity
+            c, hidden = moe.capacity, x.shape[-1]
+            if moe.hidden_size != hidden:  # H padded with zero columns (_convert); the padded outputs are 0
+                x = torch.nn.functional.pad(x, (0, moe.hidden_size - hidden))
             ids, weights = topk_ids.to(torch.int32), topk_weights.to(torch.float32)
             outs = [moe(x[s : s + c], ids[s : s + c], weights[s : s + c]) for s in range(0, x.shape[0], c)]
             STATS["calls"] += 1
             STATS["rows"] += x.shape[0]
-            return outs[0] if len(outs) == 1 else torch.cat(outs) if outs else torch.zeros_like(x)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs) if outs else torch.zeros_like(x)
+            return out if out.shape[-1] == hidden else out[:, :hidden].contiguous()
 
+    StaticMoeRoutedExperts.__name__ = StaticMoeRoutedExperts.__qualname__ = f"StaticMoe{base.__name__}"
     return StaticMoeRoutedExperts
 
 
-__all__ = ["DEFAULT_CAPACITY", "ENV", "ENV_CAPACITY", "STATS", "UnsupportedVllmLayer", "enabled", "register"]
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "ENV",
+    "ENV_CAPACITY",
+    "SERVED_EXPERTS_CLASSES",
+    "STATS",
+    "UnsupportedVllmLayer",
+    "enabled",
+    "register",
+]

@@ -180,6 +180,128 @@ def write_qwen3_moe(folder: str, *, weights: str = "bf16", seed: int = 0) -> str
     return folder
 
 
+# gpt-oss: one sliding-window and one full-attention layer, biased attention with sinks, a biased router and
+# biased experts whose gate_up rows interleave gate and up (even / odd), SwiGLU-OAI (alpha 1.702, limit 7). Its H
+# and I are multiples of 32 (the MX block), not of 128, as gpt-oss's 2880 is not.
+GPT_OSS_HIDDEN = 160
+GPT_OSS_INTERMEDIATE = 96
+GPT_OSS_EXPERTS = 8
+GPT_OSS_TOP_K = 2
+
+
+def _gpt_oss_config(weights: str) -> dict:
+    cfg = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": VOCAB,
+        "hidden_size": GPT_OSS_HIDDEN,
+        "intermediate_size": GPT_OSS_INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "num_local_experts": GPT_OSS_EXPERTS,
+        "num_experts_per_tok": GPT_OSS_TOP_K,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"][:LAYERS],
+        "hidden_act": "silu",
+        "swiglu_limit": 7.0,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+        },
+        "attention_bias": True,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": None,
+        "eos_token_id": SPECIAL.index("<eos>"),
+        "pad_token_id": SPECIAL.index("<pad>"),
+    }
+    if weights == "mxfp4":
+        skip = ["lm_head", "model.embed_tokens"]
+        for layer in range(LAYERS):
+            skip += [f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp.router"]
+        cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": skip}
+    return cfg
+
+
+def _gpt_oss_tensors(weights: str, seed: int) -> dict[str, torch.Tensor]:
+    from ..formats import dequantize_weight_fp4, quantize_weight_fp4
+
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std):
+        return torch.randn(*shape, generator=g) * std
+
+    h, i, e = GPT_OSS_HIDDEN, GPT_OSS_INTERMEDIATE, GPT_OSS_EXPERTS
+    t: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": rnd(VOCAB, h, std=1.0),
+        "model.norm.weight": 1 + rnd(h, std=0.1),
+        "lm_head.weight": rnd(VOCAB, h, std=0.5),
+    }
+    q_dim, kv_dim = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}"
+        t[f"{p}.input_layernorm.weight"] = 1 + rnd(h, std=0.1)
+        t[f"{p}.post_attention_layernorm.weight"] = 1 + rnd(h, std=0.1)
+        for name, (n, k) in (
+            ("q_proj", (q_dim, h)),
+            ("k_proj", (kv_dim, h)),
+            ("v_proj", (kv_dim, h)),
+            ("o_proj", (h, q_dim)),
+        ):
+            t[f"{p}.self_attn.{name}.weight"] = rnd(n, k, std=k**-0.5)
+            t[f"{p}.self_attn.{name}.bias"] = rnd(n, std=0.02)
+        t[f"{p}.self_attn.sinks"] = rnd(HEADS, std=1.0)
+        t[f"{p}.mlp.router.weight"] = rnd(e, h, std=1.0)
+        t[f"{p}.mlp.router.bias"] = rnd(e, std=0.1)
+        pe = f"{p}.mlp.experts"
+        # [E, N, K] per projection, N the output (gate_up: rows 2j gate j, 2j + 1 up j); the hub's bf16 form stores
+        # them transposed ([E, K, N]), the MXFP4 form as blocks [E, N, K/32, 16] and E8M0 scales [E, N, K/32].
+        for name, (n, k) in (("gate_up_proj", (2 * i, h)), ("down_proj", (h, i))):
+            w = rnd(e, n, k, std=k**-0.5)
+            bias = rnd(e, n, std=0.05)
+            if weights in ("mxfp4", "mxfp4-dequantized"):
+                q, s = quantize_weight_fp4(w)
+                if weights == "mxfp4":
+                    t[f"{pe}.{name}_blocks"] = q.reshape(e, n, k // 32, 16)
+                    t[f"{pe}.{name}_scales"] = s
+                    t[f"{pe}.{name}_bias"] = bias
+                    continue
+                w = dequantize_weight_fp4(q, s)  # e2m1 · 2^e: exact in bf16
+            t[f"{pe}.{name}"] = w.transpose(1, 2)
+            t[f"{pe}.{name}_bias"] = bias
+    return {k: (v if v.dtype == torch.uint8 else v.to(torch.bfloat16)).contiguous() for k, v in t.items()}
+
+
+def write_gpt_oss(folder: str, *, weights: str = "bf16", seed: int = 0) -> str:
+    """Write a tiny random gpt-oss (``GptOssForCausalLM``) into ``folder`` (created); returns ``folder``.
+
+    ``weights``: "bf16" (the hub's bf16 form: ``mlp.experts.gate_up_proj`` [E, H, 2I] with gate / up interleaved
+    along 2I, ``down_proj`` [E, I, H], biases ``gate_up_proj_bias`` [E, 2I] / ``down_proj_bias`` [E, H]); "mxfp4"
+    (the published checkpoints' form: ``gate_up_proj_blocks`` [E, 2I, H/32, 16] uint8, two e2m1 per byte, low
+    nibble first, ``gate_up_proj_scales`` [E, 2I, H/32] E8M0 bytes, and ``quantization_config`` ``mxfp4``);
+    "mxfp4-dequantized" (the "mxfp4" model with its experts' values stored as bf16: exact). The same ``seed``
+    gives the same model for every ``weights``."""
+    if weights not in ("bf16", "mxfp4", "mxfp4-dequantized"):
+        raise ValueError(f"weights must be 'bf16', 'mxfp4' or 'mxfp4-dequantized', got {weights!r}")
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(_gpt_oss_config(weights), f, indent=1)
+    save_file(_gpt_oss_tensors(weights, seed), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer(folder)
+    return folder
+
+
 def prompts() -> list[str]:
     """A handful of prompts in the tokenizer's vocabulary."""
     w = _words()
