@@ -12,8 +12,14 @@
   has no AMX tiles vLLM has no fp8 MoE kernel, and the one way it serves such a checkpoint is with the experts
   dequantized to bf16 (fp8 · scale, rounded to bf16): its vec kernel on those weights ("vllm_vec_dequant"; twice the
   bytes, which its GB/cpu-s counts) is then the peer, the model the vLLM plugin's fp8 end-to-end test compares with.
+- MXFP4 weights (gpt-oss: e2m1 pairs with one E8M0 scale per 32): vLLM's MXFP4 MoE kernel needs AMX tiles
+  (``CPUExpertsMxfp4``) and is not wired here; every host times vLLM's vec kernel on the experts dequantized to bf16
+  (exact: "vllm_vec_dequant", four times the bytes), how vLLM serves gpt-oss on a CPU without AMX.
 - static_moe twice: its default kernel, and the opt-in AMX kernel (``STATIC_MOE_CPU_ISA=amx``, read on every call,
-  so both run in this one process; docs/backends/cpu.md says why it is not the default).
+  so both run in this one process; docs/backends/cpu.md says why it is not the default). Its layer is built and
+  called as the vLLM plugin builds and calls it (``static_moe.integrations.vllm.experts_from_vllm`` /
+  ``run_experts``) from the tensors vLLM holds, so gpt-oss's interleaved rows, biases and padding to multiples
+  of 128 are in its time.
 
 Each round times every contender once (the median of ``--iters`` calls), ``--rounds`` rounds, and keeps each one's
 best round: drift in a shared host hits all of them. Prints the wall and CPU times (the process's CPU time leaves
@@ -26,11 +32,13 @@ unless the process sets THP_MEM_ALLOC_ENABLE=1.
 Needs the vLLM venv (``make venv-vllm``):
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/bench_vllm_peer.py --rows 1 4 16 64 --formats bf16 fp8
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/bench_vllm_peer.py --shapes gpt_oss_20b --formats bf16 mxfp4
 
 Shapes (static_moe.testing.generators.MODEL_SHAPES): DeepSeek-V3 (H 7168, I 2048, top-8), DeepSeek-V4-Flash
 (H 4096, I 2048, top-6) and Qwen3-30B-A3B (H 2048, I 768, top-8), each with ``--experts`` local experts (a
-slice of the model's, to fit the host's memory; routing is uniform over them). ``--dims H I TOPK`` replaces them
-with one custom shape (the test runs a tiny one).
+slice of the model's, to fit the host's memory; routing is uniform over them); and gpt-oss-20b (H 2880, I 2880,
+top-4, SWIGLUOAI with biases: static_moe pads H and I to 2944). ``--dims H I TOPK`` replaces them with one
+custom shape (the test runs tiny ones), with ``--gpt-oss`` computing gpt-oss's activation and biases.
 """
 
 from __future__ import annotations
@@ -43,13 +51,16 @@ from collections.abc import Callable
 
 import torch
 
-from static_moe import StaticMoE, host_memory
-from static_moe.formats import expand_block_scales
+from static_moe import host_memory
+from static_moe.formats import dequantize_weight_fp4, quantize_weight_fp4
+from static_moe.integrations.vllm import experts_from_vllm, run_experts
 from static_moe.testing.generators import MODEL_SHAPES
 
 ISA_ENV = "STATIC_MOE_CPU_ISA"
 BLOCK = 128
 FP8_MAX = 448.0
+# (H, I, top-k) of the shapes MODEL_SHAPES does not hold; gpt-oss's experts compute SWIGLUOAI with biases.
+GPT_OSS_SHAPES = {"gpt_oss_20b": (2880, 2880, 4)}
 
 
 def calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,21 +108,29 @@ def quantize_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def layer_inputs(dims, experts: int, rows: list[int]):
-    """The float weights w13 [E, 2I, H], w2 [E, H, I] and {T: (x [T, H] bf16, ids [T, k] int32, weights [T, k]
-    float32 summing to 1)} of one shape, k = min(top-k, experts) distinct experts per row, from seed 0."""
+def layer_inputs(dims, experts: int, rows: list[int], gpt_oss: bool = False):
+    """The float weights w13 [E, 2I, H], w2 [E, H, I], bf16 biases (b13 [E, 2I], b2 [E, H]; None unless
+    ``gpt_oss``) and {T: (x [T, H] bf16, ids [T, k] int32, weights [T, k] float32 summing to 1)} of one shape,
+    k = min(top-k, experts) distinct experts per row, from seed 0. With ``gpt_oss`` the w13 rows are read
+    interleaved (2j gate j, 2j + 1 up j), as vLLM holds gpt-oss's."""
     h, i, topk = dims
     k = min(topk, experts)
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(experts, 2 * i, h, generator=g) * h**-0.5
     w2 = torch.randn(experts, h, i, generator=g) * i**-0.5
+    biases = None
+    if gpt_oss:
+        biases = (
+            (torch.randn(experts, 2 * i, generator=g) * 0.1).bfloat16(),
+            (torch.randn(experts, h) * 0.1).bfloat16(),
+        )
     inputs = {}
     for t in rows:
         x = torch.randn(t, h, generator=g).bfloat16()
         ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)]).to(torch.int32)
         wts = torch.rand(t, k, generator=g).float()
         inputs[t] = (x, ids, wts / wts.sum(-1, keepdim=True))
-    return w13, w2, inputs
+    return w13, w2, biases, inputs
 
 
 def dequantize_fp8_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -122,30 +141,37 @@ def dequantize_fp8_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return w.reshape(e, n, k).bfloat16()
 
 
-def static_moe_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor):
-    """``(weights, block_scales, per_expert)`` for float w13 [E, 2I, H], w2 [E, H, I]: StaticMoE's (w13,
-    w13_scale, w2, w2_scale) in ``fmt``; for fp8 the 128×128 block scales (s13, s2) vLLM takes (None for bf16); the
-    weight bytes one expert streams."""
-    two_i, h = w13.shape[1], w13.shape[2]
+def vllm_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor):
+    """``(w13, s13, w2, s2)`` as vLLM holds them for float w13 [E, 2I, H], w2 [E, H, I]: bf16 (no scales); fp8
+    with float32 128×128 block scales [E, N/128, K/128]; mxfp4 as uint8 e2m1 pairs [E, N, K/2] with E8M0 bytes
+    [E, N, K/32]."""
     if fmt == "bf16":
-        return (w13.bfloat16(), None, w2.bfloat16(), None), None, 3 * h * two_i
-    q13, s13 = quantize_fp8_blocks(w13)
-    q2, s2 = quantize_fp8_blocks(w2)
-    weights = (q13, expand_block_scales(s13, two_i), q2, expand_block_scales(s2, h))
-    return weights, (s13, s2), 3 * h * two_i // 2 + 4 * (s13[0].numel() + s2[0].numel())
+        return w13.bfloat16(), None, w2.bfloat16(), None
+    quantize = quantize_fp8_blocks if fmt == "fp8" else quantize_weight_fp4
+    (q13, s13), (q2, s2) = quantize(w13), quantize(w2)
+    return q13, s13, q2, s2
+
+
+def _nbytes(*tensors) -> int:
+    """Bytes of one expert's slice of each tensor (None: none)."""
+    return sum(t[0].nbytes for t in tensors if t is not None)
 
 
 def model_shapes(args) -> dict[str, tuple[int, int, int]]:
-    """{name: (H, I, top-k)}: ``--dims`` as "custom", else the ``--shapes`` of MODEL_SHAPES."""
+    """{name: (H, I, top-k)}: ``--dims`` as "custom", else the ``--shapes`` of MODEL_SHAPES and GPT_OSS_SHAPES."""
     if args.dims:
         return {"custom": tuple(args.dims)}
-    return {n: (MODEL_SHAPES[n].hidden, MODEL_SHAPES[n].intermediate, MODEL_SHAPES[n].topk) for n in args.shapes}
+    found = {}
+    for n in args.shapes:
+        found[n] = GPT_OSS_SHAPES.get(n) or (MODEL_SHAPES[n].hidden, MODEL_SHAPES[n].intermediate, MODEL_SHAPES[n].topk)
+    return found
 
 
 class _OursWithIsa:
-    """``moe(x, ids, wts)`` with STATIC_MOE_CPU_ISA set to ``isa`` for the call (None: unset, the default)."""
+    """The plugin's call (``run_experts``) with STATIC_MOE_CPU_ISA set to ``isa`` for it (None: unset, the
+    default)."""
 
-    def __init__(self, moe: StaticMoE, isa: str | None):
+    def __init__(self, moe, isa: str | None):
         self.moe, self.isa = moe, isa
 
     def __call__(self, x, ids, wts):
@@ -153,7 +179,7 @@ class _OursWithIsa:
         if self.isa is not None:
             os.environ[ISA_ENV] = self.isa
         try:
-            return self.moe(x, ids, wts)
+            return run_experts(self.moe, x, ids, wts)
         finally:
             os.environ.pop(ISA_ENV, None)
             if old is not None:
@@ -164,51 +190,56 @@ def _has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
-def _contenders(fmt: str, w13: torch.Tensor, w2: torch.Tensor, h: int, i: int, experts: int, k: int, cap: int):
+def _contenders(fmt: str, w13: torch.Tensor, w2: torch.Tensor, biases, experts: int, k: int, cap: int):
     """(moe, {name: fn(x, ids, wts) -> out [T, H] bf16}, {name: weight bytes one expert streams}) for one weight
-    format; the first contender is static_moe's default kernel, the reference of the ratios and diffs."""
+    format; the first contender is static_moe's default kernel, the reference of the ratios and diffs. ``biases``
+    (b13, b2) or None; with them the experts compute gpt-oss's SWIGLUOAI over interleaved w13 rows."""
     import vllm._custom_ops as vops
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
     amx = _has_amx()
-    moe = StaticMoE(h, i, experts, k, cap, weight_format=fmt)
-    weights, block_scales, per_expert = static_moe_weights(fmt, w13, w2)
-    moe.set_expert_weights(*weights)
+    h = w2.shape[1]
+    act = MoEActivation.SWIGLUOAI if biases is not None else MoEActivation.SILU
+    b13, b2 = biases if biases is not None else (None, None)
+    q13, s13, q2, s2 = vllm_weights(fmt, w13, w2)
+    moe = experts_from_vllm("fp4" if fmt == "mxfp4" else fmt, act, experts, k, cap, q13, s13, q2, s2, b13, b2)
     found, streams = {}, {}
 
     def unquantized(w13b: torch.Tensor, w2b: torch.Tensor, suffix: str) -> None:
         for isa in ["vec"] + (["amx"] if amx else []):
-            streams[f"vllm_{isa}{suffix}"] = w13b[0].nbytes + w2b[0].nbytes
+            streams[f"vllm_{isa}{suffix}"] = _nbytes(w13b, w2b)
             p13, p2 = vops.cpu_prepack_moe_weight(w13b, isa), vops.cpu_prepack_moe_weight(w2b, isa)
 
             def theirs(x, ids, wts, p13=p13, p2=p2, isa=isa):
                 y = torch.empty(x.shape[0], h, dtype=torch.bfloat16)
-                vops.cpu_fused_moe(y, x, p13, p2, None, None, wts, ids, "silu", isa, False)
+                vops.cpu_fused_moe(y, x, p13, p2, b13, b2, wts, ids, act.value, isa, False)
                 return y
 
             found[f"vllm_{isa}{suffix}"] = theirs
 
     if fmt == "bf16":
-        unquantized(weights[0], weights[2], "")
-    else:
-        q13, q2 = weights[0], weights[2]
-        s13, s2 = block_scales
-        if amx:  # vLLM's CPUExpertsFp8 exists only on AMX hosts (its _supports_current_device)
-            p13, p2 = torch.ops._C.convert_weight_packed(q13), torch.ops._C.convert_weight_packed(q2)
+        unquantized(q13, q2, "")
+    elif fmt == "mxfp4":  # vLLM's MXFP4 kernel needs AMX tiles and is not wired here (module doc)
+        unquantized(dequantize_weight_fp4(q13, s13).bfloat16(), dequantize_weight_fp4(q2, s2).bfloat16(), "_dequant")
+    elif amx:  # vLLM's CPUExpertsFp8 exists only on AMX hosts (its _supports_current_device)
+        p13, p2 = torch.ops._C.convert_weight_packed(q13), torch.ops._C.convert_weight_packed(q2)
+        streams["vllm_fp8"] = _nbytes(q13, q2, s13, s2)
 
-            def theirs(x, ids, wts, p13=p13, p2=p2, s13=s13, s2=s2):
-                y = torch.empty(x.shape[0], h, dtype=torch.bfloat16)
-                vops.fused_experts_cpu(
-                    y, x, p13, p2, wts, ids, vops.CPUQuantMethod.FP8_W8A16, s13, s2, None, None, [BLOCK, BLOCK],
-                    None, None, None, None, True,
-                )  # fmt: skip
-                return y
+        def theirs(x, ids, wts, p13=p13, p2=p2, s13=s13, s2=s2):
+            y = torch.empty(x.shape[0], h, dtype=torch.bfloat16)
+            vops.fused_experts_cpu(
+                y, x, p13, p2, wts, ids, vops.CPUQuantMethod.FP8_W8A16, s13, s2, None, None, [BLOCK, BLOCK],
+                None, None, None, None, True,
+            )  # fmt: skip
+            return y
 
-            found["vllm_fp8"] = theirs
-        else:  # no fp8 MoE kernel in vLLM here: it serves the checkpoint dequantized to bf16
-            unquantized(dequantize_fp8_blocks(q13, s13), dequantize_fp8_blocks(q2, s2), "_dequant")
+        found["vllm_fp8"] = theirs
+    else:  # no fp8 MoE kernel in vLLM here: it serves the checkpoint dequantized to bf16
+        unquantized(dequantize_fp8_blocks(q13, s13), dequantize_fp8_blocks(q2, s2), "_dequant")
     ours = {"ours": _OursWithIsa(moe, None)}
     if amx:
         ours["ours_amx"] = _OursWithIsa(moe, "amx")
+    per_expert = _nbytes(moe.w13, moe.w13_scale, moe.w2, moe.w2_scale)  # padded, where H or I was
     return moe, {**ours, **found}, {n: streams.get(n, per_expert) for n in [*ours, *found]}
 
 
@@ -220,15 +251,18 @@ def bench_shape(
     iters: int,
     rounds: int,
     formats: list[str],
+    gpt_oss: bool = False,
 ) -> list[dict]:
     """One result per (format, rows): ``{name}_us`` (best round's median) and ``gbps_{name}`` per contender,
     ``diff_{name}`` against ``ours``, and ``ratio`` = the fastest vLLM kernel's time / ours."""
-    h, i, topk = dims
-    k = min(topk, experts)
-    w13, w2, inputs = layer_inputs(dims, experts, rows)
+    k = min(dims[2], experts)
+    w13, w2, biases, inputs = layer_inputs(dims, experts, rows, gpt_oss)
     out = []
     for fmt in formats:
-        moe, fns, per_expert = _contenders(fmt, w13, w2, h, i, experts, k, max(rows))
+        if gpt_oss and fmt == "fp8":
+            print(f"{name}: no fp8 gpt-oss checkpoints (its experts ship as MXFP4); skipped")
+            continue
+        moe, fns, per_expert = _contenders(fmt, w13, w2, biases, experts, k, max(rows))
         for t, (x, ids, wts) in inputs.items():
             used = int(torch.unique(ids).numel())
             streamed = per_expert["ours"] * used
@@ -259,10 +293,16 @@ def bench_shape(
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", default=["qwen3_30b_a3b", "v4_flash", "v3"], choices=sorted(MODEL_SHAPES))
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["qwen3_30b_a3b", "v4_flash", "v3"],
+        choices=sorted([*MODEL_SHAPES, *GPT_OSS_SHAPES]),
+    )
     p.add_argument("--dims", nargs=3, type=int, metavar=("H", "I", "TOPK"), help="one custom shape instead")
+    p.add_argument("--gpt-oss", action="store_true", help="--dims computes gpt-oss's SWIGLUOAI with biases")
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64])
-    p.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    p.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "mxfp4"])
     p.add_argument("--experts", type=int, default=8, help="local experts per layer (a slice of the model's)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
@@ -276,7 +316,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"torch copy {wall:.1f} GB/s (cpu {cpu:.1f}) (read + write)")
     results = []
     for name, dims in shapes.items():
-        for r in bench_shape(name, dims, args.experts, args.rows, args.iters, args.rounds, args.formats):
+        gpt_oss = name in GPT_OSS_SHAPES or (name == "custom" and args.gpt_oss)
+        for r in bench_shape(name, dims, args.experts, args.rows, args.iters, args.rounds, args.formats, gpt_oss):
             results.append(r)
             cols = "  ".join(
                 f"{n} {r[f'{n}_us']:7.0f} us (cpu {r[f'{n}_cpu_us']:7.0f}) {r[f'gbps_{n}']:5.1f} GB/cpu-s"

