@@ -1,8 +1,9 @@
 """The plugin's conversion of vLLM's expert tensors (experts_from_vllm, run_experts: what its layers compute), held
 to vLLM's own CPU MoE kernel (`cpu_fused_moe`, the vec kernel its CPUUnquantizedExperts runs) on the same
-weights: for SILU and gpt-oss's SWIGLUOAI (interleaved gate / up rows, alpha 1.702, limit 7), with and without
-biases, at sizes that are multiples of 128 and at sizes the plugin pads (H 160, I 96), at inputs large enough
-that the SWIGLUOAI clamp binds; and MXFP4 experts against vLLM's kernel on their exact bf16 dequantization.
+weights: for SILU, GELU_TANH (Gemma 4's experts) and gpt-oss's SWIGLUOAI (interleaved gate / up rows, alpha
+1.702, limit 7), with and without biases, at sizes that are multiples of 128 and at sizes the plugin pads (H 160,
+I 96), at inputs large enough that the SWIGLUOAI clamp binds; and MXFP4 experts against vLLM's kernel on their
+exact bf16 dequantization.
 
 The two differ by design in where the routing weight is applied (static_moe folds it into the bf16 activation
 before w2, SPEC §1.4; vLLM scales w2's output), so agreement is calc_diff-close, not bitwise; a wrong row order,
@@ -57,7 +58,9 @@ def _static_moe(fmt, activation, x, w13, s13, w2, s2, b13, b2, ids, weights) -> 
 
 
 @pytest.mark.parametrize("biased", [False, True], ids=["no_bias", "bias"])
-@pytest.mark.parametrize("activation", [MoEActivation.SILU, MoEActivation.SWIGLUOAI], ids=lambda a: a.value)
+@pytest.mark.parametrize(
+    "activation", [MoEActivation.SILU, MoEActivation.GELU_TANH, MoEActivation.SWIGLUOAI], ids=lambda a: a.value
+)
 @pytest.mark.parametrize("h,i", SIZES, ids=lambda v: str(v))
 def test_bf16_experts_match_vllm_cpu_moe(h, i, activation, biased):
     x, w13, w2, b13, b2, ids, weights = _inputs(h, i)

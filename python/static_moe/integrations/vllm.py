@@ -29,9 +29,9 @@ quant method, so checkpoints load exactly as in vLLM) and the scheduler — and 
 What the kernels cannot compute is refused when the layer is constructed, i.e. at engine start, with a
 :class:`UnsupportedVllmLayer` (a ValueError) naming the layer and the reason: a model's own experts class other
 than gpt-oss's (``SERVED_EXPERTS_CLASSES``), float16 / float32 model dtypes, quantization other than bf16, fp8
-128×128 blocks or MXFP4, activations other than SiLU-and-mul and SWIGLUOAI, SwiGLU limits / alphas / betas set on
-the layer, router weights applied on the input, tensor or expert parallelism across processes. docs/vllm.md says
-why this extension point and not a quant method or a modular-kernel ``FusedMoEExperts``.
+128×128 blocks or MXFP4, activations other than SiLU- / GELU-tanh-and-mul and SWIGLUOAI, SwiGLU limits / alphas /
+betas set on the layer, router weights applied on the input, tensor or expert parallelism across processes.
+docs/vllm.md says why this extension point and not a quant method or a modular-kernel ``FusedMoEExperts``.
 """
 
 from __future__ import annotations
@@ -134,6 +134,10 @@ def _capacity() -> int:
 # checkpoint's fused, interleaved gate_up tensors load). Another subclass may change what its layer computes, so
 # it is refused (by name) rather than served unseen.
 SERVED_EXPERTS_CLASSES = ("RoutedExperts", "GptOssRoutedExperts")
+# vLLM's gated MoE activations (MoEActivation values) static_moe computes, and its name for each (SPEC §1.4, §1.9):
+# SiLU(gate) · up; gelu(gate, approximate="tanh") · up (Gemma 4's experts); SWIGLUOAI (below). vLLM's "gelu" (erf)
+# has no counterpart.
+ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh", "swigluoai": "swiglu_oai"}
 PAD = 128  # static_moe's H and I are multiples of this (SPEC §1.2); other sizes are zero-padded up to it
 # vLLM's SWIGLUOAI: gpt-oss's GLU with its fixed alpha and limit (vLLM's kernels hard-code both).
 SWIGLUOAI_ALPHA = 1.702
@@ -155,7 +159,6 @@ def _class_refusal(cls: type) -> str | None:
 
 def _refusals(layer) -> list[str]:
     """Why static_moe cannot serve this vLLM RoutedExperts layer (empty: it can)."""
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     cfg, why = layer.moe_config, []
@@ -177,8 +180,8 @@ def _refusals(layer) -> list[str]:
         )
     elif fmt == "bf16" and not isinstance(qm, UnquantizedFusedMoEMethod):
         why.append(f"quantization {type(qm).__name__}")
-    if cfg.activation not in (MoEActivation.SILU, MoEActivation.SWIGLUOAI) or not cfg.is_act_and_mul:
-        why.append(f"activation {cfg.activation.value} (served: silu, SiLU(gate) · up, and swigluoai, gpt-oss's GLU)")
+    if cfg.activation.value not in ACTIVATIONS or not cfg.is_act_and_mul:
+        why.append(f"activation {cfg.activation.value} (served, gated: {', '.join(ACTIVATIONS)})")
     if any(v is not None for v in (layer.swiglu_limit, layer.swiglu_alpha, layer.swiglu_beta)):
         why.append("a clamped / scaled SwiGLU set on the layer (swiglu_limit / alpha / beta)")
     if layer.apply_router_weight_on_input:
@@ -239,12 +242,12 @@ def _gate_up_order(activation, inter: int) -> torch.Tensor | None:
 
 
 def _activation_options(activation) -> dict:
-    """StaticMoE's activation arguments for vLLM's MoEActivation ``activation`` (one _refusals lets through)."""
+    """StaticMoE's activation arguments for vLLM's MoEActivation ``activation`` (one of ACTIVATIONS)."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
     if activation == MoEActivation.SWIGLUOAI:
         return {"activation": "swiglu_oai", "alpha": SWIGLUOAI_ALPHA, "swiglu_limit": SWIGLUOAI_LIMIT}
-    return {"activation": "silu"}
+    return {"activation": ACTIVATIONS[activation.value]}
 
 
 def _padded(n: int) -> int:
@@ -298,9 +301,10 @@ def experts_from_vllm(fmt, activation, num_experts, top_k, capacity, w13, s13, w
 
     ``fmt`` "bf16": w13 [E, 2I, H], w2 [E, H, I] bf16; "fp8": float8_e4m3fn with vLLM's 128×128 block scales
     s13 [E, ⌈2I/128⌉, ⌈H/128⌉], s2 [E, ⌈H/128⌉, ⌈I/128⌉] float32; "fp4" (MXFP4): uint8 e2m1 pairs w13 [E, 2I, H/2],
-    w2 [E, H, I/2] with E8M0 bytes s13 [E, 2I, H/32], s2 [E, H, I/32]. ``activation``: vLLM's MoEActivation,
-    SILU (w13 rows: gate, then up) or SWIGLUOAI (interleaved: row 2j gate j, 2j + 1 up j). Optional biases b13
-    [E, 2I], b2 [E, H] (bf16 or float32). All on one device (the layer's); nothing is changed in place.
+    w2 [E, H, I/2] with E8M0 bytes s13 [E, 2I, H/32], s2 [E, H, I/32]. ``activation``: vLLM's MoEActivation
+    with its name in ACTIVATIONS: SILU or GELU_TANH (w13 rows: gate, then up) or SWIGLUOAI (interleaved: row 2j
+    gate j, 2j + 1 up j). Optional biases b13 [E, 2I], b2 [E, H] (bf16 or float32). All on one device (the
+    layer's); nothing is changed in place.
 
     The fp8 scales become 1×128 ones (repeated over their 128 rows: exact), SWIGLUOAI's rows (weights, scales,
     bias) are de-interleaved, and H, I are zero-padded to multiples of 128 (:func:`_pad_experts`): the layer's
