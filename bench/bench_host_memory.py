@@ -16,10 +16,20 @@ import argparse
 import os
 
 import torch
-from bench_vllm_peer import _median_cpu_s, layer_inputs, model_shapes, static_moe_weights
+from bench_vllm_peer import _median_cpu_s, _nbytes, layer_inputs, model_shapes, vllm_weights
 
 from static_moe import StaticMoE, host_memory
+from static_moe.formats import expand_block_scales
 from static_moe.testing.generators import MODEL_SHAPES
+
+
+def _weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor):
+    """StaticMoE's (w13, w13_scale, w2, w2_scale) in ``fmt`` for float w13 [E, 2I, H], w2 [E, H, I] (fp8: the
+    peer bench's 128×128 block scales repeated to 1×128, as the vLLM plugin does), and one expert's bytes."""
+    q13, s13, q2, s2 = vllm_weights(fmt, w13, w2)
+    if fmt == "fp8":
+        s13, s2 = expand_block_scales(s13, w13.shape[1]), expand_block_scales(s2, w2.shape[1])
+    return (q13, s13, q2, s2), _nbytes(q13, s13, q2, s2)
 
 
 def _layer(fmt, h, i, experts, k, cap, weights, advised: bool) -> StaticMoE:
@@ -37,10 +47,10 @@ def _layer(fmt, h, i, experts, k, cap, weights, advised: bool) -> StaticMoE:
 def bench(name, dims, experts, rows, formats, iters, rounds) -> list[dict]:
     h, i, topk = dims
     k = min(topk, experts)
-    w13, w2, inputs = layer_inputs(dims, experts, rows)
+    w13, w2, _, inputs = layer_inputs(dims, experts, rows)
     out = []
     for fmt in formats:
-        weights, _, per_expert = static_moe_weights(fmt, w13, w2)
+        weights, per_expert = _weights(fmt, w13, w2)
         layers = {a: _layer(fmt, h, i, experts, k, max(rows), weights, a) for a in (True, False)}
         for t, (x, ids, wts) in inputs.items():
             same = torch.equal(layers[True](x, ids, wts), layers[False](x, ids, wts))
