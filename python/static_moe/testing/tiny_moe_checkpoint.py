@@ -1,4 +1,5 @@
-"""A tiny random Qwen3-MoE checkpoint on disk, for end-to-end tests of a serving engine (vLLM) without a download.
+"""Tiny random MoE checkpoints on disk (Qwen3-MoE, gpt-oss), for end-to-end tests of a serving engine (vLLM)
+without a download.
 
 :func:`write_qwen3_moe` writes a Hugging Face model folder: ``config.json`` (``Qwen3MoeForCausalLM``), one
 ``model.safetensors`` with the hub's per-expert key names (``model.layers.{l}.mlp.experts.{e}.gate_proj.weight``
@@ -11,6 +12,11 @@ vocabulary (``tokenizer.json`` + ``tokenizer_config.json``, read by ``PreTrained
 listed in ``modules_to_not_convert``. The scales are powers of two, so ``q · s`` is exact in bf16:
 ``weights="fp8-dequantized"`` writes the same model with those products as bf16 expert weights, the reference
 an fp8 run is compared with.
+
+:func:`write_gpt_oss` writes a ``GptOssForCausalLM`` folder the same way, with the hub's gpt-oss key names: the
+experts fused per layer (``mlp.experts.gate_up_proj`` with gate / up interleaved, biases), in bf16 or in the
+published MXFP4 form (``gate_up_proj_blocks`` / ``_scales``, ``quant_method: mxfp4``), at an H and I (160, 96)
+that are multiples of 32 but not of 128, as gpt-oss's 2880 is.
 
 Needs ``safetensors`` and ``tokenizers`` (both come with transformers).
 """
