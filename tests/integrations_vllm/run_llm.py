@@ -1,7 +1,8 @@
-"""Run vllm.LLM (in-process engine, eager, CPU) on model folders and print one JSON line per model: the greedy
+"""Run vllm.LLM (in-process engine, CPU) on model folders and print one JSON line per model: the greedy
 token ids of static_moe.testing.tiny_moe_checkpoint.prompts() with, at each step, the raw logits of the chosen token
 and of the best other one (equal: a tie, decided by token index), or the error. Run as a script by
-test_vllm_plugin.py, once with STATIC_MOE_VLLM=1 and once without: the plugin's registration is per process."""
+test_vllm_plugin.py, with STATIC_MOE_VLLM=1 and without (the plugin's registration is per process), eager, or
+with ``--compiled`` as vLLM runs by default (torch.compile, no ``enforce_eager``)."""
 
 import json
 import sys
@@ -19,7 +20,7 @@ def _top2(request_output) -> list[list[float]]:
     return found
 
 
-def main(folders: list[str]) -> None:
+def main(folders: list[str], compiled: bool = False) -> None:
     from vllm import LLM, SamplingParams
 
     for folder in folders:
@@ -28,7 +29,7 @@ def main(folders: list[str]) -> None:
             llm = LLM(
                 model=folder,
                 dtype="auto",
-                enforce_eager=True,
+                enforce_eager=not compiled,  # compiled: vLLM's default, torch.compile over the model
                 max_model_len=128,
                 max_num_seqs=4,
                 seed=0,
@@ -47,4 +48,5 @@ def main(folders: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    main([a for a in args if a != "--compiled"], compiled="--compiled" in args)

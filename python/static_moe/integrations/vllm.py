@@ -37,6 +37,7 @@ docs/vllm.md says why this extension point and not a quant method or a modular-k
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -276,6 +277,29 @@ def _pad_experts(t: torch.Tensor, halves: bool, n_to: int, cols: int = 0, fill: 
     return out
 
 
+# The StaticMoE layer of each served vLLM layer, by a key unique to that layer (weakly held: the vLLM layer owns it).
+_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("static_moe_vllm::routed_experts", mutates_args=())
+def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, key: str) -> torch.Tensor:
+    """The routed experts of the served layer ``key`` (run_experts): bf16 [T, H] for x [T, H] bf16.
+
+    An opaque op, so that torch.compile does not trace into the Python around the kernels: on CPU vLLM compiles
+    the MoE runner together with the model (its ``_select_forward`` calls the runner directly there, not through
+    its own opaque ``vllm.moe_forward``), and ``run_experts``'s chunking by capacity would specialize the dynamic
+    token count (a ConstraintViolationError at engine start, without ``enforce_eager``)."""
+    out = run_experts(_LAYERS[key], x, topk_ids, topk_weights)
+    STATS["calls"] += 1
+    STATS["rows"] += x.shape[0]
+    return out
+
+
+@routed_experts.register_fake
+def _(x, topk_weights, topk_ids, key):
+    return torch.empty_like(x)
+
+
 def _convert(layer):
     """The loaded vLLM weights of ``layer`` as a StaticMoE layer (see the module doc for the mapping)."""
     fmt = _weight_format(layer)
@@ -423,6 +447,9 @@ def _experts_class(base: type) -> type:
                 old.close()
             moe = _convert(self)
             self.__dict__["_static_moe"] = moe
+            key = f"{self.layer_name}@{id(self):x}"  # unique while the layer lives, also across engines
+            self.__dict__["_static_moe_key"] = key
+            _LAYERS[key] = moe
             STATS["shared_weights"] += _share_weights(self, moe)
             STATS["layers"] += 1
 
@@ -433,10 +460,8 @@ def _experts_class(base: type) -> type:
                 # The order the runner chose for them; a no-op when it is another one (vLLM's modular kernel
                 # makes the same call).
                 shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
-            out = run_experts(self.__dict__["_static_moe"], x, topk_ids, topk_weights)
-            STATS["calls"] += 1
-            STATS["rows"] += x.shape[0]
-            return out
+            key = self.__dict__["_static_moe_key"]
+            return torch.ops.static_moe_vllm.routed_experts(x, topk_weights, topk_ids, key)
 
     StaticMoeRoutedExperts.__name__ = StaticMoeRoutedExperts.__qualname__ = f"StaticMoe{base.__name__}"
     return StaticMoeRoutedExperts
@@ -452,5 +477,6 @@ __all__ = [
     "enabled",
     "experts_from_vllm",
     "register",
+    "routed_experts",
     "run_experts",
 ]
