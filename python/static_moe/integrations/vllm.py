@@ -24,7 +24,8 @@ quant method, so checkpoints load exactly as in vLLM) and the scheduler — and 
   from them (the old one is closed).
 * ``forward_modular(x [T, H] bf16, topk_weights [T, k] float32, topk_ids [T, k] int32)``: the router's output
   goes to ``torch.ops.static_moe.forward`` (:func:`run_experts`) in chunks of ``capacity`` rows
-  (``STATIC_MOE_VLLM_CAPACITY``, default 128), on CPU.
+  (``STATIC_MOE_VLLM_CAPACITY``, default 128), on CPU, through the opaque op :func:`routed_experts`
+  (``static_moe_vllm::routed_experts``), which vLLM's default torch.compile does not trace into.
 
 What the kernels cannot compute is refused when the layer is constructed, i.e. at engine start, with a
 :class:`UnsupportedVllmLayer` (a ValueError) naming the layer and the reason: a model's own experts class other
