@@ -99,22 +99,34 @@ def _block_fp8(w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch
     return q, s
 
 
+def _embeddings(rnd, h: int) -> dict[str, torch.Tensor]:
+    """The token embedding, final norm and LM head of a model of hidden size h, drawn by ``rnd`` in this order."""
+    return {
+        "model.embed_tokens.weight": rnd(VOCAB, h, std=1.0),
+        "model.norm.weight": 1 + rnd(h, std=0.1),
+        "lm_head.weight": rnd(VOCAB, h, std=0.5),
+    }
+
+
+def _layer_norms(rnd, p: str, h: int) -> dict[str, torch.Tensor]:
+    """Layer ``p``'s two RMSNorm weights, drawn by ``rnd`` in this order."""
+    return {
+        f"{p}.input_layernorm.weight": 1 + rnd(h, std=0.1),
+        f"{p}.post_attention_layernorm.weight": 1 + rnd(h, std=0.1),
+    }
+
+
 def _tensors(weights: str, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, std):
         return torch.randn(*shape, generator=g) * std
 
-    t: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": rnd(VOCAB, HIDDEN, std=1.0),
-        "model.norm.weight": 1 + rnd(HIDDEN, std=0.1),
-        "lm_head.weight": rnd(VOCAB, HIDDEN, std=0.5),
-    }
+    t = _embeddings(rnd, HIDDEN)
     q_dim, kv_dim = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     for layer in range(LAYERS):
         p = f"model.layers.{layer}"
-        t[f"{p}.input_layernorm.weight"] = 1 + rnd(HIDDEN, std=0.1)
-        t[f"{p}.post_attention_layernorm.weight"] = 1 + rnd(HIDDEN, std=0.1)
+        t |= _layer_norms(rnd, p, HIDDEN)
         t[f"{p}.self_attn.q_proj.weight"] = rnd(q_dim, HIDDEN, std=HIDDEN**-0.5)
         t[f"{p}.self_attn.k_proj.weight"] = rnd(kv_dim, HIDDEN, std=HIDDEN**-0.5)
         t[f"{p}.self_attn.v_proj.weight"] = rnd(kv_dim, HIDDEN, std=HIDDEN**-0.5)
@@ -247,16 +259,11 @@ def _gpt_oss_tensors(weights: str, seed: int) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=g) * std
 
     h, i, e = GPT_OSS_HIDDEN, GPT_OSS_INTERMEDIATE, GPT_OSS_EXPERTS
-    t: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": rnd(VOCAB, h, std=1.0),
-        "model.norm.weight": 1 + rnd(h, std=0.1),
-        "lm_head.weight": rnd(VOCAB, h, std=0.5),
-    }
+    t = _embeddings(rnd, h)
     q_dim, kv_dim = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     for layer in range(LAYERS):
         p = f"model.layers.{layer}"
-        t[f"{p}.input_layernorm.weight"] = 1 + rnd(h, std=0.1)
-        t[f"{p}.post_attention_layernorm.weight"] = 1 + rnd(h, std=0.1)
+        t |= _layer_norms(rnd, p, h)
         for name, (n, k) in (
             ("q_proj", (q_dim, h)),
             ("k_proj", (kv_dim, h)),
