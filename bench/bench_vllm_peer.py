@@ -122,7 +122,7 @@ def layer_inputs(dims, experts: int, rows: list[int], gpt_oss: bool = False):
     if gpt_oss:
         biases = (
             (torch.randn(experts, 2 * i, generator=g) * 0.1).bfloat16(),
-            (torch.randn(experts, h) * 0.1).bfloat16(),
+            (torch.randn(experts, h, generator=g) * 0.1).bfloat16(),
         )
     inputs = {}
     for t in rows:
