@@ -101,16 +101,20 @@ def _materialized(name: str, t) -> torch.Tensor:
     return t
 
 
-def ep_group_info(ep_group) -> tuple[int, int, str]:
-    """(size, rank, name) of the EP group; None means a single rank, never WORLD by default."""
+def ep_group_info(ep_group, ep_size: int | None = None) -> tuple[int, int, str]:
+    """(size, rank, name) of the EP group; None means a single rank, never WORLD by default.
+
+    With several ranks initialised and no group, ``ep_size=1`` says so on purpose: a layer of this rank alone, with
+    no collective (each tensor-parallel rank's slice of the experts, as in vLLM's TP). Without it the omission is
+    refused, so that a forgotten group does not silently run every rank on its own."""
     if ep_group is not None:
         if not dist.is_initialized():
             raise ValueError("ep_group was given but torch.distributed is not initialised")
         return dist.get_world_size(ep_group), dist.get_rank(ep_group), ep_group.group_name
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1 and ep_size != 1:
         raise ValueError(
             "torch.distributed runs with several ranks: pass ep_group explicitly "
-            "(dist.group.WORLD to spread the experts over every rank)"
+            "(dist.group.WORLD to spread the experts over every rank), or ep_size=1 for a layer of this rank alone"
         )
     return 1, 0, ""
 
@@ -557,8 +561,9 @@ class StaticMoE(_FixedFormats):
         shared_weight_format: its format (default: weight_format); shared_swiglu_limit: its clamp (default:
             swiglu_limit); shared_gate: True for a gated shared expert (Qwen2-MoE: ``sigmoid(x · g) ·
             shared(x)``, the gate in float32; see :class:`SharedExpert`).
-        ep_group: the EP process group (None: a single rank; with several ranks initialised it must be given).
-        ep_size: optional check against the group's size.
+        ep_group: the EP process group (None: a single rank; with several ranks initialised it must be given, or
+            ep_size=1 passed for a layer of this rank alone).
+        ep_size: optional check against the group's size; 1 without a group: this rank alone, on purpose.
         device: where weights and workspace live. Construction is collective over ep_group.
         prepare_for: the target the weights are prepared for (module doc, SPEC §1.2): None (default) follows
             ``device`` ("cpu"; "cuda"; a Neuron device needs it given: ValueError otherwise), or one of "cpu",
@@ -616,7 +621,7 @@ class StaticMoE(_FixedFormats):
         dispatch_capacity: int = 0,
     ):
         super().__init__()
-        self.ep_size, self.ep_rank, self.group_name = ep_group_info(ep_group)
+        self.ep_size, self.ep_rank, self.group_name = ep_group_info(ep_group, ep_size)
         self._closed = True  # until the workspace lease is held
         error = None
         try:

@@ -2,7 +2,8 @@
 token ids of static_moe.testing.tiny_moe_checkpoint.prompts() with, at each step, the raw logits of the chosen token
 and of the best other one (equal: a tie, decided by token index), or the error. Run as a script by
 test_vllm_plugin.py, with STATIC_MOE_VLLM=1 and without (the plugin's registration is per process), eager, or
-with ``--compiled`` as vLLM runs by default (torch.compile, no ``enforce_eager``)."""
+with ``--compiled`` as vLLM runs by default (torch.compile, no ``enforce_eager``), and with ``--tp N`` on N
+tensor-parallel worker processes (then also each worker's plugin counters)."""
 
 import json
 import sys
@@ -20,7 +21,12 @@ def _top2(request_output) -> list[list[float]]:
     return found
 
 
-def main(folders: list[str], compiled: bool = False) -> None:
+def _worker_stats(worker) -> dict:
+    """The plugin's counters in a tensor-parallel worker process (vLLM's collective_rpc runs this there)."""
+    return dict(plugin.STATS)
+
+
+def main(folders: list[str], compiled: bool = False, tp: int = 1) -> None:
     from vllm import LLM, SamplingParams
 
     for folder in folders:
@@ -30,6 +36,8 @@ def main(folders: list[str], compiled: bool = False) -> None:
                 model=folder,
                 dtype="auto",
                 enforce_eager=not compiled,  # compiled: vLLM's default, torch.compile over the model
+                tensor_parallel_size=tp,
+                distributed_executor_backend="mp" if tp > 1 else None,
                 max_model_len=128,
                 max_num_seqs=4,
                 seed=0,
@@ -40,6 +48,9 @@ def main(folders: list[str], compiled: bool = False) -> None:
             params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
             out = llm.generate(prompts(), params, use_tqdm=False)
             result = {"tokens": [list(o.outputs[0].token_ids) for o in out], "top2": [_top2(o) for o in out]}
+            if tp > 1:  # the layers live in the worker processes
+                result["worker_stats"] = llm.collective_rpc(_worker_stats)
+                llm.llm_engine.engine_core.shutdown()  # its workers and their process group, before the next engine
             del llm
         except Exception as e:  # noqa: BLE001  (the test reads the refusal's message)
             result = {"error": f"{type(e).__name__}: {e}"}
@@ -47,6 +58,8 @@ def main(folders: list[str], compiled: bool = False) -> None:
         print("RESULT " + json.dumps({"folder": folder, **result}), flush=True)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the guard vLLM's tensor-parallel workers need (they are spawned, and import this)
     args = sys.argv[1:]
-    main([a for a in args if a != "--compiled"], compiled="--compiled" in args)
+    tp = int(args[args.index("--tp") + 1]) if "--tp" in args else 1
+    folders = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--tp")]
+    main(folders, compiled="--compiled" in args, tp=tp)

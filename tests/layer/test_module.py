@@ -1081,6 +1081,37 @@ def _layers_worker(rank: int, size: int) -> dict:
     return report
 
 
+def _rank_local_worker(rank, size):
+    """A layer of this rank alone among several ranks: refused without ep_group or ep_size, served with ep_size=1.
+    Rank 0 calls it twice and rank 1 once, which a layer waiting on a collective would not survive."""
+    expect_raises(ValueError, lambda: StaticMoE(H, I, E, K, C), "pass ep_group explicitly", "ep_size=1")
+    layer = StaticMoE(H, I, E, K, C, ep_size=1)
+    assert (layer.ep_size, layer.ep_rank, layer.group_name) == (1, 0, "")
+    w13, w13_s, w2, w2_s = quantized(*float_experts(E, seed=90 + rank), "bf16")
+    layer.set_expert_weights(w13, w13_s, w2, w2_s)
+    outs = []
+    for step in range(2 if rank == 0 else 1):
+        tokens = 3 + step + rank
+        out = layer(hidden_states(tokens, 100 * rank + step), *make_routing(tokens, K, E, seed=rank + step))
+        outs.append(out.view(torch.int16).numpy().copy())  # by value: a shared tensor outlives no worker
+    layer.close()
+    return outs
+
+
+def test_rank_local_layer_among_several_ranks():
+    """StaticMoE(..., ep_size=1) with no group while torch.distributed runs two ranks: each rank's layer computes
+    its own experts alone (a tensor-parallel rank's slice, as the vLLM plugin builds them), bit for bit the layer
+    built in a process without torch.distributed."""
+    for rank, outs in enumerate(run_ranks(_rank_local_worker, 2, timeout=120, pg_timeout=30)):
+        alone = StaticMoE(H, I, E, K, C)
+        alone.set_expert_weights(*quantized(*float_experts(E, seed=90 + rank), "bf16"))
+        for step, out in enumerate(outs):
+            tokens = 3 + step + rank
+            want = alone(hidden_states(tokens, 100 * rank + step), *make_routing(tokens, K, E, seed=rank + step))
+            assert_equal(torch.from_numpy(out).view(torch.bfloat16), want, f"rank {rank} call {step}")
+        alone.close()
+
+
 def test_layers_on_two_ranks():
     reports = run_ranks(_layers_worker, 2, timeout=150, pg_timeout=30)
     for r in reports:

@@ -31,7 +31,8 @@ What the kernels cannot compute is refused when the layer is constructed, i.e. a
 :class:`UnsupportedVllmLayer` (a ValueError) naming the layer and the reason: a model's own experts class other
 than gpt-oss's (``SERVED_EXPERTS_CLASSES``), float16 / float32 model dtypes, quantization other than bf16, fp8
 128×128 blocks or MXFP4, activations other than SiLU- / GELU-tanh-and-mul and SWIGLUOAI, SwiGLU limits / alphas /
-betas set on the layer, router weights applied on the input, tensor or expert parallelism across processes.
+betas set on the layer, router weights applied on the input, expert or data parallelism. Tensor parallelism is
+served: each rank's layer computes its slice of every expert alone and vLLM all-reduces the outputs.
 docs/vllm.md says why this extension point and not a quant method or a modular-kernel ``FusedMoEExperts``.
 """
 
@@ -192,8 +193,11 @@ def _refusals(layer) -> list[str]:
     if fmt == "fp4" and (hidden % 32 or inter % 32):
         why.append(f"MXFP4 with hidden size {hidden} / intermediate size {inter} not multiples of 32")
     par = cfg.moe_parallel_config
-    if par.tp_size != 1 or par.ep_size != 1 or par.dp_size != 1:
-        why.append(f"tensor / expert / data parallelism (tp {par.tp_size}, ep {par.ep_size}, dp {par.dp_size})")
+    # Tensor parallelism is served: each rank holds its I / tp slice of every expert (vLLM's loader shards it),
+    # static_moe computes that slice's partial sum, and vLLM's runner all-reduces it (the quant method has no
+    # kernel of its own that would have reduced it).
+    if par.ep_size != 1 or par.dp_size != 1:
+        why.append(f"expert / data parallelism (ep {par.ep_size}, dp {par.dp_size})")
     if layer.local_num_experts != layer.global_num_experts:
         why.append("a local expert map (expert parallelism)")
     return why
@@ -366,6 +370,7 @@ def experts_from_vllm(fmt, activation, num_experts, top_k, capacity, w13, s13, w
         weight_format=fmt,
         expert_biases=b13 is not None,
         device=w13.device,
+        ep_size=1,  # this rank's experts (or, under vLLM's TP, its I / tp slice of each) alone, no collective
         **_activation_options(activation),
     )
     moe.set_expert_weights(w13, s13, w2, s2)

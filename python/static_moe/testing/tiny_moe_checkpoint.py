@@ -15,7 +15,7 @@ an fp8 run is compared with.
 
 :func:`write_gpt_oss` writes a ``GptOssForCausalLM`` folder the same way, with the hub's gpt-oss key names: the
 experts fused per layer (``mlp.experts.gate_up_proj`` with gate / up interleaved, biases), in bf16 or in the
-published MXFP4 form (``gate_up_proj_blocks`` / ``_scales``, ``quant_method: mxfp4``), at an H and I (160, 96)
+published MXFP4 form (``gate_up_proj_blocks`` / ``_scales``, ``quant_method: mxfp4``), at an H and I (160, 192)
 that are multiples of 32 but not of 128, as gpt-oss's 2880 is.
 
 Needs ``safetensors`` and ``tokenizers`` (both come with transformers).
@@ -202,7 +202,7 @@ def write_qwen3_moe(folder: str, *, weights: str = "bf16", seed: int = 0) -> str
 # biased experts whose gate_up rows interleave gate and up (even / odd), SwiGLU-OAI (alpha 1.702, limit 7). Its H
 # and I are multiples of 32 (the MX block), not of 128, as gpt-oss's 2880 is not.
 GPT_OSS_HIDDEN = 160
-GPT_OSS_INTERMEDIATE = 96
+GPT_OSS_INTERMEDIATE = 192  # 96 per rank under two tensor-parallel ranks: vLLM's vec kernel needs I / tp % 32 == 0
 GPT_OSS_EXPERTS = 8
 GPT_OSS_TOP_K = 2
 
