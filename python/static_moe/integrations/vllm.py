@@ -340,7 +340,7 @@ def experts_from_vllm(fmt, activation, num_experts, top_k, capacity, w13, s13, w
     ``hidden_size`` / ``intermediate_size`` are the padded sizes; :func:`run_experts` pads x and drops the padded
     output columns."""
     from ..formats import expand_block_scales
-    from ..module import StaticMoE
+    from ..module import StaticMoE, _weight_shapes
 
     hidden = w2.shape[1]
     inter = w13.shape[1] // 2
@@ -352,15 +352,15 @@ def experts_from_vllm(fmt, activation, num_experts, top_k, capacity, w13, s13, w
 
     if fmt == "fp8":
         s13, s2 = expand_block_scales(s13, 2 * inter), expand_block_scales(s2, hidden)
-    # Per format: the columns of a weight and of a scale for K elements (bf16 / e4m3: K; e2m1 pairs: K/2; 1×128
-    # scales: K/128; E8M0 per 32: K/32), and the value of a padded scale: 1.0 (float32), 2^0 (E8M0 byte 127).
-    per_k = {"bf16": (1, 1, None), "fp8": (1, 1, 128), "fp4": (1, 2, 32)}[fmt]
-    w13 = _pad_experts(gate_up(w13), True, 2 * ip, hp * per_k[0] // per_k[1])
-    w2 = _pad_experts(w2, False, hp, ip * per_k[0] // per_k[1])
+    # The padded tensors have the layer's own shapes (columns: K, or K/2 e2m1 pairs; scales K/128 or K/32); a
+    # padded scale is 1.0 (float32) or 2^0 (E8M0 byte 127).
+    shape = _weight_shapes(num_experts, hp, ip, fmt)
+    w13 = _pad_experts(gate_up(w13), True, 2 * ip, shape["w13"][2])
+    w2 = _pad_experts(w2, False, hp, shape["w2"][2])
     if s13 is not None:
         fill = 127 if fmt == "fp4" else 1
-        s13 = _pad_experts(gate_up(s13), True, 2 * ip, hp // per_k[2], fill)
-        s2 = _pad_experts(s2, False, hp, ip // per_k[2], fill)
+        s13 = _pad_experts(gate_up(s13), True, 2 * ip, shape["w13_scale"][2], fill)
+        s2 = _pad_experts(s2, False, hp, shape["w2_scale"][2], fill)
     moe = StaticMoE(
         hp,
         ip,
