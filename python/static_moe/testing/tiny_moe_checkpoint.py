@@ -46,33 +46,40 @@ def _words() -> list[str]:
     return [f"w{i}" for i in range(WORDS)]
 
 
-def _config(weights: str) -> dict:
-    cfg = {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
+def _shared_config() -> dict:
+    """What both tiny models' configs hold alike: the vocabulary and special ids of the one tokenizer
+    (_write_tokenizer), the attention's shape and depth, the length, the dtype."""
+    return {
         "vocab_size": VOCAB,
-        "hidden_size": HIDDEN,
-        "intermediate_size": 2 * HIDDEN,
-        "moe_intermediate_size": MOE_INTERMEDIATE,
         "num_hidden_layers": LAYERS,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": None,
+        "eos_token_id": SPECIAL.index("<eos>"),
+        "pad_token_id": SPECIAL.index("<pad>"),
+    }
+
+
+def _config(weights: str) -> dict:
+    cfg = _shared_config() | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
         "num_experts": NUM_EXPERTS,
         "num_experts_per_tok": TOP_K,
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "hidden_act": "silu",
-        "max_position_embeddings": 512,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
         "attention_bias": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": None,
-        "eos_token_id": SPECIAL.index("<eos>"),
-        "pad_token_id": SPECIAL.index("<pad>"),
     }
     if weights == "fp8":
         skip = ["lm_head"]
@@ -208,23 +215,17 @@ GPT_OSS_TOP_K = 2
 
 
 def _gpt_oss_config(weights: str) -> dict:
-    cfg = {
+    cfg = _shared_config() | {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
-        "vocab_size": VOCAB,
         "hidden_size": GPT_OSS_HIDDEN,
         "intermediate_size": GPT_OSS_INTERMEDIATE,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
         "num_local_experts": GPT_OSS_EXPERTS,
         "num_experts_per_tok": GPT_OSS_TOP_K,
         "sliding_window": 16,
         "layer_types": ["sliding_attention", "full_attention"][:LAYERS],
         "hidden_act": "silu",
         "swiglu_limit": 7.0,
-        "max_position_embeddings": 512,
         "rms_norm_eps": 1e-5,
         "rope_theta": 150000.0,
         "rope_scaling": {
@@ -236,11 +237,6 @@ def _gpt_oss_config(weights: str) -> dict:
             "original_max_position_embeddings": 128,
         },
         "attention_bias": True,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": None,
-        "eos_token_id": SPECIAL.index("<eos>"),
-        "pad_token_id": SPECIAL.index("<pad>"),
     }
     if weights == "mxfp4":
         skip = ["lm_head", "model.embed_tokens"]
