@@ -5,8 +5,8 @@ test_vllm_plugin.py, with STATIC_MOE_VLLM=1 and without (the plugin's registrati
 with ``--compiled`` as vLLM runs by default (torch.compile, no ``enforce_eager``), and with ``--tp N`` on N
 tensor-parallel worker processes (then also each worker's plugin counters)."""
 
+import argparse
 import json
-import sys
 
 from static_moe.integrations import vllm as plugin
 from static_moe.testing.tiny_moe_checkpoint import prompts
@@ -59,7 +59,9 @@ def main(folders: list[str], compiled: bool = False, tp: int = 1) -> None:
 
 
 if __name__ == "__main__":  # the guard vLLM's tensor-parallel workers need (they are spawned, and import this)
-    args = sys.argv[1:]
-    tp = int(args[args.index("--tp") + 1]) if "--tp" in args else 1
-    folders = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--tp")]
-    main(folders, compiled="--compiled" in args, tp=tp)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("folders", nargs="+")
+    p.add_argument("--compiled", action="store_true")
+    p.add_argument("--tp", type=int, default=1)
+    args = p.parse_args()
+    main(args.folders, compiled=args.compiled, tp=args.tp)
