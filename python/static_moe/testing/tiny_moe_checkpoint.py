@@ -1,4 +1,4 @@
-"""Tiny random MoE checkpoints on disk (Qwen3-MoE, gpt-oss), for end-to-end tests of a serving engine (vLLM)
+"""Tiny random MoE checkpoints on disk (Qwen3-MoE, gpt-oss, DeepSeek-V3), for end-to-end tests of a serving engine (vLLM)
 without a download.
 
 :func:`write_qwen3_moe` writes a Hugging Face model folder: ``config.json`` (``Qwen3MoeForCausalLM``), one
@@ -17,6 +17,10 @@ an fp8 run is compared with.
 experts fused per layer (``mlp.experts.gate_up_proj`` with gate / up interleaved, biases), in bf16 or in the
 published MXFP4 form (``gate_up_proj_blocks`` / ``_scales``, ``quant_method: mxfp4``), at an H and I (160, 192)
 that are multiples of 32 but not of 128, as gpt-oss's 2880 is.
+
+:func:`write_deepseek_v3` writes a ``DeepseekV3ForCausalLM`` folder: MLA attention, a dense first layer, MoE layers
+with V3's routing configuration (sigmoid, ``noaux_tc`` correction bias, grouped top-k, routed scaling) and a
+shared expert, in bf16 or with fp8 experts as "fp8" above.
 
 Needs ``safetensors`` and ``tokenizers`` (both come with transformers).
 """
@@ -86,14 +90,19 @@ def _config(weights: str) -> dict:
         for layer in range(LAYERS):
             p = f"model.layers.{layer}"
             skip += [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [f"{p}.mlp.gate"]
-        cfg["quantization_config"] = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-            "modules_to_not_convert": skip,
-        }
+        cfg["quantization_config"] = _fp8_quantization(skip)
     return cfg
+
+
+def _fp8_quantization(skip: list[str]) -> dict:
+    """DeepSeek-V3's / Qwen3-FP8's ``quantization_config`` (e4m3, 128×128 block scales), ``skip`` left bf16."""
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": skip,
+    }
 
 
 def _block_fp8(w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,26 +151,38 @@ def _tensors(weights: str, seed: int) -> dict[str, torch.Tensor]:
         t[f"{p}.self_attn.k_norm.weight"] = 1 + rnd(HEAD_DIM, std=0.1)
         t[f"{p}.mlp.gate.weight"] = rnd(NUM_EXPERTS, HIDDEN, std=1.0)
         for e in range(NUM_EXPERTS):
-            pe = f"{p}.mlp.experts.{e}"
-            for name, shape, fan_in in (
-                ("gate_proj", (MOE_INTERMEDIATE, HIDDEN), HIDDEN),
-                ("up_proj", (MOE_INTERMEDIATE, HIDDEN), HIDDEN),
-                ("down_proj", (HIDDEN, MOE_INTERMEDIATE), MOE_INTERMEDIATE),
-            ):
-                w = rnd(*shape, std=2.0 * fan_in**-0.5)
-                if weights in ("fp8", "fp8-dequantized"):
-                    q, s = _block_fp8(w, g)
-                    if weights == "fp8":
-                        t[f"{pe}.{name}.weight"] = q
-                        t[f"{pe}.{name}.weight_scale_inv"] = s
-                        continue
-                    w = q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)
-                t[f"{pe}.{name}.weight"] = w
-    dtype = torch.float16 if weights == "fp16" else torch.bfloat16
+            t |= _gated_mlp(rnd, g, f"{p}.mlp.experts.{e}", HIDDEN, MOE_INTERMEDIATE, weights)
+    return _stored(t, torch.float16 if weights == "fp16" else torch.bfloat16)
+
+
+def _gated_mlp(rnd, g, p: str, h: int, i: int, weights: str = "bf16") -> dict[str, torch.Tensor]:
+    """One gated MLP's ``{p}.gate_proj`` / ``up_proj`` [i, h] and ``down_proj`` [h, i] weights (the hub's per-expert
+    names), drawn by ``rnd`` in this order; ``weights`` "fp8" stores them as e4m3 with power-of-two 128×128 block
+    scales (``weight_scale_inv``, drawn by ``g`` after each weight), "fp8-dequantized" as those blocks' exact bf16
+    values, anything else as drawn."""
+    t = {}
+    for name, shape, fan_in in (("gate_proj", (i, h), h), ("up_proj", (i, h), h), ("down_proj", (h, i), i)):
+        w = rnd(*shape, std=2.0 * fan_in**-0.5)
+        if weights in ("fp8", "fp8-dequantized"):
+            q, s = _block_fp8(w, g)
+            if weights == "fp8":
+                t[f"{p}.{name}.weight"] = q
+                t[f"{p}.{name}.weight_scale_inv"] = s
+                continue
+            w = q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        t[f"{p}.{name}.weight"] = w
+    return t
+
+
+def _stored(t: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors as written: e4m3 weights and float32 scales and correction biases as they are, the rest ``dtype``."""
     return {
-        k: (v if v.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv") else v.to(dtype)).contiguous()
+        k: (v if v.dtype == torch.float8_e4m3fn or k.endswith(_FLOAT32) else v.to(dtype)).contiguous()
         for k, v in t.items()
     }
+
+
+_FLOAT32 = ("_scale_inv", "e_score_correction_bias")  # stored float32, as the published checkpoints store them
 
 
 def _write_tokenizer(folder: str) -> None:
@@ -192,17 +213,10 @@ def write_qwen3_moe(folder: str, *, weights: str = "bf16", seed: int = 0) -> str
     ``q · s`` stored as bf16). The same ``seed`` gives the same model for every ``weights``."""
     if weights not in ("bf16", "fp16", "fp8", "fp8-dequantized"):
         raise ValueError(f"weights must be 'bf16', 'fp16', 'fp8' or 'fp8-dequantized', got {weights!r}")
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
     cfg = _config(weights)
     if weights == "fp16":
         cfg["torch_dtype"] = "float16"
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    save_file(_tensors(weights, seed), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    _write_tokenizer(folder)
-    return folder
+    return _write(folder, cfg, _tensors(weights, seed))
 
 
 # gpt-oss: one sliding-window and one full-attention layer, biased attention with sinks, a biased router and
@@ -301,12 +315,121 @@ def write_gpt_oss(folder: str, *, weights: str = "bf16", seed: int = 0) -> str:
     gives the same model for every ``weights``."""
     if weights not in ("bf16", "mxfp4", "mxfp4-dequantized"):
         raise ValueError(f"weights must be 'bf16', 'mxfp4' or 'mxfp4-dequantized', got {weights!r}")
+    return _write(folder, _gpt_oss_config(weights), _gpt_oss_tensors(weights, seed))
+
+
+# DeepSeek-V3: multi-head latent attention (vLLM's CPU MLA kernel takes only V3's latent width, kv_lora_rank 512 +
+# rope 64), a dense first layer, then MoE layers routed as V3 routes (sigmoid scores, a correction bias for the
+# choice only, the top 2 of 4 expert groups, renormalised, scaled by routed_scaling_factor) with one shared expert.
+DEEPSEEK_LAYERS = 3  # the first dense (first_k_dense_replace), two MoE layers
+DEEPSEEK_EXPERTS = 8
+DEEPSEEK_TOP_K = 2
+DEEPSEEK_GROUPS, DEEPSEEK_TOPK_GROUPS = 4, 2
+DEEPSEEK_MLA = {
+    "q_lora_rank": 64,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 32,
+}
+_DEEPSEEK_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+def _deepseek_v3_config(weights: str) -> dict:
+    cfg = (
+        _shared_config()
+        | DEEPSEEK_MLA
+        | {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "num_hidden_layers": DEEPSEEK_LAYERS,
+            "num_key_value_heads": HEADS,
+            "head_dim": DEEPSEEK_MLA["qk_rope_head_dim"],
+            "hidden_size": HIDDEN,
+            "intermediate_size": 2 * HIDDEN,
+            "moe_intermediate_size": MOE_INTERMEDIATE,
+            "n_routed_experts": DEEPSEEK_EXPERTS,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": DEEPSEEK_TOP_K,
+            "n_group": DEEPSEEK_GROUPS,
+            "topk_group": DEEPSEEK_TOPK_GROUPS,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "attention_bias": False,
+        }
+    )
+    if weights == "fp8":  # the routed experts only; everything else stays bf16
+        skip = ["lm_head"]
+        for layer in range(DEEPSEEK_LAYERS):
+            p = f"model.layers.{layer}"
+            skip += [f"{p}.self_attn.{n}" for n in _DEEPSEEK_ATTENTION]
+            mlps = [f"{p}.mlp"] if layer == 0 else [f"{p}.mlp.shared_experts"]
+            skip += [f"{m}.{n}" for m in mlps for n in ("gate_proj", "up_proj", "down_proj")]
+            skip += [] if layer == 0 else [f"{p}.mlp.gate"]
+        cfg["quantization_config"] = _fp8_quantization(skip)
+    return cfg
+
+
+def _deepseek_v3_tensors(weights: str, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std):
+        return torch.randn(*shape, generator=g) * std
+
+    h, m = HIDDEN, DEEPSEEK_MLA
+    qk_head = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+    t = _embeddings(rnd, h)
+    for layer in range(DEEPSEEK_LAYERS):
+        p = f"model.layers.{layer}"
+        t |= _layer_norms(rnd, p, h)
+        a = f"{p}.self_attn"
+        t[f"{a}.q_a_proj.weight"] = rnd(m["q_lora_rank"], h, std=h**-0.5)
+        t[f"{a}.q_a_layernorm.weight"] = 1 + rnd(m["q_lora_rank"], std=0.1)
+        t[f"{a}.q_b_proj.weight"] = rnd(HEADS * qk_head, m["q_lora_rank"], std=m["q_lora_rank"] ** -0.5)
+        t[f"{a}.kv_a_proj_with_mqa.weight"] = rnd(m["kv_lora_rank"] + m["qk_rope_head_dim"], h, std=h**-0.5)
+        t[f"{a}.kv_a_layernorm.weight"] = 1 + rnd(m["kv_lora_rank"], std=0.1)
+        kv_b = HEADS * (m["qk_nope_head_dim"] + m["v_head_dim"])
+        t[f"{a}.kv_b_proj.weight"] = rnd(kv_b, m["kv_lora_rank"], std=m["kv_lora_rank"] ** -0.5)
+        t[f"{a}.o_proj.weight"] = rnd(h, HEADS * m["v_head_dim"], std=(HEADS * m["v_head_dim"]) ** -0.5)
+        if layer == 0:
+            t |= _gated_mlp(rnd, g, f"{p}.mlp", h, 2 * h)
+            continue
+        t[f"{p}.mlp.gate.weight"] = rnd(DEEPSEEK_EXPERTS, h, std=1.0)
+        t[f"{p}.mlp.gate.e_score_correction_bias"] = rnd(DEEPSEEK_EXPERTS, std=0.5)
+        for e in range(DEEPSEEK_EXPERTS):
+            t |= _gated_mlp(rnd, g, f"{p}.mlp.experts.{e}", h, MOE_INTERMEDIATE, weights)
+        t |= _gated_mlp(rnd, g, f"{p}.mlp.shared_experts", h, MOE_INTERMEDIATE)
+    return _stored(t, torch.bfloat16)
+
+
+def write_deepseek_v3(folder: str, *, weights: str = "bf16", seed: int = 0) -> str:
+    """Write a tiny random DeepSeek-V3 (``DeepseekV3ForCausalLM``) into ``folder`` (created); returns ``folder``.
+
+    The hub's key names: MLA (``self_attn.q_a_proj`` … ``kv_b_proj``), a dense ``mlp`` in layer 0, then
+    ``mlp.gate.weight`` with its float32 ``e_score_correction_bias``, ``mlp.experts.{e}.*_proj`` and
+    ``mlp.shared_experts.*_proj``. ``weights``: "bf16"; "fp8" (the routed experts as e4m3 with power-of-two 128×128
+    block scales, DeepSeek-V3's ``quantization_config``, the rest bf16); "fp8-dequantized" (the same model with the
+    experts' ``q · s`` as bf16: exact). The same ``seed`` gives the same model for every ``weights``."""
+    if weights not in ("bf16", "fp8", "fp8-dequantized"):
+        raise ValueError(f"weights must be 'bf16', 'fp8' or 'fp8-dequantized', got {weights!r}")
+    return _write(folder, _deepseek_v3_config(weights), _deepseek_v3_tensors(weights, seed))
+
+
+def _write(folder: str, config: dict, tensors: dict[str, torch.Tensor]) -> str:
+    """A model folder: ``config.json``, one ``model.safetensors`` and the tokenizer; returns ``folder``."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(_gpt_oss_config(weights), f, indent=1)
-    save_file(_gpt_oss_tensors(weights, seed), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        json.dump(config, f, indent=1)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     _write_tokenizer(folder)
     return folder
 
