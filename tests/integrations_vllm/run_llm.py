@@ -26,10 +26,33 @@ def _worker_stats(worker) -> dict:
     return dict(plugin.STATS)
 
 
-def main(folders: list[str], compiled: bool = False, tp: int = 1) -> None:
+def _held_once(worker) -> list[int]:
+    """Per served layer in this worker, how many of vLLM's expert weight parameters (w13_weight, w2_weight) lie in
+    the memory of the layer's StaticMoE (the plugin's sharing)."""
+    counts = []
+    for module in worker.model_runner.model.modules():
+        moe = module.__dict__.get("_static_moe")
+        if moe is None:
+            continue
+        inside = 0
+        for theirs, ours in (("w13_weight", moe.w13), ("w2_weight", moe.w2)):
+            start, size = ours.untyped_storage().data_ptr(), ours.untyped_storage().nbytes()
+            inside += start <= getattr(module, theirs).data_ptr() < start + size
+        counts.append(inside)
+    return counts
+
+
+def _generate(llm, params) -> dict:
+    out = llm.generate(prompts(), params, use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in out], "top2": [_top2(o) for o in out]}
+
+
+def main(folders: list[str], compiled: bool = False, tp: int = 1, reload: str | None = None) -> None:
+    """``reload``: after the first folder's generations, reload that engine's weights from this folder (vLLM's
+    ``reload_weights``, the in-place update RL loops use) and generate again (``result["reloaded"]``)."""
     from vllm import LLM, SamplingParams
 
-    for folder in folders:
+    for n, folder in enumerate(folders):
         before = dict(plugin.STATS)
         try:
             llm = LLM(
@@ -46,8 +69,14 @@ def main(folders: list[str], compiled: bool = False, tp: int = 1) -> None:
                 logprobs_mode="raw_logits",
             )
             params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
-            out = llm.generate(prompts(), params, use_tqdm=False)
-            result = {"tokens": [list(o.outputs[0].token_ids) for o in out], "top2": [_top2(o) for o in out]}
+            result = _generate(llm, params)
+            if reload and n == 0:
+                held = llm.collective_rpc(_held_once)
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": reload})
+                result["reloaded"] = _generate(llm, params) | {
+                    "held_once_before": held,
+                    "held_once_after": llm.collective_rpc(_held_once),
+                }
             if tp > 1:  # the layers live in the worker processes
                 result["worker_stats"] = llm.collective_rpc(_worker_stats)
                 llm.llm_engine.engine_core.shutdown()  # its workers and their process group, before the next engine
@@ -63,5 +92,6 @@ if __name__ == "__main__":  # the guard vLLM's tensor-parallel workers need (the
     p.add_argument("folders", nargs="+")
     p.add_argument("--compiled", action="store_true")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--reload", help="reload the first engine's weights from this folder and generate again")
     args = p.parse_args()
-    main(args.folders, compiled=args.compiled, tp=args.tp)
+    main(args.folders, compiled=args.compiled, tp=args.tp, reload=args.reload)

@@ -92,3 +92,60 @@ def test_swigluoai_limit_binds_at_these_inputs():
         pre = torch.einsum("th,tknh->tkn", x.float(), w13.bfloat16().float()[ids.long()]) + b13.float()[ids.long()]
         gate, up = pre[..., 0::2], pre[..., 1::2]
         assert (gate > 7).any() and (up.abs() > 7).any(), (h, i)
+
+
+def _block_fp8(w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] → (e4m3 [E, N, K], power-of-two 128×128 block scales [E, N/128, K/128]), a checkpoint's form;
+    q · s is exact in bf16, and neighbouring blocks' scales differ."""
+    e, n, k = w.shape
+    s = torch.exp2(torch.randint(-9, -5, (e, n // 128, k // 128), generator=g).float())
+    full = s.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    return (w / full).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+
+def _tp_slice(q13, s13, q2, s2, rank: int, tp: int, fine: int):
+    """What vLLM's loader holds on ``rank`` of ``tp`` for fp8 block weights whose I / tp is not a multiple of 128:
+    the scales upsampled from 128×128 to a ``fine`` grid over the unsharded tensors, then sliced by rank
+    (routed_experts.py's weight loader with Fp8MoEMethod's weight_scale_refine)."""
+    inter = q2.shape[2] // tp
+    rows, blocks = slice(rank * inter, (rank + 1) * inter), slice(rank * inter // fine, (rank + 1) * inter // fine)
+    up = 128 // fine
+    f13, f2 = (s.repeat_interleave(up, 1).repeat_interleave(up, 2) for s in (s13, s2))
+    i_full = q2.shape[2]
+    g13 = torch.cat((q13[:, :i_full][:, rows], q13[:, i_full:][:, rows]), dim=1)
+    n_full = i_full // fine
+    t13 = torch.cat((f13[:, :n_full][:, blocks], f13[:, n_full:][:, blocks]), dim=1)
+    return g13, t13, q2[:, :, rows], f2[:, :, blocks]
+
+
+def test_fp8_tensor_parallel_refined_grid_is_exact():
+    """Under tensor parallelism vLLM refines fp8 128×128 block scales to a finer grid when I / tp is not a multiple
+    of 128 (Qwen3-30B-FP8's 768 at tp 4 is 192 per rank), counted from the unsharded tensor: rank 1's slice starts
+    64 columns into a checkpoint block. The plugin starts that rank's I units 64 zero units in (_inter_at), so each
+    1×128 block of its w2 scales holds one checkpoint block: each rank's fp8 experts equal its bf16 dequantization
+    bit for bit. Without the offset, rank 1's first block would hold two checkpoint blocks' different scales, which
+    is refused rather than averaged."""
+    g = torch.Generator().manual_seed(3)
+    h, i_full, tp, fine = 256, 384, 2, 64  # gcd(128, 384 / 2, 256) = 64: vLLM's refined grid
+    x, w13, w2, _, _, ids, weights = _inputs(h, i_full)
+    (q13, s13), (q2, s2) = _block_fp8(w13, g), _block_fp8(w2, g)
+    for rank in range(tp):
+        r13, t13, r2, t2 = _tp_slice(q13, s13, q2, s2, rank, tp, fine)
+        at = rank * (i_full // tp) % 128
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # as vLLM converts: loading under the model's dtype
+        try:
+            moe = plugin.experts_from_vllm(
+                "fp8", MoEActivation.SILU, E, TOP_K, T, r13, t13, r2, t2, block=(fine, fine), inter_at=at
+            )
+        finally:
+            torch.set_default_dtype(previous)
+        assert moe.intermediate_size == 256 and moe.w2_scale.shape[-1] == 2  # 192 units from 0, or from 64
+        ours = plugin.run_experts(moe, x, ids, weights)
+        moe.close()
+        deq13 = (r13.float() * t13.repeat_interleave(fine, 1).repeat_interleave(fine, 2)).bfloat16()
+        deq2 = (r2.float() * t2.repeat_interleave(fine, 1).repeat_interleave(fine, 2)).bfloat16()
+        bf16 = _static_moe("bf16", MoEActivation.SILU, x, deq13, None, deq2, None, None, None, ids, weights)
+        assert torch.equal(ours, bf16), (rank, calc_diff(ours, bf16))
+    with pytest.raises(plugin.UnsupportedVllmLayer, match="differ within a 1×128 block"):
+        plugin.experts_from_vllm("fp8", MoEActivation.SILU, E, TOP_K, T, r13, t13, r2, t2, block=(fine, fine))

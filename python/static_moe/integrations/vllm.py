@@ -13,15 +13,16 @@ quant method, so checkpoints load exactly as in vLLM) and the scheduler — and 
   a :class:`StaticMoE` layer (:func:`experts_from_vllm`): ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I]
   bf16 as they are; fp8 (``quant_method: fp8`` with ``weight_block_size: [128, 128]``) with the 128×128 block
   scales ``w13_weight_scale_inv`` [E, 2I/128, H/128] expanded to static_moe's 1×128 scales [E, 2I, H/128] (a
-  repeat along the output rows: exact, every weight keeps its value q · s); MXFP4 (gpt-oss: uint8 e2m1 pairs
+  repeat along the output rows: exact, every weight keeps its value q · s; under tensor parallelism vLLM may hold
+  them on a finer grid, read exactly too: :func:`_fp8_scales`); MXFP4 (gpt-oss: uint8 e2m1 pairs
   [E, 2I, H/2], low nibble first, and E8M0 bytes ``w13_weight_scale`` [E, 2I, H/32]) as static_moe's fp4, byte
   for byte; biases ``w13_bias`` / ``w2_bias`` as the experts' biases (SPEC §1.9). SWIGLUOAI (gpt-oss's GLU,
   alpha 1.702, limit 7: static_moe's ``swiglu_oai``) reads w13 interleaved (row 2j gate j, 2j + 1 up j): its
   rows, scales and bias are de-interleaved. H and I that are not multiples of 128 (gpt-oss's 2880) are
   zero-padded to them (SPEC §1.2; exact). vLLM's parameters are then pointed at the layer's tensors where they
   are the same bytes (:func:`_share_weights`), so the model holds those experts once, in the layer's huge-page
-  memory (static_moe.host_memory); a weight reload writes through them, and this step then builds a new layer
-  from them (the old one is closed).
+  memory (static_moe.host_memory). A weight reload (vLLM's ``reload_weights``) runs this step again on freshly
+  loaded parameters, and it refills the same layer in place, so the experts stay held once.
 * ``forward_modular(x [T, H] bf16, topk_weights [T, k] float32, topk_ids [T, k] int32)``: the router's output
   goes to ``torch.ops.static_moe.forward`` (:func:`run_experts`) in chunks of ``capacity`` rows
   (``STATIC_MOE_VLLM_CAPACITY``, default 128), on CPU, through the opaque op :func:`routed_experts`
@@ -193,6 +194,8 @@ def _refusals(layer) -> list[str]:
     if fmt == "fp4" and (hidden % 32 or inter % 32):
         why.append(f"MXFP4 with hidden size {hidden} / intermediate size {inter} not multiples of 32")
     par = cfg.moe_parallel_config
+    if getattr(cfg, "tp_shard_with_padding", False):
+        why.append("fp8 tensor-parallel slices padded to whole checkpoint blocks (an explicit moe_backend)")
     # Tensor parallelism is served: each rank holds its I / tp slice of every expert (vLLM's loader shards it),
     # static_moe computes that slice's partial sum, and vLLM's runner all-reduces it (the quant method has no
     # kernel of its own that would have reduced it).
@@ -261,25 +264,57 @@ def _padded(n: int) -> int:
     return -(-n // PAD) * PAD
 
 
-def _pad_experts(t: torch.Tensor, halves: bool, n_to: int, cols: int = 0, fill: int = 0) -> torch.Tensor:
+def _pad_experts(
+    t: torch.Tensor, halves: bool, n_to: int, cols: int = 0, fill: int = 0, row_at: int = 0, col_at: int = 0
+) -> torch.Tensor:
     """An expert weight or scale [E, N, C] → [E, n_to, cols], or a bias [E, N] → [E, n_to], padded as SPEC §1.2
-    says ("pad H (and I) with zeros"): ``halves`` (a w13 tensor, N = 2I): the gate rows [0, I) stay and the up
-    rows [I, 2I) move to [n_to/2, n_to/2 + I); otherwise (w2, N = H) rows [0, H) stay. Padded weights and biases
-    are 0 (bf16, e4m3 and e2m1 code 0), padded scales ``fill`` (a valid scale: it only multiplies zeros). Returns
-    ``t`` itself when nothing is padded."""
+    says ("pad H (and I) with zeros"): ``halves`` (a w13 tensor, N = 2I): the gate rows go to [row_at, row_at + I)
+    and the up rows to [n_to/2 + row_at, n_to/2 + row_at + I); otherwise (w2, N = H) rows [0, H) stay. The columns
+    go to [col_at, col_at + C). Padded weights and biases are 0 (bf16, e4m3 and e2m1 code 0), padded scales
+    ``fill`` (a valid scale: it only multiplies zeros). Returns ``t`` itself when nothing is padded."""
     e, n = t.shape[:2]
     shape = (e, n_to) if t.dim() == 2 else (e, n_to, cols)
     if tuple(t.shape) == shape:
         return t
     out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
-    c = () if t.dim() == 2 else (slice(0, t.shape[2]),)
+    c = () if t.dim() == 2 else (slice(col_at, col_at + t.shape[2]),)
     if halves:
         i, i_to = n // 2, n_to // 2
-        out[(slice(None), slice(0, i), *c)] = t[:, :i]
-        out[(slice(None), slice(i_to, i_to + i), *c)] = t[:, i:]
+        out[(slice(None), slice(row_at, row_at + i), *c)] = t[:, :i]
+        out[(slice(None), slice(i_to + row_at, i_to + row_at + i), *c)] = t[:, i:]
     else:
         out[(slice(None), slice(0, n), *c)] = t
     return out
+
+
+def _fp8_scales(s: torch.Tensor, n: int, k: int, block, k_at: int, k_to: int, what: str) -> torch.Tensor:
+    """vLLM's fp8 block scales ``s`` [E, ⌈n/bn⌉, ⌈k/bk⌉] float32 (``block`` = (bn, bk), the grid vLLM holds them
+    on) of a weight [E, n, k] whose K columns static_moe stores at [k_at, k_at + k) of ``k_to`` → static_moe's 1×128
+    scales [E, n, k_to/128]: every row its block's scale (exact: a repeat along N), every 128 columns of the padded K
+    the one scale of the vLLM blocks they hold, 1.0 where they hold only padding.
+
+    vLLM keeps the checkpoint's 128×128 grid unless a tensor-parallel slice I / tp is not a multiple of 128; then it
+    refines the grid to gcd(128, I / tp, H) (oracle/fp8.py, ``refine_fp8_moe_block_shape``), each fine block a copy
+    of the checkpoint block that holds it, counted from the unsharded tensor's column 0. So the 128 columns of a
+    static_moe block hold one checkpoint block exactly when the slice starts ``k_at`` columns into one, which
+    :func:`_convert` arranges for w2 (k_at = tp_rank · I/tp mod 128). Scales that still differ within a block (a
+    grid vLLM did not build that way) raise UnsupportedVllmLayer naming ``what``, rather than be averaged."""
+    bn, bk = block
+    if 128 % bk or k_at % bk:
+        raise UnsupportedVllmLayer(f"{what}: fp8 block scales on a {bn}×{bk} grid at column {k_at}")
+    rows = s.float().repeat_interleave(bn, dim=1)[:, :n]  # [E, n, ⌈k/bk⌉]
+    per = 128 // bk  # vLLM blocks per static_moe block
+    # dtype given: vLLM loads the model under torch's default dtype set to the model's (bf16)
+    grid = torch.full((rows.shape[0], n, k_to // bk), float("nan"), dtype=torch.float32, device=rows.device)
+    grid[:, :, k_at // bk : k_at // bk + rows.shape[2]] = rows
+    grid = grid.view(rows.shape[0], n, k_to // 128, per)
+    real = ~grid.isnan()
+    hi = torch.where(real, grid, -torch.inf).amax(-1)
+    lo = torch.where(real, grid, torch.inf).amin(-1)
+    held = real.any(-1)
+    if per > 1 and bool((held & (hi != lo)).any()):
+        raise UnsupportedVllmLayer(f"{what}: fp8 block scales that differ within a 1×128 block of static_moe's")
+    return torch.where(held, hi, torch.ones_like(hi)).contiguous()
 
 
 # The StaticMoE layer of each served vLLM layer, by a key unique to that layer (weakly held: the vLLM layer owns it).
@@ -305,8 +340,10 @@ def _(x, topk_weights, topk_ids, key):
     return torch.empty_like(x)
 
 
-def _convert(layer):
-    """The loaded vLLM weights of ``layer`` as a StaticMoE layer (see the module doc for the mapping)."""
+def _convert(layer, into=None):
+    """The loaded vLLM weights of ``layer`` as a StaticMoE layer (see the module doc for the mapping): ``into``
+    (the layer's previous one, refilled in place: a weight reload keeps the memory vLLM's parameters share) when
+    its sizes fit, else a new one."""
     fmt = _weight_format(layer)
     scales = {"fp8": "_weight_scale_inv", "fp4": "_weight_scale"}.get(fmt)
     biased = bool(getattr(layer.moe_config, "has_bias", False))
@@ -322,61 +359,108 @@ def _convert(layer):
         getattr(layer, f"w2{scales}").data if scales else None,
         layer.w13_bias.data if biased else None,
         layer.w2_bias.data if biased else None,
+        block=_fp8_grid(layer),
+        inter_at=_inter_at(layer),
+        into=into,
+        name=layer.layer_name,
     )
 
 
-def experts_from_vllm(fmt, activation, num_experts, top_k, capacity, w13, s13, w2, s2, b13=None, b2=None):
+def _fp8_grid(layer) -> tuple[int, int]:
+    """The (rows, columns) block grid of an fp8 layer's scales as vLLM holds them (128×128, or finer under tensor
+    parallelism: _fp8_scales)."""
+    return tuple(getattr(layer.quant_method, "moe_block_shape", None) or (128, 128))
+
+
+def _inter_at(layer) -> int:
+    """Where this rank's I / tp slice starts in static_moe's padded I: 0, or for fp8 weights the slice's offset
+    into its first 128-column checkpoint block (tp_rank · I/tp mod 128), so that static_moe's 1×128 scale blocks
+    of w2 hold one checkpoint block each (_fp8_scales). The padding before it is zero units (SPEC §1.2)."""
+    if _weight_format(layer) != "fp8":
+        return 0
+    return layer.moe_config.moe_parallel_config.tp_rank * layer.intermediate_size_per_partition % PAD
+
+
+def experts_from_vllm(
+    fmt,
+    activation,
+    num_experts,
+    top_k,
+    capacity,
+    w13,
+    s13,
+    w2,
+    s2,
+    b13=None,
+    b2=None,
+    *,
+    block=(128, 128),
+    inter_at=0,
+    into=None,
+    name="experts",
+):
     """A StaticMoE layer computing what vLLM's routed experts compute from their tensors as vLLM holds them.
 
-    ``fmt`` "bf16": w13 [E, 2I, H], w2 [E, H, I] bf16; "fp8": float8_e4m3fn with vLLM's 128×128 block scales
-    s13 [E, ⌈2I/128⌉, ⌈H/128⌉], s2 [E, ⌈H/128⌉, ⌈I/128⌉] float32; "fp4" (MXFP4): uint8 e2m1 pairs w13 [E, 2I, H/2],
-    w2 [E, H, I/2] with E8M0 bytes s13 [E, 2I, H/32], s2 [E, H, I/32]. ``activation``: vLLM's MoEActivation
-    with its name in ACTIVATIONS: SILU or GELU_TANH (w13 rows: gate, then up) or SWIGLUOAI (interleaved: row 2j
-    gate j, 2j + 1 up j). Optional biases b13 [E, 2I], b2 [E, H] (bf16 or float32). All on one device (the
-    layer's); nothing is changed in place.
+    ``fmt`` "bf16": w13 [E, 2I, H], w2 [E, H, I] bf16; "fp8": float8_e4m3fn with vLLM's block scales s13
+    [E, 2I/bn, ⌈H/bk⌉], s2 [E, ⌈H/bn⌉, ⌈I/bk⌉] float32 on the grid ``block`` = (bn, bk) (128×128, or vLLM's refined
+    grid under tensor parallelism: _fp8_scales); "fp4" (MXFP4): uint8 e2m1 pairs w13 [E, 2I, H/2], w2 [E, H, I/2]
+    with E8M0 bytes s13 [E, 2I, H/32], s2 [E, H, I/32]. ``activation``: vLLM's MoEActivation with its name in
+    ACTIVATIONS: SILU or GELU_TANH (w13 rows: gate, then up) or SWIGLUOAI (interleaved: row 2j gate j, 2j + 1 up
+    j). Optional biases b13 [E, 2I], b2 [E, H] (bf16 or float32). All on one device (the layer's); nothing is
+    changed in place.
 
-    The fp8 scales become 1×128 ones (repeated over their 128 rows: exact), SWIGLUOAI's rows (weights, scales,
-    bias) are de-interleaved, and H, I are zero-padded to multiples of 128 (:func:`_pad_experts`): the layer's
-    ``hidden_size`` / ``intermediate_size`` are the padded sizes; :func:`run_experts` pads x and drops the padded
-    output columns."""
-    from ..formats import expand_block_scales
+    The fp8 scales become 1×128 ones (exact), SWIGLUOAI's rows (weights, scales, bias) are de-interleaved, and H,
+    I are zero-padded to multiples of 128 (:func:`_pad_experts`), the I units starting at ``inter_at`` (zero units
+    before them: _inter_at): the layer's ``hidden_size`` / ``intermediate_size`` are the padded sizes;
+    :func:`run_experts` pads x and drops the padded output columns. ``into``: a layer from an earlier call, refilled
+    in place when its sizes, format and biases match (else a new layer is built); ``name`` goes into errors."""
     from ..module import StaticMoE, _weight_shapes
 
     hidden = w2.shape[1]
     inter = w13.shape[1] // 2
-    hp, ip = _padded(hidden), _padded(inter)
+    hp, ip = _padded(hidden), _padded(inter_at + inter)
     order = _gate_up_order(activation, inter)
 
     def gate_up(t: torch.Tensor) -> torch.Tensor:  # rows (dim 1) of a w13 weight, scale or bias
         return t if order is None else t.index_select(1, order.to(t.device))
 
-    if fmt == "fp8":
-        s13, s2 = expand_block_scales(s13, 2 * inter), expand_block_scales(s2, hidden)
     # The padded tensors have the layer's own shapes (columns: K, or K/2 e2m1 pairs; scales K/128 or K/32); a
     # padded scale is 1.0 (float32) or 2^0 (E8M0 byte 127).
     shape = _weight_shapes(num_experts, hp, ip, fmt)
-    w13 = _pad_experts(gate_up(w13), True, 2 * ip, shape["w13"][2])
-    w2 = _pad_experts(w2, False, hp, shape["w2"][2])
+    if fmt == "fp8":  # 1×128 scales with K already padded: w13's K (H) from column 0, w2's K (I) from inter_at
+        s13 = _fp8_scales(s13, 2 * inter, hidden, block, 0, hp, f"{name} w13")
+        s2 = _fp8_scales(s2, hidden, inter, block, inter_at, ip, f"{name} w2")
+    per_byte = 2 if fmt == "fp4" else 1  # e2m1 pairs: w2's column offset in bytes
+    w13 = _pad_experts(gate_up(w13), True, 2 * ip, shape["w13"][2], row_at=inter_at)
+    w2 = _pad_experts(w2, False, hp, shape["w2"][2], col_at=inter_at // per_byte)
     if s13 is not None:
         fill = 127 if fmt == "fp4" else 1
-        s13 = _pad_experts(gate_up(s13), True, 2 * ip, shape["w13_scale"][2], fill)
+        s13 = _pad_experts(gate_up(s13), True, 2 * ip, shape["w13_scale"][2], fill, row_at=inter_at)
         s2 = _pad_experts(s2, False, hp, shape["w2_scale"][2], fill)
-    moe = StaticMoE(
-        hp,
-        ip,
-        num_experts,
-        top_k,
-        capacity,
-        weight_format=fmt,
-        expert_biases=b13 is not None,
-        device=w13.device,
-        ep_size=1,  # this rank's experts (or, under vLLM's TP, its I / tp slice of each) alone, no collective
-        **_activation_options(activation),
-    )
+    sizes = (hp, ip, num_experts, fmt, b13 is not None)
+    moe = into
+    if moe is None or moe.closed or _sizes(moe) != sizes:
+        moe = StaticMoE(
+            hp,
+            ip,
+            num_experts,
+            top_k,
+            capacity,
+            weight_format=fmt,
+            expert_biases=b13 is not None,
+            device=w13.device,
+            ep_size=1,  # this rank's experts (or, under vLLM's TP, its I / tp slice of each) alone, no collective
+            **_activation_options(activation),
+        )
     moe.set_expert_weights(w13, s13, w2, s2)
     if b13 is not None:
-        moe.set_expert_biases(_pad_experts(gate_up(b13), True, 2 * ip), _pad_experts(b2, False, hp))
+        moe.set_expert_biases(_pad_experts(gate_up(b13), True, 2 * ip, row_at=inter_at), _pad_experts(b2, False, hp))
     return moe
+
+
+def _sizes(moe) -> tuple:
+    """What a layer built by :func:`experts_from_vllm` must match to be refilled."""
+    return (moe.hidden_size, moe.intermediate_size, moe.num_local_experts, moe.weight_format, moe.w13_bias is not None)
 
 
 def run_experts(moe, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -392,15 +476,16 @@ def run_experts(moe, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     return out if out.shape[-1] == hidden else out[:, :hidden].contiguous()
 
 
-def _share_weights(layer, moe) -> int:
+def _share_weights(layer, moe, inter_at: int = 0) -> int:
     """Point ``layer``'s weight parameters at ``moe``'s copies of them, so that the experts are held once: the
     EOI ``w13_weight`` / ``w2_weight`` ([E, 2I, H] / [E, H, I], bf16 or e4m3fn; fp4 [E, 2I, H/2] / [E, H, I/2]
     uint8) and, for fp4, the E8M0 ``w13_weight_scale`` / ``w2_weight_scale`` ([E, 2I, H/32] / [E, H, I/32]).
     vLLM's fp8 block scales and its biases stay its own (``moe`` holds them expanded / in float32).
 
-    Where H or I was padded (_convert), a parameter becomes a view of the leading rows and columns of ``moe``'s
-    tensor when it is one: always for w2; for w13 only when I was not padded (padding I moves the up rows), so
-    a w13 whose I was padded (gpt-oss's 2880 → 2944) stays vLLM's own copy as well.
+    Where H or I was padded (_convert), a parameter becomes a view of the rows and columns of ``moe``'s tensor that
+    hold it when they are one: always for w2 (its I columns from ``inter_at``); for w13 only when I was not padded
+    (padding I moves the up rows), so a w13 whose I was padded (gpt-oss's 2880 → 2944) stays vLLM's own copy as
+    well.
 
     A swigluoai layer's shared w13 rows (and scales) are in static_moe's order, gate rows then up rows, not vLLM's
     interleaved one: vLLM never computes with them while the plugin serves the layer, and a reload writes the
@@ -416,7 +501,8 @@ def _share_weights(layer, moe) -> int:
             continue
         if ours.startswith("w13") and p.shape[1] != t.shape[1]:
             continue  # I padded: the up rows are not where vLLM has them
-        view = t[:, : p.shape[1], : p.shape[2]]
+        at = inter_at if ours == "w2" else 0  # (fp8 only: fp4 weights start at column 0)
+        view = t[:, : p.shape[1], at : at + p.shape[2]]
         if view.shape == p.shape:
             p.data = view
             shared += p.data_ptr() == t.data_ptr()
@@ -448,15 +534,18 @@ def _experts_class(base: type) -> type:
             _modular(self.quant_method)
 
         def _process_weights_after_loading(self, layer) -> None:
+            # A weight reload (vLLM's reload_weights) calls this again, on freshly loaded parameters, and then
+            # copies them into the ones the model held (which share the previous layer's memory): refilling the
+            # previous layer in place keeps the experts held once.
             old = self.__dict__.get("_static_moe")
-            if old is not None:
+            moe = _convert(self, into=old)
+            if old is not None and old is not moe:
                 old.close()
-            moe = _convert(self)
             self.__dict__["_static_moe"] = moe
             key = f"{self.layer_name}@{id(self):x}"  # unique while the layer lives, also across engines
             self.__dict__["_static_moe_key"] = key
             _LAYERS[key] = moe
-            STATS["shared_weights"] += _share_weights(self, moe)
+            STATS["shared_weights"] += _share_weights(self, moe, _inter_at(self))
             STATS["layers"] += 1
 
         def forward_modular(
