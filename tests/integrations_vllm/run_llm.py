@@ -6,7 +6,10 @@ with ``--compiled`` as vLLM runs by default (torch.compile, no ``enforce_eager``
 tensor-parallel worker processes (then also each worker's plugin counters)."""
 
 import argparse
+import hashlib
 import json
+
+import torch
 
 from static_moe.integrations import vllm as plugin
 from static_moe.testing.tiny_moe_checkpoint import prompts
@@ -42,17 +45,35 @@ def _held_once(worker) -> list[int]:
     return counts
 
 
+def _experts_digest(worker) -> list[str]:
+    """Per served layer in this worker, a SHA-1 of every tensor its StaticMoE computes with (weights, scales,
+    biases): equal digests, equal experts."""
+    digests = []
+    for module in worker.model_runner.model.modules():
+        moe = module.__dict__.get("_static_moe")
+        if moe is None:
+            continue
+        h = hashlib.sha1()
+        for name in ("w13", "w13_scale", "w2", "w2_scale", "w13_bias", "w2_bias"):
+            t = getattr(moe, name)
+            if t is not None:
+                h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        digests.append(h.hexdigest())
+    return digests
+
+
 def _generate(llm, params) -> dict:
     out = llm.generate(prompts(), params, use_tqdm=False)
     return {"tokens": [list(o.outputs[0].token_ids) for o in out], "top2": [_top2(o) for o in out]}
 
 
-def main(folders: list[str], compiled: bool = False, tp: int = 1, reload: str | None = None) -> None:
-    """``reload``: after the first folder's generations, reload that engine's weights from this folder (vLLM's
-    ``reload_weights``, the in-place update RL loops use) and generate again (``result["reloaded"]``)."""
+def main(folders: list[str], compiled: bool = False, tp: int = 1, reload: dict[str, str] | None = None) -> None:
+    """``reload`` {folder: source}: after that folder's generations, reload its engine's weights from the source
+    folder (vLLM's ``reload_weights``, the in-place update RL loops use) and generate again
+    (``result["reloaded"]``)."""
     from vllm import LLM, SamplingParams
 
-    for n, folder in enumerate(folders):
+    for folder in folders:
         before = dict(plugin.STATS)
         try:
             llm = LLM(
@@ -69,13 +90,14 @@ def main(folders: list[str], compiled: bool = False, tp: int = 1, reload: str | 
                 logprobs_mode="raw_logits",
             )
             params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
-            result = _generate(llm, params)
-            if reload and n == 0:
+            result = _generate(llm, params) | {"digest": llm.collective_rpc(_experts_digest)}
+            if folder in (reload or {}):
                 held = llm.collective_rpc(_held_once)
-                llm.collective_rpc("reload_weights", kwargs={"weights_path": reload})
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": reload[folder]})
                 result["reloaded"] = _generate(llm, params) | {
                     "held_once_before": held,
                     "held_once_after": llm.collective_rpc(_held_once),
+                    "digest": llm.collective_rpc(_experts_digest),
                 }
             if tp > 1:  # the layers live in the worker processes
                 result["worker_stats"] = llm.collective_rpc(_worker_stats)
@@ -92,6 +114,8 @@ if __name__ == "__main__":  # the guard vLLM's tensor-parallel workers need (the
     p.add_argument("folders", nargs="+")
     p.add_argument("--compiled", action="store_true")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--reload", help="reload the first engine's weights from this folder and generate again")
+    p.add_argument(
+        "--reload", action="append", default=[], metavar="FOLDER=SOURCE", help="then reload FOLDER's engine from SOURCE"
+    )
     args = p.parse_args()
-    main(args.folders, compiled=args.compiled, tp=args.tp, reload=args.reload)
+    main(args.folders, compiled=args.compiled, tp=args.tp, reload=dict(r.split("=", 1) for r in args.reload))

@@ -32,7 +32,7 @@ LOGIT_STEPS = 3
 
 
 def _run(
-    folders: list[str], plugin: bool, compiled: bool = False, tp: int = 1, reload: str | None = None
+    folders: list[str], plugin: bool, compiled: bool = False, tp: int = 1, reload: dict[str, str] | None = None
 ) -> subprocess.Popen:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", STATIC_MOE_VLLM="1" if plugin else "0")
     if tp > 1:  # one core per worker: vLLM's default binding wants a NUMA node per worker, which a CI host lacks
@@ -44,7 +44,8 @@ def _run(
     # the tracing this tests) and nothing left in the user's home
     env["VLLM_CACHE_ROOT"] = os.path.join(os.path.dirname(folders[0]), "vllm-cache", "plugin" if plugin else "vllm")
     args = [sys.executable, RUNNER, *folders] + (["--compiled"] if compiled else []) + ["--tp", str(tp)]
-    args += ["--reload", reload] if reload else []
+    for folder, source in (reload or {}).items():
+        args += ["--reload", f"{folder}={source}"]
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -68,13 +69,15 @@ def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_moe")
     path = {w: write_qwen3_moe(str(root / w), weights=w) for w in ("bf16", "fp8", "fp8-dequantized", "fp16")}
     path |= {f"gpt-oss-{w}": write_gpt_oss(str(root / f"gpt-oss-{w}"), weights=w) for w in GPT_OSS}
+    path["gpt-oss-mxfp4-seed1"] = write_gpt_oss(str(root / "gpt-oss-mxfp4-seed1"), weights="mxfp4", seed=1)
     path |= {f"deepseek-{w}": write_deepseek_v3(str(root / f"deepseek-{w}"), weights=w) for w in DEEPSEEK}
     procs = {
         "ours": _run(
-            [path[m] for m in ("bf16", "fp8", "fp16", "gpt-oss-bf16", "gpt-oss-mxfp4")]
+            [path[m] for m in ("bf16", "fp8", "fp16", "gpt-oss-bf16", "gpt-oss-mxfp4", "gpt-oss-mxfp4-seed1")]
             + [path[f"deepseek-{w}"] for w in DEEPSEEK],
             True,
-            reload=path["fp8-dequantized"],  # into the bf16 Qwen3-MoE's engine: another model of the same shapes
+            # each engine reloaded from another model of the same shapes
+            reload={path["bf16"]: path["fp8-dequantized"], path["gpt-oss-mxfp4"]: path["gpt-oss-mxfp4-seed1"]},
         ),
         "theirs": _run(
             [path[m] for m in ("bf16", "fp8-dequantized", "gpt-oss-bf16", "gpt-oss-mxfp4-dequantized")]
@@ -144,6 +147,13 @@ def test_weight_reload_is_served_and_keeps_the_experts_held_once(runs):
     assert reloaded["tokens"] == theirs["fp8-dequantized"]["tokens"]
     assert reloaded["tokens"] != ours["bf16"]["tokens"]  # another model's tokens, not the first one's
     assert reloaded["held_once_before"] == reloaded["held_once_after"] == [[2, 2]]  # one worker, 2 layers
+    # gpt-oss MXFP4: its padded w13 parameters hold static_moe's whole tensor in static_moe's shape (the up rows
+    # moved); vLLM restores the checkpoint's shapes to reload and copies the converted result back. The reloaded
+    # layers hold the new model's experts byte for byte as an engine started on it. (Its tokens are not compared:
+    # vLLM 0.32's reload leaves gpt-oss's attention sinks as they were, with or without the plugin.)
+    reloaded, fresh = ours["gpt-oss-mxfp4"]["reloaded"], ours["gpt-oss-mxfp4-seed1"]
+    assert reloaded["digest"] == fresh["digest"] != ours["gpt-oss-mxfp4"]["digest"]
+    assert reloaded["held_once_before"] == reloaded["held_once_after"] == [[2, 2]]
 
 
 def test_fp8_block_weights_greedy_tokens_equal_dequantized_model(runs):
@@ -157,11 +167,12 @@ def test_fp8_block_weights_greedy_tokens_equal_dequantized_model(runs):
 def test_gpt_oss_bf16_greedy_tokens_equal_vllm_cpu_moe(runs):
     """gpt-oss's experts class (GptOssRoutedExperts), its biases and SwiGLU-OAI over interleaved gate / up rows,
     and H, I (160, 192) padded to static_moe's multiples of 128, against vLLM's own CPU MoE on the same checkpoint.
-    w2 is held once (vLLM's parameter a view of the padded copy); w13, whose up rows the padding of I moves, twice."""
+    Each expert is held once: vLLM's w2 a view of static_moe's padded one, its w13 (whose up rows the padding of I
+    moves) static_moe's whole tensor."""
     ours, theirs = runs
     assert "error" not in ours["gpt-oss-bf16"], ours["gpt-oss-bf16"]
     assert ours["gpt-oss-bf16"]["stats"]["layers"] == 2 and ours["gpt-oss-bf16"]["stats"]["calls"] > 0
-    assert ours["gpt-oss-bf16"]["stats"]["shared_weights"] == 2
+    assert ours["gpt-oss-bf16"]["stats"]["shared_weights"] == 4
     assert theirs["gpt-oss-bf16"]["stats"]["calls"] == 0
     assert _same_greedy_tokens(ours["gpt-oss-bf16"], theirs["gpt-oss-bf16"]) >= 24  # of 32
 
@@ -169,12 +180,13 @@ def test_gpt_oss_bf16_greedy_tokens_equal_vllm_cpu_moe(runs):
 def test_gpt_oss_mxfp4_greedy_tokens_equal_dequantized_model(runs):
     """The published gpt-oss form (MXFP4 experts: e2m1 pairs + E8M0 scales per 32, static_moe's fp4 as stored),
     served where vLLM has no MXFP4 MoE kernel (a CPU without AMX), against the same model with its experts
-    dequantized exactly to bf16 through vLLM's own CPU MoE. w2 and its scales are held once (4 parameters); w13,
-    whose up rows the padding of I (192 → 256) moves, twice."""
+    dequantized exactly to bf16 through vLLM's own CPU MoE. Held once: w13, w2 and their scales, 4 parameters per
+    layer, w13's as static_moe's whole tensor (the padding of I, 192 → 256, moves its up rows); its 2 layers are
+    converted at load and again at the reload (test_weight_reload_...)."""
     ours, theirs = runs
     assert "error" not in ours["gpt-oss-mxfp4"], ours["gpt-oss-mxfp4"]
-    assert ours["gpt-oss-mxfp4"]["stats"]["layers"] == 2 and ours["gpt-oss-mxfp4"]["stats"]["calls"] > 0
-    assert ours["gpt-oss-mxfp4"]["stats"]["shared_weights"] == 4
+    assert ours["gpt-oss-mxfp4"]["stats"]["layers"] == 4 and ours["gpt-oss-mxfp4"]["stats"]["calls"] > 0
+    assert ours["gpt-oss-mxfp4"]["stats"]["shared_weights"] == 16
     assert _same_greedy_tokens(ours["gpt-oss-mxfp4"], theirs["gpt-oss-mxfp4-dequantized"]) >= 24
 
 

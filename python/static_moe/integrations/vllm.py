@@ -19,9 +19,9 @@ quant method, so checkpoints load exactly as in vLLM) and the scheduler — and 
   for byte; biases ``w13_bias`` / ``w2_bias`` as the experts' biases (SPEC §1.9). SWIGLUOAI (gpt-oss's GLU,
   alpha 1.702, limit 7: static_moe's ``swiglu_oai``) reads w13 interleaved (row 2j gate j, 2j + 1 up j): its
   rows, scales and bias are de-interleaved. H and I that are not multiples of 128 (gpt-oss's 2880) are
-  zero-padded to them (SPEC §1.2; exact). vLLM's parameters are then pointed at the layer's tensors where they
-  are the same bytes (:func:`_share_weights`), so the model holds those experts once, in the layer's huge-page
-  memory (static_moe.host_memory). A weight reload (vLLM's ``reload_weights``) runs this step again on freshly
+  zero-padded to them (SPEC §1.2; exact). vLLM's weight parameters are then pointed at the layer's tensors (a
+  view where vLLM's layout sits in static_moe's, the whole tensor where padding moved it: :func:`_share_weights`),
+  so the model holds its experts once, in the layer's huge-page memory (static_moe.host_memory). A weight reload (vLLM's ``reload_weights``) runs this step again on freshly
   loaded parameters, and it refills the same layer in place, so the experts stay held once.
 * ``forward_modular(x [T, H] bf16, topk_weights [T, k] float32, topk_ids [T, k] int32)``: the router's output
   goes to ``torch.ops.static_moe.forward`` (:func:`run_experts`) in chunks of ``capacity`` rows
@@ -482,15 +482,17 @@ def _share_weights(layer, moe, inter_at: int = 0) -> int:
     uint8) and, for fp4, the E8M0 ``w13_weight_scale`` / ``w2_weight_scale`` ([E, 2I, H/32] / [E, H, I/32]).
     vLLM's fp8 block scales and its biases stay its own (``moe`` holds them expanded / in float32).
 
-    Where H or I was padded (_convert), a parameter becomes a view of the rows and columns of ``moe``'s tensor that
-    hold it when they are one: always for w2 (its I columns from ``inter_at``); for w13 only when I was not padded
-    (padding I moves the up rows), so a w13 whose I was padded (gpt-oss's 2880 → 2944) stays vLLM's own copy as
-    well.
+    A parameter becomes a view of the rows and columns of ``moe``'s tensor that hold it where they are one (also
+    where H, or w2's I, was padded: w2's I columns start at ``inter_at``). Where they are not — a w13 whose I was
+    padded (gpt-oss's 2880 → 2944), since padding I moves the up rows — it becomes ``moe``'s whole tensor, in
+    static_moe's shape, as vLLM's own CPU kernels replace it with their packed form in this step. vLLM recorded
+    the checkpoint's shapes when it built the model and restores them for a reload (model_loader/reload), which
+    loads fresh parameters, runs this step again (the layer is refilled in place: :func:`_convert`) and copies the
+    result into the parameters held here: the same memory.
 
     A swigluoai layer's shared w13 rows (and scales) are in static_moe's order, gate rows then up rows, not vLLM's
-    interleaved one: vLLM never computes with them while the plugin serves the layer, and a reload writes the
-    checkpoint's whole fused tensor into them (gpt-oss's loader copies each layer's gate_up at once) before
-    :func:`_convert` reorders it again. Returns how many parameters now share ``moe``'s memory."""
+    interleaved one: vLLM never computes with them while the plugin serves the layer. Returns how many parameters
+    now share ``moe``'s memory."""
     pairs = [("w13_weight", "w13"), ("w2_weight", "w2")]
     if moe.weight_format == "fp4":
         pairs += [("w13_weight_scale", "w13_scale"), ("w2_weight_scale", "w2_scale")]
@@ -499,13 +501,11 @@ def _share_weights(layer, moe, inter_at: int = 0) -> int:
         p, t = getattr(layer, theirs), getattr(moe, ours)
         if p.dtype != t.dtype or p.device != t.device or p.dim() != t.dim():
             continue
-        if ours.startswith("w13") and p.shape[1] != t.shape[1]:
-            continue  # I padded: the up rows are not where vLLM has them
         at = inter_at if ours == "w2" else 0  # (fp8 only: fp4 weights start at column 0)
         view = t[:, : p.shape[1], at : at + p.shape[2]]
-        if view.shape == p.shape:
-            p.data = view
-            shared += p.data_ptr() == t.data_ptr()
+        moved = ours.startswith("w13") and p.shape[1] != t.shape[1]  # I padded: the up rows moved
+        p.data = t if moved or view.shape != p.shape else view
+        shared += p.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
     return shared
 
 
