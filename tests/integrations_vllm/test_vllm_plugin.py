@@ -86,8 +86,10 @@ def engines(tmp_path_factory):
         ),
         "ours_compiled": _run([path["bf16"], path["gpt-oss-mxfp4"]], True, compiled=True),
         "theirs_compiled": _run([path["bf16"], path["gpt-oss-mxfp4-dequantized"]], False, compiled=True),
-        "ours_tp2": _run([path[m] for m in ("bf16", "fp8", "fp8-dequantized", "gpt-oss-mxfp4")], True, tp=2),
-        "theirs_tp2": _run([path["bf16"], path["gpt-oss-mxfp4-dequantized"]], False, tp=2),
+        "ours_tp2": _run(
+            [path[m] for m in ("bf16", "fp8", "fp8-dequantized", "gpt-oss-mxfp4", "deepseek-bf16")], True, tp=2
+        ),
+        "theirs_tp2": _run([path[m] for m in ("bf16", "gpt-oss-mxfp4-dequantized", "deepseek-bf16")], False, tp=2),
     }
     return {name: _results(p) for name, p in procs.items()}
 
@@ -243,17 +245,18 @@ def test_tensor_parallel_engine_runs_the_plugin_on_every_rank(engines):
     """vLLM's TP on two worker processes: each rank's layer is its I / 2 slice of every expert (padded to 128 where
     the slice is not a multiple), computed alone (StaticMoE's ep_size=1 among several ranks), and vLLM's runner
     all-reduces the partial outputs. Both workers served every call; the Qwen3-MoE tokens equal vLLM's own TP run
-    token for token, the fp8 Qwen3-MoE equals its dequantization (below), and the MXFP4 gpt-oss keeps the
-    LOGIT_STEPS rule against vLLM's TP run of the dequantized model (vLLM has no MXFP4 kernel here). A TP run is
+    token for token, the fp8 Qwen3-MoE equals its dequantization (below), and the MXFP4 gpt-oss and the bf16
+    DeepSeek-V3 keep the LOGIT_STEPS rule against vLLM's TP runs (of the dequantized gpt-oss: vLLM has no MXFP4
+    kernel here). A TP run is
     held to a TP reference: with two ranks vLLM also sums the attention's and the experts' partial outputs in
     bf16, which moved a logit by 4 bf16 steps against the one-process reference (up to 5 on the fp8 model's
     dequantization, where vLLM's own TP run then parts from its one-process run at an exact tie)."""
     ours, theirs = engines["ours_tp2"], engines["theirs_tp2"]
-    for model in ("bf16", "fp8", "fp8-dequantized", "gpt-oss-mxfp4"):
+    for model in ("bf16", "fp8", "fp8-dequantized", "gpt-oss-mxfp4", "deepseek-bf16"):
         assert "error" not in ours[model], ours[model]
         workers = ours[model]["worker_stats"]
         assert len(workers) == 2 and all(w["layers"] == 2 and w["calls"] > 0 for w in workers), workers
-    for model in ("bf16", "gpt-oss-mxfp4-dequantized"):
+    for model in ("bf16", "gpt-oss-mxfp4-dequantized", "deepseek-bf16"):
         assert theirs[model]["worker_stats"] == [{"layers": 0, "calls": 0, "rows": 0, "shared_weights": 0}] * 2
     assert ours["bf16"]["tokens"] == theirs["bf16"]["tokens"]
     # fp8 128×128 blocks under TP: I / 2 = 64 is not a multiple of 128, so vLLM holds the scales on a 64×64 grid
@@ -264,6 +267,9 @@ def test_tensor_parallel_engine_runs_the_plugin_on_every_rank(engines):
         ours["fp8-dequantized"]["top2"],
     )
     assert _same_greedy_tokens(ours["gpt-oss-mxfp4"], theirs["gpt-oss-mxfp4-dequantized"]) >= 24
+    # DeepSeek-V3: MLA's heads and the shared expert split over the ranks too (measured: 25 tokens equal within 2
+    # steps, then one taken at an exact tie of vLLM's top two)
+    assert _same_greedy_tokens(ours["deepseek-bf16"], theirs["deepseek-bf16"]) >= 16
 
 
 def test_float16_model_refused_at_engine_start(runs):

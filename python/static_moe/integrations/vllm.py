@@ -21,8 +21,9 @@ quant method, so checkpoints load exactly as in vLLM) and the scheduler — and 
   rows, scales and bias are de-interleaved. H and I that are not multiples of 128 (gpt-oss's 2880) are
   zero-padded to them (SPEC §1.2; exact). vLLM's weight parameters are then pointed at the layer's tensors (a
   view where vLLM's layout sits in static_moe's, the whole tensor where padding moved it: :func:`_share_weights`),
-  so the model holds its experts once, in the layer's huge-page memory (static_moe.host_memory). A weight reload (vLLM's ``reload_weights``) runs this step again on freshly
-  loaded parameters, and it refills the same layer in place, so the experts stay held once.
+  so the model holds its experts once, in the layer's huge-page memory (static_moe.host_memory). A weight
+  reload (vLLM's ``reload_weights``) runs this step again on freshly loaded parameters, and it refills the same
+  layer in place, so the experts stay held once.
 * ``forward_modular(x [T, H] bf16, topk_weights [T, k] float32, topk_ids [T, k] int32)``: the router's output
   goes to ``torch.ops.static_moe.forward`` (:func:`run_experts`) in chunks of ``capacity`` rows
   (``STATIC_MOE_VLLM_CAPACITY``, default 128), on CPU, through the opaque op :func:`routed_experts`

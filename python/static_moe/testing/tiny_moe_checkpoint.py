@@ -1,5 +1,5 @@
-"""Tiny random MoE checkpoints on disk (Qwen3-MoE, gpt-oss, DeepSeek-V3), for end-to-end tests of a serving engine (vLLM)
-without a download.
+"""Tiny random MoE checkpoints on disk (Qwen3-MoE, gpt-oss, DeepSeek-V3), for end-to-end tests of a serving
+engine (vLLM) without a download.
 
 :func:`write_qwen3_moe` writes a Hugging Face model folder: ``config.json`` (``Qwen3MoeForCausalLM``), one
 ``model.safetensors`` with the hub's per-expert key names (``model.layers.{l}.mlp.experts.{e}.gate_proj.weight``
