@@ -306,6 +306,10 @@ def _fp8_scales(s: torch.Tensor, n: int, k: int, block, k_at: int, k_to: int, wh
     rows = s.float().repeat_interleave(bn, dim=1)[:, :n]  # [E, n, ⌈k/bk⌉]
     per = 128 // bk  # vLLM blocks per static_moe block
     # dtype given: vLLM loads the model under torch's default dtype set to the model's (bf16)
+    if per == 1:  # the checkpoint's own grid (every layer without a refined TP grid): a copy, padded with 1.0
+        out = torch.ones((rows.shape[0], n, k_to // 128), dtype=torch.float32, device=rows.device)
+        out[:, :, k_at // 128 : k_at // 128 + rows.shape[2]] = rows
+        return out
     grid = torch.full((rows.shape[0], n, k_to // bk), float("nan"), dtype=torch.float32, device=rows.device)
     grid[:, :, k_at // bk : k_at // bk + rows.shape[2]] = rows
     grid = grid.view(rows.shape[0], n, k_to // 128, per)
@@ -313,7 +317,7 @@ def _fp8_scales(s: torch.Tensor, n: int, k: int, block, k_at: int, k_to: int, wh
     hi = torch.where(real, grid, -torch.inf).amax(-1)
     lo = torch.where(real, grid, torch.inf).amin(-1)
     held = real.any(-1)
-    if per > 1 and bool((held & (hi != lo)).any()):
+    if bool((held & (hi != lo)).any()):
         raise UnsupportedVllmLayer(f"{what}: fp8 block scales that differ within a 1×128 block of static_moe's")
     return torch.where(held, hi, torch.ones_like(hi)).contiguous()
 
