@@ -3,7 +3,9 @@ token ids of static_moe.testing.tiny_moe_checkpoint.prompts() with, at each step
 and of the best other one (equal: a tie, decided by token index), or the error. Run as a script by
 test_vllm_plugin.py, with STATIC_MOE_VLLM=1 and without (the plugin's registration is per process), eager, or
 with ``--compiled`` as vLLM runs by default (torch.compile, no ``enforce_eager``), and with ``--tp N`` on N
-tensor-parallel worker processes (then also each worker's plugin counters)."""
+tensor-parallel worker processes (then also each worker's plugin counters). Each line also carries a digest of
+every served layer's experts; ``--reload FOLDER=SOURCE`` reloads that folder's engine from another checkpoint
+afterwards (vLLM's ``reload_weights``) and adds the reloaded engine's tokens, digests and sharing counts."""
 
 import argparse
 import hashlib
