@@ -247,10 +247,10 @@ def test_tensor_parallel_engine_runs_the_plugin_on_every_rank(engines):
     all-reduces the partial outputs. Both workers served every call; the Qwen3-MoE tokens equal vLLM's own TP run
     token for token, the fp8 Qwen3-MoE equals its dequantization (below), and the MXFP4 gpt-oss and the bf16
     DeepSeek-V3 keep the LOGIT_STEPS rule against vLLM's TP runs (of the dequantized gpt-oss: vLLM has no MXFP4
-    kernel here). A TP run is
-    held to a TP reference: with two ranks vLLM also sums the attention's and the experts' partial outputs in
-    bf16, which moved a logit by 4 bf16 steps against the one-process reference (up to 5 on the fp8 model's
-    dequantization, where vLLM's own TP run then parts from its one-process run at an exact tie)."""
+    kernel here). A TP run is held to a TP reference: with two ranks vLLM also sums the attention's and the
+    experts' partial outputs in bf16, which moved a logit by 4 bf16 steps against the one-process reference (up to
+    5 on the fp8 model's dequantization, where vLLM's own TP run then parts from its one-process run at an exact
+    tie)."""
     ours, theirs = engines["ours_tp2"], engines["theirs_tp2"]
     for model in ("bf16", "fp8", "fp8-dequantized", "gpt-oss-mxfp4", "deepseek-bf16"):
         assert "error" not in ours[model], ours[model]
