@@ -265,9 +265,10 @@ def dequantize_weight_fp8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * s.float().repeat_interleave(WEIGHT_FP8_BLOCK, dim=-1)
 
 
-def expand_block_scales(block_s: torch.Tensor, n: int) -> torch.Tensor:
-    """Checkpoint 128×128 block scales [..., ceil(N/128), K/128] → 1×128 scales [..., N, K/128] (repeat along N)."""
-    return block_s.float().repeat_interleave(WEIGHT_FP8_BLOCK, dim=-2)[..., :n, :].contiguous()
+def expand_block_scales(block_s: torch.Tensor, n: int, rows: int = WEIGHT_FP8_BLOCK) -> torch.Tensor:
+    """Checkpoint block scales [..., ceil(N/rows), C] (128×128 blocks: C = K/128) → one scale per row
+    [..., N, C] float32 (a repeat along N)."""
+    return block_s.float().repeat_interleave(rows, dim=-2)[..., :n, :].contiguous()
 
 
 def quantize_weight_fp4(w: torch.Tensor, *, name: str = "w") -> tuple[torch.Tensor, torch.Tensor]:

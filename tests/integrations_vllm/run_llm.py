@@ -31,14 +31,19 @@ def _worker_stats(worker) -> dict:
     return dict(plugin.STATS)
 
 
+def _served(worker):
+    """(vLLM layer, its StaticMoE) for every layer the plugin serves in this worker."""
+    for module in worker.model_runner.model.modules():
+        moe = module.__dict__.get("_static_moe")
+        if moe is not None:
+            yield module, moe
+
+
 def _held_once(worker) -> list[int]:
     """Per served layer in this worker, how many of vLLM's expert weight parameters (w13_weight, w2_weight) lie in
     the memory of the layer's StaticMoE (the plugin's sharing)."""
     counts = []
-    for module in worker.model_runner.model.modules():
-        moe = module.__dict__.get("_static_moe")
-        if moe is None:
-            continue
+    for module, moe in _served(worker):
         inside = 0
         for theirs, ours in (("w13_weight", moe.w13), ("w2_weight", moe.w2)):
             start, size = ours.untyped_storage().data_ptr(), ours.untyped_storage().nbytes()
@@ -51,10 +56,7 @@ def _experts_digest(worker) -> list[str]:
     """Per served layer in this worker, a SHA-1 of every tensor its StaticMoE computes with (weights, scales,
     biases): equal digests, equal experts."""
     digests = []
-    for module in worker.model_runner.model.modules():
-        moe = module.__dict__.get("_static_moe")
-        if moe is None:
-            continue
+    for _, moe in _served(worker):
         h = hashlib.sha1()
         for name in ("w13", "w13_scale", "w2", "w2_scale", "w13_bias", "w2_bias"):
             t = getattr(moe, name)

@@ -21,6 +21,7 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noq
 from static_moe.formats import dequantize_weight_fp4, quantize_weight_fp4  # noqa: E402
 from static_moe.integrations import vllm as plugin  # noqa: E402
 from static_moe.testing.numeric import calc_diff  # noqa: E402
+from static_moe.testing.tiny_moe_checkpoint import block_fp8  # noqa: E402
 
 E, TOP_K, T = 8, 2, 24
 SIZES = [(256, 128), (160, 96)]  # (H, I): multiples of 128, and sizes padded to them (as gpt-oss's 2880)
@@ -94,15 +95,6 @@ def test_swigluoai_limit_binds_at_these_inputs():
         assert (gate > 7).any() and (up.abs() > 7).any(), (h, i)
 
 
-def _block_fp8(w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, N, K] → (e4m3 [E, N, K], power-of-two 128×128 block scales [E, N/128, K/128]), a checkpoint's form;
-    q · s is exact in bf16, and neighbouring blocks' scales differ."""
-    e, n, k = w.shape
-    s = torch.exp2(torch.randint(-9, -5, (e, n // 128, k // 128), generator=g).float())
-    full = s.repeat_interleave(128, 1).repeat_interleave(128, 2)
-    return (w / full).clamp(-448, 448).to(torch.float8_e4m3fn), s
-
-
 def _tp_slice(q13, s13, q2, s2, rank: int, tp: int, fine: int):
     """What vLLM's loader holds on ``rank`` of ``tp`` for fp8 block weights whose I / tp is not a multiple of 128:
     the scales upsampled from 128×128 to a ``fine`` grid over the unsharded tensors, then sliced by rank
@@ -128,7 +120,7 @@ def test_fp8_tensor_parallel_refined_grid_is_exact():
     g = torch.Generator().manual_seed(3)
     h, i_full, tp, fine = 256, 384, 2, 64  # gcd(128, 384 / 2, 256) = 64: vLLM's refined grid
     x, w13, w2, _, _, ids, weights = _inputs(h, i_full)
-    (q13, s13), (q2, s2) = _block_fp8(w13, g), _block_fp8(w2, g)
+    (q13, s13), (q2, s2) = block_fp8(w13, g), block_fp8(w2, g)
     for rank in range(tp):
         r13, t13, r2, t2 = _tp_slice(q13, s13, q2, s2, rank, tp, fine)
         at = rank * (i_full // tp) % 128

@@ -300,10 +300,12 @@ def _fp8_scales(s: torch.Tensor, n: int, k: int, block, k_at: int, k_to: int, wh
     static_moe block hold one checkpoint block exactly when the slice starts ``k_at`` columns into one, which
     :func:`_convert` arranges for w2 (k_at = tp_rank · I/tp mod 128). Scales that still differ within a block (a
     grid vLLM did not build that way) raise UnsupportedVllmLayer naming ``what``, rather than be averaged."""
+    from ..formats import expand_block_scales
+
     bn, bk = block
     if 128 % bk or k_at % bk:
         raise UnsupportedVllmLayer(f"{what}: fp8 block scales on a {bn}×{bk} grid at column {k_at}")
-    rows = s.float().repeat_interleave(bn, dim=1)[:, :n]  # [E, n, ⌈k/bk⌉]
+    rows = expand_block_scales(s, n, bn)  # [E, n, ⌈k/bk⌉]
     per = 128 // bk  # vLLM blocks per static_moe block
     # dtype given: vLLM loads the model under torch's default dtype set to the model's (bf16)
     if per == 1:  # the checkpoint's own grid (every layer without a refined TP grid): a copy, padded with 1.0
@@ -345,10 +347,10 @@ def _(x, topk_weights, topk_ids, key):
     return torch.empty_like(x)
 
 
-def _convert(layer, into=None):
+def _convert(layer, inter_at: int, into=None):
     """The loaded vLLM weights of ``layer`` as a StaticMoE layer (see the module doc for the mapping): ``into``
     (the layer's previous one, refilled in place: a weight reload keeps the memory vLLM's parameters share) when
-    its sizes fit, else a new one."""
+    its sizes fit, else a new one; ``inter_at``: :func:`_inter_at`."""
     fmt = _weight_format(layer)
     scales = {"fp8": "_weight_scale_inv", "fp4": "_weight_scale"}.get(fmt)
     biased = bool(getattr(layer.moe_config, "has_bias", False))
@@ -365,7 +367,7 @@ def _convert(layer, into=None):
         layer.w13_bias.data if biased else None,
         layer.w2_bias.data if biased else None,
         block=_fp8_grid(layer),
-        inter_at=_inter_at(layer),
+        inter_at=inter_at,
         into=into,
         name=layer.layer_name,
     )
@@ -435,9 +437,8 @@ def experts_from_vllm(
     if fmt == "fp8":  # 1×128 scales with K already padded: w13's K (H) from column 0, w2's K (I) from inter_at
         s13 = _fp8_scales(s13, 2 * inter, hidden, block, 0, hp, f"{name} w13")
         s2 = _fp8_scales(s2, hidden, inter, block, inter_at, ip, f"{name} w2")
-    per_byte = 2 if fmt == "fp4" else 1  # e2m1 pairs: w2's column offset in bytes
     w13 = _pad_experts(gate_up(w13), True, 2 * ip, shape["w13"][2], row_at=inter_at)
-    w2 = _pad_experts(w2, False, hp, shape["w2"][2], col_at=inter_at // per_byte)
+    w2 = _pad_experts(w2, False, hp, shape["w2"][2], col_at=inter_at)  # inter_at: fp8 only, 0 otherwise
     if s13 is not None:
         fill = 127 if fmt == "fp4" else 1
         s13 = _pad_experts(gate_up(s13), True, 2 * ip, shape["w13_scale"][2], fill, row_at=inter_at)
@@ -543,14 +544,15 @@ def _experts_class(base: type) -> type:
             # copies them into the ones the model held (which share the previous layer's memory): refilling the
             # previous layer in place keeps the experts held once.
             old = self.__dict__.get("_static_moe")
-            moe = _convert(self, into=old)
+            inter_at = _inter_at(self)
+            moe = _convert(self, inter_at, into=old)
             if old is not None and old is not moe:
                 old.close()
             self.__dict__["_static_moe"] = moe
             key = f"{self.layer_name}@{id(self):x}"  # unique while the layer lives, also across engines
             self.__dict__["_static_moe_key"] = key
             _LAYERS[key] = moe
-            STATS["shared_weights"] += _share_weights(self, moe, _inter_at(self))
+            STATS["shared_weights"] += _share_weights(self, moe, inter_at)
             STATS["layers"] += 1
 
         def forward_modular(

@@ -105,13 +105,14 @@ def _fp8_quantization(skip: list[str]) -> dict:
     }
 
 
-def _block_fp8(w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float32 → (float8_e4m3fn [N, K], power-of-two scales float32 [N/128, K/128]) with q · s ≈ w; each
-    block's scale is a random power of two (2^-9 … 2^-6) so the dequantized values are exact in bf16."""
-    n, k = w.shape
-    exps = torch.randint(-9, -5, (n // 128, k // 128), generator=g).float()
+def block_fp8(w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] float32 → (float8_e4m3fn [..., N, K], power-of-two scales float32 [..., N/128, K/128]), a
+    checkpoint's 128×128 block form with q · s ≈ w; each block's scale is a random power of two (2^-9 … 2^-6,
+    drawn by ``g``) so the dequantized values are exact in bf16 and neighbouring blocks' scales differ."""
+    *lead, n, k = w.shape
+    exps = torch.randint(-9, -5, (*lead, n // 128, k // 128), generator=g).float()
     s = torch.exp2(exps)
-    q = (w / s.repeat_interleave(128, 0).repeat_interleave(128, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q = (w / s.repeat_interleave(128, -2).repeat_interleave(128, -1)).clamp(-448, 448).to(torch.float8_e4m3fn)
     return q, s
 
 
@@ -164,7 +165,7 @@ def _gated_mlp(rnd, g, p: str, h: int, i: int, weights: str = "bf16") -> dict[st
     for name, shape, fan_in in (("gate_proj", (i, h), h), ("up_proj", (i, h), h), ("down_proj", (h, i), i)):
         w = rnd(*shape, std=2.0 * fan_in**-0.5)
         if weights in ("fp8", "fp8-dequantized"):
-            q, s = _block_fp8(w, g)
+            q, s = block_fp8(w, g)
             if weights == "fp8":
                 t[f"{p}.{name}.weight"] = q
                 t[f"{p}.{name}.weight_scale_inv"] = s
@@ -370,9 +371,9 @@ def _deepseek_v3_config(weights: str) -> dict:
         for layer in range(DEEPSEEK_LAYERS):
             p = f"model.layers.{layer}"
             skip += [f"{p}.self_attn.{n}" for n in _DEEPSEEK_ATTENTION]
-            mlps = [f"{p}.mlp"] if layer == 0 else [f"{p}.mlp.shared_experts"]
-            skip += [f"{m}.{n}" for m in mlps for n in ("gate_proj", "up_proj", "down_proj")]
-            skip += [] if layer == 0 else [f"{p}.mlp.gate"]
+            mlp = f"{p}.mlp" if layer == 0 else f"{p}.mlp.shared_experts"  # the dense MLP, or the shared expert
+            skip += [f"{mlp}.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+            skip += [f"{p}.mlp.gate"] if layer else []
         cfg["quantization_config"] = _fp8_quantization(skip)
     return cfg
 
