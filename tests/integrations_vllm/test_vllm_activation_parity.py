@@ -3,7 +3,8 @@ to vLLM's own CPU MoE kernel (`cpu_fused_moe`, the vec kernel its CPUUnquantized
 weights: for SILU, GELU_TANH (Gemma 4's experts) and gpt-oss's SWIGLUOAI (interleaved gate / up rows, alpha
 1.702, limit 7), with and without biases, at sizes that are multiples of 128 and at sizes the plugin pads (H 160,
 I 96), at inputs large enough that the SWIGLUOAI clamp binds; and MXFP4 experts against vLLM's kernel on their
-exact bf16 dequantization.
+exact bf16 dequantization; fp8 experts scaled per tensor, per channel or on vLLM's refined tensor-parallel block
+grid, exactly their bf16 dequantization.
 
 The two differ by design in where the routing weight is applied (static_moe folds it into the bf16 activation
 before w2, SPEC §1.4; vLLM scales w2's output), so agreement is calc_diff-close, not bitwise; a wrong row order,
@@ -21,7 +22,7 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noq
 from static_moe.formats import dequantize_weight_fp4, quantize_weight_fp4  # noqa: E402
 from static_moe.integrations import vllm as plugin  # noqa: E402
 from static_moe.testing.numeric import calc_diff  # noqa: E402
-from static_moe.testing.tiny_moe_checkpoint import block_fp8  # noqa: E402
+from static_moe.testing.tiny_moe_checkpoint import block_fp8, fp8_scaled  # noqa: E402
 
 E, TOP_K, T = 8, 2, 24
 SIZES = [(256, 128), (160, 96)]  # (H, I): multiples of 128, and sizes padded to them (as gpt-oss's 2880)
@@ -49,9 +50,9 @@ def _vllm(activation: MoEActivation, x, w13, w2, b13, b2, ids, weights) -> torch
     return y
 
 
-def _static_moe(fmt, activation, x, w13, s13, w2, s2, b13, b2, ids, weights) -> torch.Tensor:
-    """The plugin's conversion and call (experts_from_vllm, run_experts)."""
-    moe = plugin.experts_from_vllm(fmt, activation, E, TOP_K, T, w13, s13, w2, s2, b13, b2)
+def _static_moe(fmt, activation, x, w13, s13, w2, s2, b13, b2, ids, weights, **options) -> torch.Tensor:
+    """The plugin's conversion and call (experts_from_vllm with ``options``, run_experts)."""
+    moe = plugin.experts_from_vllm(fmt, activation, E, TOP_K, T, w13, s13, w2, s2, b13, b2, **options)
     try:
         return plugin.run_experts(moe, x, ids, weights)
     finally:
@@ -141,3 +142,58 @@ def test_fp8_tensor_parallel_refined_grid_is_exact():
         assert torch.equal(ours, bf16), (rank, calc_diff(ours, bf16))
     with pytest.raises(plugin.UnsupportedVllmLayer, match="differ within a 1×128 block"):
         plugin.experts_from_vllm("fp8", MoEActivation.SILU, E, TOP_K, T, r13, t13, r2, t2, block=(fine, fine))
+
+
+def _row_scaled_fp8(w13, w2, scheme: str, g):
+    """fp8 experts as vLLM's loader holds them for ``scheme`` "tensor" (w13 [E, 2]: the gate rows' scale, then the
+    up rows'; w2 [E]) or "channel" (w13 [E, 2I, 1], w2 [E, H, 1]), with their exact bf16 dequantizations."""
+    i = w13.shape[1] // 2
+    if scheme == "tensor":
+        (qg, sg), (qu, su) = fp8_scaled(w13[:, :i], g, (0, 0)), fp8_scaled(w13[:, i:], g, (0, 0))
+        q13, s13 = torch.cat((qg, qu), dim=1), torch.stack((sg, su), dim=1)
+        deq13 = torch.cat((qg.float() * sg[:, None, None], qu.float() * su[:, None, None]), dim=1)
+        q2, s2 = fp8_scaled(w2, g, (0, 0))
+        deq2 = q2.float() * s2[:, None, None]
+    else:
+        (q13, s13), (q2, s2) = fp8_scaled(w13, g, (1, 0)), fp8_scaled(w2, g, (1, 0))
+        deq13, deq2 = q13.float() * s13, q2.float() * s2
+    return q13, s13, q2, s2, deq13.bfloat16(), deq2.bfloat16()
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel"])
+@pytest.mark.parametrize("h,i", SIZES, ids=lambda v: str(v))
+def test_fp8_per_tensor_and_per_channel_scales_are_exact(h, i, scheme):
+    """fp8 experts scaled per tensor (``quant_method: fp8`` without blocks, AutoFP8's form) or per output channel
+    (compressed-tensors' FP8_DYNAMIC), as vLLM's loader holds them, with power-of-two scales (so q · s is exact in
+    bf16) that differ between an expert's gate and up rows: the plugin's fp8 layer equals its bf16 layer on the
+    dequantized weights bit for bit, and vLLM's kernel on them within the bound; also each rank's slice under
+    two tensor-parallel ranks (w13's rows, w2's columns and, per channel, w13's row scales sliced)."""
+    g = torch.Generator().manual_seed(5)
+    x, w13, w2, _, _, ids, weights = _inputs(h, i)
+    q13, s13, q2, s2, deq13, deq2 = _row_scaled_fp8(w13, w2, scheme, g)
+    if scheme == "tensor":
+        assert (s13[:, 0] != s13[:, 1]).any()  # the gate and up halves' scales must not be interchangeable
+    ours = _static_moe("fp8", MoEActivation.SILU, x, q13, s13, q2, s2, None, None, ids, weights, block=None)
+    bf16 = _static_moe("bf16", MoEActivation.SILU, x, deq13, None, deq2, None, None, None, ids, weights)
+    assert torch.equal(ours, bf16), calc_diff(ours, bf16)
+    assert calc_diff(ours, _vllm(MoEActivation.SILU, x, deq13, deq2, None, None, ids, weights)) <= BOUND
+    for rank in range(2):
+        rows = torch.arange(rank * i // 2, (rank + 1) * i // 2)
+        rows13 = torch.cat((rows, rows + i))
+        r13, r2 = q13[:, rows13], q2[:, :, rows]
+        t13 = s13 if scheme == "tensor" else s13[:, rows13]
+        ours = _static_moe("fp8", MoEActivation.SILU, x, r13, t13, r2, s2, None, None, ids, weights, block=None)
+        bf16 = _static_moe(
+            "bf16", MoEActivation.SILU, x, deq13[:, rows13], None, deq2[:, :, rows], None, None, None, ids, weights
+        )
+        assert torch.equal(ours, bf16), (rank, calc_diff(ours, bf16))
+
+
+def test_fp8_scales_of_another_shape_are_refused():
+    """Scales that are neither one per tensor (per gate / up half) nor one per row are refused, never broadcast."""
+    g = torch.Generator().manual_seed(6)
+    _, w13, w2, _, _, _, _ = _inputs(256, 128)
+    q13, _, q2, s2, _, _ = _row_scaled_fp8(w13, w2, "channel", g)
+    wrong = torch.ones(E, 3)  # three shards of 256 rows
+    with pytest.raises(plugin.UnsupportedVllmLayer, match=r"w13: fp8 scales of shape \(8, 3\)"):
+        plugin.experts_from_vllm("fp8", MoEActivation.SILU, E, TOP_K, T, q13, wrong, q2, s2, block=None)

@@ -1,6 +1,7 @@
 """static_moe inside vLLM's engine (static_moe.integrations.vllm): greedy generations of a tiny random Qwen3-MoE
-with the plugin equal those of vLLM's own CPU MoE, token for token; fp8 block-quantized experts equal the run
-of the same model with its experts dequantized exactly to bf16; a float16 model is refused at engine start. A tiny
+with the plugin equal those of vLLM's own CPU MoE, token for token; fp8 experts (128×128 blocks, per tensor, per
+channel; vLLM's fp8 form and compressed-tensors') equal the run of the same model with its experts dequantized
+exactly to bf16; a float16 model is refused at engine start. A tiny
 gpt-oss (its own experts class, biased experts with interleaved gate / up rows, SwiGLU-OAI) runs through the
 plugin too, in bf16 against vLLM's CPU MoE and in MXFP4 against its exact bf16 dequantization, and so does a tiny
 DeepSeek-V3 (MLA, grouped sigmoid routing with a correction bias and routed scaling, a shared expert), bf16 and fp8.
@@ -62,25 +63,27 @@ def _results(proc: subprocess.Popen) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """Every engine's results, six processes run side by side: eager with the plugin on the bf16 / fp8 / fp16
-    Qwen3-MoE and the bf16 / MXFP4 gpt-oss, eager without it on the bf16 models and the exact bf16
-    dequantizations of the fp8 / MXFP4 ones; compiled (vLLM's default) with and without it on two of them; and
-    with two tensor-parallel workers, with and without it on two models each."""
+    """Every engine's results, six processes run side by side: eager with the plugin on the Qwen3-MoE (bf16, fp16
+    and three fp8 forms), the bf16 / MXFP4 gpt-oss and the DeepSeek-V3, eager without it on the bf16 models and the
+    exact bf16 dequantizations of the fp8 / MXFP4 ones; compiled (vLLM's default) with and without it on two of
+    them; and with two tensor-parallel workers, with and without it on several."""
     root = tmp_path_factory.mktemp("tiny_moe")
-    path = {w: write_qwen3_moe(str(root / w), weights=w) for w in ("bf16", "fp8", "fp8-dequantized", "fp16")}
+    path = {w: write_qwen3_moe(str(root / w), weights=w) for w in QWEN3}
     path |= {f"gpt-oss-{w}": write_gpt_oss(str(root / f"gpt-oss-{w}"), weights=w) for w in GPT_OSS}
     path["gpt-oss-mxfp4-seed1"] = write_gpt_oss(str(root / "gpt-oss-mxfp4-seed1"), weights="mxfp4", seed=1)
     path |= {f"deepseek-{w}": write_deepseek_v3(str(root / f"deepseek-{w}"), weights=w) for w in DEEPSEEK}
     procs = {
         "ours": _run(
-            [path[m] for m in ("bf16", "fp8", "fp16", "gpt-oss-bf16", "gpt-oss-mxfp4", "gpt-oss-mxfp4-seed1")]
+            [path[m] for m in ("bf16", "fp8", "fp8-tensor", "fp8-ct", "fp16")]
+            + [path[m] for m in ("gpt-oss-bf16", "gpt-oss-mxfp4", "gpt-oss-mxfp4-seed1")]
             + [path[f"deepseek-{w}"] for w in DEEPSEEK],
             True,
             # each engine reloaded from another model of the same shapes
             reload={path["bf16"]: path["fp8-dequantized"], path["gpt-oss-mxfp4"]: path["gpt-oss-mxfp4-seed1"]},
         ),
         "theirs": _run(
-            [path[m] for m in ("bf16", "fp8-dequantized", "gpt-oss-bf16", "gpt-oss-mxfp4-dequantized")]
+            [path[m] for m in ("bf16", "fp8-dequantized", "fp8-tensor-dequantized", "fp8-ct-dequantized")]
+            + [path[m] for m in ("gpt-oss-bf16", "gpt-oss-mxfp4-dequantized")]
             + [path[m] for m in ("deepseek-bf16", "deepseek-fp8-dequantized")],
             False,
         ),
@@ -100,6 +103,7 @@ def runs(engines):
     return engines["ours"], engines["theirs"]
 
 
+QWEN3 = ("bf16", "fp16") + tuple(f"{f}{d}" for f in ("fp8", "fp8-tensor", "fp8-ct") for d in ("", "-dequantized"))
 GPT_OSS = ("bf16", "mxfp4", "mxfp4-dequantized")
 DEEPSEEK = ("bf16", "fp8", "fp8-dequantized")
 
@@ -164,6 +168,21 @@ def test_fp8_block_weights_greedy_tokens_equal_dequantized_model(runs):
     assert ours["fp8"]["stats"]["layers"] == 2 and ours["fp8"]["stats"]["calls"] > 0
     assert ours["fp8"]["stats"]["shared_weights"] == 4
     assert ours["fp8"]["tokens"] == theirs["fp8-dequantized"]["tokens"]
+
+
+@pytest.mark.parametrize("model", ["fp8-tensor", "fp8-ct"])
+def test_fp8_tensor_and_channel_scaled_weights_greedy_tokens_equal_dequantized_model(runs, model):
+    """fp8 checkpoints that vLLM's CPU build has no MoE kernel for at all (its CPU fp8 kernel takes 128×128 blocks
+    only, and needs AMX tiles): "fp8-tensor", ``quant_method: fp8`` without blocks (AutoFP8's form: one scale per
+    expert weight, the gate's and the up's differing, and static activation scales, which static_moe's W8A16
+    kernels do not read, as vLLM's own CPU and Marlin kernels do not); "fp8-ct", compressed-tensors with layer 0's
+    experts scaled per output channel (llm-compressor's FP8_DYNAMIC) and layer 1's in 128×128 blocks (FP8_BLOCK).
+    The scales are powers of two, so each equals vLLM's run of its exact bf16 dequantization, token for token."""
+    ours, theirs = runs
+    assert "error" not in ours[model], ours[model]
+    assert ours[model]["stats"]["layers"] == 2 and ours[model]["stats"]["calls"] > 0
+    assert ours[model]["stats"]["shared_weights"] == 4
+    assert ours[model]["tokens"] == theirs[f"{model}-dequantized"]["tokens"]
 
 
 def test_gpt_oss_bf16_greedy_tokens_equal_vllm_cpu_moe(runs):

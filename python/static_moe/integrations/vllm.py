@@ -14,7 +14,9 @@ quant method, so checkpoints load exactly as in vLLM) and the scheduler — and 
   bf16 as they are; fp8 (``quant_method: fp8`` with ``weight_block_size: [128, 128]``) with the 128×128 block
   scales ``w13_weight_scale_inv`` [E, 2I/128, H/128] expanded to static_moe's 1×128 scales [E, 2I, H/128] (a
   repeat along the output rows: exact, every weight keeps its value q · s; under tensor parallelism vLLM may hold
-  them on a finer grid, read exactly too: :func:`_fp8_scales`); MXFP4 (gpt-oss: uint8 e2m1 pairs
+  them on a finer grid, read exactly too: :func:`_fp8_scales`), and fp8 scaled per tensor or per output channel
+  (``quant_method: fp8`` without blocks; compressed-tensors' tensor / channel / block strategies), each row's
+  scale repeated along K (:func:`_fp8_row_scales`; activation scales are not read: W8A16, :func:`_fp8_scheme`); MXFP4 (gpt-oss: uint8 e2m1 pairs
   [E, 2I, H/2], low nibble first, and E8M0 bytes ``w13_weight_scale`` [E, 2I, H/32]) as static_moe's fp4, byte
   for byte; biases ``w13_bias`` / ``w2_bias`` as the experts' biases (SPEC §1.9). SWIGLUOAI (gpt-oss's GLU,
   alpha 1.702, limit 7: static_moe's ``swiglu_oai``) reads w13 interleaved (row 2j gate j, 2j + 1 up j): its
@@ -32,7 +34,7 @@ quant method, so checkpoints load exactly as in vLLM) and the scheduler — and 
 What the kernels cannot compute is refused when the layer is constructed, i.e. at engine start, with a
 :class:`UnsupportedVllmLayer` (a ValueError) naming the layer and the reason: a model's own experts class other
 than gpt-oss's (``SERVED_EXPERTS_CLASSES``), float16 / float32 model dtypes, quantization other than bf16, fp8
-128×128 blocks or MXFP4, activations other than SiLU- / GELU-tanh-and-mul and SWIGLUOAI, SwiGLU limits / alphas /
+(per tensor, per channel, 128×128 blocks) or MXFP4, activations other than SiLU- / GELU-tanh-and-mul and SWIGLUOAI, SwiGLU limits / alphas /
 betas set on the layer, router weights applied on the input, expert or data parallelism. Tensor parallelism is
 served: each rank's layer computes its slice of every expert alone and vLLM all-reduces the outputs.
 docs/vllm.md says why this extension point and not a quant method or a modular-kernel ``FusedMoEExperts``.
@@ -181,7 +183,7 @@ def _refusals(layer) -> list[str]:
         why.append(
             f"quantization {type(qm).__name__}"
             + (f" with weight_block_size {block}" if block is not None else "")
-            + " (served: unquantized bf16, fp8 with 128×128 block scales, MXFP4)"
+            + " (served: unquantized bf16; fp8 scaled per tensor, per channel or in 128×128 blocks; MXFP4)"
         )
     elif fmt == "bf16" and not isinstance(qm, UnquantizedFusedMoEMethod):
         why.append(f"quantization {type(qm).__name__}")
@@ -208,17 +210,58 @@ def _refusals(layer) -> list[str]:
 
 
 def _weight_format(layer) -> str | None:
+    """static_moe's weight format for the layer's quant method: "bf16", "fp8" (:func:`_fp8_scheme` names how its
+    scales are laid out), "fp4" (MXFP4), or None (a quantization static_moe cannot read exactly)."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     qm = layer.quant_method
     if isinstance(qm, UnquantizedFusedMoEMethod):
         return "bf16"
-    names = {c.__name__ for c in type(qm).__mro__}  # by name: also once _modular has subclassed it
-    if "Fp8MoEMethod" in names and list(getattr(qm, "weight_block_size", None) or []) == [128, 128]:
+    if _fp8_scheme(qm) is not None:
         return "fp8"
-    if names & {"GptOssMxfp4MoEMethod", "Mxfp4MoEMethod"}:
+    if _method_names(qm) & {"GptOssMxfp4MoEMethod", "Mxfp4MoEMethod"}:
         return "fp4"  # e2m1 pairs [E, N, K/2] uint8 (low nibble first) and E8M0 bytes [E, N, K/32]: ours as stored
     return None
+
+
+def _method_names(qm) -> set[str]:
+    """The class names of the quant method ``qm``'s MRO: matched by name, also once :func:`_modular` subclassed it."""
+    return {c.__name__ for c in type(qm).__mro__}
+
+
+def _fp8_scheme(qm) -> str | None:
+    """How the fp8 weights of the quant method ``qm`` are scaled, or None when they are not fp8 that static_moe
+    reads exactly:
+
+    * "block": 128×128 blocks (``quant_method: fp8`` with ``weight_block_size: [128, 128]``, DeepSeek-V3 /
+      Qwen3-FP8; or compressed-tensors' "block" strategy, llm-compressor's FP8_BLOCK), held by vLLM on that grid
+      or on its refinement under tensor parallelism (:func:`_fp8_scales`);
+    * "channel": one scale per output row (compressed-tensors' "channel" strategy, llm-compressor's FP8_DYNAMIC):
+      w13 [E, 2I, 1], w2 [E, H, 1];
+    * "tensor": one scale per weight (``quant_method: fp8`` without blocks, AutoFP8's form; compressed-tensors'
+      "tensor" strategy): w13 [E, 2], one for the gate rows and one for the up rows, w2 [E].
+
+    Activation scales (static ``input_scale`` or a dynamic scheme) are not read: static_moe's kernels take bf16
+    activations (W8A16), as vLLM's own CPU fp8 kernel and its Marlin kernels do (docs/vllm.md, "What maps")."""
+    names = _method_names(qm)
+    block = getattr(qm, "weight_block_size", None)
+    if "Fp8MoEMethod" in names:
+        if block is None:
+            return "tensor"
+    elif "CompressedTensorsW8A8Fp8MoEMethod" in names:
+        strategy = getattr(qm.weight_quant.strategy, "value", qm.weight_quant.strategy)
+        if strategy in ("tensor", "channel"):
+            return strategy
+    else:
+        return None
+    return "block" if list(block or []) == [128, 128] else None
+
+
+def _fp8_scale_name(qm) -> str:
+    """The suffix of an fp8 layer's scale parameters: vLLM's fp8 method names block scales ``weight_scale_inv``
+    (as DeepSeek's checkpoints do) and per-tensor ones ``weight_scale``; compressed-tensors names all of them
+    ``weight_scale``."""
+    return getattr(qm, "weight_scale_name", "weight_scale")
 
 
 # The quant-method classes made to report a modular kernel ({vLLM's class: its subclass}), one per class.
@@ -324,6 +367,27 @@ def _fp8_scales(s: torch.Tensor, n: int, k: int, block, k_at: int, k_to: int, wh
     return torch.where(held, hi, torch.ones_like(hi)).contiguous()
 
 
+def _fp8_row_scales(s: torch.Tensor, n: int, k_to: int, what: str) -> torch.Tensor:
+    """vLLM's per-tensor or per-channel fp8 scales ``s`` (float32) of a weight [E, n, k] → static_moe's 1×128
+    scales [E, n, k_to/128] float32 (``k_to``: K padded), every row's scale over all its blocks: exact, a repeat
+    along K (a padded block's scale only multiplies zeros).
+
+    Per tensor: w2's [E], or w13's [E, S]: one scale for each of S shards of n/S rows as vLLM holds them (the gate
+    rows, then the up rows; its loader puts the checkpoint's w1 scale first). vLLM's own processing requantizes
+    both halves to the larger scale for its kernels; static_moe keeps each, so every weight keeps its value q · s.
+    Per channel: [E, n, 1], one per row. Any other shape raises UnsupportedVllmLayer naming ``what``."""
+    e = s.shape[0]
+    if s.dim() == 1:
+        rows = s[:, None].expand(e, n)
+    elif s.dim() == 2 and n % s.shape[1] == 0:
+        rows = s.repeat_interleave(n // s.shape[1], dim=1)
+    elif s.dim() == 3 and tuple(s.shape[1:]) == (n, 1):
+        rows = s[:, :, 0]
+    else:
+        raise UnsupportedVllmLayer(f"{what}: fp8 scales of shape {tuple(s.shape)} for a weight of {n} rows")
+    return rows.to(torch.float32)[:, :, None].expand(e, n, k_to // 128).contiguous()
+
+
 # The StaticMoE layer of each served vLLM layer, by a key unique to that layer (weakly held: the vLLM layer owns it).
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -352,7 +416,7 @@ def _convert(layer, inter_at: int, into=None):
     (the layer's previous one, refilled in place: a weight reload keeps the memory vLLM's parameters share) when
     its sizes fit, else a new one; ``inter_at``: :func:`_inter_at`."""
     fmt = _weight_format(layer)
-    scales = {"fp8": "_weight_scale_inv", "fp4": "_weight_scale"}.get(fmt)
+    scales = {"fp8": f"_{_fp8_scale_name(layer.quant_method)}", "fp4": "_weight_scale"}.get(fmt)
     biased = bool(getattr(layer.moe_config, "has_bias", False))
     return experts_from_vllm(
         fmt,
@@ -373,17 +437,20 @@ def _convert(layer, inter_at: int, into=None):
     )
 
 
-def _fp8_grid(layer) -> tuple[int, int]:
-    """The (rows, columns) block grid of an fp8 layer's scales as vLLM holds them (128×128, or finer under tensor
-    parallelism: _fp8_scales)."""
-    return tuple(getattr(layer.quant_method, "moe_block_shape", None) or (128, 128))
+def _fp8_grid(layer) -> tuple[int, int] | None:
+    """The (rows, columns) block grid of an fp8 layer's block scales as vLLM holds them (128×128, or finer under
+    tensor parallelism: _fp8_scales); None for per-tensor and per-channel scales (and for other formats)."""
+    qm = layer.quant_method
+    if _fp8_scheme(qm) != "block":
+        return None
+    return tuple(getattr(qm, "moe_block_shape", None) or qm.weight_block_size)
 
 
 def _inter_at(layer) -> int:
-    """Where this rank's I / tp slice starts in static_moe's padded I: 0, or for fp8 weights the slice's offset
+    """Where this rank's I / tp slice starts in static_moe's padded I: 0, or for fp8 block scales the slice's offset
     into its first 128-column checkpoint block (tp_rank · I/tp mod 128), so that static_moe's 1×128 scale blocks
     of w2 hold one checkpoint block each (_fp8_scales). The padding before it is zero units (SPEC §1.2)."""
-    if _weight_format(layer) != "fp8":
+    if _fp8_grid(layer) is None:  # not block scales: every row's scale covers all its columns
         return 0
     return layer.moe_config.moe_parallel_config.tp_rank * layer.intermediate_size_per_partition % PAD
 
@@ -410,7 +477,8 @@ def experts_from_vllm(
 
     ``fmt`` "bf16": w13 [E, 2I, H], w2 [E, H, I] bf16; "fp8": float8_e4m3fn with vLLM's block scales s13
     [E, 2I/bn, ⌈H/bk⌉], s2 [E, ⌈H/bn⌉, ⌈I/bk⌉] float32 on the grid ``block`` = (bn, bk) (128×128, or vLLM's refined
-    grid under tensor parallelism: _fp8_scales); "fp4" (MXFP4): uint8 e2m1 pairs w13 [E, 2I, H/2], w2 [E, H, I/2]
+    grid under tensor parallelism: _fp8_scales), or with ``block`` None its per-tensor scales (s13 [E, 2]: gate
+    rows, up rows; s2 [E]) or per-channel ones (s13 [E, 2I, 1], s2 [E, H, 1]): :func:`_fp8_row_scales`; "fp4" (MXFP4): uint8 e2m1 pairs w13 [E, 2I, H/2], w2 [E, H, I/2]
     with E8M0 bytes s13 [E, 2I, H/32], s2 [E, H, I/32]. ``activation``: vLLM's MoEActivation with its name in
     ACTIVATIONS: SILU or GELU_TANH (w13 rows: gate, then up) or SWIGLUOAI (interleaved: row 2j gate j, 2j + 1 up
     j). Optional biases b13 [E, 2I], b2 [E, H] (bf16 or float32). All on one device (the layer's); nothing is
@@ -434,7 +502,10 @@ def experts_from_vllm(
     # The padded tensors have the layer's own shapes (columns: K, or K/2 e2m1 pairs; scales K/128 or K/32); a
     # padded scale is 1.0 (float32) or 2^0 (E8M0 byte 127).
     shape = _weight_shapes(num_experts, hp, ip, fmt)
-    if fmt == "fp8":  # 1×128 scales with K already padded: w13's K (H) from column 0, w2's K (I) from inter_at
+    if fmt == "fp8" and block is None:  # per-tensor or per-channel scales: each row's over all its blocks
+        s13 = _fp8_row_scales(s13, 2 * inter, hp, f"{name} w13")
+        s2 = _fp8_row_scales(s2, hidden, ip, f"{name} w2")
+    elif fmt == "fp8":  # 1×128 scales with K already padded: w13's K (H) from column 0, w2's K (I) from inter_at
         s13 = _fp8_scales(s13, 2 * inter, hidden, block, 0, hp, f"{name} w13")
         s2 = _fp8_scales(s2, hidden, inter, block, inter_at, ip, f"{name} w2")
     w13 = _pad_experts(gate_up(w13), True, 2 * ip, shape["w13"][2], row_at=inter_at)

@@ -85,13 +85,51 @@ def _config(weights: str) -> dict:
         "rope_theta": 10000.0,
         "attention_bias": False,
     }
+    skip = ["lm_head"]
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}"
+        skip += [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [f"{p}.mlp.gate"]
     if weights == "fp8":
-        skip = ["lm_head"]
-        for layer in range(LAYERS):
-            p = f"model.layers.{layer}"
-            skip += [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [f"{p}.mlp.gate"]
         cfg["quantization_config"] = _fp8_quantization(skip)
+    elif weights == "fp8-tensor":  # AutoFP8's form: one scale per weight, static activation scales
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": "static",
+            "modules_to_not_convert": skip,
+        }
+    elif weights == "fp8-ct":
+        cfg["quantization_config"] = _compressed_tensors_fp8()
     return cfg
+
+
+def _compressed_tensors_fp8() -> dict:
+    """A compressed-tensors ``quantization_config`` (llm-compressor's float-quantized form) with the experts of
+    layer 0 in its FP8_DYNAMIC scheme (a scale per output channel, activations per token, dynamic) and those of
+    layer 1 in FP8_BLOCK (128×128 weight blocks, activations per group of 128, dynamic); nothing else quantized."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
+
+    def experts(layer: int) -> list[str]:
+        return [f"re:.*layers\\.{layer}\\.mlp\\.experts\\.\\d+\\..*_proj$"]
+
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "channel": {
+                "targets": experts(0),
+                "weights": weights | {"strategy": "channel"},
+                "input_activations": acts | {"strategy": "token"},
+            },
+            "block": {
+                "targets": experts(1),
+                "weights": weights | {"strategy": "block", "block_structure": [128, 128]},
+                "input_activations": acts | {"strategy": "group", "group_size": 128},
+            },
+        },
+        "ignore": ["lm_head"],
+    }
 
 
 def _fp8_quantization(skip: list[str]) -> dict:
@@ -107,13 +145,8 @@ def _fp8_quantization(skip: list[str]) -> dict:
 
 def block_fp8(w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] float32 → (float8_e4m3fn [..., N, K], power-of-two scales float32 [..., N/128, K/128]), a
-    checkpoint's 128×128 block form with q · s ≈ w; each block's scale is a random power of two (2^-9 … 2^-6,
-    drawn by ``g``) so the dequantized values are exact in bf16 and neighbouring blocks' scales differ."""
-    *lead, n, k = w.shape
-    exps = torch.randint(-9, -5, (*lead, n // 128, k // 128), generator=g).float()
-    s = torch.exp2(exps)
-    q = (w / s.repeat_interleave(128, -2).repeat_interleave(128, -1)).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, s
+    checkpoint's 128×128 block form with q · s ≈ w (:func:`fp8_scaled`); neighbouring blocks' scales differ."""
+    return fp8_scaled(w, g, (128, 128))
 
 
 def _embeddings(rnd, h: int) -> dict[str, torch.Tensor]:
@@ -152,27 +185,57 @@ def _tensors(weights: str, seed: int) -> dict[str, torch.Tensor]:
         t[f"{p}.self_attn.k_norm.weight"] = 1 + rnd(HEAD_DIM, std=0.1)
         t[f"{p}.mlp.gate.weight"] = rnd(NUM_EXPERTS, HIDDEN, std=1.0)
         for e in range(NUM_EXPERTS):
-            t |= _gated_mlp(rnd, g, f"{p}.mlp.experts.{e}", HIDDEN, MOE_INTERMEDIATE, weights)
+            form = weights
+            if weights.startswith("fp8-ct"):  # layer 0 per channel, layer 1 in blocks (_compressed_tensors_fp8)
+                form = weights.replace("fp8-ct", "fp8-channel" if layer == 0 else "fp8-ct-block")
+            t |= _gated_mlp(rnd, g, f"{p}.mlp.experts.{e}", HIDDEN, MOE_INTERMEDIATE, form)
     return _stored(t, torch.float16 if weights == "fp16" else torch.bfloat16)
 
 
 def _gated_mlp(rnd, g, p: str, h: int, i: int, weights: str = "bf16") -> dict[str, torch.Tensor]:
     """One gated MLP's ``{p}.gate_proj`` / ``up_proj`` [i, h] and ``down_proj`` [h, i] weights (the hub's per-expert
-    names), drawn by ``rnd`` in this order; ``weights`` "fp8" stores them as e4m3 with power-of-two 128×128 block
-    scales (``weight_scale_inv``, drawn by ``g`` after each weight), "fp8-dequantized" as those blocks' exact bf16
-    values, anything else as drawn."""
+    names), drawn by ``rnd`` in this order, stored as ``weights`` says, each fp8 form's power-of-two scales drawn by
+    ``g`` after each weight (:func:`fp8_scaled`): "fp8" e4m3 with 128×128 block scales ``weight_scale_inv``;
+    "fp8-ct-block" the same under compressed-tensors' name ``weight_scale``; "fp8-tensor" e4m3 with one
+    ``weight_scale`` [] and a static activation scale ``input_scale`` []; "fp8-channel" e4m3 with a ``weight_scale``
+    [N, 1] per output row; "<form>-dequantized" each form's exact bf16 values q · s; anything else as drawn."""
+    form = weights.removesuffix("-dequantized")
     t = {}
     for name, shape, fan_in in (("gate_proj", (i, h), h), ("up_proj", (i, h), h), ("down_proj", (h, i), i)):
         w = rnd(*shape, std=2.0 * fan_in**-0.5)
-        if weights in ("fp8", "fp8-dequantized"):
-            q, s = block_fp8(w, g)
-            if weights == "fp8":
+        if form in FP8_FORMS:
+            q, s = block_fp8(w, g) if form in ("fp8", "fp8-ct-block") else fp8_scaled(w, g, FP8_FORMS[form])
+            if form == weights:
                 t[f"{p}.{name}.weight"] = q
-                t[f"{p}.{name}.weight_scale_inv"] = s
+                t[f"{p}.{name}.{'weight_scale_inv' if form == 'fp8' else 'weight_scale'}"] = s
+                if form == "fp8-tensor":
+                    t[f"{p}.{name}.input_scale"] = torch.tensor(2.0**-6)
                 continue
-            w = q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+            w = q.float() * _expanded(s, w.shape)
         t[f"{p}.{name}.weight"] = w
     return t
+
+
+# The fp8 forms of _gated_mlp, each with the shape of its scales' block (rows, columns; 0: the whole extent).
+FP8_FORMS = {"fp8": (128, 128), "fp8-ct-block": (128, 128), "fp8-tensor": (0, 0), "fp8-channel": (1, 0)}
+
+
+def fp8_scaled(w: torch.Tensor, g: torch.Generator, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] float32 → (float8_e4m3fn [..., N, K], power-of-two scales float32) with q · s ≈ w, one scale
+    per ``block`` (rows, columns; 0 for the whole extent): (128, 128) [..., N/128, K/128]; (1, 0) [..., N, 1] (per
+    output channel); (0, 0) [...] (per tensor). Each scale is a random power of two (2^-9 … 2^-6, drawn by ``g``),
+    so the dequantized values are exact in bf16."""
+    *lead, n, k = w.shape
+    s = torch.exp2(torch.randint(-9, -5, (*lead, n // (block[0] or n), k // (block[1] or k)), generator=g).float())
+    q = (w / _expanded(s, w.shape)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, s.reshape(lead) if block == (0, 0) else s
+
+
+def _expanded(s: torch.Tensor, shape) -> torch.Tensor:
+    """Scales ``s`` ([..., N/bn, K/bk], or [...] for one per tensor) repeated over the weight ``shape``
+    [..., N, K] they scale."""
+    s = s.reshape(*shape[:-2], 1, 1) if s.dim() == len(shape) - 2 else s
+    return s.repeat_interleave(shape[-2] // s.shape[-2], -2).repeat_interleave(shape[-1] // s.shape[-1], -1)
 
 
 def _stored(t: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -183,7 +246,7 @@ def _stored(t: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.T
     }
 
 
-_FLOAT32 = ("_scale_inv", "e_score_correction_bias")  # stored float32, as the published checkpoints store them
+_FLOAT32 = ("_scale_inv", "weight_scale", "input_scale", "e_score_correction_bias")  # stored float32, as the published checkpoints store them
 
 
 def _write_tokenizer(folder: str) -> None:
@@ -210,10 +273,14 @@ def write_qwen3_moe(folder: str, *, weights: str = "bf16", seed: int = 0) -> str
     """Write the tiny model into ``folder`` (created); returns ``folder``.
 
     ``weights``: "bf16"; "fp16" (every weight float16, ``torch_dtype`` float16); "fp8" (routed experts fp8 with
-    128×128 power-of-two block scales, the rest bf16); "fp8-dequantized" (the same model as "fp8", its experts'
-    ``q · s`` stored as bf16). The same ``seed`` gives the same model for every ``weights``."""
-    if weights not in ("bf16", "fp16", "fp8", "fp8-dequantized"):
-        raise ValueError(f"weights must be 'bf16', 'fp16', 'fp8' or 'fp8-dequantized', got {weights!r}")
+    128×128 power-of-two block scales, the rest bf16); "fp8-tensor" (``quant_method: fp8`` without blocks, AutoFP8's
+    form: a power-of-two scale per expert weight and a static activation scale); "fp8-ct" (compressed-tensors:
+    layer 0's experts with a scale per output channel, layer 1's in 128×128 blocks); each fp8 form with
+    "-dequantized" (the same model, its experts' ``q · s`` stored as bf16, exact). The same ``seed`` gives the same
+    model for a form and its dequantization."""
+    forms = ("bf16", "fp16", "fp8", "fp8-tensor", "fp8-ct")
+    if weights.removesuffix("-dequantized") not in forms or weights in ("bf16-dequantized", "fp16-dequantized"):
+        raise ValueError(f"weights must be one of {forms}, an fp8 one with '-dequantized', got {weights!r}")
     cfg = _config(weights)
     if weights == "fp16":
         cfg["torch_dtype"] = "float16"
