@@ -246,7 +246,8 @@ def _stored(t: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.T
     }
 
 
-_FLOAT32 = ("_scale_inv", "weight_scale", "input_scale", "e_score_correction_bias")  # stored float32, as the published checkpoints store them
+# stored float32, as the published checkpoints store them
+_FLOAT32 = ("_scale_inv", "weight_scale", "input_scale", "e_score_correction_bias")
 
 
 def _write_tokenizer(folder: str) -> None:
