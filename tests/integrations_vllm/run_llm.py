@@ -5,7 +5,8 @@ test_vllm_plugin.py, with STATIC_MOE_VLLM=1 and without (the plugin's registrati
 with ``--compiled`` as vLLM runs by default (torch.compile, no ``enforce_eager``), and with ``--tp N`` on N
 tensor-parallel worker processes (then also each worker's plugin counters). Each line also carries a digest of
 every served layer's experts; ``--reload FOLDER=SOURCE`` reloads that folder's engine from another checkpoint
-afterwards (vLLM's ``reload_weights``) and adds the reloaded engine's tokens, digests and sharing counts."""
+afterwards (vLLM's ``reload_weights``) and adds the reloaded engine's tokens, digests and sharing counts;
+``--lora FOLDER`` starts that folder's engine with LoRA adapters enabled."""
 
 import argparse
 import hashlib
@@ -71,10 +72,16 @@ def _generate(llm, params) -> dict:
     return {"tokens": [list(o.outputs[0].token_ids) for o in out], "top2": [_top2(o) for o in out]}
 
 
-def main(folders: list[str], compiled: bool = False, tp: int = 1, reload: dict[str, str] | None = None) -> None:
+def main(
+    folders: list[str],
+    compiled: bool = False,
+    tp: int = 1,
+    reload: dict[str, str] | None = None,
+    lora: tuple[str, ...] = (),
+) -> None:
     """``reload`` {folder: source}: after that folder's generations, reload its engine's weights from the source
     folder (vLLM's ``reload_weights``, the in-place update RL loops use) and generate again
-    (``result["reloaded"]``)."""
+    (``result["reloaded"]``). ``lora``: folders whose engine serves LoRA adapters (``enable_lora``)."""
     from vllm import LLM, SamplingParams
 
     for folder in folders:
@@ -92,6 +99,7 @@ def main(folders: list[str], compiled: bool = False, tp: int = 1, reload: dict[s
                 gpu_memory_utilization=0.05,
                 kv_cache_memory_bytes=64 << 20,
                 logprobs_mode="raw_logits",
+                **({"enable_lora": True, "max_lora_rank": 8} if folder in lora else {}),
             )
             params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
             result = _generate(llm, params) | {"digest": llm.collective_rpc(_experts_digest)}
@@ -121,5 +129,7 @@ if __name__ == "__main__":  # the guard vLLM's tensor-parallel workers need (the
     p.add_argument(
         "--reload", action="append", default=[], metavar="FOLDER=SOURCE", help="then reload FOLDER's engine from SOURCE"
     )
+    p.add_argument("--lora", action="append", default=[], metavar="FOLDER", help="FOLDER's engine serves LoRA")
     args = p.parse_args()
-    main(args.folders, compiled=args.compiled, tp=args.tp, reload=dict(r.split("=", 1) for r in args.reload))
+    reload = dict(r.split("=", 1) for r in args.reload)
+    main(args.folders, compiled=args.compiled, tp=args.tp, reload=reload, lora=tuple(args.lora))

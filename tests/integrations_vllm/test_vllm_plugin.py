@@ -33,7 +33,12 @@ LOGIT_STEPS = 3
 
 
 def _run(
-    folders: list[str], plugin: bool, compiled: bool = False, tp: int = 1, reload: dict[str, str] | None = None
+    folders: list[str],
+    plugin: bool,
+    compiled: bool = False,
+    tp: int = 1,
+    reload: dict[str, str] | None = None,
+    lora: tuple[str, ...] = (),
 ) -> subprocess.Popen:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", STATIC_MOE_VLLM="1" if plugin else "0")
     if tp > 1:  # one core per worker: vLLM's default binding wants a NUMA node per worker, which a CI host lacks
@@ -47,6 +52,8 @@ def _run(
     args = [sys.executable, RUNNER, *folders] + (["--compiled"] if compiled else []) + ["--tp", str(tp)]
     for folder, source in (reload or {}).items():
         args += ["--reload", f"{folder}={source}"]
+    for folder in lora:
+        args += ["--lora", folder]
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -72,14 +79,16 @@ def engines(tmp_path_factory):
     path |= {f"gpt-oss-{w}": write_gpt_oss(str(root / f"gpt-oss-{w}"), weights=w) for w in GPT_OSS}
     path["gpt-oss-mxfp4-seed1"] = write_gpt_oss(str(root / "gpt-oss-mxfp4-seed1"), weights="mxfp4", seed=1)
     path |= {f"deepseek-{w}": write_deepseek_v3(str(root / f"deepseek-{w}"), weights=w) for w in DEEPSEEK}
+    path["lora"] = write_qwen3_moe(str(root / "lora"), weights="bf16")  # an engine with LoRA adapters enabled
     procs = {
         "ours": _run(
-            [path[m] for m in ("bf16", "fp8", "fp8-tensor", "fp8-ct", "fp16")]
+            [path[m] for m in ("bf16", "fp8", "fp8-tensor", "fp8-ct", "fp16", "lora")]
             + [path[m] for m in ("gpt-oss-bf16", "gpt-oss-mxfp4", "gpt-oss-mxfp4-seed1")]
             + [path[f"deepseek-{w}"] for w in DEEPSEEK],
             True,
             # each engine reloaded from another model of the same shapes
             reload={path["bf16"]: path["fp8-dequantized"], path["gpt-oss-mxfp4"]: path["gpt-oss-mxfp4-seed1"]},
+            lora=(path["lora"],),
         ),
         "theirs": _run(
             [path[m] for m in ("bf16", "fp8-dequantized", "fp8-tensor-dequantized", "fp8-ct-dequantized")]
@@ -296,6 +305,16 @@ def test_float16_model_refused_at_engine_start(runs):
     err = ours["fp16"].get("error", "")
     assert "static_moe" in err and "torch.float16" in err and "bfloat16" in err, ours["fp16"]
     assert ours["fp16"]["stats"]["calls"] == 0
+
+
+def test_lora_engine_refused_at_engine_start(runs):
+    """With LoRA adapters enabled, vLLM wraps every MoE layer in FusedMoEWithLoRA, which adds the adapters' deltas
+    inside vLLM's own modular kernel: static_moe's would drop them, so the layer is refused by name (before, the
+    engine failed inside vLLM with "Old-style modular kernel not supported.")."""
+    ours, _ = runs
+    err = ours["lora"].get("error", "")
+    assert "static_moe" in err and "LoRA (enable_lora)" in err and "STATIC_MOE_VLLM" in err, ours["lora"]
+    assert ours["lora"]["stats"]["layers"] == 0
 
 
 def test_every_experts_class_is_served_or_refused():

@@ -35,7 +35,7 @@ What the kernels cannot compute is refused when the layer is constructed, i.e. a
 :class:`UnsupportedVllmLayer` (a ValueError) naming the layer and the reason: a model's own experts class other
 than gpt-oss's (``SERVED_EXPERTS_CLASSES``), float16 / float32 model dtypes, quantization other than bf16, fp8
 (per tensor, per channel, 128×128 blocks) or MXFP4, activations other than SiLU- / GELU-tanh-and-mul and SWIGLUOAI, SwiGLU limits / alphas /
-betas set on the layer, router weights applied on the input, expert or data parallelism. Tensor parallelism is
+betas set on the layer, router weights applied on the input, LoRA, expert or data parallelism. Tensor parallelism is
 served: each rank's layer computes its slice of every expert alone and vLLM all-reduces the outputs.
 docs/vllm.md says why this extension point and not a quant method or a modular-kernel ``FusedMoEExperts``.
 """
@@ -193,6 +193,11 @@ def _refusals(layer) -> list[str]:
         why.append("a clamped / scaled SwiGLU set on the layer (swiglu_limit / alpha / beta)")
     if layer.apply_router_weight_on_input:
         why.append("router weights applied on the input")
+    if _lora_enabled():
+        why.append(
+            "LoRA (enable_lora): vLLM's FusedMoEWithLoRA adds the adapters' deltas inside vLLM's own MoE kernel, "
+            "which static_moe's kernels do not compute"
+        )
     hidden, inter = layer.hidden_size, layer.intermediate_size_per_partition
     if fmt == "fp4" and (hidden % 32 or inter % 32):
         why.append(f"MXFP4 with hidden size {hidden} / intermediate size {inter} not multiples of 32")
@@ -207,6 +212,15 @@ def _refusals(layer) -> list[str]:
     if layer.local_num_experts != layer.global_num_experts:
         why.append("a local expert map (expert parallelism)")
     return why
+
+
+def _lora_enabled() -> bool:
+    """Whether the engine being built serves LoRA adapters (``enable_lora``): vLLM then wraps every MoE layer in
+    its FusedMoEWithLoRA, which needs vLLM's own modular kernel (vllm/lora/layers/fused_moe.py). Read from the
+    config vLLM sets while it builds the model."""
+    from vllm.config import get_current_vllm_config
+
+    return getattr(get_current_vllm_config(), "lora_config", None) is not None
 
 
 def _weight_format(layer) -> str | None:
