@@ -4,6 +4,7 @@ dispatch + combine of SPEC §7 where it matters (S > 1)."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
@@ -192,6 +193,30 @@ def test_forward_s1_matches_reference(act, wfmt):
             swiglu_limit=case["limit"],
         )
         assert_equal(wrapped, out, "wrapper vs op")
+
+
+@pytest.mark.parametrize("act,wfmt", FORMAT_PAIRS, ids=[f"{a}x{w}" for a, w in FORMAT_PAIRS])
+def test_forward_s1_on_cpu_has_the_packed_steps_bits(act, wfmt):
+    """On CPU the S = 1 step hands the T rows to local_experts as given, without packing them into the capacity's
+    buffer and unpacking them (there is no dispatch). Each row's bits are those of the packed step, whose
+    capacity rows beyond T are padding (ids -1): held here for every format pair, with a shared expert, int64 ids,
+    T from 0 to C, and the bf16 combine."""
+    fwd = importlib.import_module("static_moe.ops.forward")
+    for i, (tokens, routing, shared, index_dtype, group) in enumerate(S1_CASES):
+        case = make_case(
+            1, 4, act, wfmt, tokens, seed=20 + i, routing=routing, shared=shared, group=group, index_dtype=index_dtype
+        )
+        x, x_scale, idx, tw = (case[n][0] for n in ("x", "x_scale", "idx", "tw"))
+        weights = [case[n][0] for n in ("w13", "w13_scale", "w2", "w2_scale")]
+        for combine in ("fp32", "bf16"):
+            config = fwd.ForwardConfig(448.0, "eoi", "silu", fwd.DEFAULT_ALPHA, None, None, "all_gather", combine, 0)
+            parts = fwd._packed_parts(x, x_scale, idx, tw)
+            packed = torch.ops.static_moe.pack_rows(parts, C)
+            acc = fwd._local_step(packed, parts, x_scale is not None, *weights, 0, case["limit"], config)
+            assert acc.shape[0] == C  # the capacity's rows: the step the CPU path no longer takes
+            want = fwd._finish(acc, tokens[0], case["shared"][0], config)
+            got = run_op(case, 0, 1, combo=("all_gather", combine, 0))
+            assert_equal(got, want, f"{act}x{wfmt} case {i} combine {combine}")
 
 
 def test_forward_s1_bf16_topk_weights_are_widened():

@@ -59,6 +59,15 @@ PHASES = ("pack", "all_gather", "unpack", "local_experts", "reduce_scatter", "co
 PHASE_PREFIX = "static_moe.forward."
 
 
+def _phase(name: str):
+    """The ``record_function`` range of phase ``name`` while a torch profiler runs, else nothing: a range costs
+    about 6 µs of CPU even with no profiler to record it (measured on the Zen 4 host), four of them a third of a
+    one-row call's overhead at S = 1."""
+    if torch._C._autograd._profiler_enabled():
+        return record_function(PHASE_PREFIX + name)
+    return contextlib.nullcontext()
+
+
 class ForwardDims(NamedTuple):
     tokens: int  # T
     hidden: int  # H
@@ -417,7 +426,18 @@ def forward_kernel(
     if x.device.type == "cpu":
         check_topk_range(topk_idx, num_experts)  # free on the host; device inputs: see forward()
         check_scale_range(x_scale)
-    with record_function(PHASE_PREFIX + "pack"):
+        # No dispatch, so no packed buffer: the experts read the T rows as given (as the unpacked rows: contiguous,
+        # ids int32, weights float32), without the copies and the capacity's padding rows. The same bits: a row's
+        # result does not depend on the rows beside it (batch invariance), and padding rows add nothing. Device
+        # backends keep the capacity-shaped step their kernels were built and tested with.
+        parts = [p.contiguous() for p in _packed_parts(x, x_scale, topk_idx, topk_weights)]
+        rows_scale = parts[1] if x_scale is not None else None
+        with _phase("local_experts"):
+            acc = _local_experts(
+                parts[0], rows_scale, parts[-2], parts[-1], w13, w13_scale, w2, w2_scale, 0, swiglu_limit, config
+            )
+        return _finish(acc, dims.tokens, shared_output, config)
+    with _phase("pack"):
         parts = _packed_parts(x, x_scale, topk_idx, topk_weights)
         packed = torch.ops.static_moe.pack_rows(parts, capacity)
     acc = _local_step(
@@ -432,9 +452,14 @@ def forward_kernel(
         swiglu_limit,
         config,
     )
+    return _finish(acc, dims.tokens, shared_output, config)
+
+
+def _finish(acc, tokens, shared_output, config: ForwardConfig) -> torch.Tensor:
+    """The S = 1 step's output from its fp32 partial ``acc`` [≥ T, H]: bf16 [T, H]."""
     if config.combine == "bf16":  # SPEC §7: the one rank's partial, rounded once (S = 1: no collective either way)
         acc = acc.to(torch.bfloat16).float()
-    return _combine(acc, dims.tokens, shared_output)
+    return _combine(acc, tokens, shared_output)
 
 
 # Registered by a call, not as a decorator: torch.library.impl's decorator returns None, which would leave
@@ -471,7 +496,7 @@ def _local_step(
     config: ForwardConfig,
 ) -> torch.Tensor:
     """unpack every part of the gathered rows, then local_experts: fp32 [rows, H]."""
-    with record_function(PHASE_PREFIX + "unpack"):
+    with _phase("unpack"):
         spans, _ = pack_layout([part_nbytes(p) for p in parts])
         g = [
             torch.ops.static_moe.unpack_rows(gathered, off, n, p.dtype, list(p.shape[1:]))
@@ -479,26 +504,31 @@ def _local_step(
         ]
         g_x, g_xs = g[0], (g[1] if has_scale else None)
         g_idx, g_w = g[-2], g[-1]
-    with record_function(PHASE_PREFIX + "local_experts"):
-        return torch.ops.static_moe.local_experts(
-            g_x,
-            g_xs,
-            g_idx,
-            g_w,
-            w13,
-            w13_scale,
-            w2,
-            w2_scale,
-            expert_offset,
-            swiglu_limit,
-            config.fp8_max,
-            config.weight_layout,
-            **config.variant,
-        )
+    with _phase("local_experts"):
+        return _local_experts(g_x, g_xs, g_idx, g_w, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, config)
+
+
+def _local_experts(x, x_scale, idx, weights, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, config):
+    """local_experts over rows x [R, H] (+ x_scale), ids int32 / weights float32 [R, k]: fp32 [R, H]."""
+    return torch.ops.static_moe.local_experts(
+        x,
+        x_scale,
+        idx,
+        weights,
+        w13,
+        w13_scale,
+        w2,
+        w2_scale,
+        expert_offset,
+        swiglu_limit,
+        config.fp8_max,
+        config.weight_layout,
+        **config.variant,
+    )
 
 
 def _combine(scattered, tokens, shared_output):
-    with record_function(PHASE_PREFIX + "combine"):
+    with _phase("combine"):
         out = scattered[:tokens]
         if shared_output is not None:
             out = out + shared_output.float()
@@ -755,12 +785,12 @@ def _forward_collective(
     slotted = ws.spec.dispatch == "all_to_all"
     block = ws.spec.dispatch_capacity if slotted else c  # rows of one sender's block in the dispatched buffer
 
-    with record_function(PHASE_PREFIX + "pack"):
+    with _phase("pack"):
         kind, error, parts = _frame(ws, kind, error, cfg, x_scale, topk_idx, topk_weights, x, block * pw)
 
     slots = None
     if slotted:
-        with record_function(PHASE_PREFIX + "all_to_all"):
+        with _phase("all_to_all"):
             header = ws.send[0, pw:].view(torch.int32).clone()
             if kind == _status.OK:
                 slots = _dispatch.slot_rows(topk_idx, c, num_experts, size, block)
@@ -769,7 +799,7 @@ def _forward_collective(
             rows = _dispatch.all_to_all(ws.received, ws.blocks, pg, "dispatch_all_to_all")
         headers = _dispatch.block_headers(rows, pw, block)
     else:
-        with record_function(PHASE_PREFIX + "all_gather"):
+        with _phase("all_gather"):
             rows = _dispatch.all_gather(ws.send, ws.gathered, size, group_name)
         headers = _status.gathered_headers(rows, c, pw)
 
@@ -819,7 +849,7 @@ def _forward_collective(
         # SPEC §7: some sender had more rows for a rank than Cd. Every rank read the same S counts, so every rank
         # recomputes the step here with the all-gather dispatch (its send frame is still in ws.send) and the same
         # bf16 combine: the exact result, bitwise what a large enough Cd would have given.
-        with record_function(PHASE_PREFIX + "all_gather"):
+        with _phase("all_gather"):
             rows = _dispatch.all_gather(ws.send, ws.gathered, size, group_name)
         slotted, slots = False, None
         partial_buf = returned_buf = None
@@ -850,7 +880,7 @@ def _forward_collective(
         acc = torch.full((nrows, dims.hidden), float("nan"), dtype=torch.float32, device=x.device)
 
     if ws.spec.combine == "fp32":
-        with record_function(PHASE_PREFIX + "reduce_scatter"):
+        with _phase("reduce_scatter"):
             # On symmetric memory the reduce-scatter's input must be the registered buffer, so local_experts'
             # result is copied there (until local_experts can write into a given buffer). Elsewhere (gloo, plain
             # NCCL) any tensor will do and the copy — S·C·H fp32, 7.3 MB at V3 T = 128 — would only lengthen the
@@ -859,7 +889,7 @@ def _forward_collective(
                 acc = ws.acc.copy_(acc)
             summed = _combine_ops.reduce_scatter_fp32(acc, ws.scattered, size, group_name)
     else:
-        with record_function(PHASE_PREFIX + "combine_all_to_all"):
+        with _phase("combine_all_to_all"):
             if partial_buf is None:  # the recomputation after an overflow: bf16 [S·C, H] temporaries
                 partial_buf = torch.empty(acc.shape, dtype=torch.bfloat16, device=acc.device)
                 returned_buf = torch.empty_like(partial_buf)
