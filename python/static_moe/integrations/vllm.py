@@ -9,34 +9,35 @@ around the experts — the router (top-k, grouped top-k, scoring, correction bia
 vLLM's runner after the experts), shared experts, the weight loader (it creates its parameters through vLLM's own
 quant method, so checkpoints load exactly as in vLLM) and the scheduler — and replaces two steps:
 
-* ``process_weights_after_loading``: instead of vLLM's repacking for its own kernels, the loaded weights become
-  a :class:`StaticMoE` layer (:func:`experts_from_vllm`): ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I]
-  bf16 as they are; fp8 (``quant_method: fp8`` with ``weight_block_size: [128, 128]``) with the 128×128 block
-  scales ``w13_weight_scale_inv`` [E, 2I/128, H/128] expanded to static_moe's 1×128 scales [E, 2I, H/128] (a
-  repeat along the output rows: exact, every weight keeps its value q · s; under tensor parallelism vLLM may hold
-  them on a finer grid, read exactly too: :func:`_fp8_scales`), and fp8 scaled per tensor or per output channel
-  (``quant_method: fp8`` without blocks; compressed-tensors' tensor / channel / block strategies), each row's
-  scale repeated along K (:func:`_fp8_row_scales`; activation scales are not read: W8A16, :func:`_fp8_scheme`); MXFP4 (gpt-oss: uint8 e2m1 pairs
-  [E, 2I, H/2], low nibble first, and E8M0 bytes ``w13_weight_scale`` [E, 2I, H/32]) as static_moe's fp4, byte
-  for byte; biases ``w13_bias`` / ``w2_bias`` as the experts' biases (SPEC §1.9). SWIGLUOAI (gpt-oss's GLU,
-  alpha 1.702, limit 7: static_moe's ``swiglu_oai``) reads w13 interleaved (row 2j gate j, 2j + 1 up j): its
-  rows, scales and bias are de-interleaved. H and I that are not multiples of 128 (gpt-oss's 2880) are
-  zero-padded to them (SPEC §1.2; exact). vLLM's weight parameters are then pointed at the layer's tensors (a
-  view where vLLM's layout sits in static_moe's, the whole tensor where padding moved it: :func:`_share_weights`),
-  so the model holds its experts once, in the layer's huge-page memory (static_moe.host_memory). A weight
-  reload (vLLM's ``reload_weights``) runs this step again on freshly loaded parameters, and it refills the same
-  layer in place, so the experts stay held once.
+* ``process_weights_after_loading``: instead of vLLM's repacking for its own kernels, the loaded weights become a
+  :class:`StaticMoE` layer (:func:`experts_from_vllm`): ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I] bf16
+  as they are; fp8 (``quant_method: fp8`` with ``weight_block_size: [128, 128]``) with the 128×128 block scales
+  ``w13_weight_scale_inv`` [E, 2I/128, H/128] expanded to static_moe's 1×128 scales [E, 2I, H/128] (a repeat along
+  the output rows: exact, every weight keeps its value q · s; under tensor parallelism vLLM may hold them on a finer
+  grid, read exactly too: :func:`_fp8_scales`), and fp8 scaled per tensor or per output channel
+  (``quant_method: fp8`` without blocks; compressed-tensors' tensor / channel / block strategies), each row's scale
+  repeated along K (:func:`_fp8_row_scales`; activation scales are not read: W8A16, :func:`_fp8_scheme`); MXFP4
+  (gpt-oss: uint8 e2m1 pairs [E, 2I, H/2], low nibble first, and E8M0 bytes ``w13_weight_scale`` [E, 2I, H/32]) as
+  static_moe's fp4, byte for byte; biases ``w13_bias`` / ``w2_bias`` as the experts' biases (SPEC §1.9). SWIGLUOAI
+  (gpt-oss's GLU, alpha 1.702, limit 7: static_moe's ``swiglu_oai``) reads w13 interleaved (row 2j gate j, 2j + 1 up
+  j): its rows, scales and bias are de-interleaved. H and I that are not multiples of 128 (gpt-oss's 2880) are
+  zero-padded to them (SPEC §1.2; exact). vLLM's weight parameters are then pointed at the layer's tensors (a view
+  where vLLM's layout sits in static_moe's, the whole tensor where padding moved it: :func:`_share_weights`), so the
+  model holds its experts once, in the layer's huge-page memory (static_moe.host_memory). A weight reload (vLLM's
+  ``reload_weights``) runs this step again on freshly loaded parameters, and it refills the same layer in place, so
+  the experts stay held once.
 * ``forward_modular(x [T, H] bf16, topk_weights [T, k] float32, topk_ids [T, k] int32)``: the router's output
   goes to ``torch.ops.static_moe.forward`` (:func:`run_experts`) in chunks of ``capacity`` rows
   (``STATIC_MOE_VLLM_CAPACITY``, default 128), on CPU, through the opaque op :func:`routed_experts`
   (``static_moe_vllm::routed_experts``), which vLLM's default torch.compile does not trace into.
 
 What the kernels cannot compute is refused when the layer is constructed, i.e. at engine start, with a
-:class:`UnsupportedVllmLayer` (a ValueError) naming the layer and the reason: a model's own experts class other
-than gpt-oss's (``SERVED_EXPERTS_CLASSES``), float16 / float32 model dtypes, quantization other than bf16, fp8
-(per tensor, per channel, 128×128 blocks) or MXFP4, activations other than SiLU- / GELU-tanh-and-mul and SWIGLUOAI, SwiGLU limits / alphas /
-betas set on the layer, router weights applied on the input, LoRA, expert or data parallelism. Tensor parallelism is
-served: each rank's layer computes its slice of every expert alone and vLLM all-reduces the outputs.
+:class:`UnsupportedVllmLayer` (a ValueError) naming the layer and the reason: a model's own experts class other than
+gpt-oss's (``SERVED_EXPERTS_CLASSES``), float16 / float32 model dtypes, quantization other than bf16, fp8 (per
+tensor, per channel, 128×128 blocks) or MXFP4, activations other than SiLU- / GELU-tanh-and-mul and SWIGLUOAI,
+SwiGLU limits / alphas / betas set on the layer, router weights applied on the input, LoRA, expert or data
+parallelism. Tensor parallelism is served: each rank's layer computes its slice of every expert alone and vLLM
+all-reduces the outputs.
 docs/vllm.md says why this extension point and not a quant method or a modular-kernel ``FusedMoEExperts``.
 """
 
@@ -489,14 +490,14 @@ def experts_from_vllm(
 ):
     """A StaticMoE layer computing what vLLM's routed experts compute from their tensors as vLLM holds them.
 
-    ``fmt`` "bf16": w13 [E, 2I, H], w2 [E, H, I] bf16; "fp8": float8_e4m3fn with vLLM's block scales s13
-    [E, 2I/bn, ⌈H/bk⌉], s2 [E, ⌈H/bn⌉, ⌈I/bk⌉] float32 on the grid ``block`` = (bn, bk) (128×128, or vLLM's refined
-    grid under tensor parallelism: _fp8_scales), or with ``block`` None its per-tensor scales (s13 [E, 2]: gate
-    rows, up rows; s2 [E]) or per-channel ones (s13 [E, 2I, 1], s2 [E, H, 1]): :func:`_fp8_row_scales`; "fp4" (MXFP4): uint8 e2m1 pairs w13 [E, 2I, H/2], w2 [E, H, I/2]
-    with E8M0 bytes s13 [E, 2I, H/32], s2 [E, H, I/32]. ``activation``: vLLM's MoEActivation with its name in
-    ACTIVATIONS: SILU or GELU_TANH (w13 rows: gate, then up) or SWIGLUOAI (interleaved: row 2j gate j, 2j + 1 up
-    j). Optional biases b13 [E, 2I], b2 [E, H] (bf16 or float32). All on one device (the layer's); nothing is
-    changed in place.
+    ``fmt`` "bf16": w13 [E, 2I, H], w2 [E, H, I] bf16; "fp8": float8_e4m3fn with vLLM's block scales s13 [E, 2I/bn,
+    ⌈H/bk⌉], s2 [E, ⌈H/bn⌉, ⌈I/bk⌉] float32 on the grid ``block`` = (bn, bk) (128×128, or vLLM's refined grid under
+    tensor parallelism: _fp8_scales), or with ``block`` None its per-tensor scales (s13 [E, 2]: gate rows, up rows;
+    s2 [E]) or per-channel ones (s13 [E, 2I, 1], s2 [E, H, 1]): :func:`_fp8_row_scales`; "fp4" (MXFP4): uint8 e2m1
+    pairs w13 [E, 2I, H/2], w2 [E, H, I/2] with E8M0 bytes s13 [E, 2I, H/32], s2 [E, H, I/32]. ``activation``:
+    vLLM's MoEActivation with its name in ACTIVATIONS: SILU or GELU_TANH (w13 rows: gate, then up) or SWIGLUOAI
+    (interleaved: row 2j gate j, 2j + 1 up j). Optional biases b13 [E, 2I], b2 [E, H] (bf16 or float32). All on one
+    device (the layer's); nothing is changed in place.
 
     The fp8 scales become 1×128 ones (exact), SWIGLUOAI's rows (weights, scales, bias) are de-interleaved, and H,
     I are zero-padded to multiples of 128 (:func:`_pad_experts`), the I units starting at ``inter_at`` (zero units
