@@ -1,10 +1,10 @@
-"""static_moe inside vLLM's engine (static_moe.integrations.vllm): greedy generations of a tiny random Qwen3-MoE
-with the plugin equal those of vLLM's own CPU MoE, token for token; fp8 experts (128×128 blocks, per tensor, per
-channel; vLLM's fp8 form and compressed-tensors') equal the run of the same model with its experts dequantized
-exactly to bf16; a float16 model is refused at engine start. A tiny
-gpt-oss (its own experts class, biased experts with interleaved gate / up rows, SwiGLU-OAI) runs through the
-plugin too, in bf16 against vLLM's CPU MoE and in MXFP4 against its exact bf16 dequantization, and so does a tiny
-DeepSeek-V3 (MLA, grouped sigmoid routing with a correction bias and routed scaling, a shared expert), bf16 and fp8.
+"""static_moe inside vLLM's engine (static_moe.integrations.vllm): greedy generations of a tiny random Qwen3-MoE with
+the plugin equal those of vLLM's own CPU MoE, token for token; fp8 experts (128×128 blocks, per tensor, per channel;
+vLLM's fp8 form and compressed-tensors') equal the run of the same model with its experts dequantized exactly to
+bf16; a float16 model and an engine with LoRA adapters are refused at engine start. A tiny gpt-oss (its own experts
+class, biased experts with interleaved gate / up rows, SwiGLU-OAI) runs through the plugin too, in bf16 against
+vLLM's CPU MoE and in MXFP4 against its exact bf16 dequantization, and so does a tiny DeepSeek-V3 (MLA, grouped
+sigmoid routing with a correction bias and routed scaling, a shared expert), bf16 and fp8.
 
 Runs in the vLLM virtualenv (`make test-vllm`); skipped, with the reason, where vLLM is not installed."""
 

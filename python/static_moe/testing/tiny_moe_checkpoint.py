@@ -11,7 +11,10 @@ vocabulary (``tokenizer.json`` + ``tokenizer_config.json``, read by ``PreTrained
 ``weight_block_size: [128, 128]``, the DeepSeek-V3 / Qwen3-FP8 form); every other linear layer stays bf16 and is
 listed in ``modules_to_not_convert``. The scales are powers of two, so ``q · s`` is exact in bf16:
 ``weights="fp8-dequantized"`` writes the same model with those products as bf16 expert weights, the reference
-an fp8 run is compared with.
+an fp8 run is compared with. Two more fp8 forms, each with its "-dequantized" twin: ``"fp8-tensor"``
+(``quant_method: fp8`` without blocks, AutoFP8's form: a ``weight_scale`` per expert weight and a static
+``input_scale``) and ``"fp8-ct"`` (a compressed-tensors ``quantization_config``: layer 0's experts with a
+``weight_scale`` per output channel, layer 1's in 128×128 blocks).
 
 :func:`write_gpt_oss` writes a ``GptOssForCausalLM`` folder the same way, with the hub's gpt-oss key names: the
 experts fused per layer (``mlp.experts.gate_up_proj`` with gate / up interleaved, biases), in bf16 or in the
@@ -145,7 +148,8 @@ def _fp8_quantization(skip: list[str]) -> dict:
 
 def block_fp8(w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] float32 → (float8_e4m3fn [..., N, K], power-of-two scales float32 [..., N/128, K/128]), a
-    checkpoint's 128×128 block form with q · s ≈ w (:func:`fp8_scaled`); neighbouring blocks' scales differ."""
+    checkpoint's 128×128 block form with q · s ≈ w (:func:`fp8_scaled`: random powers of two, so neighbouring
+    blocks' scales mostly differ)."""
     return fp8_scaled(w, g, (128, 128))
 
 
@@ -204,7 +208,7 @@ def _gated_mlp(rnd, g, p: str, h: int, i: int, weights: str = "bf16") -> dict[st
     for name, shape, fan_in in (("gate_proj", (i, h), h), ("up_proj", (i, h), h), ("down_proj", (h, i), i)):
         w = rnd(*shape, std=2.0 * fan_in**-0.5)
         if form in FP8_FORMS:
-            q, s = block_fp8(w, g) if form in ("fp8", "fp8-ct-block") else fp8_scaled(w, g, FP8_FORMS[form])
+            q, s = fp8_scaled(w, g, FP8_FORMS[form])
             if form == weights:
                 t[f"{p}.{name}.weight"] = q
                 t[f"{p}.{name}.{'weight_scale_inv' if form == 'fp8' else 'weight_scale'}"] = s
