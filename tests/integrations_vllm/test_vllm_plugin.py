@@ -98,9 +98,7 @@ def engines(tmp_path_factory):
         ),
         "ours_compiled": _run([path["bf16"], path["gpt-oss-mxfp4"]], True, compiled=True),
         "theirs_compiled": _run([path["bf16"], path["gpt-oss-mxfp4-dequantized"]], False, compiled=True),
-        "ours_tp2": _run(
-            [path[m] for m in ("bf16", "fp8", "fp8-dequantized", "gpt-oss-mxfp4", "deepseek-bf16")], True, tp=2
-        ),
+        "ours_tp2": _run([path[m] for m in TP2_OURS], True, tp=2),
         "theirs_tp2": _run([path[m] for m in ("bf16", "gpt-oss-mxfp4-dequantized", "deepseek-bf16")], False, tp=2),
     }
     return {name: _results(p) for name, p in procs.items()}
@@ -112,6 +110,8 @@ def runs(engines):
     return engines["ours"], engines["theirs"]
 
 
+# The models the plugin serves on two tensor-parallel ranks (test_tensor_parallel_engine_runs_the_plugin_on_every_rank)
+TP2_OURS = ("bf16", "fp8", "fp8-dequantized", "fp8-tensor", "fp8-tensor-dequantized", "gpt-oss-mxfp4", "deepseek-bf16")
 QWEN3 = ("bf16", "fp16") + tuple(f"{f}{d}" for f in ("fp8", "fp8-tensor", "fp8-ct") for d in ("", "-dequantized"))
 GPT_OSS = ("bf16", "mxfp4", "mxfp4-dequantized")
 DEEPSEEK = ("bf16", "fp8", "fp8-dequantized")
@@ -270,17 +270,17 @@ def test_compiled_engine_runs_the_plugin(engines):
 
 
 def test_tensor_parallel_engine_runs_the_plugin_on_every_rank(engines):
-    """vLLM's TP on two worker processes: each rank's layer is its I / 2 slice of every expert (padded to 128 where
-    the slice is not a multiple), computed alone (StaticMoE's ep_size=1 among several ranks), and vLLM's runner
+    """vLLM's TP on two worker processes: each rank's layer is its I / 2 slice of every expert (padded to 128 where the
+    slice is not a multiple), computed alone (StaticMoE's ep_size=1 among several ranks), and vLLM's runner
     all-reduces the partial outputs. Both workers served every call; the Qwen3-MoE tokens equal vLLM's own TP run
-    token for token, the fp8 Qwen3-MoE equals its dequantization (below), and the MXFP4 gpt-oss and the bf16
-    DeepSeek-V3 keep the LOGIT_STEPS rule against vLLM's TP runs (of the dequantized gpt-oss: vLLM has no MXFP4
-    kernel here). A TP run is held to a TP reference: with two ranks vLLM also sums the attention's and the
-    experts' partial outputs in bf16, which moved a logit by 4 bf16 steps against the one-process reference (up to
-    5 on the fp8 model's dequantization, where vLLM's own TP run then parts from its one-process run at an exact
-    tie)."""
+    token for token, the fp8 Qwen3-MoEs (128×128 blocks, per tensor) equal their dequantizations (below), and the
+    MXFP4 gpt-oss and the bf16 DeepSeek-V3 keep the LOGIT_STEPS rule against vLLM's TP runs (of the dequantized
+    gpt-oss: vLLM has no MXFP4 kernel here). A TP run is held to a TP reference: with two ranks vLLM also sums the
+    attention's and the experts' partial outputs in bf16, which moved a logit by 4 bf16 steps against the
+    one-process reference (up to 5 on the fp8 model's dequantization, where vLLM's own TP run then parts from its
+    one-process run at an exact tie)."""
     ours, theirs = engines["ours_tp2"], engines["theirs_tp2"]
-    for model in ("bf16", "fp8", "fp8-dequantized", "gpt-oss-mxfp4", "deepseek-bf16"):
+    for model in TP2_OURS:
         assert "error" not in ours[model], ours[model]
         workers = ours[model]["worker_stats"]
         assert len(workers) == 2 and all(w["layers"] == 2 and w["calls"] > 0 for w in workers), workers
@@ -290,10 +290,13 @@ def test_tensor_parallel_engine_runs_the_plugin_on_every_rank(engines):
     # fp8 128×128 blocks under TP: I / 2 = 64 is not a multiple of 128, so vLLM holds the scales on a 64×64 grid
     # and rank 1's slice starts 64 columns into a checkpoint block (_fp8_scales, _inter_at); before the plugin
     # read that grid the engine failed at start. Served, its logits equal the dequantized model's bit for bit.
-    assert (ours["fp8"]["tokens"], ours["fp8"]["top2"]) == (
-        ours["fp8-dequantized"]["tokens"],
-        ours["fp8-dequantized"]["top2"],
-    )
+    # fp8 per tensor under TP: every rank holds both of an expert's w13 scales (gate, up) and its w2 scale whole,
+    # over its I / 2 rows of each half: bit for bit its dequantization too.
+    for model in ("fp8", "fp8-tensor"):
+        assert (ours[model]["tokens"], ours[model]["top2"]) == (
+            ours[f"{model}-dequantized"]["tokens"],
+            ours[f"{model}-dequantized"]["top2"],
+        ), model
     assert _same_greedy_tokens(ours["gpt-oss-mxfp4"], theirs["gpt-oss-mxfp4-dequantized"]) >= 24
     # DeepSeek-V3: MLA's heads and the shared expert split over the ranks too (measured: 25 tokens equal within 2
     # steps, then one taken at an exact tie of vLLM's top two)
