@@ -50,6 +50,7 @@ from ..packed_layout import pack_layout, part_nbytes
 from . import combine as _combine_ops
 from . import dispatch as _dispatch
 from . import step_status as _status
+from .local_experts import local_experts as _local_experts_op
 
 _c10d = torch.ops._c10d_functional
 _INT32_MAX = 2**31 - 1
@@ -509,7 +510,7 @@ def _local_step(
 
 def _local_experts(x, x_scale, idx, weights, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, config):
     """local_experts over rows x [R, H] (+ x_scale), ids int32 / weights float32 [R, k]: fp32 [R, H]."""
-    return torch.ops.static_moe.local_experts(
+    return _local_experts_op(
         x,
         x_scale,
         idx,
