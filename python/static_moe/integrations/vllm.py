@@ -390,17 +390,18 @@ def _fp8_row_scales(s: torch.Tensor, n: int, k_to: int, what: str) -> torch.Tens
     Per tensor: w2's [E], or w13's [E, S]: one scale for each of S shards of n/S rows as vLLM holds them (the gate
     rows, then the up rows; its loader puts the checkpoint's w1 scale first). vLLM's own processing requantizes
     both halves to the larger scale for its kernels; static_moe keeps each, so every weight keeps its value q · s.
-    Per channel: [E, n, 1], one per row. Any other shape raises UnsupportedVllmLayer naming ``what``."""
-    e = s.shape[0]
+    Per channel: [E, n, 1], one per row. Any other shape raises UnsupportedVllmLayer naming ``what``. Each form is
+    a grid of blocks of n / S rows × all of K, repeated along N as block scales are (expand_block_scales)."""
+    from ..formats import expand_block_scales
+
     if s.dim() == 1:
-        rows = s[:, None].expand(e, n)
+        s = s[:, None, None]  # one block of n rows
     elif s.dim() == 2 and n % s.shape[1] == 0:
-        rows = s.repeat_interleave(n // s.shape[1], dim=1)
-    elif s.dim() == 3 and tuple(s.shape[1:]) == (n, 1):
-        rows = s[:, :, 0]
-    else:
+        s = s[:, :, None]  # S blocks of n / S rows
+    elif not (s.dim() == 3 and tuple(s.shape[1:]) == (n, 1)):  # else n blocks of one row
         raise UnsupportedVllmLayer(f"{what}: fp8 scales of shape {tuple(s.shape)} for a weight of {n} rows")
-    return rows.to(torch.float32)[:, :, None].expand(e, n, k_to // 128).contiguous()
+    rows = expand_block_scales(s, n, n // s.shape[1])  # [E, n, 1] float32
+    return rows.expand(-1, -1, k_to // 128).contiguous()
 
 
 # The StaticMoE layer of each served vLLM layer, by a key unique to that layer (weakly held: the vLLM layer owns it).
