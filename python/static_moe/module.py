@@ -59,8 +59,8 @@ from .formats import (
     quantize_activation,
 )
 from .layouts import check_target, prepare_expert_weights, target_layout, to_eoi
+from .ops.forward import as_dtype, report_failure
 from .ops.forward import forward as _forward_op
-from .ops.forward import report_failure
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -1023,7 +1023,8 @@ class StaticMoE(_FixedFormats):
             got = f"{hidden.dtype}{list(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
             raise ValueError(f"hidden must be bf16, fp16 or fp32 [..., {h}], got {got}")
         lead = hidden.shape[:-1]
-        x = hidden.reshape(-1, h).to(torch.bfloat16)  # the experts' activation format is bf16 (or fp8 from bf16)
+        x = hidden if hidden.dim() == 2 else hidden.reshape(-1, h)
+        x = as_dtype(x, torch.bfloat16)  # the experts' activation format is bf16 (or fp8 from bf16)
         if self.act_format == "fp8":
             x_q, x_s = quantize_activation(x, self.act_group)
             return x_q, x_s, lead, x
@@ -1108,7 +1109,9 @@ class StaticMoE(_FixedFormats):
             combine=self.combine,
             dispatch_capacity=self.dispatch_capacity,
         )
-        return out.reshape(*lead, self.hidden_size).to(out_dtype)
+        if len(lead) != 1:
+            out = out.reshape(*lead, self.hidden_size)
+        return as_dtype(out, out_dtype)
 
     def extra_repr(self) -> str:
         return (
