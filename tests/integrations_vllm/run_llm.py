@@ -6,7 +6,9 @@ with ``--compiled`` as vLLM runs by default (torch.compile, no ``enforce_eager``
 tensor-parallel worker processes (then also each worker's plugin counters). Each line also carries a digest of
 every served layer's experts; ``--reload FOLDER=SOURCE`` reloads that folder's engine from another checkpoint
 afterwards (vLLM's ``reload_weights``) and adds the reloaded engine's tokens, digests and sharing counts;
-``--lora FOLDER`` starts that folder's engine with LoRA adapters enabled."""
+``--reload-kernel FOLDER=SOURCE`` reloads it in kernel form (``is_checkpoint_format=False``) from the parameters
+SOURCE's engine held, SOURCE being a folder run earlier in the same process; ``--lora FOLDER`` starts that
+folder's engine with LoRA adapters enabled."""
 
 import argparse
 import hashlib
@@ -53,6 +55,12 @@ def _held_once(worker) -> list[int]:
     return counts
 
 
+def _parameters(worker) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter of the worker's model as it holds them after loading (vLLM's kernel form; a served layer's
+    are its StaticMoE's tensors), copied: what a kernel-format reload takes."""
+    return [(name, p.detach().clone()) for name, p in worker.model_runner.model.named_parameters()]
+
+
 def _experts_digest(worker) -> list[str]:
     """Per served layer in this worker, a SHA-1 of every tensor its StaticMoE computes with (weights, scales,
     biases): equal digests, equal experts."""
@@ -78,11 +86,17 @@ def main(
     tp: int = 1,
     reload: dict[str, str] | None = None,
     lora: tuple[str, ...] = (),
+    reload_kernel: dict[str, str] | None = None,
 ) -> None:
     """``reload`` {folder: source}: after that folder's generations, reload its engine's weights from the source
     folder (vLLM's ``reload_weights``, the in-place update RL loops use) and generate again
-    (``result["reloaded"]``). ``lora``: folders whose engine serves LoRA adapters (``enable_lora``)."""
+    (``result["reloaded"]``). ``reload_kernel`` {folder: source}: the same from the parameters the source folder's
+    engine held after its generations (``is_checkpoint_format=False``; the source runs earlier in ``folders``):
+    ``result["kernel_reloaded"]``. ``lora``: folders whose engine serves LoRA adapters (``enable_lora``)."""
     from vllm import LLM, SamplingParams
+
+    reload_kernel = reload_kernel or {}
+    sources = {}  # {source folder: its engine's parameters}
 
     for folder in folders:
         before = dict(plugin.STATS)
@@ -103,11 +117,21 @@ def main(
             )
             params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
             result = _generate(llm, params) | {"digest": llm.collective_rpc(_experts_digest)}
+            if folder in reload_kernel.values():
+                (sources[folder],) = llm.collective_rpc(_parameters)  # one worker: tp 1
+            if folder in reload_kernel:
+                kwargs = {"weights_iterator": sources[reload_kernel[folder]], "is_checkpoint_format": False}
+                # vLLM 0.32's kernel-form reload copies into parameters in place outside no_grad, which a
+                # parameter that requires grad refuses, with or without the plugin; a caller in this process
+                # (one in-process worker) can give it no_grad
+                with torch.no_grad():
+                    llm.collective_rpc("reload_weights", kwargs=kwargs)
+                result["kernel_reloaded"] = _generate(llm, params) | {"digest": llm.collective_rpc(_experts_digest)}
             if folder in (reload or {}):
-                held = llm.collective_rpc(_held_once)
+                held_once = llm.collective_rpc(_held_once)
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": reload[folder]})
                 result["reloaded"] = _generate(llm, params) | {
-                    "held_once_before": held,
+                    "held_once_before": held_once,
                     "held_once_after": llm.collective_rpc(_held_once),
                     "digest": llm.collective_rpc(_experts_digest),
                 }
@@ -129,7 +153,22 @@ if __name__ == "__main__":  # the guard vLLM's tensor-parallel workers need (the
     p.add_argument(
         "--reload", action="append", default=[], metavar="FOLDER=SOURCE", help="then reload FOLDER's engine from SOURCE"
     )
+    p.add_argument(
+        "--reload-kernel",
+        action="append",
+        default=[],
+        metavar="FOLDER=SOURCE",
+        help="then reload FOLDER's engine in kernel form from the parameters of SOURCE's (run before it)",
+    )
     p.add_argument("--lora", action="append", default=[], metavar="FOLDER", help="FOLDER's engine serves LoRA")
     args = p.parse_args()
     reload = dict(r.split("=", 1) for r in args.reload)
-    main(args.folders, compiled=args.compiled, tp=args.tp, reload=reload, lora=tuple(args.lora))
+    reload_kernel = dict(r.split("=", 1) for r in args.reload_kernel)
+    main(
+        args.folders,
+        compiled=args.compiled,
+        tp=args.tp,
+        reload=reload,
+        lora=tuple(args.lora),
+        reload_kernel=reload_kernel,
+    )

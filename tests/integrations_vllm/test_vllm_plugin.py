@@ -39,6 +39,7 @@ def _run(
     tp: int = 1,
     reload: dict[str, str] | None = None,
     lora: tuple[str, ...] = (),
+    reload_kernel: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", STATIC_MOE_VLLM="1" if plugin else "0")
     if tp > 1:  # one core per worker: vLLM's default binding wants a NUMA node per worker, which a CI host lacks
@@ -52,6 +53,8 @@ def _run(
     args = [sys.executable, RUNNER, *folders] + (["--compiled"] if compiled else []) + ["--tp", str(tp)]
     for folder, source in (reload or {}).items():
         args += ["--reload", f"{folder}={source}"]
+    for folder, source in (reload_kernel or {}).items():
+        args += ["--reload-kernel", f"{folder}={source}"]
     for folder in lora:
         args += ["--lora", folder]
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -78,16 +81,19 @@ def engines(tmp_path_factory):
     path = {w: write_qwen3_moe(str(root / w), weights=w) for w in QWEN3}
     path |= {f"gpt-oss-{w}": write_gpt_oss(str(root / f"gpt-oss-{w}"), weights=w) for w in GPT_OSS}
     path["gpt-oss-mxfp4-seed1"] = write_gpt_oss(str(root / "gpt-oss-mxfp4-seed1"), weights="mxfp4", seed=1)
+    path["fp8-seed1"] = write_qwen3_moe(str(root / "fp8-seed1"), weights="fp8", seed=1)
     path |= {f"deepseek-{w}": write_deepseek_v3(str(root / f"deepseek-{w}"), weights=w) for w in DEEPSEEK}
     path["lora"] = write_qwen3_moe(str(root / "lora"), weights="bf16")  # an engine with LoRA adapters enabled
     procs = {
         "ours": _run(
-            [path[m] for m in ("bf16", "fp8", "fp8-tensor", "fp8-ct", "fp16", "lora")]
+            [path[m] for m in ("bf16", "fp8", "fp8-seed1", "fp8-tensor", "fp8-ct", "fp16", "lora")]
             + [path[m] for m in ("gpt-oss-bf16", "gpt-oss-mxfp4", "gpt-oss-mxfp4-seed1")]
             + [path[f"deepseek-{w}"] for w in DEEPSEEK],
             True,
             # each engine reloaded from another model of the same shapes
             reload={path["bf16"]: path["fp8-dequantized"], path["gpt-oss-mxfp4"]: path["gpt-oss-mxfp4-seed1"]},
+            # ... and in kernel form from the parameters of an engine on another model run before it
+            reload_kernel={path["fp8-seed1"]: path["fp8"], path["gpt-oss-mxfp4-seed1"]: path["gpt-oss-mxfp4"]},
             lora=(path["lora"],),
         ),
         "theirs": _run(
@@ -171,11 +177,27 @@ def test_weight_reload_is_served_and_keeps_the_experts_held_once(runs):
     assert reloaded["held_once_before"] == reloaded["held_once_after"] == [[2, 2]]
 
 
+@pytest.mark.parametrize("model", ["fp8", "gpt-oss-mxfp4"])
+def test_kernel_format_reload_reaches_the_experts(runs, model):
+    """vLLM's other reload, ``is_checkpoint_format=False`` (weights already in kernel form: RL trainers that keep
+    the served layout), copies tensors straight into the model's parameters, with no processing step. Every
+    expert parameter of a served layer is static_moe's own tensor (weights, fp8 / fp4 scales, biases), so the copy
+    reaches what static_moe computes with: an engine on another seed's model, reloaded from the parameters of the
+    engine on this one, holds this model's experts byte for byte. Before the fp8 scales and the biases were
+    shared, it kept its own (the digests differed for both models). Tokens are not compared: on CPU, vLLM 0.32's
+    own linear layers keep packed copies of their weights that this reload does not reach, with or without the
+    plugin (and it needs ``torch.no_grad()`` around it, which run_llm.py gives it)."""
+    ours, _ = runs
+    other = ours[f"{model}-seed1"]
+    assert "error" not in other, other
+    assert other["kernel_reloaded"]["digest"] == ours[model]["digest"] != other["digest"]
+
+
 def test_fp8_block_weights_greedy_tokens_equal_dequantized_model(runs):
     ours, theirs = runs
     assert "error" not in ours["fp8"], ours["fp8"]
     assert ours["fp8"]["stats"]["layers"] == 2 and ours["fp8"]["stats"]["calls"] > 0
-    assert ours["fp8"]["stats"]["shared_weights"] == 4
+    assert ours["fp8"]["stats"]["shared_weights"] == 8  # per layer: w13, w2 and their scales
     assert ours["fp8"]["tokens"] == theirs["fp8-dequantized"]["tokens"]
 
 
@@ -190,7 +212,7 @@ def test_fp8_tensor_and_channel_scaled_weights_greedy_tokens_equal_dequantized_m
     ours, theirs = runs
     assert "error" not in ours[model], ours[model]
     assert ours[model]["stats"]["layers"] == 2 and ours[model]["stats"]["calls"] > 0
-    assert ours[model]["stats"]["shared_weights"] == 4
+    assert ours[model]["stats"]["shared_weights"] == 8
     assert ours[model]["tokens"] == theirs[f"{model}-dequantized"]["tokens"]
 
 
@@ -198,11 +220,11 @@ def test_gpt_oss_bf16_greedy_tokens_equal_vllm_cpu_moe(runs):
     """gpt-oss's experts class (GptOssRoutedExperts), its biases and SwiGLU-OAI over interleaved gate / up rows,
     and H, I (160, 192) padded to static_moe's multiples of 128, against vLLM's own CPU MoE on the same checkpoint.
     Each expert is held once: vLLM's w2 a view of static_moe's padded one, its w13 (whose up rows the padding of I
-    moves) static_moe's whole tensor."""
+    moves) and its biases (float32 in static_moe) static_moe's whole tensors."""
     ours, theirs = runs
     assert "error" not in ours["gpt-oss-bf16"], ours["gpt-oss-bf16"]
     assert ours["gpt-oss-bf16"]["stats"]["layers"] == 2 and ours["gpt-oss-bf16"]["stats"]["calls"] > 0
-    assert ours["gpt-oss-bf16"]["stats"]["shared_weights"] == 4
+    assert ours["gpt-oss-bf16"]["stats"]["shared_weights"] == 8
     assert theirs["gpt-oss-bf16"]["stats"]["calls"] == 0
     assert _same_greedy_tokens(ours["gpt-oss-bf16"], theirs["gpt-oss-bf16"]) >= 24  # of 32
 
@@ -210,13 +232,13 @@ def test_gpt_oss_bf16_greedy_tokens_equal_vllm_cpu_moe(runs):
 def test_gpt_oss_mxfp4_greedy_tokens_equal_dequantized_model(runs):
     """The published gpt-oss form (MXFP4 experts: e2m1 pairs + E8M0 scales per 32, static_moe's fp4 as stored),
     served where vLLM has no MXFP4 MoE kernel (a CPU without AMX), against the same model with its experts
-    dequantized exactly to bf16 through vLLM's own CPU MoE. Held once: w13, w2 and their scales, 4 parameters per
-    layer, w13's as static_moe's whole tensor (the padding of I, 192 → 256, moves its up rows); its 2 layers are
-    converted at load and again at the reload (test_weight_reload_...)."""
+    dequantized exactly to bf16 through vLLM's own CPU MoE. Held once: w13, w2, their scales and biases, 6
+    parameters per layer, w13's as static_moe's whole tensor (the padding of I, 192 → 256, moves its up rows);
+    its 2 layers are converted at load and again at the reload (test_weight_reload_...)."""
     ours, theirs = runs
     assert "error" not in ours["gpt-oss-mxfp4"], ours["gpt-oss-mxfp4"]
     assert ours["gpt-oss-mxfp4"]["stats"]["layers"] == 4 and ours["gpt-oss-mxfp4"]["stats"]["calls"] > 0
-    assert ours["gpt-oss-mxfp4"]["stats"]["shared_weights"] == 16
+    assert ours["gpt-oss-mxfp4"]["stats"]["shared_weights"] == 24
     assert _same_greedy_tokens(ours["gpt-oss-mxfp4"], theirs["gpt-oss-mxfp4-dequantized"]) >= 24
 
 
@@ -245,7 +267,7 @@ def test_deepseek_v3_fp8_block_weights(runs):
     model = ours["deepseek-fp8"]
     assert "error" not in model, model
     assert model["stats"]["layers"] == 2 and model["stats"]["calls"] > 0
-    assert model["stats"]["shared_weights"] == 4
+    assert model["stats"]["shared_weights"] == 8
     same = ours["deepseek-fp8-dequantized"]
     assert (model["tokens"], model["top2"]) == (same["tokens"], same["top2"])
     assert _same_greedy_tokens(model, theirs["deepseek-fp8-dequantized"]) >= 12

@@ -21,11 +21,12 @@ quant method, so checkpoints load exactly as in vLLM) and the scheduler — and 
   static_moe's fp4, byte for byte; biases ``w13_bias`` / ``w2_bias`` as the experts' biases (SPEC §1.9). SWIGLUOAI
   (gpt-oss's GLU, alpha 1.702, limit 7: static_moe's ``swiglu_oai``) reads w13 interleaved (row 2j gate j, 2j + 1 up
   j): its rows, scales and bias are de-interleaved. H and I that are not multiples of 128 (gpt-oss's 2880) are
-  zero-padded to them (SPEC §1.2; exact). vLLM's weight parameters are then pointed at the layer's tensors (a view
-  where vLLM's layout sits in static_moe's, the whole tensor where padding moved it: :func:`_share_weights`), so the
-  model holds its experts once, in the layer's huge-page memory (static_moe.host_memory). A weight reload (vLLM's
-  ``reload_weights``) runs this step again on freshly loaded parameters, and it refills the same layer in place, so
-  the experts stay held once.
+  zero-padded to them (SPEC §1.2; exact). vLLM's expert parameters are then pointed at the layer's tensors (a view
+  where vLLM's layout sits in static_moe's; the whole tensor where padding moved it, and for fp8 scales and
+  biases: :func:`_share_weights`), so the model holds its experts once, in the layer's huge-page memory
+  (static_moe.host_memory), and a kernel-form weight reload (``is_checkpoint_format=False``) copies into what
+  static_moe computes with. A checkpoint-form reload (vLLM's ``reload_weights``) runs this step again on freshly
+  loaded parameters, and it refills the same layer in place, so the experts stay held once.
 * ``forward_modular(x [T, H] bf16, topk_weights [T, k] float32, topk_ids [T, k] int32)``: the router's output
   goes to ``torch.ops.static_moe.forward`` (:func:`run_experts`) in chunks of ``capacity`` rows
   (``STATIC_MOE_VLLM_CAPACITY``, default 128), on CPU, through the opaque op :func:`routed_experts`
@@ -584,34 +585,48 @@ def run_experts(moe, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 
 
 def _share_weights(layer, moe, inter_at: int = 0) -> int:
-    """Point ``layer``'s weight parameters at ``moe``'s copies of them, so that the experts are held once: the
-    EOI ``w13_weight`` / ``w2_weight`` ([E, 2I, H] / [E, H, I], bf16 or e4m3fn; fp4 [E, 2I, H/2] / [E, H, I/2]
-    uint8) and, for fp4, the E8M0 ``w13_weight_scale`` / ``w2_weight_scale`` ([E, 2I, H/32] / [E, H, I/32]).
-    vLLM's fp8 block scales and its biases stay its own (``moe`` holds them expanded / in float32).
+    """Point every expert parameter of ``layer`` at ``moe``'s copy of it, so that the experts are held once and a
+    parameter and what static_moe computes with are one tensor. Returns how many parameters now share ``moe``'s
+    memory.
 
-    A parameter becomes a view of the rows and columns of ``moe``'s tensor that hold it where they are one (also
-    where H, or w2's I, was padded: w2's I columns start at ``inter_at``). Where they are not — a w13 whose I was
-    padded (gpt-oss's 2880 → 2944), since padding I moves the up rows — it becomes ``moe``'s whole tensor, in
-    static_moe's shape, as vLLM's own CPU kernels replace it with their packed form in this step. vLLM recorded
-    the checkpoint's shapes when it built the model and restores them for a reload (model_loader/reload), which
-    loads fresh parameters, runs this step again (the layer is refilled in place: :func:`_convert`) and copies the
-    result into the parameters held here: the same memory.
+    * The weights — ``w13_weight`` / ``w2_weight`` ([E, 2I, H] / [E, H, I], bf16 or e4m3fn; fp4 [E, 2I, H/2] /
+      [E, H, I/2] uint8) and, for fp4, the E8M0 ``w13_weight_scale`` / ``w2_weight_scale`` ([E, 2I, H/32] /
+      [E, H, I/32]) — become a view of the rows and columns of ``moe``'s tensor that hold them where they are one
+      (also where H, or w2's I, was padded: w2's I columns start at ``inter_at``). Where they are not — a w13
+      whose I was padded (gpt-oss's 2880 → 2944), since padding I moves the up rows — the parameter becomes
+      ``moe``'s whole tensor, in static_moe's shape.
+    * What static_moe holds in a form of its own becomes ``moe``'s whole tensor: fp8 scales (vLLM's blocks, per
+      tensor or per channel: static_moe's float32 1×128 scales [E, 2I, H/128], [E, H, I/128]) and biases (float32
+      [E, 2I], [E, H], padded; de-interleaved for swigluoai).
 
-    A swigluoai layer's shared w13 rows (and scales) are in static_moe's order, gate rows then up rows, not vLLM's
-    interleaved one: vLLM never computes with them while the plugin serves the layer. Returns how many parameters
-    now share ``moe``'s memory."""
+    So the parameters hold the layer's kernel form, as vLLM's own CPU kernels replace theirs with packed forms in
+    this step, and both of vLLM's weight reloads reach static_moe: a checkpoint-format one (model_loader/reload)
+    restores the checkpoint's shapes, loads fresh parameters, runs this step again (the layer is refilled in place:
+    :func:`_convert`) and copies the result into the parameters held here, the same memory; a kernel-format one
+    (``is_checkpoint_format=False``) copies tensors of these shapes straight into them. (Before the scales and
+    biases were shared, that second reload left static_moe computing with the old ones.)
+
+    A swigluoai layer's shared w13 rows (and scales, bias) are in static_moe's order, gate rows then up rows, not
+    vLLM's interleaved one: vLLM never computes with them while the plugin serves the layer."""
     pairs = [("w13_weight", "w13"), ("w2_weight", "w2")]
     if moe.weight_format == "fp4":
         pairs += [("w13_weight_scale", "w13_scale"), ("w2_weight_scale", "w2_scale")]
+    own_form = []  # (vLLM's name, static_moe's): held whole
+    if moe.weight_format == "fp8":
+        name = _fp8_scale_name(layer.quant_method)
+        own_form += [(f"w13_{name}", "w13_scale"), (f"w2_{name}", "w2_scale")]
+    if moe.w13_bias is not None:
+        own_form += [("w13_bias", "w13_bias"), ("w2_bias", "w2_bias")]
     shared = 0
-    for theirs, ours in pairs:
+    for theirs, ours in pairs + own_form:
         p, t = getattr(layer, theirs), getattr(moe, ours)
-        if p.dtype != t.dtype or p.device != t.device or p.dim() != t.dim():
-            continue
-        at = inter_at if ours == "w2" else 0  # (fp8 only: fp4 weights start at column 0)
-        view = t[:, : p.shape[1], at : at + p.shape[2]]
-        moved = ours.startswith("w13") and p.shape[1] != t.shape[1]  # I padded: the up rows moved
-        p.data = t if moved or view.shape != p.shape else view
+        if (theirs, ours) in own_form:
+            p.data = t
+        elif p.dtype == t.dtype and p.device == t.device and p.dim() == t.dim():
+            at = inter_at if ours == "w2" else 0  # (fp8 only: fp4 weights start at column 0)
+            view = t[:, : p.shape[1], at : at + p.shape[2]]
+            moved = ours.startswith("w13") and p.shape[1] != t.shape[1]  # I padded: the up rows moved
+            p.data = t if moved or view.shape != p.shape else view
         shared += p.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
     return shared
 
