@@ -55,6 +55,11 @@ def _held_once(worker) -> list[int]:
     return counts
 
 
+def _capacities(worker) -> list[int]:
+    """Per served layer in this worker, the rows of its static_moe calls (larger batches run in chunks)."""
+    return [moe.capacity for _, moe in _served(worker)]
+
+
 def _parameters(worker) -> list[tuple[str, torch.Tensor]]:
     """Every parameter of the worker's model as it holds them after loading (vLLM's kernel form; a served layer's
     are its StaticMoE's tensors), copied: what a kernel-format reload takes."""
@@ -116,7 +121,11 @@ def main(
                 **({"enable_lora": True, "max_lora_rank": 8} if folder in lora else {}),
             )
             params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
-            result = _generate(llm, params) | {"digest": llm.collective_rpc(_experts_digest)}
+            result = _generate(llm, params) | {
+                "digest": llm.collective_rpc(_experts_digest),
+                "capacities": llm.collective_rpc(_capacities),
+                "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
+            }
             if folder in reload_kernel.values():
                 (sources[folder],) = llm.collective_rpc(_parameters)  # one worker: tp 1
             if folder in reload_kernel:

@@ -40,8 +40,12 @@ def _run(
     reload: dict[str, str] | None = None,
     lora: tuple[str, ...] = (),
     reload_kernel: dict[str, str] | None = None,
+    capacity: int | None = None,
 ) -> subprocess.Popen:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", STATIC_MOE_VLLM="1" if plugin else "0")
+    env.pop("STATIC_MOE_VLLM_CAPACITY", None)
+    if capacity is not None:  # rows per static_moe call; by default vLLM's max_num_batched_tokens
+        env["STATIC_MOE_VLLM_CAPACITY"] = str(capacity)
     if tp > 1:  # one core per worker: vLLM's default binding wants a NUMA node per worker, which a CI host lacks
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) < tp:
@@ -102,7 +106,8 @@ def engines(tmp_path_factory):
             + [path[m] for m in ("deepseek-bf16", "deepseek-fp8-dequantized")],
             False,
         ),
-        "ours_compiled": _run([path["bf16"], path["gpt-oss-mxfp4"]], True, compiled=True),
+        # compiled, with 4 rows per static_moe call: a prompt's prefill runs in chunks
+        "ours_compiled": _run([path["bf16"], path["gpt-oss-mxfp4"]], True, compiled=True, capacity=CHUNK_ROWS),
         "theirs_compiled": _run([path["bf16"], path["gpt-oss-mxfp4-dequantized"]], False, compiled=True),
         "ours_tp2": _run([path[m] for m in TP2_OURS], True, tp=2),
         "theirs_tp2": _run([path[m] for m in ("bf16", "gpt-oss-mxfp4-dequantized", "deepseek-bf16")], False, tp=2),
@@ -116,6 +121,7 @@ def runs(engines):
     return engines["ours"], engines["theirs"]
 
 
+CHUNK_ROWS = 4  # STATIC_MOE_VLLM_CAPACITY of the compiled run: fewer than a prompt's tokens
 # The models the plugin serves on two tensor-parallel ranks (test_tensor_parallel_engine_runs_the_plugin_on_every_rank)
 TP2_OURS = ("bf16", "fp8", "fp8-dequantized", "fp8-tensor", "fp8-tensor-dequantized", "gpt-oss-mxfp4", "deepseek-bf16")
 QWEN3 = ("bf16", "fp16") + tuple(f"{f}{d}" for f in ("fp8", "fp8-tensor", "fp8-ct") for d in ("", "-dequantized"))
@@ -153,8 +159,32 @@ def test_bf16_greedy_tokens_equal_vllm_cpu_moe(runs):
     # their w13 and w2 held once
     assert ours["bf16"]["stats"]["layers"] == 4 and ours["bf16"]["stats"]["calls"] > 0
     assert ours["bf16"]["stats"]["shared_weights"] == 8
-    assert theirs["bf16"]["stats"] == {"layers": 0, "calls": 0, "rows": 0, "shared_weights": 0}  # vLLM's kernels
+    assert theirs["bf16"]["stats"] == {
+        "layers": 0,
+        "calls": 0,
+        "rows": 0,
+        "chunks": 0,
+        "shared_weights": 0,
+    }  # vLLM's kernels
     assert ours["bf16"]["tokens"] == theirs["bf16"]["tokens"]
+
+
+def test_a_forward_is_one_static_moe_call_on_cpu(engines):
+    """By default a served layer takes as many rows per call as vLLM's scheduler puts in one forward
+    (max_num_batched_tokens), so a prefill streams each expert's weights once rather than once per chunk (at
+    Qwen3-30B's experts, 512 rows in chunks of 128 took 1.41× the time of one call, two threads). With
+    STATIC_MOE_VLLM_CAPACITY set (the compiled run: 4 rows), a longer prefill runs in chunks, and the tokens still
+    equal vLLM's (test_compiled_engine_runs_the_plugin): a row's bits do not depend on its call's other rows."""
+    for name in ("ours", "ours_tp2"):
+        for model in engines[name].values():
+            if "error" in model:  # the refused ones
+                continue
+            assert model["capacities"] == [[model["max_num_batched_tokens"]] * 2] * len(model["capacities"])
+            for stats in model.get("worker_stats", [model["stats"]]):  # tensor parallel: each worker's
+                assert stats["chunks"] == stats["calls"] > 0, stats  # one static_moe call each
+    for model in engines["ours_compiled"].values():
+        assert model["capacities"] == [[CHUNK_ROWS] * 2]
+        assert model["stats"]["chunks"] > model["stats"]["calls"], model["stats"]  # the prefills ran in chunks
 
 
 def test_weight_reload_is_served_and_keeps_the_experts_held_once(runs):
@@ -307,7 +337,10 @@ def test_tensor_parallel_engine_runs_the_plugin_on_every_rank(engines):
         workers = ours[model]["worker_stats"]
         assert len(workers) == 2 and all(w["layers"] == 2 and w["calls"] > 0 for w in workers), workers
     for model in ("bf16", "gpt-oss-mxfp4-dequantized", "deepseek-bf16"):
-        assert theirs[model]["worker_stats"] == [{"layers": 0, "calls": 0, "rows": 0, "shared_weights": 0}] * 2
+        assert (
+            theirs[model]["worker_stats"]
+            == [{"layers": 0, "calls": 0, "rows": 0, "chunks": 0, "shared_weights": 0}] * 2
+        )
     assert ours["bf16"]["tokens"] == theirs["bf16"]["tokens"]
     # fp8 128×128 blocks under TP: I / 2 = 64 is not a multiple of 128, so vLLM holds the scales on a 64×64 grid
     # and rank 1's slice starts 64 columns into a checkpoint block (_fp8_scales, _inter_at); before the plugin

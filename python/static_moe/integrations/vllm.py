@@ -28,8 +28,9 @@ quant method, so checkpoints load exactly as in vLLM) and the scheduler — and 
   static_moe computes with. A checkpoint-form reload (vLLM's ``reload_weights``) runs this step again on freshly
   loaded parameters, and it refills the same layer in place, so the experts stay held once.
 * ``forward_modular(x [T, H] bf16, topk_weights [T, k] float32, topk_ids [T, k] int32)``: the router's output
-  goes to ``torch.ops.static_moe.forward`` (:func:`run_experts`) in chunks of ``capacity`` rows
-  (``STATIC_MOE_VLLM_CAPACITY``, default 128), on CPU, through the opaque op :func:`routed_experts`
+  goes to ``torch.ops.static_moe.forward`` (:func:`run_experts`) in chunks of ``capacity`` rows (on CPU vLLM's
+  ``max_num_batched_tokens``, so one call per forward; ``STATIC_MOE_VLLM_CAPACITY`` sets it: :func:`_capacity`),
+  on CPU, through the opaque op :func:`routed_experts`
   (``static_moe_vllm::routed_experts``), which vLLM's default torch.compile does not trace into.
 
 What the kernels cannot compute is refused when the layer is constructed, i.e. at engine start, with a
@@ -54,7 +55,9 @@ ENV_CAPACITY = "STATIC_MOE_VLLM_CAPACITY"
 DEFAULT_CAPACITY = 128
 
 # What the plugin did in this process (tests read it to prove the engine ran static_moe, not vLLM's kernels).
-STATS = {"layers": 0, "calls": 0, "rows": 0, "shared_weights": 0}
+# calls: the engine's calls of a served layer; chunks: the static_moe calls they made (more where a batch outgrew
+# the capacity); rows: the rows they carried.
+STATS = {"layers": 0, "calls": 0, "rows": 0, "chunks": 0, "shared_weights": 0}
 
 
 class UnsupportedVllmLayer(ValueError):
@@ -128,8 +131,20 @@ def _allow_mxfp4_without_backend() -> None:
     mxfp4.select_mxfp4_moe_backend = select_or_none
 
 
-def _capacity() -> int:
-    raw = os.environ.get(ENV_CAPACITY, str(DEFAULT_CAPACITY))
+def _capacity(device: torch.device) -> int:
+    """Rows per static_moe call for a layer on ``device`` (:func:`run_experts` runs a larger batch in chunks):
+    ``STATIC_MOE_VLLM_CAPACITY`` where set; else, on CPU, the most tokens vLLM's scheduler puts in one forward
+    (``max_num_batched_tokens``), so that a prefill is one call and streams each expert's weights once (the CPU
+    step reads the T rows as given: nothing is sized by the capacity); elsewhere DEFAULT_CAPACITY (a device's
+    S = 1 step packs the capacity's rows on every call). Read while vLLM builds the layer, under its config."""
+    raw = os.environ.get(ENV_CAPACITY)
+    if raw is None:
+        if device.type != "cpu":
+            return DEFAULT_CAPACITY
+        from vllm.config import get_current_vllm_config
+
+        tokens = getattr(get_current_vllm_config().scheduler_config, "max_num_batched_tokens", None)
+        return tokens if isinstance(tokens, int) and tokens > 0 else DEFAULT_CAPACITY
     try:
         c = int(raw)
     except ValueError:
@@ -424,9 +439,11 @@ def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     the MoE runner together with the model (its ``_select_forward`` calls the runner directly there, not through
     its own opaque ``vllm.moe_forward``), and ``run_experts``'s chunking by capacity would specialize the dynamic
     token count (a ConstraintViolationError at engine start, without ``enforce_eager``)."""
-    out = run_experts(_LAYERS[key], x, topk_ids, topk_weights)
+    moe = _LAYERS[key]
+    out = run_experts(moe, x, topk_ids, topk_weights)
     STATS["calls"] += 1
     STATS["rows"] += x.shape[0]
+    STATS["chunks"] += max(1, -(-x.shape[0] // moe.capacity))
     return out
 
 
@@ -450,7 +467,7 @@ def _convert(layer, inter_at: int, into=None):
         layer.moe_config.activation,
         layer.global_num_experts,
         layer.top_k,
-        _capacity(),
+        layer.__dict__["_static_moe_capacity"],
         layer.w13_weight.data,
         getattr(layer, f"w13{scales}").data if scales else None,
         layer.w2_weight.data,
@@ -650,6 +667,7 @@ def _experts_class(base: type) -> type:
                     f"Unset {ENV} to use vLLM's own MoE kernels."
                 )
             self.__dict__["_static_moe"] = None  # not a submodule: vLLM's parameter walks never see it
+            self.__dict__["_static_moe_capacity"] = _capacity(self.w13_weight.device)
             # vLLM's loader calls quant_method.process_weights_after_loading(layer) once the checkpoint is in
             # the parameters; ours converts them instead of repacking for vLLM's kernels.
             self.quant_method.process_weights_after_loading = self._process_weights_after_loading
