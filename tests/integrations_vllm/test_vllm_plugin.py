@@ -11,6 +11,7 @@ Runs in the vLLM virtualenv (`make test-vllm`); skipped, with the reason, where 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -64,8 +65,12 @@ def _run(
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _results(proc: subprocess.Popen) -> dict[str, dict]:
+LOGS: dict[str, str] = {}  # each runner's output, stdout and stderr (vLLM's log), by its name in engines()
+
+
+def _results(proc: subprocess.Popen, name: str) -> dict[str, dict]:
     out, err = proc.communicate(timeout=TIMEOUT_S)
+    LOGS[name] = out + err
     found = {}
     for line in out.splitlines():
         if line.startswith("RESULT "):
@@ -112,7 +117,7 @@ def engines(tmp_path_factory):
         "ours_tp2": _run([path[m] for m in TP2_OURS], True, tp=2),
         "theirs_tp2": _run([path[m] for m in ("bf16", "gpt-oss-mxfp4-dequantized", "deepseek-bf16")], False, tp=2),
     }
-    return {name: _results(p) for name, p in procs.items()}
+    return {name: _results(p, name) for name, p in procs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +172,14 @@ def test_bf16_greedy_tokens_equal_vllm_cpu_moe(runs):
         "shared_weights": 0,
     }  # vLLM's kernels
     assert ours["bf16"]["tokens"] == theirs["bf16"]["tokens"]
+
+
+def test_the_log_says_static_moe_serves(engines):
+    """vLLM's log names its own MoE kernel; with the plugin on it also says static_moe computes the experts, once
+    per process and kind of layer (format, activation, rows per call); without the plugin it says nothing."""
+    said = set(re.findall(r"static_moe \(STATIC_MOE_VLLM=1\) computes the routed experts: ([^\n]*)", LOGS["ours"]))
+    assert {"bf16 weights, silu", "fp8 weights, silu", "fp4 weights, swiglu_oai"} <= {w.rsplit(",", 1)[0] for w in said}
+    assert "computes the routed experts" not in LOGS["theirs"]
 
 
 def test_a_forward_is_one_static_moe_call_on_cpu(engines):

@@ -648,6 +648,21 @@ def _share_weights(layer, moe, inter_at: int = 0) -> int:
     return shared
 
 
+def _log_served(moe) -> None:
+    """Say in vLLM's log, once per process and kind of layer, that static_moe computes its routed experts (vLLM
+    logs the MoE kernel it picks for itself; without this line nothing there would tell the plugin is on)."""
+    from vllm.logger import init_logger
+
+    # under vLLM's logger, whose handler and format its logging config sets up (a logger outside it has none)
+    init_logger("vllm.plugins.static_moe").info_once(
+        "static_moe (%s=1) computes the routed experts: %s weights, %s, up to %d rows per call",
+        ENV,
+        moe.weight_format,
+        moe.activation,
+        moe.capacity,
+    )
+
+
 def _experts_class(base: type) -> type:
     """static_moe's replacement of vLLM's RoutedExperts class ``base`` (vLLM's own or a model's subclass): a
     subclass of it that computes the routed experts with static_moe (module doc), or refuses the layer."""
@@ -688,6 +703,7 @@ def _experts_class(base: type) -> type:
             _LAYERS[key] = moe
             STATS["shared_weights"] += _share_weights(self, moe, inter_at)
             STATS["layers"] += 1
+            _log_served(moe)
 
         def forward_modular(
             self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None
