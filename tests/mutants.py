@@ -276,8 +276,8 @@ MUTANTS = [
     Mutant(
         "forward: shared expert output dropped",
         "python/static_moe/ops/forward.py",
-        "            out = out + shared_output.float()",
-        "            out = out + 0 * shared_output.float()",
+        "            out = out + as_dtype(shared_output, torch.float32)",
+        "            out = out + 0 * as_dtype(shared_output, torch.float32)",
         ("tests/ops/test_forward.py", "-k", "s1_matches_reference"),
     ),
     # ---------------------------------------------------------------- dispatch / combine (SPEC §7)
