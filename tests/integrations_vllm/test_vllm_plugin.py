@@ -82,10 +82,11 @@ def _results(proc: subprocess.Popen, name: str) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """Every engine's results, six processes run side by side: eager with the plugin on the Qwen3-MoE (bf16, fp16
-    and three fp8 forms), the bf16 / MXFP4 gpt-oss and the DeepSeek-V3, eager without it on the bf16 models and the
-    exact bf16 dequantizations of the fp8 / MXFP4 ones; compiled (vLLM's default) with and without it on two of
-    them; and with two tensor-parallel workers, with and without it on several."""
+    """Every engine's results, six processes run side by side: eager with the plugin on the Qwen3-MoE (bf16, fp16,
+    three fp8 forms and a second seed's fp8), the bf16 / MXFP4 gpt-oss (two seeds) and the DeepSeek-V3, eager
+    without it on the bf16 models and the exact bf16 dequantizations of the fp8 / MXFP4 ones; compiled (vLLM's
+    default) with and without it on two of them (the plugin at 4 rows per call); and with two tensor-parallel
+    workers, with and without it on several."""
     root = tmp_path_factory.mktemp("tiny_moe")
     path = {w: write_qwen3_moe(str(root / w), weights=w) for w in QWEN3}
     path |= {f"gpt-oss-{w}": write_gpt_oss(str(root / f"gpt-oss-{w}"), weights=w) for w in GPT_OSS}
