@@ -50,13 +50,15 @@ import weakref
 
 import torch
 
+from ..ops.forward import as_dtype
+
 ENV = "STATIC_MOE_VLLM"
 ENV_CAPACITY = "STATIC_MOE_VLLM_CAPACITY"
 DEFAULT_CAPACITY = 128
 
 # What the plugin did in this process (tests read it to prove the engine ran static_moe, not vLLM's kernels).
-# calls: the engine's calls of a served layer; chunks: the static_moe calls they made (more where a batch outgrew
-# the capacity); rows: the rows they carried.
+# calls: the engine's calls of a served layer, and rows: the rows they carried; chunks: the static_moe calls
+# run_experts made (more than calls where a batch outgrew the capacity).
 STATS = {"layers": 0, "calls": 0, "rows": 0, "chunks": 0, "shared_weights": 0}
 
 
@@ -439,11 +441,9 @@ def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     the MoE runner together with the model (its ``_select_forward`` calls the runner directly there, not through
     its own opaque ``vllm.moe_forward``), and ``run_experts``'s chunking by capacity would specialize the dynamic
     token count (a ConstraintViolationError at engine start, without ``enforce_eager``)."""
-    moe = _LAYERS[key]
-    out = run_experts(moe, x, topk_ids, topk_weights)
+    out = run_experts(_LAYERS[key], x, topk_ids, topk_weights)
     STATS["calls"] += 1
     STATS["rows"] += x.shape[0]
-    STATS["chunks"] += max(1, -(-x.shape[0] // moe.capacity))
     return out
 
 
@@ -591,13 +591,14 @@ def run_experts(moe, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     c, hidden = moe.capacity, x.shape[-1]
     if moe.hidden_size != hidden:
         x = torch.nn.functional.pad(x, (0, moe.hidden_size - hidden))
-    # (no-op .to calls skipped: each is a dispatcher round trip, a visible share of a one-row call)
-    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
-    weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
+    ids, weights = as_dtype(topk_ids, torch.int32), as_dtype(topk_weights, torch.float32)
     if x.shape[0] <= c:  # a decode step: one call, no slices
         out = moe(x, ids, weights)
+        STATS["chunks"] += 1
     else:
-        out = torch.cat([moe(x[s : s + c], ids[s : s + c], weights[s : s + c]) for s in range(0, x.shape[0], c)])
+        starts = range(0, x.shape[0], c)
+        out = torch.cat([moe(x[s : s + c], ids[s : s + c], weights[s : s + c]) for s in starts])
+        STATS["chunks"] += len(starts)
     return out if out.shape[-1] == hidden else out[:, :hidden].contiguous()
 
 
