@@ -1,9 +1,11 @@
 """Each pure-torch reference op (static_moe.reference, the executable spec) has its op's signature: the same
 parameter names, in the same order, with the same defaults as the ``torch.ops.static_moe.<op>`` schema (csrc/ops.cpp,
-SPEC §4), so a call written against one runs unchanged against the other. Metadata only: nothing is computed."""
+SPEC §4), so a call written against one runs unchanged against the other; and forward's settings tuple
+(``ForwardConfig``) is its schema's tail. Metadata only: nothing is computed."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import pytest
@@ -48,3 +50,22 @@ def test_reference_signature_matches_schema(op):
         assert d_got == d_want and type(d_got) is type(d_want), (
             f"{op}({name}): default {d_got!r} in the reference, {d_want!r} in the schema"
         )
+
+
+def test_forward_config_is_the_schema_tail():
+    """ops.forward hands ``*ForwardConfig`` to the op positionally after ``ep_size``: its fields must be the schema's
+    arguments from there on, in order, with the schema's defaults, or a call would pass a setting in another's slot."""
+    fwd = importlib.import_module("static_moe.ops.forward")
+    want = schema_params("forward")
+    tail = want[[n for n, _, _ in want].index("ep_size") + 1 :]
+    assert list(fwd.ForwardConfig._fields) == [n for n, _, _ in tail]
+    for (name, default, _), got in zip(tail, fwd.DEFAULT_CONFIG):
+        assert got == default and type(got) is type(default), f"ForwardConfig.{name}: {got!r}, schema {default!r}"
+
+
+def test_forward_config_compares_by_identity():
+    """A tuple's == would compare the bias tensors elementwise (and raise on their truth value)."""
+    fwd = importlib.import_module("static_moe.ops.forward")
+    bias = torch.zeros(2, 4)
+    a, b = fwd.ForwardConfig(w13_bias=bias), fwd.ForwardConfig(w13_bias=bias)
+    assert a == a and a != b and len({a, b}) == 2

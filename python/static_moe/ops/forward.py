@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -50,7 +49,6 @@ from ..packed_layout import pack_layout, part_nbytes
 from . import combine as _combine_ops
 from . import dispatch as _dispatch
 from . import step_status as _status
-from .local_experts import local_experts as _local_experts_op
 
 _c10d = torch.ops._c10d_functional
 _INT32_MAX = 2**31 - 1
@@ -79,15 +77,15 @@ class ForwardDims(NamedTuple):
     weight_format: str
 
 
-@dataclass(frozen=True, eq=False)
-class ForwardConfig:
+class ForwardConfig(NamedTuple):
     """One call's settings that follow ``ep_size`` in the op's schema (csrc/ops.cpp), in its order and with its
-    defaults: built once per call from the schema arguments and handed on whole.
+    defaults: built once per call from the schema arguments and handed on whole. A tuple in the schema's order, so
+    ``*config`` is the schema's tail, positionally (a keyword argument costs the dispatcher a name lookup).
 
     fp8_max: SPEC §1.5; weight_layout: "eoi" | "eio" (SPEC §1.2); activation, alpha, w13_bias, w2_bias: SPEC §1.9,
-    handed on to local_experts (and its check) by keyword, the biases this rank's float32 / bf16 [L, 2I] and
-    [L, H] on the inputs' device; dispatch, combine, dispatch_capacity: SPEC §7. Holds what the caller passed,
-    unchecked: :func:`schema_error` checks the types, :func:`check_forward` the values. eq=False: the biases are
+    handed on to local_experts (and its check), the biases this rank's float32 / bf16 [L, 2I] and [L, H] on the
+    inputs' device; dispatch, combine, dispatch_capacity: SPEC §7. Holds what the caller passed, unchecked:
+    :func:`schema_error` checks the types, :func:`check_forward` the values. Compared by identity: the biases are
     tensors, and two calls' configurations are compared through their workspace specs and step headers instead.
     """
 
@@ -101,22 +99,22 @@ class ForwardConfig:
     combine: str = "fp32"
     dispatch_capacity: int = 0
 
+    __eq__ = object.__eq__  # a tuple's == would compare the bias tensors elementwise
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
     @property
-    def variant(self) -> dict:
-        """The SPEC §1.9 arguments, as local_experts (and its check) take them by keyword."""
-        return dict(activation=self.activation, alpha=self.alpha, w13_bias=self.w13_bias, w2_bias=self.w2_bias)
+    def variant(self) -> tuple:
+        """The SPEC §1.9 arguments (activation, alpha, w13_bias, w2_bias), in local_experts' schema order: they
+        follow its weight_layout there, as they follow it here."""
+        return self[2:6]
 
     @property
     def expert_biases(self) -> bool:
         """Whether the call carries SPEC §1.9 biases: the workspace manifest's ``expert_biases``."""
         return self.w13_bias is not None or self.w2_bias is not None
 
-    def schema_kwargs(self) -> dict:
-        """Every field by its schema name, for ``torch.ops.static_moe.forward(..., ep_size, **kwargs)``."""
-        return {name: getattr(self, name) for name in _CONFIG_FIELDS}
 
-
-_CONFIG_FIELDS = tuple(f.name for f in fields(ForwardConfig))  # read once: dataclasses.fields() costs µs a call
 DEFAULT_CONFIG = ForwardConfig()
 
 
@@ -197,7 +195,7 @@ def check_forward(
             config.fp8_max,
             "forward",
             config.weight_layout,
-            **config.variant,
+            *config.variant,
         )
     t, h = x.shape
     act = "fp8" if x.dtype == torch.float8_e4m3fn else "bf16"
@@ -519,7 +517,7 @@ def _local_step(
 
 def _local_experts(x, x_scale, idx, weights, w13, w13_scale, w2, w2_scale, expert_offset, swiglu_limit, config):
     """local_experts over rows x [R, H] (+ x_scale), ids int32 / weights float32 [R, k]: fp32 [R, H]."""
-    return _local_experts_op(
+    return torch.ops.static_moe.local_experts(
         x,
         x_scale,
         idx,
@@ -532,7 +530,7 @@ def _local_experts(x, x_scale, idx, weights, w13, w13_scale, w2, w2_scale, exper
         swiglu_limit,
         config.fp8_max,
         config.weight_layout,
-        **config.variant,
+        *config.variant,
     )
 
 
@@ -1148,9 +1146,9 @@ def forward(
             # The op's schema would refuse these arguments before its body runs, on this rank only: report them
             # in a collective step instead, so every rank raises.
             report_failure(error, group_name, ep_rank if isinstance(ep_rank, int) else 0, ep_size)
-    elif ep_size == 1 and not _tracing() and x.device.type != "cpu":
+    elif ep_size == 1 and x.device.type != "cpu" and not _tracing():
         check_topk_range(topk_idx, num_experts)  # a host sync: eager only
         check_scale_range(x_scale)
     return torch.ops.static_moe.forward(
-        *inputs, num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, **config.schema_kwargs()
+        *inputs, num_experts, capacity, swiglu_limit, group_name, ep_rank, ep_size, *config
     )
