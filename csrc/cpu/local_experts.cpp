@@ -7,7 +7,8 @@
 //             (OpenMP over rows)
 //   per expert e with rows, in increasing e (experts without rows: no work, no weight reads), each of its two
 //   GEMMs planned once (csrc/cpu/kernels/expert_gemm_plan.h) and the plan run on every chunk:
-//     for each chunk [i0, i1) of intermediate columns (whole 128-column groups), by whichever thread takes it:
+//     for each chunk [i0, i1) of intermediate columns (128, or fewer on a team with more threads than chunks:
+//     chunk_columns), by whichever thread takes it:
 //       GEMM1  gate rows [i0, i1) and up rows [I+i0, I+i1) of W13_e (+ b13) -> h = bf16 [m, gate | up]  (thread-local)
 //       SwiGLU + cast of h with w (kernel of csrc/cpu/kernels/swiglu_and_cast.h; an fp8 group never straddles
 //              chunks, so scales are those of the whole row) -> z columns [i0, i1) -> prepared into zf[e % 2]
@@ -58,6 +59,24 @@ using namespace static_moe;
 // prefetch run-in at a chunk start costs little.
 constexpr int64_t kInterChunk = 128;   // intermediate columns: gate rows and the matching up rows of W13
 constexpr int64_t kHiddenChunk = 256;  // hidden columns: rows of W2
+// A team with more threads than those sizes give chunks (Qwen3-30B-A3B: H = 2048 is 8 hidden chunks, I = 768 six
+// intermediate ones, so 8 threads at most) would leave the rest idle while the weights stream: there the chunks
+// shrink, in steps of kChunkStep (a multiple of every NR and of the 64 columns prepare_activation takes for fp8
+// weights), until the team has a chunk per thread, while a chunk still streams kMinChunkBytes of weights (below
+// that a thread's start costs more than its share saves). Any size gives the same bits: a chunk is a range of
+// output columns, each of which one thread computes whole over K.
+constexpr int64_t kChunkStep = 64;
+constexpr int64_t kMinChunkBytes = 32 << 10;
+
+// Columns per chunk of n output columns for `threads`: from `largest` down to `smallest` (both multiples of
+// kChunkStep), while fewer chunks than threads; `bytes_per_column` of weights stream per output column.
+int64_t chunk_columns(int64_t n, int threads, int64_t largest, int64_t smallest, int64_t bytes_per_column) {
+  int64_t c = largest;
+  while (c > smallest && (n + c - 1) / c < threads && (c - kChunkStep) * bytes_per_column >= kMinChunkBytes) {
+    c -= kChunkStep;
+  }
+  return c;
+}
 
 // Rows routed to each local expert, grouped by expert (CSR), and the routing weight of each.
 struct Routing {
@@ -162,26 +181,33 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
   const float* b13_base = b13.defined() ? b13.const_data_ptr<float>() : nullptr;
   const float* b2_base = b2.defined() ? b2.const_data_ptr<float>() : nullptr;
 
+  const int threads = omp_get_max_threads();
+  const int64_t w_bits = wf == cpu::WeightFormat::Bf16 ? 16 : wf == cpu::WeightFormat::Fp8 ? 8 : 4;
+  // An fp8 z group (32 or 128 columns) never straddles two intermediate chunks.
+  const int64_t inter_chunk = chunk_columns(I, threads, kInterChunk, fp8 ? std::max(kChunkStep, group) : kChunkStep,
+                                            2 * H * w_bits / 8);  // a gate and an up row of W13 per column
+  const int64_t hidden_chunk = chunk_columns(H, threads, kHiddenChunk, kChunkStep, I * w_bits / 8);  // a W2 row
+
   const int64_t M = rt.max_rows;
   cpu::PreparedRows xf(n_routed, H);       // routed rows of x, prepared for W13
   std::vector<uint8_t> xf_bf16(n_routed);  // the form prepare_activation chose for each
   cpu::PreparedRows zf(2 * M, I);          // z of the current / previous expert, for W2
   // z's form per row and intermediate chunk; a row's chunks always agree (z has power-of-two scales >= the amax
   // floor's, so every chunk is exact in bf16 where bf16 is used at all); checked before GEMM2 reads them.
-  std::vector<uint8_t> zf_bf16(static_cast<size_t>(2 * M * ((I + kInterChunk - 1) / kInterChunk)));
+  std::vector<uint8_t> zf_bf16(static_cast<size_t>(2 * M * ((I + inter_chunk - 1) / inter_chunk)));
 
-  const int64_t n_inter_chunks = (I + kInterChunk - 1) / kInterChunk;
-  const int64_t n_hidden_chunks = (H + kHiddenChunk - 1) / kHiddenChunk;
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), n_hidden_chunks)));
+  const int64_t n_inter_chunks = (I + inter_chunk - 1) / inter_chunk;
+  const int64_t n_hidden_chunks = (H + hidden_chunk - 1) / hidden_chunk;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n_hidden_chunks)));
   const int64_t z_bytes = fp8 ? 1 : 2;
   int bad13 = 0, bad2 = 0, mixed_z = 0;
 #pragma omp parallel num_threads(nt) reduction(| : bad13, bad2, mixed_z)
   {
     // Per-thread buffers for one intermediate chunk of one expert.
-    std::vector<uint16_t> h(static_cast<size_t>(M * 2 * kInterChunk));       // bf16 [m, gate | up]
-    std::vector<uint8_t> z(static_cast<size_t>(M * kInterChunk * z_bytes));  // z of the chunk's columns
-    std::vector<float> zs(static_cast<size_t>(M * (kInterChunk / 32)));      // their group scales (fp8)
-    std::vector<float> v(static_cast<size_t>(kInterChunk));                  // swiglu scratch
+    std::vector<uint16_t> h(static_cast<size_t>(M * 2 * inter_chunk));       // bf16 [m, gate | up]
+    std::vector<uint8_t> z(static_cast<size_t>(M * inter_chunk * z_bytes));  // z of the chunk's columns
+    std::vector<float> zs(static_cast<size_t>(M * (inter_chunk / 32)));      // their group scales (fp8)
+    std::vector<float> v(static_cast<size_t>(inter_chunk));                  // swiglu scratch
     std::vector<const float*> a_rows(M);
     std::vector<uint8_t> a_bf16(M);
     std::vector<void*> out_rows(M);
@@ -208,7 +234,7 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
       if (plan1.uses_tiles()) tiles.pack(a_rows.data(), a_bf16.data(), m, H);
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t c = 0; c < n_inter_chunks; ++c) {
-        const int64_t i0 = c * kInterChunk, i1 = std::min(I, i0 + kInterChunk), It = i1 - i0;
+        const int64_t i0 = c * inter_chunk, i1 = std::min(I, i0 + inter_chunk), It = i1 - i0;
         for (int64_t i = 0; i < m; ++i) out_rows[i] = h.data() + i * 2 * It;
         cpu::OutRows o;
         o.kind = cpu::OutKind::StoreBf16;
@@ -262,8 +288,8 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t c = 0; c < n_hidden_chunks; ++c) {
         if (mixed_z) continue;  // never happens (see zf_bf16); reported below rather than computed wrongly
-        if (!cpu::run_expert_gemm(plan2, a_rows.data(), a_bf16.data(), w2e, c * kHiddenChunk,
-                                  std::min(H, (c + 1) * kHiddenChunk), o, &tiles)) {
+        if (!cpu::run_expert_gemm(plan2, a_rows.data(), a_bf16.data(), w2e, c * hidden_chunk,
+                                  std::min(H, (c + 1) * hidden_chunk), o, &tiles)) {
           bad2 = 1;
         }
       }

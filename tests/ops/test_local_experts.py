@@ -217,6 +217,32 @@ def test_several_column_chunks(cpu_isa, pair):
     assert_gemm_bitwise(static_moe.local_experts(*args), reference.local_experts(*args), f"{cpu_isa} {act}x{wf}")
 
 
+@pytest.mark.parametrize("pair", FORMAT_PAIRS, ids=PAIR_IDS)
+def test_thread_count_does_not_change_bits(cpu_isa, pair):
+    # H = 512 and I = 1024 are 2 hidden and 8 intermediate chunks of the default sizes; a team of more threads
+    # than that gets smaller chunks (chunk_columns in csrc/cpu/local_experts.cpp): 3 threads 192-column hidden
+    # chunks, 8 threads 64, 16 threads 64-column intermediate chunks too (not with fp8 x in groups of 128, which a
+    # chunk must hold whole). Every team must give one thread's bits (the default chunks), and those are the
+    # reference's within the GEMM bound (at K = 1024 the dot kernels' fp32 association shows in some bits).
+    act, wf = pair
+    w = make_weights(2, 512, 1024, wf, seed=41)
+    idx, wts = make_routing(3, 2, 2, seed=43)
+    threads = torch.get_num_threads()
+    for group in (32, 128) if act == "fp8" else (128,):
+        x, x_s = make_activations(3, 512, act, group, seed=42)
+        args = _args(x, x_s, idx, wts, w, 0, 7.0)
+        what = f"{cpu_isa} {act}x{wf}, x in groups of {group}"
+        try:
+            torch.set_num_threads(1)
+            one = static_moe.local_experts(*args)
+            for n in (2, 3, 8, 16):
+                torch.set_num_threads(n)
+                assert_equal(static_moe.local_experts(*args), one, f"{what}: {n} threads against one")
+        finally:
+            torch.set_num_threads(threads)
+        assert_gemm_close(one, reference.local_experts(*args), what)
+
+
 def test_routing_weights_duplicates_and_other_ranks(rng):
     # Row 0 names local expert 1 twice (weights add, in slot order), row 1 only other ranks' ids and -1,
     # row 2 a NaN weight on a slot of another rank (never read), row 3 nothing but -1.
