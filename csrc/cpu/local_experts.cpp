@@ -61,21 +61,23 @@ constexpr int64_t kInterChunk = 128;   // intermediate columns: gate rows and th
 constexpr int64_t kHiddenChunk = 256;  // hidden columns: rows of W2
 // A team with more threads than those sizes give chunks (Qwen3-30B-A3B: H = 2048 is 8 hidden chunks, I = 768 six
 // intermediate ones, so 8 threads at most) would leave the rest idle while the weights stream: there the chunks
-// shrink, in steps of kChunkStep (a multiple of every NR and of the 64 columns prepare_activation takes for fp8
-// weights), until the team has a chunk per thread, while a chunk still streams kMinChunkBytes of weights (below
-// that a thread's start costs more than its share saves). Any size gives the same bits: a chunk is a range of
-// output columns, each of which one thread computes whole over K.
-constexpr int64_t kChunkStep = 64;
+// shrink to about one chunk per thread, in whole steps, while a chunk still streams kMinChunkBytes of weights
+// (below that a thread's start costs more than its share saves). Any size gives the same bits: a chunk is
+// a range of output columns, each of which one thread computes whole over K. Steps: 64 hidden columns; for the
+// intermediate ones (z's columns) the multiple prepare_activation takes them in: 32, 64 for fp8 weights, and the
+// group (32 or 128) for fp8 x, which a chunk must hold whole. Every step is a multiple of every NR and of an AMX
+// tile's 16 columns, and divides the default sizes.
+constexpr int64_t kHiddenStep = 64;
 constexpr int64_t kMinChunkBytes = 32 << 10;
 
-// Columns per chunk of n output columns for `threads`: from `largest` down to `smallest` (both multiples of
-// kChunkStep), while fewer chunks than threads; `bytes_per_column` of weights stream per output column.
-int64_t chunk_columns(int64_t n, int threads, int64_t largest, int64_t smallest, int64_t bytes_per_column) {
-  int64_t c = largest;
-  while (c > smallest && (n + c - 1) / c < threads && (c - kChunkStep) * bytes_per_column >= kMinChunkBytes) {
-    c -= kChunkStep;
-  }
-  return c;
+// Columns per chunk of n output columns for `threads`: n / threads rounded up to a whole step (so at most one
+// chunk per thread, and chunks of near one size), at least kMinChunkBytes of weights (`bytes_per_column` per output
+// column) and at most `largest` (a multiple of `step`), which a team of at most n / largest threads keeps.
+int64_t chunk_columns(int64_t n, int threads, int64_t largest, int64_t step, int64_t bytes_per_column) {
+  const auto round_up = [step](int64_t v) { return (v + step - 1) / step * step; };
+  const int64_t even = round_up((n + threads - 1) / threads);
+  const int64_t least = round_up((kMinChunkBytes + bytes_per_column - 1) / bytes_per_column);
+  return std::min(largest, std::max(even, least));
 }
 
 // Rows routed to each local expert, grouped by expert (CSR), and the routing weight of each.
@@ -183,10 +185,10 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
 
   const int threads = omp_get_max_threads();
   const int64_t w_bits = wf == cpu::WeightFormat::Bf16 ? 16 : wf == cpu::WeightFormat::Fp8 ? 8 : 4;
-  // An fp8 z group (32 or 128 columns) never straddles two intermediate chunks.
-  const int64_t inter_chunk = chunk_columns(I, threads, kInterChunk, fp8 ? std::max(kChunkStep, group) : kChunkStep,
-                                            2 * H * w_bits / 8);  // a gate and an up row of W13 per column
-  const int64_t hidden_chunk = chunk_columns(H, threads, kHiddenChunk, kChunkStep, I * w_bits / 8);  // a W2 row
+  const int64_t inter_step = std::max<int64_t>(wf == cpu::WeightFormat::Fp8 ? 64 : 32, fp8 ? group : 32);
+  const int64_t inter_chunk =
+      chunk_columns(I, threads, kInterChunk, inter_step, 2 * H * w_bits / 8);  // a gate and an up row of W13
+  const int64_t hidden_chunk = chunk_columns(H, threads, kHiddenChunk, kHiddenStep, I * w_bits / 8);  // a W2 row
 
   const int64_t M = rt.max_rows;
   cpu::PreparedRows xf(n_routed, H);       // routed rows of x, prepared for W13

@@ -221,8 +221,9 @@ def test_several_column_chunks(cpu_isa, pair):
 def test_thread_count_does_not_change_bits(cpu_isa, pair):
     # H = 512 and I = 1024 are 2 hidden and 8 intermediate chunks of the default sizes; a team of more threads
     # than that gets smaller chunks (chunk_columns in csrc/cpu/local_experts.cpp): 3 threads 192-column hidden
-    # chunks, 8 threads 64, 16 threads 64-column intermediate chunks too (not with fp8 x in groups of 128, which a
-    # chunk must hold whole). Every team must give one thread's bits (the default chunks), and those are the
+    # chunks, 8 threads 64; 11 threads 96-column intermediate chunks, 16 threads 64 and 32 threads 32, where the
+    # weight format and the x groups allow them (fp8 weights take z in pieces of 64 columns; fp8 x in groups of 128
+    # keeps its 128-column chunks). Every team must give one thread's bits (the default chunks), and those are the
     # reference's within the GEMM bound (at K = 1024 the dot kernels' fp32 association shows in some bits).
     act, wf = pair
     w = make_weights(2, 512, 1024, wf, seed=41)
@@ -235,7 +236,7 @@ def test_thread_count_does_not_change_bits(cpu_isa, pair):
         try:
             torch.set_num_threads(1)
             one = static_moe.local_experts(*args)
-            for n in (2, 3, 8, 16):
+            for n in (2, 3, 8, 11, 16, 32):
                 torch.set_num_threads(n)
                 assert_equal(static_moe.local_experts(*args), one, f"{what}: {n} threads against one")
         finally:
