@@ -184,11 +184,13 @@ at::Tensor local_experts_cpu(const at::Tensor& x, const std::optional<at::Tensor
   const float* b2_base = b2.defined() ? b2.const_data_ptr<float>() : nullptr;
 
   const int threads = omp_get_max_threads();
-  const int64_t w_bits = wf == cpu::WeightFormat::Bf16 ? 16 : wf == cpu::WeightFormat::Fp8 ? 8 : 4;
+  // Bytes of one stored weight row (fp4: two codes a byte), as the tensors hold them.
+  const int64_t w13_row_bytes = w13t.q.size(2) * w13t.q.element_size();
+  const int64_t w2_row_bytes = w2t.q.size(2) * w2t.q.element_size();
   const int64_t inter_step = std::max<int64_t>(wf == cpu::WeightFormat::Fp8 ? 64 : 32, fp8 ? group : 32);
   const int64_t inter_chunk =
-      chunk_columns(I, threads, kInterChunk, inter_step, 2 * H * w_bits / 8);  // a gate and an up row of W13
-  const int64_t hidden_chunk = chunk_columns(H, threads, kHiddenChunk, kHiddenStep, I * w_bits / 8);  // a W2 row
+      chunk_columns(I, threads, kInterChunk, inter_step, 2 * w13_row_bytes);  // a gate and an up row of W13
+  const int64_t hidden_chunk = chunk_columns(H, threads, kHiddenChunk, kHiddenStep, w2_row_bytes);  // a W2 row
 
   const int64_t M = rt.max_rows;
   cpu::PreparedRows xf(n_routed, H);       // routed rows of x, prepared for W13
