@@ -25,6 +25,9 @@ that are multiples of 32 but not of 128, as gpt-oss's 2880 is.
 with V3's routing configuration (sigmoid, ``noaux_tc`` correction bias, grouped top-k, routed scaling) and a
 shared expert, in bf16 or with fp8 experts as "fp8" above.
 
+:func:`write_qwen3_moe_config` writes only a Qwen3-MoE's config and tokenizer, at any sizes, for vLLM's
+``load_format="dummy"`` (random weights vLLM draws itself): bench/bench_vllm_engine.py times real model sizes so.
+
 Needs ``safetensors`` and ``tokenizers`` (both come with transformers).
 """
 
@@ -71,7 +74,8 @@ def _shared_config() -> dict:
     }
 
 
-def _config(weights: str) -> dict:
+def _config(weights: str, layers: int = LAYERS) -> dict:
+    """The Qwen3-MoE's config.json; ``layers``: how many layers the fp8 forms' lists of unquantized modules name."""
     cfg = _shared_config() | {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -89,7 +93,7 @@ def _config(weights: str) -> dict:
         "attention_bias": False,
     }
     skip = ["lm_head"]
-    for layer in range(LAYERS):
+    for layer in range(layers):
         p = f"model.layers.{layer}"
         skip += [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [f"{p}.mlp.gate"]
     if weights == "fp8":
@@ -290,6 +294,27 @@ def write_qwen3_moe(folder: str, *, weights: str = "bf16", seed: int = 0) -> str
     if weights == "fp16":
         cfg["torch_dtype"] = "float16"
     return _write(folder, cfg, _tensors(weights, seed))
+
+
+def write_qwen3_moe_config(folder: str, *, weights: str = "bf16", **sizes: int) -> str:
+    """A Qwen3-MoE folder without weights: only ``config.json`` and the tokenizer, in ``folder`` (created); returns
+    ``folder``. vLLM starts it with ``load_format="dummy"``, drawing every weight itself (uniform in ±1e-3), so a
+    model's real sizes can be timed without writing GBs. ``sizes`` replace the tiny model's config entries
+    (``hidden_size``, ``moe_intermediate_size``, ``num_experts``, ``num_experts_per_tok``, ``num_hidden_layers``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size`` ≥ the
+    tokenizer's 256); ``weights`` "bf16" or "fp8" (:func:`write_qwen3_moe`'s fp8 form: the routed experts in
+    128×128 blocks, every other linear layer bf16)."""
+    if weights not in ("bf16", "fp8"):
+        raise ValueError(f"weights must be 'bf16' or 'fp8', got {weights!r}")
+    unknown = set(sizes) - set(_config("bf16"))
+    if unknown:
+        raise ValueError(f"not config entries of the Qwen3-MoE: {sorted(unknown)}")
+    cfg = _config(weights, sizes.get("num_hidden_layers", LAYERS)) | sizes
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    _write_tokenizer(folder)
+    return folder
 
 
 # gpt-oss: one sliding-window and one full-attention layer, biased attention with sinks, a biased router and
