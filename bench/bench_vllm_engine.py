@@ -29,9 +29,9 @@ the other, ``--runs`` times in turn; each number is the best over the runs. The 
 vLLM's threads are all the host's; ``--engine-process`` gives it a process of its own, vLLM's default, where the
 requests enter the steps as they arrive and vLLM keeps a CPU for its scheduler's process
 (``VLLM_CPU_NUM_OF_RESERVED_CPU``; so one thread on two CPUs).
-vLLM's fp8 MoE needs AMX tiles: on a CPU without them its fp8 engine fails at start (printed, not retried), and the
-fp8 ratios are against vLLM's bf16 engine, the model it serves there (the experts dequantized, as in
-bench_vllm_peer.py).
+The fp8 ratios are against vLLM's bf16 engine, the model vLLM serves where it has no fp8 MoE kernel (the experts
+dequantized, as in bench_vllm_peer.py). vLLM's fp8 MoE needs AMX tiles: on a CPU without them its fp8 engine fails
+at start (printed, not retried); where it starts, the table adds static_moe's fp8 against it.
 
 Needs the vLLM venv (``make venv-vllm``):
 
@@ -244,19 +244,27 @@ def report(results: dict, args, sizes: dict) -> None:
     print("# to (expected, uniform routing); MoE: the MoE calls' time in a step (vLLM: torch.profiler; static_moe: a")
     print("# timer around its call)")
     ours = [(k, r) for k, r in results.items() if k[0] == "static_moe" and "error" not in r]
+    # vLLM's own engine in a quantized format, where it starts (fp8: on a CPU with AMX tiles): ours against it too
+    theirs_q = {k[1]: r for k, r in results.items() if k[0] == "vllm" and k[1] != "bf16" and "error" not in r}
     head = "| B | rows/expert | vLLM step | vLLM MoE |"
     for (_, fmt), _r in ours:
         head += f" ours {fmt} step | ours {fmt} MoE | MoE ratio | step ratio |"
+        if fmt in theirs_q:
+            head += f" vLLM {fmt} step | vLLM {fmt} MoE | {fmt} MoE ratio | {fmt} step ratio |"
     print(head)
     print("|" + " --- |" * (head.count("|") - 1))
     e, k = sizes["num_experts"], sizes["num_experts_per_tok"]
     for b, theirs in base["batches"].items():
         routed = e * (1 - (1 - k / e) ** int(b))  # expected experts hit under uniform routing
         line = f"| {b} | {int(b) * k / routed:.1f} | {theirs['step_ms']:.1f} | {theirs['moe_ms']:.1f} |"
-        for _, r in ours:
+        for (_, fmt), r in ours:
             mine = r["batches"][b]
             line += f" {mine['step_ms']:.1f} | {mine['moe_ms']:.1f} | {_ratio(theirs['moe_ms'], mine['moe_ms'])} |"
             line += f" {_ratio(theirs['step_ms'], mine['step_ms'])} |"
+            if fmt in theirs_q:
+                same = theirs_q[fmt]["batches"][b]
+                line += f" {same['step_ms']:.1f} | {same['moe_ms']:.1f} | {_ratio(same['moe_ms'], mine['moe_ms'])} |"
+                line += f" {_ratio(same['step_ms'], mine['step_ms'])} |"
         print(line)
 
 
@@ -285,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
     from static_moe.testing.tiny_moe_checkpoint import write_qwen3_moe_config
 
     sizes = QWEN3_30B_A3B | {"num_hidden_layers": args.layers, "vocab_size": VOCAB} | args.sizes
-    engines = [("vllm", "bf16")] + [("static_moe", f) for f in args.formats] + [("vllm", f) for f in args.formats[1:]]
+    engines = [("vllm", "bf16")] + [("static_moe", f) for f in args.formats] + [("vllm", f) for f in args.formats]
     engines = list(dict.fromkeys(engines))
     runs: dict[tuple[str, str], list[dict]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory() as tmp:
