@@ -309,12 +309,7 @@ def write_qwen3_moe_config(folder: str, *, weights: str = "bf16", **sizes: int) 
     unknown = set(sizes) - set(_config("bf16"))
     if unknown:
         raise ValueError(f"not config entries of the Qwen3-MoE: {sorted(unknown)}")
-    cfg = _config(weights, sizes.get("num_hidden_layers", LAYERS)) | sizes
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    _write_tokenizer(folder)
-    return folder
+    return _write(folder, _config(weights, sizes.get("num_hidden_layers", LAYERS)) | sizes)
 
 
 # gpt-oss: one sliding-window and one full-attention layer, biased attention with sinks, a biased router and
@@ -520,14 +515,16 @@ def write_deepseek_v3(folder: str, *, weights: str = "bf16", seed: int = 0) -> s
     return _write(folder, _deepseek_v3_config(weights), _deepseek_v3_tensors(weights, seed))
 
 
-def _write(folder: str, config: dict, tensors: dict[str, torch.Tensor]) -> str:
-    """A model folder: ``config.json``, one ``model.safetensors`` and the tokenizer; returns ``folder``."""
-    from safetensors.torch import save_file
-
+def _write(folder: str, config: dict, tensors: dict[str, torch.Tensor] | None = None) -> str:
+    """A model folder: ``config.json``, one ``model.safetensors`` (none where ``tensors`` is None: a folder for
+    vLLM's dummy weights) and the tokenizer; returns ``folder``."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    if tensors is not None:
+        from safetensors.torch import save_file
+
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     _write_tokenizer(folder)
     return folder
 
